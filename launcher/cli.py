@@ -1,0 +1,87 @@
+"""resil-run: start a resilient training job.
+
+\b
+Local (embedded cluster on this machine, no Slurm needed):
+  resil-run --local --nodes 3 --spares 1 --nproc-per-node 2 -- python examples/train.py --steps 300
+\b
+Inject faults (KIND:NODE@STEP[+DELAY_S]; kinds kill, exception, hang, nodeloss, xidN):
+  resil-run --local --nodes 4 --spares 2 --inject kill:node0@40 --inject xid79:node1@120 -- python train.py
+
+--nodes counts every node, spares included (like `srun -N`): 3 nodes with
+1 spare train on 2 nodes and keep 1 warm. Node names are local-node0 ...;
+fault specs may say node0 for local-node0.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+import click
+
+from resild.faults import Fault, FaultSpecError, parse_fault
+
+
+def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
+    out = []
+    for spec in specs:
+        f = parse_fault(spec)
+        name = f.node if f.node in nodes else f"local-{f.node}"
+        if name not in nodes:
+            raise FaultSpecError(f"fault {spec!r} names node {f.node!r}; nodes are {', '.join(nodes)}")
+        out.append(Fault(f.kind, name, f.step, f.delay_s))
+    return out
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+               help=__doc__)
+@click.option("--local", "local", is_flag=True, help="Run an embedded cluster of simulated nodes on this machine.")
+@click.option("--nodes", "-N", type=click.IntRange(min=1), default=None,
+              help="Nodes in all, spares included (default: the Slurm allocation, or 3 with --local).")
+@click.option("--spares", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Hot spare nodes kept warm (their workers import torch and build the model, then wait).")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes (ranks) per node.")
+@click.option("--inject", multiple=True, metavar="KIND:NODE@STEP",
+              help="Inject a fault when the job reaches STEP (repeatable).")
+@click.option("--events", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              help="Write one JSON line per event to this file.")
+@click.option("--hang-timeout", "hang_timeout_s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
+              help="Seconds without any committed step before the rank holding everyone up is declared hung.")
+@click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=click.FloatRange(min=0.1), default=2.0,
+              show_default=True, help="Seconds of node silence before the node is declared lost.")
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).")
+@click.option("--json", "as_json", is_flag=True, help="Print the end-of-run summary as JSON.")
+@click.option("-v", "--verbose", is_flag=True, help="Log controller decisions as they happen.")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...],
+         events: Path | None, hang_timeout_s: float, heartbeat_timeout_s: float, run_dir: Path | None,
+         as_json: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="resil-run: %(message)s")
+    if not local:
+        from .slurm_mode import run_slurm  # imported lazily: local mode needs no Slurm
+        sys.exit(run_slurm(nodes=nodes, spares=spares, nproc_per_node=nproc_per_node, inject=inject, events=events,
+                           hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                           run_dir=run_dir, as_json=as_json, cmd=list(cmd)))
+    n = nodes or 3
+    if spares >= n:
+        raise click.UsageError(f"--spares {spares} leaves no active node out of --nodes {n}")
+    names = [f"local-node{i}" for i in range(n)]
+    try:
+        faults = _resolve_faults(inject, names)
+    except FaultSpecError as e:
+        raise click.UsageError(str(e)) from None
+    from .job import JobSpec, run_job  # torch import happens here, after argument checks
+    rd = run_dir or Path(tempfile.mkdtemp(prefix="resild-run-"))
+    spec = JobSpec(active=names[: n - spares], spares=names[n - spares:], nproc_per_node=nproc_per_node,
+                   cmd=list(cmd), faults=faults, events_path=events, run_dir=rd,
+                   hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
+    code = run_job(spec, as_json=as_json)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""The per-node process: starts this node's workers, reports their exits at once
+(pidfd, no polling), heartbeats to the controller, relays GPU health, executes
+FENCE / SHUTDOWN / INJECT. One per allocated node, active or spare.
+
+    python -m launcher.node --node NODE --controller tcp://HOST:PORT --keys DIR --nproc N -- CMD...
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from resild.protocol import MsgType
+from resild.transport import KeyDir, connect
+
+from .procutil import die_with_parent
+
+log = logging.getLogger("resild.node")
+
+
+@dataclass
+class Worker:
+    local_rank: int
+    proc: subprocess.Popen
+    pidfd: int
+
+
+class NodeProcess:
+    def __init__(self, node: str, controller: str, keys: KeyDir | None, nproc: int, cmd: list[str],
+                 heartbeat_s: float = 0.25, nvml_control: Path | None = None, probe_interval_s: float = 1.0) -> None:
+        self.node, self.nproc, self.cmd = node, nproc, cmd
+        self.heartbeat_s = heartbeat_s
+        self.ctx = zmq.Context()
+        self.ch = connect(self.ctx, controller, keys, sender=f"{node}/node")
+        self.env = dict(os.environ, RESILD_CONTROLLER=controller, RESILD_NODE=node, RESILD_NPROC=str(nproc))
+        if keys is not None:
+            self.env["RESILD_KEYS"] = str(keys.path)
+        self.workers: dict[int, Worker] = {}
+        self.health_q: queue.Queue[dict] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        self.nvml_control = nvml_control
+        self.probe = None
+        self.probe_interval_s = probe_interval_s
+        self.exit_code: int | None = None
+        self.shutting_down_until: float | None = None
+
+    # ---- health probe (GPU) -------------------------------------------------
+    def _start_probe(self) -> None:
+        try:
+            from resild.health.nvml_probe import NvmlProbe, NvmlUnavailable
+        except ImportError:
+            return
+        try:
+            probe = NvmlProbe(on_event=self._on_health_event)
+            probe.start()
+        except NvmlUnavailable as e:
+            log.info("%s: no GPU probe (%s)", self.node, e)
+            return
+        self.probe = probe
+
+    def _on_health_event(self, ev) -> None:  # probe thread
+        self.health_q.put({"verdict": ev.verdict.value, "reasons": [ev.reason], "detector": f"nvml-{ev.kind}"})
+        os.write(self._wake_w, b"x")
+
+    # ---- workers ---------------------------------------------------------
+    def _spawn(self, lr: int) -> None:
+        env = dict(self.env, RESILD_LOCAL_RANK=str(lr), LOCAL_RANK=str(lr))
+        proc = subprocess.Popen(self.cmd, env=env, preexec_fn=die_with_parent)
+        self.workers[lr] = Worker(lr, proc, os.pidfd_open(proc.pid))
+
+    def _kill_workers(self, sig: int = signal.SIGKILL) -> None:
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                try:
+                    os.kill(w.proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        for w in self.workers.values():
+            w.proc.wait()
+
+    def _inject(self, body: dict) -> None:
+        kind, lr = body.get("kind"), int(body.get("local_rank", 0))
+        w = self.workers.get(lr)
+        if kind == "nodeloss":
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        elif kind in ("kill", "hang") and w is not None:
+            os.kill(w.proc.pid, signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        elif body.get("xid") is not None:
+            if self.nvml_control is None:
+                log.error("%s: cannot inject Xid: no NVML stand-in configured", self.node)
+                return
+            with open(self.nvml_control, "a") as f:
+                f.write(f"event {lr} xid {int(body['xid'])}\n")
+
+    # ---- main loop -------------------------------------------------------
+    def run(self) -> int:
+        self.ch.send(MsgType.REGISTER_NODE, {"node": self.node, "pid": os.getpid(), "nproc": self.nproc})
+        self._start_probe()
+        for lr in range(self.nproc):
+            self._spawn(lr)
+        poller = zmq.Poller()
+        poller.register(self.ch.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        for w in self.workers.values():
+            poller.register(w.pidfd, zmq.POLLIN)
+        next_hb = next_probe = 0.0
+        try:
+            while self.exit_code is None:
+                now = time.monotonic()
+                if now >= next_hb:
+                    self.ch.send(MsgType.HEARTBEAT, {"node": self.node}, ttl_s=5)
+                    next_hb = now + self.heartbeat_s
+                if self.probe is not None and now >= next_probe:
+                    self._poll_probe()
+                    next_probe = now + self.probe_interval_s
+                timeout_ms = max(1, int((next_hb - time.monotonic()) * 1000))
+                for fd, _ in poller.poll(timeout_ms):
+                    if fd is self.ch.sock:
+                        self._drain_socket()
+                    elif fd == self._wake_r:
+                        os.read(self._wake_r, 4096)
+                        while not self.health_q.empty():
+                            self.ch.send(MsgType.HEALTH, {"node": self.node, **self.health_q.get()})
+                    else:
+                        self._reap(fd, poller)
+                if self.shutting_down_until is not None:
+                    alive = [w for w in self.workers.values() if w.proc.poll() is None]
+                    if not alive or time.monotonic() > self.shutting_down_until:
+                        self._kill_workers()
+                        self.exit_code = 0
+        finally:
+            self._kill_workers()
+            if self.probe is not None:
+                self.probe.stop()
+            self.ch.close()
+            self.ctx.term()
+        return self.exit_code
+
+    def _poll_probe(self) -> None:
+        from resild.health.verdict import node_verdict
+        verdict, reasons = node_verdict(self.probe.poll())
+        self.ch.send(MsgType.HEALTH, {"node": self.node, "verdict": verdict.value, "reasons": reasons,
+                                      "detector": "nvml-poll"})
+
+    def _drain_socket(self) -> None:
+        while (got := self.ch.recv(0)) is not None:
+            _, msg = got
+            if msg.type == MsgType.FENCE:
+                log.warning("%s fenced: %s", self.node, msg.body.get("reason"))
+                self._kill_workers()
+                self.exit_code = 3
+                return
+            if msg.type == MsgType.SHUTDOWN:
+                if self.shutting_down_until is None:
+                    self.shutting_down_until = time.monotonic() + 30.0
+            elif msg.type == MsgType.INJECT:
+                self._inject(msg.body)
+            elif msg.type == MsgType.ERROR:
+                log.error("%s: controller says %s", self.node, msg.body)
+
+    def _reap(self, fd: int, poller: zmq.Poller) -> None:
+        for w in self.workers.values():
+            if w.pidfd == fd:
+                rc = w.proc.wait()
+                poller.unregister(fd)
+                os.close(fd)
+                self.ch.send(MsgType.WORKER_EXIT, {"node": self.node, "local_rank": w.local_rank,
+                                                   "pid": w.proc.pid, "returncode": rc})
+                return
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launcher.node", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--node", required=True)
+    p.add_argument("--controller", required=True)
+    p.add_argument("--keys")
+    p.add_argument("--nproc", type=int, required=True)
+    p.add_argument("--heartbeat-s", type=float, default=0.25)
+    p.add_argument("--nvml-control", type=Path)
+    p.add_argument("cmd", nargs=argparse.REMAINDER)
+    a = p.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not cmd:
+        p.error("no worker command given after --")
+    logging.basicConfig(level=logging.INFO, format=f"[{a.node}] %(message)s")
+    die_with_parent()
+    keys = KeyDir(Path(a.keys)) if a.keys else None
+    return NodeProcess(a.node, a.controller, keys, a.nproc, cmd, a.heartbeat_s, a.nvml_control).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Which ranks hold identical state (the replica map), and who sends to whom.
+
+Plain data parallelism: one replica group of all ranks. HSDP with shard size S:
+rank r holds shard r % S; its replicas are the ranks with the same r % S.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class NoReplica(RuntimeError):
+    """Every holder of some shard at the agreed step is gone: checkpointless recovery is impossible."""
+
+
+@dataclass(frozen=True)
+class ReplicaMap:
+    groups: tuple[tuple[int, ...], ...]  # each group: ranks holding identical state
+
+    @staticmethod
+    def data_parallel(world_size: int) -> ReplicaMap:
+        return ReplicaMap((tuple(range(world_size)),))
+
+    @staticmethod
+    def hsdp(world_size: int, shard_size: int) -> ReplicaMap:
+        if shard_size <= 0 or world_size % shard_size:
+            raise ValueError(f"world size {world_size} is not a multiple of shard size {shard_size}")
+        return ReplicaMap(tuple(tuple(range(s, world_size, shard_size)) for s in range(shard_size)))
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+
+
+def plan_replay(steps: list[int], replicas: ReplicaMap) -> tuple[int, list[Transfer]]:
+    """Agree on the newest committed step and plan who sends state to each rank behind it.
+
+    A step commits only when every rank's all-reduce completed, so the newest
+    step any rank holds is a valid state for the whole group. Sources are spread
+    round-robin over the holders so several receivers do not queue on one rank.
+    """
+    target = max(steps)
+    plan: list[Transfer] = []
+    for group in replicas.groups:
+        holders = [r for r in group if steps[r] == target]
+        behind = [r for r in group if steps[r] != target]
+        if behind and not holders:
+            raise NoReplica(f"no rank of replica group {list(group)} holds step {target}: "
+                            "checkpointless recovery is impossible; restart from a disk checkpoint")
+        plan += [Transfer(holders[i % len(holders)], dst) for i, dst in enumerate(behind)]
+    return target, plan

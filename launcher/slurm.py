@@ -1,0 +1,288 @@
+"""Slurm glue for the launcher: read the allocation, build srun/scontrol commands.
+
+Command builders are pure (they return argv lists) so they can be tested without Slurm;
+`drain` and `requeue` are thin wrappers that run them with a timeout. Every argv is
+passed to subprocess without a shell, so values need no shell quoting.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import hostlist
+
+__all__ = [
+    "Allocation",
+    "SlurmEnvError",
+    "SlurmError",
+    "allocation_from_env",
+    "compress_nodelist",
+    "drain",
+    "drain_cmd",
+    "expand_nodelist",
+    "requeue",
+    "requeue_cmd",
+    "sanitize_text",
+    "split_roles",
+    "srun_node_launcher_cmd",
+]
+
+REASON_MAX = 200
+REASON_PREFIX = "resild: "
+DEFAULT_TIMEOUT_S = 10.0
+
+_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_JOB_ID_RE = re.compile(r"^[0-9]+$")
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]+")
+_QUOTES_RE = re.compile(r"[\"'`]")
+
+
+class SlurmEnvError(ValueError):
+    """The SLURM_* environment is missing pieces or contradicts itself."""
+
+
+class SlurmError(RuntimeError):
+    """A Slurm command failed; carries its argv, exit status and stderr."""
+
+    def __init__(self, message: str, cmd: Sequence[str], returncode: int | None, stderr: str = "") -> None:
+        super().__init__(message)
+        self.cmd = list(cmd)
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The job allocation as seen from inside it (batch script or job step)."""
+
+    job_id: str
+    nodes: tuple[str, ...]  # expanded SLURM_JOB_NODELIST, in Slurm's order
+    nodelist: str  # the compressed form Slurm gave, e.g. "node[1-4,7]"
+    node: str | None = None  # SLURMD_NODENAME: the node this process runs on
+    step_id: str | None = None  # None in the batch script itself
+    submit_host: str | None = None
+    partition: str | None = None
+    restart_count: int = 0  # SLURM_RESTART_COUNT: times the job was requeued
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def batch_host(self) -> str | None:
+        """The batch host, known only when read in the batch script (no step id there)."""
+        return self.node if self.step_id is None else None
+
+
+def _duplicates(nodes: Sequence[str]) -> list[str]:
+    return sorted(n for n, k in Counter(nodes).items() if k > 1)
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """`node[1-3,7]` -> ['node1', 'node2', 'node3', 'node7'], order kept; duplicates are an error."""
+    try:
+        nodes = hostlist.expand_hostlist(nodelist, allow_duplicates=True)
+    except hostlist.BadHostlist as e:
+        raise SlurmEnvError(f"bad Slurm node list {nodelist!r}: {e}") from None
+    if not nodes or any(not n for n in nodes):
+        raise SlurmEnvError(f"empty Slurm node list {nodelist!r}")
+    dups = _duplicates(nodes)
+    if dups:
+        raise SlurmEnvError(f"node list {nodelist!r} names nodes more than once: {', '.join(dups)}")
+    return nodes
+
+
+def compress_nodelist(nodes: Sequence[str]) -> str:
+    """['node1', 'node2', 'node7'] -> 'node[1-2,7]' (sorted: Slurm ignores the order anyway)."""
+    return hostlist.collect_hostlist(list(nodes))
+
+
+def _int_env(env: Mapping[str, str], key: str, default: int | None = None) -> int | None:
+    raw = env.get(key)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SlurmEnvError(f"{key}={raw!r} is not an integer") from None
+
+
+def allocation_from_env(env: Mapping[str, str]) -> Allocation | None:
+    """Read the allocation from a Slurm environment; None when not inside a Slurm job."""
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not job_id:
+        if nodelist:
+            raise SlurmEnvError("SLURM_JOB_NODELIST is set but SLURM_JOB_ID is not")
+        return None
+    if not _JOB_ID_RE.match(job_id):
+        raise SlurmEnvError(f"SLURM_JOB_ID={job_id!r} is not a job id")
+    if not nodelist:
+        raise SlurmEnvError(f"SLURM_JOB_ID={job_id} but SLURM_JOB_NODELIST is missing")
+    nodes = expand_nodelist(nodelist)
+    # SLURM_NNODES is the *step's* node count inside a step; the job's is SLURM_JOB_NUM_NODES.
+    expected = _int_env(env, "SLURM_JOB_NUM_NODES")
+    if expected is not None and expected != len(nodes):
+        raise SlurmEnvError(
+            f"SLURM_JOB_NUM_NODES={expected} but SLURM_JOB_NODELIST={nodelist!r} has {len(nodes)} nodes"
+        )
+    node = env.get("SLURMD_NODENAME") or None
+    if node is not None and node not in nodes:
+        raise SlurmEnvError(f"SLURMD_NODENAME={node!r} is not in SLURM_JOB_NODELIST={nodelist!r}")
+    restarts = _int_env(env, "SLURM_RESTART_COUNT", 0)
+    assert restarts is not None
+    if restarts < 0:
+        raise SlurmEnvError(f"SLURM_RESTART_COUNT={restarts} is negative")
+    return Allocation(
+        job_id=job_id,
+        nodes=tuple(nodes),
+        nodelist=nodelist,
+        node=node,
+        step_id=env.get("SLURM_STEP_ID") or None,
+        submit_host=env.get("SLURM_SUBMIT_HOST") or None,
+        partition=env.get("SLURM_JOB_PARTITION") or None,
+        restart_count=restarts,
+    )
+
+
+def _check_nodes(nodes: Sequence[str], what: str) -> None:
+    if isinstance(nodes, str):
+        raise TypeError(f"{what} must be a list of node names, not a string")
+    bad = [n for n in nodes if not isinstance(n, str) or not _NODE_RE.match(n)]
+    if bad:
+        raise ValueError(f"{what}: invalid node names {bad!r}")
+    dups = _duplicates(nodes)
+    if dups:
+        raise ValueError(f"{what}: duplicate nodes {dups}")
+
+
+def split_roles(nodes: Sequence[str], spares: int) -> tuple[list[str], list[str]]:
+    """Split the allocation into (active, spares); spares are the last `spares` nodes.
+
+    The first node is usually the batch host, so it stays active.
+    """
+    if isinstance(spares, bool) or not isinstance(spares, int):
+        raise TypeError(f"spares must be an int, got {spares!r}")
+    _check_nodes(nodes, "split_roles")
+    if spares < 0:
+        raise ValueError(f"spares must be >= 0, got {spares}")
+    if spares >= len(nodes):
+        raise ValueError(
+            f"{spares} spare(s) requested but the allocation has only {len(nodes)} node(s); "
+            "at least one node must stay active"
+        )
+    cut = len(nodes) - spares
+    return list(nodes[:cut]), list(nodes[cut:])
+
+
+def srun_node_launcher_cmd(
+    alloc: Allocation,
+    nodes: Sequence[str],
+    cmd: Sequence[str],
+    extra_env: Mapping[str, str] | None = None,
+) -> list[str]:
+    """One srun step running `cmd` once on each of `nodes` (one node-launcher per node).
+
+    --no-kill / --kill-on-bad-exit=0 / --wait=0: one node's death or failure must not take
+    the other node-launchers down (WaitTime in slurm.conf would otherwise kill them).
+    --overlap: later steps (e.g. on a spare) may share the nodes. --whole: the launcher
+    needs every CPU/GPU of its node for its workers, not the one CPU a task gets by default.
+    Task ranks follow Slurm's node order, not `nodes`: identify a node by SLURMD_NODENAME.
+    """
+    _check_nodes(nodes, "srun_node_launcher_cmd")
+    if not nodes:
+        raise ValueError("srun_node_launcher_cmd: no nodes")
+    outside = [n for n in nodes if n not in alloc.nodes]
+    if outside:
+        raise ValueError(f"nodes {outside} are not in job {alloc.job_id}'s allocation {alloc.nodelist}")
+    if isinstance(cmd, str) or not cmd:
+        raise ValueError("cmd must be a non-empty argv list")
+    env_prefix: list[str] = []
+    for key, value in (extra_env or {}).items():
+        if not _ENV_KEY_RE.match(key):
+            raise ValueError(f"invalid environment variable name {key!r}")
+        env_prefix.append(f"{key}={value}")
+    if env_prefix:
+        if "=" in cmd[0]:
+            raise ValueError(f"cmd[0] {cmd[0]!r} contains '=' and would be read by env(1) as a variable")
+        # via env(1), not --export=ALL,K=V: srun splits --export at every comma, even in values
+        env_prefix = ["env", *env_prefix]
+    return [
+        "srun",
+        f"--jobid={alloc.job_id}",
+        "--no-kill",
+        "--kill-on-bad-exit=0",
+        "--wait=0",
+        "--overlap",
+        "--whole",
+        "-N",
+        str(len(nodes)),
+        "--ntasks-per-node=1",
+        f"--nodelist={compress_nodelist(nodes)}",
+        "--export=ALL",
+        *env_prefix,
+        *cmd,
+    ]
+
+
+def sanitize_text(text: str, limit: int = REASON_MAX) -> str:
+    """One line, no quotes, at most `limit` characters: safe as a Slurm reason or comment."""
+    text = _QUOTES_RE.sub("", _CONTROL_RE.sub(" ", str(text)))
+    text = " ".join(text.split())[:limit].rstrip()
+    if not text:
+        raise ValueError("reason/comment is empty after sanitising")
+    return text
+
+
+def drain_cmd(node: str, reason: str) -> list[str]:
+    """scontrol update NodeName=<node> State=DRAIN Reason="resild: <reason>"."""
+    if not isinstance(node, str) or not _NODE_RE.match(node):
+        raise ValueError(f"invalid node name {node!r} (one node, no host list)")
+    return ["scontrol", "update", f"NodeName={node}", "State=DRAIN", f"Reason={REASON_PREFIX}{sanitize_text(reason)}"]
+
+
+def requeue_cmd(job_id: str | int, comment: str) -> list[list[str]]:
+    """The two commands of a requeue: set the job's comment first (so it says why even if the
+    requeue is refused), then `scontrol requeue`. The comment survives the requeue."""
+    jid = str(job_id)
+    if not _JOB_ID_RE.match(jid):
+        raise ValueError(f"invalid job id {job_id!r}")
+    return [
+        ["scontrol", "update", f"JobId={jid}", f"Comment={REASON_PREFIX}{sanitize_text(comment)}"],
+        ["scontrol", "requeue", jid],
+    ]
+
+
+def _run(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str] | None) -> None:
+    try:
+        res = subprocess.run(
+            list(cmd), capture_output=True, text=True, timeout=timeout_s, env=dict(env) if env is not None else None
+        )
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{' '.join(cmd)} timed out after {timeout_s:g}s", cmd, None) from None
+    except OSError as e:
+        raise SlurmError(f"{' '.join(cmd)} could not run: {e}", cmd, None) from None
+    if res.returncode != 0:
+        err = res.stderr.strip() or res.stdout.strip()
+        raise SlurmError(f"{' '.join(cmd)} failed (exit {res.returncode}): {err}", cmd, res.returncode, err)
+
+
+def drain(node: str, reason: str, timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None) -> None:
+    """Drain `node` so no new job lands on it; running steps keep going. Raises SlurmError."""
+    _run(drain_cmd(node, reason), timeout_s, env)
+
+
+def requeue(
+    job_id: str | int, comment: str, timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None
+) -> None:
+    """Put the job back in the queue with a comment saying why. Raises SlurmError.
+
+    Called from the job's own batch script, the requeue kills that script too.
+    """
+    for cmd in requeue_cmd(job_id, comment):
+        _run(cmd, timeout_s, env)

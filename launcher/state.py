@@ -1,0 +1,83 @@
+"""Training state as one flat byte buffer plus a JSON skeleton, so replay from a
+replica is three transfers (header, skeleton, buffer) whatever the model is.
+
+No pickle: the skeleton is JSON (dict keys keep their int/str type), tensors
+travel as raw bytes in the buffer.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach())
+        return {"__t": len(tensors) - 1, "dtype": str(obj.dtype), "shape": list(obj.shape)}
+    if isinstance(obj, dict):
+        return {"__d": [[_key(k), _skeleton(v, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        return {"__l" if isinstance(obj, list) else "__tu": [_skeleton(v, tensors) for v in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot replay state of type {type(obj).__name__}; keep state to tensors and plain values")
+
+
+def _key(k: Any) -> list:
+    if isinstance(k, bool) or not isinstance(k, (int, str)):
+        raise TypeError(f"state dict key {k!r} must be int or str")
+    return ["i", k] if isinstance(k, int) else ["s", k]
+
+
+def flatten(state: Any) -> tuple[bytes, torch.Tensor]:
+    """-> (JSON skeleton, one uint8 buffer holding every tensor's bytes back to back)."""
+    tensors: list[torch.Tensor] = []
+    skel = _skeleton(state, tensors)
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return json.dumps(skel, separators=(",", ":")).encode(), buf
+
+
+def unflatten(skeleton: bytes, buf: torch.Tensor) -> Any:
+    skel = json.loads(skeleton)
+    offsets: list[int] = []
+
+    def collect(node: Any) -> None:
+        if isinstance(node, dict):
+            if "__t" in node:
+                n = torch.Size(node["shape"]).numel() * torch.empty(0, dtype=_DTYPES[node["dtype"]]).element_size()
+                offsets.append(n)
+                return
+            for v in node.values():
+                collect(v)
+        elif isinstance(node, list):
+            for v in node:
+                collect(v)
+
+    collect(skel)
+    starts = [0]
+    for n in offsets:
+        starts.append(starts[-1] + n)
+    if starts[-1] != buf.numel():
+        raise ValueError(f"state buffer holds {buf.numel()} bytes, skeleton describes {starts[-1]}")
+
+    def build(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "__t" in node:
+                i = node["__t"]
+                raw = buf[starts[i]:starts[i + 1]].clone()
+                return raw.view(_DTYPES[node["dtype"]]).reshape(node["shape"])
+            if "__d" in node:
+                return {(k if kt == "s" else int(k)): build(v) for (kt, k), v in node["__d"]}
+            if "__l" in node:
+                return [build(v) for v in node["__l"]]
+            if "__tu" in node:
+                return tuple(build(v) for v in node["__tu"])
+        return node
+
+    return build(skel)

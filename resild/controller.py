@@ -1,0 +1,278 @@
+"""The controller: the only place where decisions are made.
+
+Single-threaded loop over a ROUTER socket. Every message handler updates the
+ClusterView; decisions come from `policy` (pure) and are journaled before the
+I/O that carries them out.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from statistics import median
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from .backend import Backend
+from .events import EventLog
+from .faults import Fault, Injector
+from .journal import Journal
+from .membership import ClusterView, Membership, NodeRole, NodeView, RankProgress
+from .policy import Action, Decision, PolicyConfig, check_done, check_timeouts, on_node_failure
+from .protocol import Message, MsgType
+from .transport import KeyDir, Server
+
+log = logging.getLogger("resild.controller")
+
+
+@dataclass
+class ControllerConfig:
+    bind: str = "tcp://127.0.0.1:0"
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    tick_s: float = 0.02
+    start_timeout_s: float = 300.0
+    shutdown_timeout_s: float = 30.0
+    store_addr: str = ""
+    worker: dict[str, Any] = field(default_factory=dict)  # runtime settings handed to workers
+
+
+@dataclass(frozen=True)
+class JobResult:
+    exit_code: int
+    reason: str
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig, active: list[str], spares: list[str], nproc_per_node: int,
+                 keys: KeyDir | None, events: EventLog, journal: Journal | None = None,
+                 backend: Backend | None = None, faults: list[Fault] | None = None,
+                 ctx: zmq.Context | None = None) -> None:
+        self.cfg = cfg
+        self.nproc = nproc_per_node
+        self.events = events
+        self.journal = journal or Journal(None)
+        self.backend = backend or Backend()
+        self.injector = Injector(faults or [])
+        self.ctx = ctx or zmq.Context.instance()
+        self.server = Server(self.ctx, cfg.bind, keys)
+        self.endpoint = self.server.endpoint
+        self.ch = self.server.channel
+        nodes = {n: NodeView(n, NodeRole.ACTIVE, nproc_per_node) for n in active}
+        nodes.update({n: NodeView(n, NodeRole.SPARE, nproc_per_node) for n in spares})
+        self.view = ClusterView(nodes)
+        self._initial = Membership.initial(active, nproc_per_node)
+        self.node_ident: dict[str, bytes] = {}
+        self.worker_ident: dict[tuple[str, int], bytes] = {}
+        self.max_step = 0
+        self.result: JobResult | None = None
+        self._started = time.monotonic()
+        self._awaiting_full_strength: int | None = None  # epoch whose first commit we wait for
+        self._commit_times: list[tuple[int, float]] = []  # (step, t) each time the job's step advanced
+
+    # ---- main loop -------------------------------------------------------
+    def run(self) -> JobResult:
+        self.events.emit("job_started", endpoint=self.endpoint, nodes=list(self.view.nodes))
+        try:
+            while self.result is None:
+                got = self.ch.recv(self.cfg.tick_s)
+                now = time.monotonic()
+                if got is not None:
+                    ident, msg = got
+                    self._handle(ident, msg, now)
+                    while self.result is None and (got := self.ch.recv(0)) is not None:
+                        self._handle(got[0], got[1], time.monotonic())
+                if self.result is None:
+                    self._tick(time.monotonic())
+        finally:
+            self._finish()
+        return self.result
+
+    def _tick(self, now: float) -> None:
+        for node, rc in self.backend.exited_nodes():
+            self._decide(on_node_failure(self.view, node, f"node process exited with code {rc}", "process-exit"), now)
+        if self.view.membership is None:
+            if now - self._started > self.cfg.start_timeout_s:
+                missing = [n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and v.workers_ready < v.nproc]
+                self.result = JobResult(1, f"start timed out after {self.cfg.start_timeout_s:.0f}s waiting for {', '.join(missing)}")
+            return
+        self._decide(check_timeouts(now, self.view, self.cfg.policy), now)
+        self._fire_faults(now)
+
+    # ---- message handlers --------------------------------------------------
+    def _handle(self, ident: bytes | None, msg: Message, now: float) -> None:
+        assert ident is not None
+        b = msg.body
+        node_id = str(b.get("node", ""))
+        node = self.view.nodes.get(node_id)
+        if msg.type in (MsgType.STATUS,):
+            self.ch.send(MsgType.STATUS_REPLY, self.status(), to=ident)
+            return
+        if node is None:
+            self.ch.send(MsgType.ERROR, {"code": "unknown_node", "detail": f"{node_id!r} is not part of this job"}, to=ident)
+            return
+        if node.role == NodeRole.FENCED:
+            # A fenced node never rejoins: whatever it says, it is told to die.
+            self.ch.send(MsgType.FENCE, {"reason": node.reason}, to=ident)
+            return
+        handler = {
+            MsgType.REGISTER_NODE: self._on_register_node, MsgType.HEARTBEAT: self._on_heartbeat,
+            MsgType.WORKER_EXIT: self._on_worker_exit, MsgType.HEALTH: self._on_health,
+            MsgType.REGISTER_WORKER: self._on_register_worker, MsgType.PROGRESS: self._on_progress,
+            MsgType.EVENT: self._on_event, MsgType.DONE: self._on_done,
+        }.get(msg.type)
+        if handler is None:
+            self.ch.send(MsgType.ERROR, {"code": "unexpected", "detail": f"{msg.type.value} not accepted here"}, to=ident)
+            return
+        handler(ident, node, b, now)
+
+    def _on_register_node(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        self.node_ident[node.node_id] = ident
+        node.registered, node.last_heartbeat_s, node.host_pid = True, now, b.get("pid")
+        self.events.emit("node_registered", node=node.node_id, role=node.role.value, pid=b.get("pid"))
+
+    def _on_heartbeat(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        self.node_ident[node.node_id] = ident
+        node.last_heartbeat_s = now
+        node.registered = True
+        node.health = str(b.get("health", node.health))
+
+    def _on_worker_exit(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        rc = b.get("returncode")
+        if rc == 0 and node.role == NodeRole.ACTIVE and self._node_done(node):
+            return
+        how = f"signal {-rc}" if isinstance(rc, int) and rc < 0 else f"code {rc}"
+        cause = f"worker {b.get('local_rank')} (pid {b.get('pid')}) exited with {how}"
+        self._decide(on_node_failure(self.view, node.node_id, cause, "process-exit"), now)
+
+    def _on_health(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        node.health = str(b.get("verdict", "unknown"))
+        if node.health == "failed":
+            reasons = b.get("reasons") or ["GPU failed"]
+            self._decide(on_node_failure(self.view, node.node_id, "; ".join(reasons), str(b.get("detector", "gpu-probe"))), now)
+
+    def _on_register_worker(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        lr = int(b.get("local_rank", -1))
+        if not 0 <= lr < node.nproc:
+            self.ch.send(MsgType.ERROR, {"code": "bad_local_rank", "detail": f"local rank {lr} out of range"}, to=ident)
+            return
+        if (node.node_id, lr) not in self.worker_ident:
+            node.workers_ready += 1
+        self.worker_ident[(node.node_id, lr)] = ident
+        self.ch.send(MsgType.WELCOME, {"store": self.cfg.store_addr, **self.cfg.worker}, to=ident)
+        m = self.view.membership
+        if m is not None and node.node_id in m.node_ranks:
+            self.ch.send(MsgType.MEMBERSHIP, m.to_dict(), to=ident, ttl_s=600)
+        elif m is None and all(n.workers_ready >= n.nproc for n in self.view.nodes.values() if n.role == NodeRole.ACTIVE):
+            self._apply_membership(self._initial, now)
+
+    def _on_progress(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        rank, epoch, step = int(b["rank"]), int(b["epoch"]), int(b["step"])
+        m = self.view.membership
+        if m is None or m.node_ranks.get(node.node_id) is None or rank not in m.node_ranks[node.node_id]:
+            return  # stale sender
+        p = self.view.progress.setdefault(rank, RankProgress())
+        committed = step > p.step or epoch != p.epoch
+        p.step, p.epoch, p.state, p.t_s = step, epoch, str(b.get("state", "compute")), now
+        if b.get("state") == "commit" and epoch == m.epoch:
+            self.view.last_commit_s = now
+            if step > self.max_step:
+                self.max_step = step
+                self._commit_times.append((step, now))
+            if self._awaiting_full_strength == epoch and committed:
+                self._awaiting_full_strength = None
+                self.events.emit("full_strength_step", epoch=epoch, step=step, rank=rank)
+
+    def _on_event(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        fields = dict(b.get("fields", {}))
+        self.events.emit(str(b.get("name", "worker_event")), node=node.node_id, **fields)
+
+    def _on_done(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        self.view.done_ranks.add(int(b["rank"]))
+        self._decide(check_done(self.view), now)
+
+    def _node_done(self, node: NodeView) -> bool:
+        m = self.view.membership
+        return m is not None and all(r in self.view.done_ranks for r in m.node_ranks.get(node.node_id, ()))
+
+    # ---- acting on decisions ---------------------------------------------
+    def _decide(self, d: Decision, now: float) -> None:
+        if d.action == Action.NONE:
+            return
+        self.journal.append({"t_wall": time.time(), "action": d.action.value, "reason": d.reason, "node": d.node,
+                             "spare": d.spare, "membership": d.membership.to_dict() if d.membership else None})
+        if d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node:
+            self.events.emit("failure_detected", node=d.node, cause=d.reason, detector=d.detector,
+                             committed_step=self.max_step)
+            self._fence(d.node, d.reason)
+        if d.action == Action.REPLACE_NODE:
+            assert d.spare and d.membership
+            self.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
+            self.events.emit("spare_assigned", spare=d.spare, failed=d.node, epoch=d.membership.epoch,
+                             ranks=list(d.membership.node_ranks[d.spare]), spares_left=len(self.view.spares()))
+            self._apply_membership(d.membership, now)
+        elif d.action == Action.FAIL_JOB:
+            self.events.emit("job_failed", reason=d.reason)
+            self.result = JobResult(1, d.reason)
+        elif d.action == Action.FINISH:
+            ct = self._commit_times
+            step_times = [t2 - t1 for (s1, t1), (s2, t2) in zip(ct, ct[1:]) if s2 == s1 + 1]
+            train_s = ct[-1][1] - ct[0][1] if len(ct) > 1 else 0.0
+            self.events.emit("job_finished", reason=d.reason, step=ct[-1][0] - ct[0][0] if ct else 0,
+                             final_step=self.max_step, train_s=train_s,
+                             step_s=median(step_times) if step_times else None)
+            self.result = JobResult(0, d.reason)
+
+    def _fence(self, node_id: str, reason: str) -> None:
+        node = self.view.nodes[node_id]
+        node.set_role(NodeRole.FENCED, reason)
+        if node_id in self.node_ident:
+            self.ch.send(MsgType.FENCE, {"reason": reason}, to=self.node_ident[node_id])
+        self.backend.fence(node_id, reason)
+        self.backend.drain(node_id, reason)
+        self.events.emit("node_fenced", node=node_id, reason=reason)
+
+    def _apply_membership(self, m: Membership, now: float) -> None:
+        self.view.membership = m
+        self.view.epoch_started_s = now
+        self._awaiting_full_strength = m.epoch
+        for node_id in m.node_ranks:
+            for lr in range(self.nproc):
+                ident = self.worker_ident.get((node_id, lr))
+                if ident is not None:
+                    self.ch.send(MsgType.MEMBERSHIP, m.to_dict(), to=ident, ttl_s=600)
+        self.events.emit("membership", epoch=m.epoch, layout={n: list(r) for n, r in m.node_ranks.items()})
+
+    def _fire_faults(self, now: float) -> None:
+        for f in self.injector.due(self.max_step, now):
+            self.events.emit("fault_injected", kind=f.kind, node=f.node, step=self.max_step, spec=str(f))
+            if f.kind == "exception":
+                ident = self.worker_ident.get((f.node, f.local_rank))
+            else:
+                ident = self.node_ident.get(f.node)
+            if ident is None:
+                log.warning("cannot inject %s: %s is not connected", f, f.node)
+                continue
+            self.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": f.local_rank, "xid": f.xid}, to=ident)
+
+    def _finish(self) -> None:
+        if self.result is None:  # interrupted (Ctrl-C) or crashed: stop everything
+            self.result = JobResult(130, "interrupted")
+        for node_id, ident in self.node_ident.items():
+            if self.view.nodes[node_id].role != NodeRole.FENCED:
+                self.ch.send(MsgType.SHUTDOWN, {"reason": self.result.reason, "exit_code": self.result.exit_code}, to=ident)
+        for (node_id, _), ident in self.worker_ident.items():
+            if self.view.nodes[node_id].role != NodeRole.FENCED:
+                self.ch.send(MsgType.SHUTDOWN, {"reason": self.result.reason}, to=ident)
+        self.backend.shutdown(self.cfg.shutdown_timeout_s if self.result.exit_code == 0 else 0.0)
+        self.server.close()
+        self.journal.close()
+
+    def status(self) -> dict[str, Any]:
+        m = self.view.membership
+        now = time.monotonic()
+        return {"epoch": m.epoch if m else 0, "max_step": self.max_step,
+                "nodes": [{"node": n.node_id, "role": n.role.value, "reason": n.reason, "health": n.health,
+                           "ranks": list(m.node_ranks.get(n.node_id, ())) if m else [],
+                           "heartbeat_age_s": round(now - n.last_heartbeat_s, 3) if n.registered else None}
+                          for n in self.view.nodes.values()]}

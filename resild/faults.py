@@ -1,0 +1,62 @@
+"""Fault injection specs: `KIND:NODE@STEP[+DELAY_S]`, e.g. `kill:node1@40`, `xid79:node2@120`.
+
+Kinds: kill (SIGKILL one worker), exception (a worker raises), hang (SIGSTOP one
+worker), nodeloss (SIGKILL the node process and all its workers), xidN (the
+node's GPU probe reports Xid N through the fault-injecting NVML stand-in).
+A fault fires once the job's committed step reaches STEP (plus DELAY_S seconds).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KINDS = ("kill", "exception", "hang", "nodeloss")
+_SPEC = re.compile(r"^(?P<kind>[a-z]+\d*):(?P<node>[A-Za-z0-9_.-]+)@(?P<step>\d+)(?:\+(?P<delay>\d+(?:\.\d+)?))?$")
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    node: str
+    step: int
+    delay_s: float = 0.0
+    local_rank: int = 0
+
+    @property
+    def xid(self) -> int | None:
+        return int(self.kind[3:]) if self.kind.startswith("xid") else None
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.node}@{self.step}" + (f"+{self.delay_s:g}" if self.delay_s else "")
+
+
+def parse_fault(spec: str) -> Fault:
+    m = _SPEC.match(spec.strip())
+    if not m:
+        raise FaultSpecError(f"bad fault spec {spec!r}: expected KIND:NODE@STEP[+DELAY_S], e.g. kill:node1@40")
+    kind = m["kind"]
+    if kind not in KINDS and not re.fullmatch(r"xid\d+", kind):
+        raise FaultSpecError(f"unknown fault kind {kind!r} in {spec!r}: one of {', '.join(KINDS)}, or xidN (e.g. xid79)")
+    return Fault(kind, m["node"], int(m["step"]), float(m["delay"] or 0.0))
+
+
+class Injector:
+    """Decides which faults are due; pure apart from remembering what fired."""
+
+    def __init__(self, faults: list[Fault]) -> None:
+        self.pending = sorted(faults, key=lambda f: (f.step, f.delay_s))
+        self._armed_at: dict[Fault, float] = {}
+
+    def due(self, committed_step: int, now: float) -> list[Fault]:
+        fire = []
+        for f in list(self.pending):
+            if committed_step >= f.step:
+                t0 = self._armed_at.setdefault(f, now)
+                if now - t0 >= f.delay_s:
+                    fire.append(f)
+                    self.pending.remove(f)
+        return fire

@@ -1,0 +1,99 @@
+"""Decisions, as pure functions of (now, view): no I/O, no clock reads.
+
+The controller executes and journals what these return; tests drive them
+with a fake clock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .membership import ClusterView, Membership, NodeRole, NodeView
+
+
+class Action(str, Enum):
+    NONE = "none"
+    REPLACE_NODE = "replace_node"   # fence `node`, give its ranks to `spare`
+    DROP_SPARE = "drop_spare"       # a spare failed: fence it, no epoch change
+    FAIL_JOB = "fail_job"
+    FINISH = "finish"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    node: str | None = None
+    spare: str | None = None
+    membership: Membership | None = None
+    detector: str = ""
+
+
+NOTHING = Decision(Action.NONE, "")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    heartbeat_timeout_s: float = 2.0
+    hang_timeout_s: float = 30.0
+
+
+def pick_spare(view: ClusterView) -> NodeView | None:
+    """Prefer a spare whose workers are all warm; else any registered spare."""
+    spares = [n for n in view.spares() if n.registered]
+    warm = [n for n in spares if n.workers_ready >= n.nproc]
+    return (warm or spares or [None])[0]
+
+
+def on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str) -> Decision:
+    node = view.nodes.get(node_id)
+    if node is None or node.role in (NodeRole.FENCED, NodeRole.DONE):
+        return NOTHING  # already handled (several detectors often see one fault)
+    if node.role == NodeRole.SPARE:
+        return Decision(Action.DROP_SPARE, f"spare {node_id} failed: {cause}", node=node_id, detector=detector)
+    assert view.membership is not None
+    spare = pick_spare(view)
+    if spare is None:
+        return Decision(Action.FAIL_JOB, f"no spare left: {node_id} failed ({cause})", node=node_id, detector=detector)
+    return Decision(Action.REPLACE_NODE, f"{node_id} failed: {cause}", node=node_id, spare=spare.node_id,
+                    membership=view.membership.replace(node_id, spare.node_id), detector=detector)
+
+
+def check_timeouts(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
+    """Heartbeat loss first (a dead node explains a stall), then hangs."""
+    for node in view.nodes.values():
+        if node.registered and node.role in (NodeRole.ACTIVE, NodeRole.SPARE):
+            silent_s = now - node.last_heartbeat_s
+            if silent_s > cfg.heartbeat_timeout_s:
+                return on_node_failure(view, node.node_id, f"no heartbeat for {silent_s:.1f}s", "heartbeat")
+    return check_hang(now, view, cfg)
+
+
+def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
+    """A stalled job: nobody committed for hang_timeout_s. The culprits are the
+    ranks NOT blocked in a collective (they are what the others wait for)."""
+    m = view.membership
+    if m is None or view.done_ranks:
+        return NOTHING
+    since = max(view.last_commit_s, view.epoch_started_s)
+    stalled_s = now - since
+    if stalled_s <= cfg.hang_timeout_s:
+        return NOTHING
+    for rank in range(m.world_size):
+        p = view.progress.get(rank)
+        if p is None or p.epoch != m.epoch or p.state != "wait":
+            node = m.node_of(rank)
+            assert node is not None
+            last = "never reported" if p is None else f"last step {p.step}, state {p.state}"
+            return on_node_failure(view, node, f"hang: rank {rank} made no progress for {stalled_s:.1f}s ({last})", "hang")
+    if stalled_s > 2 * cfg.hang_timeout_s:
+        return Decision(Action.FAIL_JOB, f"job stalled {stalled_s:.1f}s with every rank waiting in a collective; "
+                                         "no culprit to replace")
+    return NOTHING
+
+
+def check_done(view: ClusterView) -> Decision:
+    m = view.membership
+    if m is not None and len(view.done_ranks) == m.world_size:
+        return Decision(Action.FINISH, f"all {m.world_size} ranks finished")
+    return NOTHING

@@ -1,0 +1,207 @@
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from launcher import slurm
+from launcher.slurm import (
+    Allocation,
+    SlurmEnvError,
+    SlurmError,
+    allocation_from_env,
+    drain_cmd,
+    expand_nodelist,
+    requeue_cmd,
+    sanitize_text,
+    split_roles,
+    srun_node_launcher_cmd,
+)
+
+BATCH_ENV = {  # as seen by a batch script in the lab (trimmed)
+    "SLURM_JOB_ID": "42",
+    "SLURM_JOB_NODELIST": "node[1-4,7]",
+    "SLURM_JOB_NUM_NODES": "5",
+    "SLURM_NNODES": "5",
+    "SLURMD_NODENAME": "node1",
+    "SLURM_SUBMIT_HOST": "login1",
+    "SLURM_JOB_PARTITION": "debug",
+}
+
+
+# -- host lists / allocation -------------------------------------------------------------
+def test_expand_ranges_keep_order() -> None:
+    assert expand_nodelist("node[1-4,7]") == ["node1", "node2", "node3", "node4", "node7"]
+    assert expand_nodelist("gpu[08-10],cpu1") == ["gpu08", "gpu09", "gpu10", "cpu1"]
+    assert expand_nodelist("b,a") == ["b", "a"]
+
+
+@pytest.mark.parametrize("bad", ["node[1-", "", "node[1-2],node2"])
+def test_expand_rejects_bad_lists(bad: str) -> None:
+    with pytest.raises(SlurmEnvError):
+        expand_nodelist(bad)
+
+
+def test_allocation_in_batch_script() -> None:
+    a = allocation_from_env(BATCH_ENV)
+    assert a == Allocation(
+        job_id="42",
+        nodes=("node1", "node2", "node3", "node4", "node7"),
+        nodelist="node[1-4,7]",
+        node="node1",
+        step_id=None,
+        submit_host="login1",
+        partition="debug",
+        restart_count=0,
+    )
+    assert a.num_nodes == 5 and a.batch_host == "node1"
+
+
+def test_allocation_in_step_has_no_batch_host() -> None:
+    # inside a step SLURM_NNODES is the step's node count, not the job's
+    env = {**BATCH_ENV, "SLURMD_NODENAME": "node3", "SLURM_STEP_ID": "0", "SLURM_NNODES": "1",
+           "SLURM_RESTART_COUNT": "2"}
+    a = allocation_from_env(env)
+    assert a is not None
+    assert (a.node, a.step_id, a.batch_host, a.restart_count) == ("node3", "0", None, 2)
+
+
+def test_no_slurm_env_is_none() -> None:
+    assert allocation_from_env({"PATH": "/bin"}) is None
+
+
+@pytest.mark.parametrize(
+    "patch, msg",
+    [
+        ({"SLURM_JOB_ID": None}, "SLURM_JOB_ID is not"),
+        ({"SLURM_JOB_NODELIST": None}, "SLURM_JOB_NODELIST is missing"),
+        ({"SLURM_JOB_ID": "12a"}, "not a job id"),
+        ({"SLURM_JOB_NUM_NODES": "4"}, "has 5 nodes"),
+        ({"SLURM_JOB_NUM_NODES": "five"}, "not an integer"),
+        ({"SLURMD_NODENAME": "node9"}, "not in SLURM_JOB_NODELIST"),
+        ({"SLURM_JOB_NODELIST": "node[1-"}, "bad Slurm node list"),
+        ({"SLURM_RESTART_COUNT": "-1"}, "negative"),
+    ],
+)
+def test_inconsistent_env_raises(patch: dict[str, str | None], msg: str) -> None:
+    env = {k: v for k, v in {**BATCH_ENV, **patch}.items() if v is not None}
+    with pytest.raises(SlurmEnvError, match=msg):
+        allocation_from_env(env)
+
+
+# -- roles -------------------------------------------------------------------------------
+def test_split_roles_spares_are_the_tail() -> None:
+    nodes = ["node1", "node2", "node3", "node4"]
+    assert split_roles(nodes, 1) == (["node1", "node2", "node3"], ["node4"])
+    assert split_roles(nodes, 0) == (nodes, [])
+
+
+@pytest.mark.parametrize(
+    "nodes, spares, exc, msg",
+    [
+        (["a", "b"], 2, ValueError, "at least one node must stay active"),
+        (["a", "b"], 3, ValueError, "only 2 node"),
+        ([], 0, ValueError, "only 0 node"),
+        (["a", "b"], -1, ValueError, ">= 0"),
+        (["a", "a", "b"], 1, ValueError, "duplicate"),
+        (["a", "b"], 1.0, TypeError, "int"),
+        (["a", "b"], True, TypeError, "int"),
+        ("node1", 0, TypeError, "not a string"),
+    ],
+)
+def test_split_roles_errors(nodes: list[str], spares: int, exc: type[Exception], msg: str) -> None:
+    with pytest.raises(exc, match=msg):
+        split_roles(nodes, spares)
+
+
+# -- srun --------------------------------------------------------------------------------
+ALLOC = Allocation(job_id="42", nodes=("node1", "node2", "node3", "node4", "node7"), nodelist="node[1-4,7]")
+
+
+def test_srun_one_step_over_all_nodes() -> None:
+    cmd = srun_node_launcher_cmd(ALLOC, ["node7", "node1", "node2"], ["resil-node", "--port", "5"])
+    assert cmd == [
+        "srun", "--jobid=42", "--no-kill", "--kill-on-bad-exit=0", "--wait=0", "--overlap", "--whole",
+        "-N", "3", "--ntasks-per-node=1", "--nodelist=node[1-2,7]", "--export=ALL",
+        "resil-node", "--port", "5",
+    ]  # fmt: skip
+
+
+def test_srun_extra_env_goes_through_env_not_export() -> None:
+    # srun --export splits at commas even inside values, so extra env goes via env(1)
+    cmd = srun_node_launcher_cmd(ALLOC, ["node1"], ["python", "-m", "x"], {"A": "1,2", "B_2": "x y"})
+    assert cmd[cmd.index("--export=ALL") + 1 :] == ["env", "A=1,2", "B_2=x y", "python", "-m", "x"]
+
+
+@pytest.mark.parametrize(
+    "nodes, cmd, env, msg",
+    [
+        (["node9"], ["x"], None, "not in job 42"),
+        ([], ["x"], None, "no nodes"),
+        (["node1", "node1"], ["x"], None, "duplicate"),
+        (["node1"], [], None, "non-empty argv"),
+        (["node1"], "x", None, "non-empty argv"),
+        (["node1"], ["x"], {"A-B": "1"}, "invalid environment variable"),
+        (["node1"], ["A=1"], {"B": "1"}, "contains '='"),
+    ],
+)
+def test_srun_errors(nodes: list[str], cmd: list[str], env: dict[str, str] | None, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        srun_node_launcher_cmd(ALLOC, nodes, cmd, env)
+
+
+# -- scontrol ----------------------------------------------------------------------------
+def test_drain_cmd_sanitises_reason() -> None:
+    assert drain_cmd("node3", 'gpu 2 "xid 79"\n  second\tline') == [
+        "scontrol", "update", "NodeName=node3", "State=DRAIN", "Reason=resild: gpu 2 xid 79 second line",
+    ]  # fmt: skip
+
+
+def test_sanitize_limits_and_strips() -> None:
+    assert sanitize_text("it's `x`\r\n\x00y") == "its x y"
+    long = sanitize_text("a" * 150 + " " + "b" * 150)
+    assert len(long) <= 200 and long.startswith("a" * 150)
+    assert len(drain_cmd("n1", "z" * 500)[-1]) == len("Reason=resild: ") + 200
+    with pytest.raises(ValueError, match="empty"):
+        sanitize_text(" \n\"' ")
+
+
+@pytest.mark.parametrize("node", ["node[1-2]", "node1,node2", "", "node 1", "NodeName=x"])
+def test_drain_cmd_rejects_non_single_node(node: str) -> None:
+    with pytest.raises(ValueError, match="invalid node name"):
+        drain_cmd(node, "x")
+
+
+def test_requeue_sets_comment_then_requeues() -> None:
+    assert requeue_cmd(42, "node2 lost:\n no spare") == [
+        ["scontrol", "update", "JobId=42", "Comment=resild: node2 lost: no spare"],
+        ["scontrol", "requeue", "42"],
+    ]
+    with pytest.raises(ValueError, match="invalid job id"):
+        requeue_cmd("42 43", "x")
+
+
+def test_drain_raises_slurm_error_with_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        seen.update(kw, cmd=cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", "slurm_update error: Invalid node name specified\n")
+
+    monkeypatch.setattr(slurm.subprocess, "run", fake_run)
+    with pytest.raises(SlurmError, match="Invalid node name specified") as ei:
+        slurm.drain("nodeX", "test", timeout_s=3)
+    assert ei.value.returncode == 1 and ei.value.cmd[:2] == ["scontrol", "update"]
+    assert seen["timeout"] == 3
+
+
+def test_drain_timeout_and_missing_binary(monkeypatch: pytest.MonkeyPatch) -> None:
+    def hang(cmd: list[str], **kw: object) -> None:
+        raise subprocess.TimeoutExpired(cmd, 1)
+
+    monkeypatch.setattr(slurm.subprocess, "run", hang)
+    with pytest.raises(SlurmError, match="timed out"):
+        slurm.requeue(1, "x", timeout_s=1)
+    monkeypatch.setattr(slurm.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("scontrol")))
+    with pytest.raises(SlurmError, match="could not run"):
+        slurm.drain("node1", "x")

@@ -1,0 +1,159 @@
+"""Against a real 4-node Slurm lab (tests/slurmlab): what the launcher relies on."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from launcher.slurm import SlurmError, drain, requeue
+from tests.slurmlab.fixture import SlurmLab
+
+# first test also pays for bringing the lab up (and, on a fresh machine, apt-get install)
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+
+NODES = ["node1", "node2", "node3", "node4"]
+
+
+def _wait_for(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_srun_and_sbatch_span_all_nodes(slurm_lab: SlurmLab, tmp_path: Path) -> None:
+    out = slurm_lab.run(["srun", "-N4", "-t", "1", "hostname"], timeout=30).stdout
+    assert sorted(out.split()) == NODES
+    log = tmp_path / "job.out"
+    _, state = slurm_lab.sbatch(["-N4", "-t", "1", "-o", str(log), "--wrap", "srun hostname"], timeout=30)
+    assert state == "COMPLETED"
+    assert sorted(log.read_text().split()) == NODES
+
+
+def test_step_reaches_host_loopback(slurm_lab: SlurmLab) -> None:
+    # nodes are UTS+mount namespaces only: 127.0.0.1 inside a step is the host's loopback
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(20)
+    port = srv.getsockname()[1]
+    got: list[str] = []
+
+    def accept() -> None:
+        with srv:
+            while len(got) < 4:
+                conn, _ = srv.accept()
+                with conn:
+                    got.append(conn.recv(64).decode().strip())
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    slurm_lab.run(
+        ["srun", "-N4", "-t", "1", "bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}; hostname >&3"], timeout=30
+    )
+    t.join(20)
+    assert sorted(got) == NODES
+
+
+PROBE = r"""
+import json, os, subprocess, sys
+from launcher.slurm import allocation_from_env, split_roles, srun_node_launcher_cmd
+alloc = allocation_from_env(os.environ)
+active, spares = split_roles(list(alloc.nodes), 1)
+show = [sys.executable, "-c",
+        "import json, os; print(json.dumps({k: os.environ.get(k) for k in "
+        "('SLURMD_NODENAME', 'SLURM_PROCID', 'SLURM_STEP_ID', 'RESILD_X')}))"]
+cmd = srun_node_launcher_cmd(alloc, active + spares, show, {"RESILD_X": "a,b c"})
+step = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+print(json.dumps({"batch_host": alloc.batch_host, "nodes": alloc.nodes, "spares": spares, "cmd": cmd,
+                  "rc": step.returncode, "tasks": [json.loads(l) for l in step.stdout.splitlines()],
+                  "stderr": step.stderr}))
+"""
+
+
+def test_allocation_and_node_launcher_step_in_batch_job(slurm_lab: SlurmLab, tmp_path: Path) -> None:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    log = tmp_path / "probe.out"
+    _, state = slurm_lab.sbatch(["-N4", "-t", "1", "-o", str(log), "--wrap", f"{sys.executable} {script}"])
+    assert state == "COMPLETED", log.read_text()
+    res = json.loads(log.read_text().strip().splitlines()[-1])
+    assert res["rc"] == 0, res
+    assert res["batch_host"] == "node1" and res["nodes"] == NODES and res["spares"] == ["node4"]
+    tasks = sorted(res["tasks"], key=lambda t: t["SLURMD_NODENAME"])
+    assert [t["SLURMD_NODENAME"] for t in tasks] == NODES
+    assert {t["RESILD_X"] for t in tasks} == {"a,b c"}
+    assert sorted(t["SLURM_PROCID"] for t in tasks) == ["0", "1", "2", "3"]
+
+
+def test_drain_shows_reason_then_resume(slurm_lab: SlurmLab) -> None:
+    drain("node2", 'xid 79 on "gpu3"\nlast line', env=slurm_lab.env)
+    try:
+        assert slurm_lab.sinfo_reasons()["node2"] == "resild: xid 79 on gpu3 last line"
+        assert slurm_lab.node_state("node2") == "drained"
+        sinfo_r = slurm_lab.run(["sinfo", "-R"]).stdout
+        assert "resild: xid 79" in sinfo_r and "node2" in sinfo_r
+    finally:
+        slurm_lab.resume("node2")
+    assert "node2" not in slurm_lab.sinfo_reasons()
+    assert slurm_lab.node_state("node2") == "idle"
+
+
+def test_drain_unknown_node_raises_with_scontrol_stderr(slurm_lab: SlurmLab) -> None:
+    with pytest.raises(SlurmError, match="Invalid node name"):
+        drain("node99", "test", env=slurm_lab.env)
+
+
+def test_requeue_keeps_comment(slurm_lab: SlurmLab) -> None:
+    jid = slurm_lab.run(["sbatch", "--parsable", "-N1", "-o", "/dev/null", "--wrap", "sleep 60"]).stdout.strip()
+    try:
+        _wait_for(lambda: "RUNNING" in slurm_lab.run(["squeue", "-h", "-j", jid, "-o", "%T"]).stdout, 15, "job start")
+        requeue(jid, "node2 lost; no spare left", env=slurm_lab.env)
+        show = slurm_lab.run(["scontrol", "show", "job", jid]).stdout
+        assert "Restarts=1" in show
+        assert "Comment=resild: node2 lost; no spare left" in show
+    finally:
+        slurm_lab.run(["scancel", jid], check=False)
+    with pytest.raises(SlurmError, match="Invalid job id"):
+        requeue(999999, "x", env=slurm_lab.env)
+
+
+def test_freeze_and_thaw(slurm_lab: SlurmLab) -> None:
+    slurm_lab.freeze("node3")
+    try:
+        states = {Path(f"/proc/{p}/stat").read_text().split()[2] for p in slurm_lab.pids("node3")}
+        assert states == {"T"}
+    finally:
+        slurm_lab.thaw("node3")
+    out = slurm_lab.run(["srun", "-N1", "-w", "node3", "-t", "1", "hostname"], timeout=20).stdout
+    assert out.strip() == "node3"
+
+
+def test_no_kill_step_survives_node_crash(slurm_lab: SlurmLab, tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    task = f"touch {marks}/start-$(hostname); sleep 3; touch {marks}/end-$(hostname)"
+    step = subprocess.Popen(
+        ["srun", "--no-kill", "--kill-on-bad-exit=0", "-N4", "--ntasks-per-node=1", "-t", "1", "bash", "-c", task],
+        env=slurm_lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: len(list(marks.glob("start-*"))) == 4, 15, "4 tasks to start")
+        slurm_lab.crash("node4")
+        # the survivors finish their work; srun itself returns only once slurmctld
+        # declares node4 dead (~SlurmdTimeout + MessageTimeout), so do not wait for it here
+        _wait_for(lambda: len(list(marks.glob("end-*"))) == 3, 15, "survivors to finish")
+        assert sorted(p.name for p in marks.glob("end-*")) == ["end-node1", "end-node2", "end-node3"]
+    finally:
+        if step.poll() is None:
+            step.terminate()
+        out, _ = step.communicate(timeout=20)
+        slurm_lab.restore("node4")
+    assert slurm_lab.node_state("node4") == "idle", out

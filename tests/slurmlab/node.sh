@@ -1,0 +1,50 @@
+#!/bin/bash
+# node.sh ACTION nodeX -- failure injection for one emulated node of the up.sh lab
+#   crash  : SIGKILL every process of the node (slurmd + slurmstepd + job tasks)
+#   stop   : SIGTERM only the node's slurmd (job tasks keep running, like a dead daemon)
+#   freeze : SIGSTOP every process of the node (a hung node); thaw: SIGCONT
+#   start  : (re)start slurmd for the node in a fresh UTS+mount namespace
+#   pids   : list the node's live processes
+# A node's processes are found by UTS namespace (recorded in $LAB/run/nodeX.uts by start),
+# never by name, so nothing outside the lab is touched.
+set -u
+LAB=${LAB:-/tmp/resild-slurm-lab}; RUN=$LAB/run
+export SLURM_CONF=$LAB/etc/slurm.conf
+act=${1:?action}; node=${2:?node}
+[[ $node =~ ^node[0-9]+$ ]] || { echo "bad node $node" >&2; exit 2; }
+HOST_UTS=$(readlink /proc/1/ns/uts)
+alive() { [ -r "/proc/$1/stat" ] && [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" != Z ]; }
+members() {
+  local nsl p ns
+  nsl=$(grep -v -xF "$HOST_UTS" "$RUN/$node.uts" 2>/dev/null) || return 0
+  for p in /proc/[0-9]*; do p=${p#/proc/}
+    ns=$(readlink "/proc/$p/ns/uts" 2>/dev/null) || continue
+    [ "$ns" != "$HOST_UTS" ] && grep -qxF "$ns" <<<"$nsl" && alive "$p" && echo "$p"
+  done
+}
+slurmd_pid() { # live slurmd pid of this node, if any
+  local p; p=$(cat "$RUN/slurmd-$node.pid" 2>/dev/null) || return 0
+  [[ $p =~ ^[0-9]+$ ]] && alive "$p" && [ "$(cat /proc/$p/comm 2>/dev/null)" = slurmd ] && echo "$p"
+  return 0
+}
+case $act in
+  pids)   members | tr '\n' ' '; echo ;;
+  crash)  p=$(members); [ -n "$p" ] && kill -KILL $p; echo "crashed $node:" $p ;;
+  freeze) p=$(members); [ -n "$p" ] && kill -STOP $p; echo "froze $node:" $p ;;
+  thaw)   p=$(members); [ -n "$p" ] && kill -CONT $p; echo "thawed $node:" $p ;;
+  stop)   p=$(slurmd_pid); [ -n "$p" ] && kill -TERM "$p"; echo "stopped slurmd $node:" $p ;;
+  start)
+    p=$(slurmd_pid)
+    if [ -n "$p" ]; then echo "$node slurmd already running ($p)"; exit 0; fi
+    rm -f "$RUN/slurmd-$node.pid"; mkdir -p "$LAB/spool/$node"
+    # own UTS (hostname) + mount ns (private /etc/hosts); slurmd daemonizes inside it
+    unshare --uts --mount --propagation private sh -c \
+      "mount --bind '$LAB/etc/hosts' /etc/hosts && hostname $node && exec slurmd -N $node" ||
+      { echo "slurmd $node failed to start" >&2; exit 1; }
+    for k in $(seq 100); do [ -s "$RUN/slurmd-$node.pid" ] && break; sleep 0.05; done
+    p=$(slurmd_pid)
+    [ -n "$p" ] || { echo "slurmd $node wrote no pid file" >&2; exit 1; }
+    readlink "/proc/$p/ns/uts" >> "$RUN/$node.uts"
+    echo "started $node slurmd $p" ;;
+  *) echo "unknown action $act" >&2; exit 2 ;;
+esac
