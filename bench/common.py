@@ -89,7 +89,10 @@ def phase_table(rows: Sequence[dict], columns: Sequence[str] = PHASES, label: st
         meds = []
         for c in columns:
             vals = [r.get(c) for r in rows if isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool)]
-            meds.append(_fmt(median(vals)) if vals else "-")
+            m = median(vals)
+            if m is not None and all(isinstance(v, int) for v in vals) and float(m).is_integer():
+                m = int(m)
+            meds.append(_fmt(m))
         body.append(["median", *meds])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)),

@@ -1,7 +1,20 @@
-"""resild launcher: `resil-run` and the in-training runtime (`launcher.init`)."""
+"""resild launcher: `resil-run` and the in-training runtime (`launcher.init`).
+
+The runtime (and so torch) is imported on first use, so batch-host tools such
+as `launcher.slurm` stay light.
+"""
 from __future__ import annotations
 
-from .replicas import ReplicaMap
-from .runtime import Job, ResilienceError, init
+from typing import Any
 
 __all__ = ["init", "Job", "ReplicaMap", "ResilienceError"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("init", "Job", "ResilienceError"):
+        from . import runtime
+        return getattr(runtime, name)
+    if name == "ReplicaMap":
+        from .replicas import ReplicaMap
+        return ReplicaMap
+    raise AttributeError(name)

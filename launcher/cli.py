@@ -31,7 +31,7 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
         name = f.node if f.node in nodes else f"local-{f.node}"
         if name not in nodes:
             raise FaultSpecError(f"fault {spec!r} names node {f.node!r}; nodes are {', '.join(nodes)}")
-        out.append(Fault(f.kind, name, f.step, f.delay_s))
+        out.append(Fault(f.kind, name, f.step, f.delay_s, epoch=f.epoch))
     return out
 
 

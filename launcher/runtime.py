@@ -86,10 +86,23 @@ class Job:
                                    timeout=timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
         self.backend = os.environ.get("RESILD_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        self._install_excepthook()
         # A spare waits here, warm: torch imported, model and optimizer built.
         while self._pending is None:
             self._poll(1.0)
         self._recover()
+
+    def _install_excepthook(self) -> None:
+        # Interpreter teardown with torch loaded takes ~1-2 s; report the failure first.
+        prev = sys.excepthook
+
+        def hook(tp: type, value: BaseException, tb: Any) -> None:
+            try:
+                self._send(MsgType.FAILED, local_rank=self.local_rank, pid=os.getpid(), error=f"{tp.__name__}: {value}")
+            finally:
+                prev(tp, value, tb)
+
+        sys.excepthook = hook
 
     # ---- messages from the controller --------------------------------------
     def _poll(self, timeout_s: float) -> None:
@@ -324,7 +337,7 @@ class Job:
         """Report done, then stay available as a replica until the controller
         says the whole job is done (a late failure may still need our state)."""
         self._finishing = True
-        self._send(MsgType.DONE, rank=self.rank, step=self.step)
+        self._send(MsgType.DONE, rank=self.rank, step=self.step, pid=os.getpid())
         while self._shutdown is None:
             self._poll(0.05)
             if self._pending is not None:

@@ -119,7 +119,7 @@ class Controller:
             MsgType.REGISTER_NODE: self._on_register_node, MsgType.HEARTBEAT: self._on_heartbeat,
             MsgType.WORKER_EXIT: self._on_worker_exit, MsgType.HEALTH: self._on_health,
             MsgType.REGISTER_WORKER: self._on_register_worker, MsgType.PROGRESS: self._on_progress,
-            MsgType.EVENT: self._on_event, MsgType.DONE: self._on_done,
+            MsgType.EVENT: self._on_event, MsgType.DONE: self._on_done, MsgType.FAILED: self._on_failed,
         }.get(msg.type)
         if handler is None:
             self.ch.send(MsgType.ERROR, {"code": "unexpected", "detail": f"{msg.type.value} not accepted here"}, to=ident)
@@ -158,6 +158,7 @@ class Controller:
             return
         if (node.node_id, lr) not in self.worker_ident:
             node.workers_ready += 1
+        self.events.emit("worker_registered", node=node.node_id, local_rank=lr, pid=b.get("pid"))
         self.worker_ident[(node.node_id, lr)] = ident
         self.ch.send(MsgType.WELCOME, {"store": self.cfg.store_addr, **self.cfg.worker}, to=ident)
         m = self.view.membership
@@ -187,8 +188,13 @@ class Controller:
         fields = dict(b.get("fields", {}))
         self.events.emit(str(b.get("name", "worker_event")), node=node.node_id, **fields)
 
+    def _on_failed(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        cause = f"worker {b.get('local_rank')} (pid {b.get('pid')}) raised {b.get('error', 'an exception')}"
+        self._decide(on_node_failure(self.view, node.node_id, cause, "exception"), now)
+
     def _on_done(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         self.view.done_ranks.add(int(b["rank"]))
+        self.events.emit("rank_done", node=node.node_id, rank=int(b["rank"]), pid=b.get("pid"), step=b.get("step"))
         self._decide(check_done(self.view), now)
 
     def _node_done(self, node: NodeView) -> bool:
@@ -234,6 +240,7 @@ class Controller:
 
     def _apply_membership(self, m: Membership, now: float) -> None:
         self.view.membership = m
+        self.view.done_ranks.clear()  # ranks re-report done in the new epoch
         self.view.epoch_started_s = now
         self._awaiting_full_strength = m.epoch
         for node_id in m.node_ranks:
@@ -242,9 +249,11 @@ class Controller:
                 if ident is not None:
                     self.ch.send(MsgType.MEMBERSHIP, m.to_dict(), to=ident, ttl_s=600)
         self.events.emit("membership", epoch=m.epoch, layout={n: list(r) for n, r in m.node_ranks.items()})
+        self._fire_faults(now)  # faults armed on this epoch hit during the recovery itself
 
     def _fire_faults(self, now: float) -> None:
-        for f in self.injector.due(self.max_step, now):
+        epoch = self.view.membership.epoch if self.view.membership else 0
+        for f in self.injector.due(self.max_step, now, epoch):
             self.events.emit("fault_injected", kind=f.kind, node=f.node, step=self.max_step, spec=str(f))
             if f.kind == "exception":
                 ident = self.worker_ident.get((f.node, f.local_rank))

@@ -1,4 +1,5 @@
-"""Fault injection specs: `KIND:NODE@STEP[+DELAY_S]`, e.g. `kill:node1@40`, `xid79:node2@120`.
+"""Fault injection specs: `KIND:NODE@STEP[+DELAY_S]`, e.g. `kill:node1@40`, `xid79:node2@120`,
+or `KIND:NODE@eN` to fire the moment membership epoch N is announced (a fault during recovery).
 
 Kinds: kill (SIGKILL one worker), exception (a worker raises), hang (SIGSTOP one
 worker), nodeloss (SIGKILL the node process and all its workers), xidN (the
@@ -11,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("kill", "exception", "hang", "nodeloss")
-_SPEC = re.compile(r"^(?P<kind>[a-z]+\d*):(?P<node>[A-Za-z0-9_.-]+)@(?P<step>\d+)(?:\+(?P<delay>\d+(?:\.\d+)?))?$")
+_SPEC = re.compile(r"^(?P<kind>[a-z]+\d*):(?P<node>[A-Za-z0-9_.-]+)@(?:(?P<step>\d+)|e(?P<epoch>\d+))(?:\+(?P<delay>\d+(?:\.\d+)?))?$")
 
 
 class FaultSpecError(ValueError):
@@ -25,13 +26,15 @@ class Fault:
     step: int
     delay_s: float = 0.0
     local_rank: int = 0
+    epoch: int | None = None  # fire when this epoch is announced instead of at a step
 
     @property
     def xid(self) -> int | None:
         return int(self.kind[3:]) if self.kind.startswith("xid") else None
 
     def __str__(self) -> str:
-        return f"{self.kind}:{self.node}@{self.step}" + (f"+{self.delay_s:g}" if self.delay_s else "")
+        at = f"e{self.epoch}" if self.epoch is not None else str(self.step)
+        return f"{self.kind}:{self.node}@{at}" + (f"+{self.delay_s:g}" if self.delay_s else "")
 
 
 def parse_fault(spec: str) -> Fault:
@@ -41,7 +44,8 @@ def parse_fault(spec: str) -> Fault:
     kind = m["kind"]
     if kind not in KINDS and not re.fullmatch(r"xid\d+", kind):
         raise FaultSpecError(f"unknown fault kind {kind!r} in {spec!r}: one of {', '.join(KINDS)}, or xidN (e.g. xid79)")
-    return Fault(kind, m["node"], int(m["step"]), float(m["delay"] or 0.0))
+    epoch = int(m["epoch"]) if m["epoch"] is not None else None
+    return Fault(kind, m["node"], int(m["step"] or 0), float(m["delay"] or 0.0), epoch=epoch)
 
 
 class Injector:
@@ -51,10 +55,10 @@ class Injector:
         self.pending = sorted(faults, key=lambda f: (f.step, f.delay_s))
         self._armed_at: dict[Fault, float] = {}
 
-    def due(self, committed_step: int, now: float) -> list[Fault]:
+    def due(self, committed_step: int, now: float, epoch: int = 0) -> list[Fault]:
         fire = []
         for f in list(self.pending):
-            if committed_step >= f.step:
+            if (f.epoch is not None and epoch >= f.epoch) or (f.epoch is None and committed_step >= f.step):
                 t0 = self._armed_at.setdefault(f, now)
                 if now - t0 >= f.delay_s:
                     fire.append(f)

@@ -28,6 +28,7 @@ class MsgType(str, Enum):
     PROGRESS = "progress"
     EVENT = "event"
     DONE = "done"
+    FAILED = "failed"  # the worker is about to die of an exception: do not wait for its exit
     # controller -> peers
     WELCOME = "welcome"
     MEMBERSHIP = "membership"

@@ -1,0 +1,33 @@
+# Set-up is part of every target: a fresh Debian machine with Python 3.11 needs nothing else.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+
+.PHONY: setup demo test bench clean
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Pinned explicitly: an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+# The main job on the embedded local cluster: 2 active nodes x 2 ranks, 2 hot spares,
+# one worker SIGKILLed at step 40 and a GPU "fallen off the bus" (Xid 79) at step 150.
+demo: setup
+	mkdir -p runs
+	$(BIN)/resil-run --local --nodes 4 --spares 2 --nproc-per-node 2 \
+	  --events runs/demo-events.jsonl \
+	  --inject kill:node1@40 --inject xid79:node0@150 \
+	  -- $(BIN)/python examples/train.py --steps 300 --save runs/demo-final.pt
+
+test: setup
+	$(BIN)/pytest -q
+
+bench: setup
+	$(BIN)/python bench/recovery.py
+
+clean:
+	rm -rf $(VENV) runs build

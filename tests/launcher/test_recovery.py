@@ -1,0 +1,90 @@
+"""End to end: real resil-run, node processes, workers, ZeroMQ and gloo on loopback.
+
+Every recovered run must end bitwise identical to the failure-free reference,
+lose no committed step, keep healthy workers' PIDs, and leave no process behind.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .conftest import RunResult, assert_bitwise_equal, run_job
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def failures(r: RunResult) -> list[dict]:
+    assert r.summary is not None, r.stderr
+    return r.summary["failures"]
+
+
+def check_recovered(r: RunResult, reference: RunResult, n_failures: int) -> list[dict]:
+    assert r.rc == 0, r.stderr[-3000:]
+    fs = failures(r)
+    assert len(fs) == n_failures, fs
+    for f in fs:
+        assert f["steps_lost"] == 0, f
+        assert f["recovery_s"] is not None and f["bytes_replayed"] > 0, f
+    assert_bitwise_equal(reference.final, r.final)
+    # Healthy workers never restarted: one registration per (node, local rank) and
+    # the PIDs that finished are the ones that registered.
+    regs: dict[tuple[str, int], list[int]] = {}
+    for e in r.events:
+        if e["event"] == "worker_registered":
+            regs.setdefault((e["node"], e["local_rank"]), []).append(e["pid"])
+    assert all(len(p) == 1 for p in regs.values()), regs
+    fenced = {e["node"] for e in r.events if e["event"] == "node_fenced"}
+    done_pids = {e["pid"] for e in r.events if e["event"] == "rank_done"}
+    survivors = {p[0] for (node, _), p in regs.items() if node not in fenced}
+    assert survivors & done_pids, "no surviving worker finished the job"
+    assert not ({p[0] for (node, _), p in regs.items() if node in fenced} & done_pids), "a fenced worker came back"
+    return fs
+
+
+@pytest.mark.parametrize("fault,detector", [
+    ("kill:node1@20", "process-exit"),
+    ("exception:node0@20", "exception"),
+    ("hang:node1@20", "hang"),
+    ("nodeloss:node0@20", "process-exit"),
+])
+def test_single_fault_is_survived_bitwise(tmp_path: Path, reference: RunResult, fault: str, detector: str) -> None:
+    r = run_job(tmp_path, "--inject", fault, "--hang-timeout", "2")
+    (f,) = check_recovered(r, reference, 1)
+    assert f["detector"] == detector
+    assert f["fault"].startswith(fault.split(":")[0])
+
+
+def test_two_faults_in_sequence_with_two_spares(tmp_path: Path, reference: RunResult) -> None:
+    r = run_job(tmp_path, "--inject", "kill:node0@15", "--inject", "nodeloss:node1@35", nodes=4, spares=2)
+    fs = check_recovered(r, reference, 2)
+    assert [f["node"] for f in fs] == ["local-node0", "local-node1"]
+
+
+def test_fault_during_recovery_restarts_recovery_at_a_higher_epoch(tmp_path: Path, reference: RunResult) -> None:
+    # node2 is the first spare: it dies the moment it is handed node0's ranks.
+    r = run_job(tmp_path, "--inject", "kill:node0@20", "--inject", "kill:node2@e2", nodes=4, spares=2)
+    assert r.rc == 0, r.stderr[-3000:]
+    fs = failures(r)
+    assert [f["node"] for f in fs] == ["local-node0", "local-node2"]
+    assert_bitwise_equal(reference.final, r.final)
+    epochs = [e["epoch"] for e in r.events if e["event"] == "membership"]
+    assert epochs == [1, 2, 3]
+    full = [e["epoch"] for e in r.events if e["event"] == "full_strength_step"]
+    assert 2 not in full and 3 in full  # epoch 2 never trained: the failure hit its recovery
+
+
+def test_no_spare_left_fails_cleanly_with_one_line(tmp_path: Path) -> None:
+    r = run_job(tmp_path, "--inject", "kill:node1@10", nodes=2, spares=0, timeout_s=60)
+    assert r.rc == 1
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("resil-run: job failed:")]
+    assert lines == ["resil-run: job failed: no spare left: local-node1 failed "
+                     f"({lines[0].split('(', 1)[1]}"] and "signal" in lines[0]
+    assert r.final is None
+
+
+def test_bad_fault_spec_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None:
+    r = run_job(tmp_path, "--inject", "explode:node1@3", timeout_s=30)
+    assert r.rc == 2 and "unknown fault kind" in r.stderr and "Traceback" not in r.stderr
+    r = run_job(tmp_path, "--inject", "kill:node9@3", timeout_s=30)
+    assert r.rc == 2 and "nodes are local-node0" in r.stderr

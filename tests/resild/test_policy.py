@@ -1,0 +1,113 @@
+"""Pure policy tests: an injected clock, no sockets, no processes."""
+from __future__ import annotations
+
+import pytest
+
+from resild.membership import ClusterView, IllegalTransition, Membership, NodeRole, NodeView, RankProgress
+from resild.policy import Action, PolicyConfig, check_done, check_timeouts, on_node_failure, pick_spare
+
+CFG = PolicyConfig(heartbeat_timeout_s=2.0, hang_timeout_s=5.0)
+
+
+def view(now: float = 100.0, spares: int = 1, warm: bool = True) -> ClusterView:
+    nodes = {n: NodeView(n, NodeRole.ACTIVE, 2, registered=True, last_heartbeat_s=now, workers_ready=2)
+             for n in ("a", "b")}
+    for i in range(spares):
+        nodes[f"s{i}"] = NodeView(f"s{i}", NodeRole.SPARE, 2, registered=True, last_heartbeat_s=now,
+                                  workers_ready=2 if warm else 0)
+    v = ClusterView(nodes, Membership.initial(["a", "b"], 2), epoch_started_s=now, last_commit_s=now)
+    for r in range(4):
+        v.progress[r] = RankProgress(step=10, epoch=1, state="commit", t_s=now)
+    return v
+
+
+def beat(v: ClusterView, now: float) -> ClusterView:
+    for n in v.nodes.values():
+        n.last_heartbeat_s = now
+    return v
+
+
+def test_failure_with_spare_moves_exactly_the_failed_ranks() -> None:
+    d = on_node_failure(view(), "b", "worker exited", "process-exit")
+    assert d.action == Action.REPLACE_NODE and d.spare == "s0"
+    assert d.membership == Membership(2, 4, {"a": (0, 1), "s0": (2, 3)})
+    assert "b failed: worker exited" in d.reason
+
+
+def test_no_spare_fails_the_job_with_a_reason() -> None:
+    d = on_node_failure(view(spares=0), "a", "Xid 79", "gpu-probe")
+    assert d.action == Action.FAIL_JOB
+    assert d.reason == "no spare left: a failed (Xid 79)"
+
+
+def test_second_report_of_the_same_fault_is_ignored() -> None:
+    v = view()
+    v.nodes["b"].set_role(NodeRole.FENCED)
+    assert on_node_failure(v, "b", "again", "heartbeat").action == Action.NONE
+
+
+def test_a_failed_spare_is_dropped_without_a_new_epoch() -> None:
+    d = on_node_failure(view(), "s0", "exited", "process-exit")
+    assert d.action == Action.DROP_SPARE and d.membership is None
+
+
+def test_warm_spare_is_preferred() -> None:
+    v = view(spares=2)
+    v.nodes["s0"].workers_ready = 1
+    assert pick_spare(v).node_id == "s1"
+
+
+def test_heartbeat_loss_after_timeout_only() -> None:
+    v = view(now=100.0)
+    v.nodes["a"].last_heartbeat_s = 99.0
+    assert check_timeouts(101.0, v, CFG).action == Action.NONE          # 2.0 s silent: not yet
+    d = check_timeouts(101.5, v, CFG)                                   # 2.5 s silent
+    assert d.action == Action.REPLACE_NODE and d.node == "a" and d.detector == "heartbeat"
+
+
+def test_hang_blames_the_rank_that_is_not_waiting() -> None:
+    v = view(now=100.0)
+    for r in (0, 1, 3):
+        v.progress[r].state = "wait"
+    assert check_timeouts(104.0, beat(v, 104.0), CFG).action == Action.NONE
+    d = check_timeouts(106.0, beat(v, 106.0), CFG)
+    assert d.action == Action.REPLACE_NODE and d.node == "b" and d.detector == "hang"
+    assert "rank 2" in d.reason
+
+
+def test_hang_clock_restarts_with_each_epoch() -> None:
+    v = view(now=100.0)
+    v.epoch_started_s = 105.0
+    assert check_timeouts(106.0, beat(v, 106.0), CFG).action == Action.NONE
+
+
+def test_stall_with_everyone_waiting_fails_cleanly_instead_of_hanging() -> None:
+    v = view(now=100.0)
+    for p in v.progress.values():
+        p.state = "wait"
+    assert check_timeouts(106.0, beat(v, 106.0), CFG).action == Action.NONE
+    assert check_timeouts(111.0, beat(v, 111.0), CFG).action == Action.FAIL_JOB
+
+
+def test_done_when_every_rank_reported() -> None:
+    v = view()
+    v.done_ranks = {0, 1, 2}
+    assert check_done(v).action == Action.NONE
+    v.done_ranks.add(3)
+    assert check_done(v).action == Action.FINISH
+
+
+def test_role_transitions_are_enforced() -> None:
+    n = NodeView("x", NodeRole.ACTIVE, 1)
+    n.set_role(NodeRole.FENCED)
+    with pytest.raises(IllegalTransition):
+        n.set_role(NodeRole.ACTIVE)  # a fenced node never comes back
+
+
+def test_membership_replace_rejects_nonsense() -> None:
+    m = Membership.initial(["a", "b"], 1)
+    with pytest.raises(KeyError):
+        m.replace("zz", "s")
+    with pytest.raises(ValueError):
+        m.replace("a", "b")
+    assert Membership.from_dict(m.to_dict()) == m
