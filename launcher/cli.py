@@ -4,6 +4,10 @@
 Local (embedded cluster on this machine, no Slurm needed):
   resil-run --local --nodes 3 --spares 1 --nproc-per-node 2 -- python examples/train.py --steps 300
 \b
+Slurm (inside sbatch/salloc; the last --spares nodes of the allocation are hot spares):
+  #SBATCH -N 5
+  resil-run --spares 1 --nproc-per-node 8 -- python train.py
+\b
 Inject faults (KIND:NODE@STEP[+DELAY_S]; kinds kill, exception, hang, nodeloss, xidN):
   resil-run --local --nodes 4 --spares 2 --inject kill:node0@40 --inject xid79:node1@120 -- python train.py
 
@@ -54,18 +58,21 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
               show_default=True, help="Seconds of node silence before the node is declared lost.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).")
+@click.option("--requeue-on-exhaustion", is_flag=True,
+              help="Slurm: when no spare is left, requeue the job (reason in its comment) instead of failing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the end-of-run summary as JSON.")
 @click.option("-v", "--verbose", is_flag=True, help="Log controller decisions as they happen.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...],
          events: Path | None, hang_timeout_s: float, heartbeat_timeout_s: float, run_dir: Path | None,
-         as_json: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
+         requeue_on_exhaustion: bool, as_json: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="resil-run: %(message)s")
     if not local:
         from .slurm_mode import run_slurm  # imported lazily: local mode needs no Slurm
         sys.exit(run_slurm(nodes=nodes, spares=spares, nproc_per_node=nproc_per_node, inject=inject, events=events,
                            hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                           run_dir=run_dir, as_json=as_json, cmd=list(cmd)))
+                           run_dir=run_dir, as_json=as_json, cmd=list(cmd),
+                           requeue_on_exhaustion=requeue_on_exhaustion))
     n = nodes or 3
     if spares >= n:
         raise click.UsageError(f"--spares {spares} leaves no active node out of --nodes {n}")

@@ -5,6 +5,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -31,7 +32,8 @@ class JobSpec:
     hang_timeout_s: float = 10.0
     heartbeat_timeout_s: float = 2.0
     heartbeat_s: float = 0.25
-    bind_host: str = "127.0.0.1"
+    bind_host: str = "127.0.0.1"   # the address peers use to reach the controller and the store
+    bind_any: bool = False         # listen on every interface (cluster mode)
 
 
 def _fake_nvml(spec: JobSpec) -> Path | None:
@@ -48,26 +50,34 @@ def _fake_nvml(spec: JobSpec) -> Path | None:
         return None
 
 
-def run_job(spec: JobSpec, as_json: bool = False) -> int:
+def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str, Path, float], Any] | None = None,
+            return_reason: bool = False) -> Any:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     keys = generate_keys(spec.run_dir / "keys")
-    store = dist.TCPStore(spec.bind_host, 0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("0.0.0.0" if spec.bind_any else spec.bind_host, 0, is_master=True, wait_for_workers=False)
     events = EventLog(spec.events_path)
     nodes = spec.active + spec.spares
-    backend = LocalCluster(nodes, spec.nproc_per_node, spec.cmd, spec.run_dir, _fake_nvml(spec))
-    cfg = ControllerConfig(bind=f"tcp://{spec.bind_host}:0",
+    bind = f"tcp://{'*' if spec.bind_any else spec.bind_host}:0"
+    cfg = ControllerConfig(bind=bind,
                            policy=PolicyConfig(heartbeat_timeout_s=spec.heartbeat_timeout_s,
                                                hang_timeout_s=spec.hang_timeout_s),
                            store_addr=f"{spec.bind_host}:{store.port}",
                            worker={"wait_report_s": min(1.0, spec.hang_timeout_s / 4)})
     ctl = Controller(cfg, spec.active, spec.spares, spec.nproc_per_node, keys, events,
-                     Journal(spec.run_dir / "journal.jsonl"), backend, spec.faults)
-    backend.start(ctl.endpoint, keys.path, spec.heartbeat_s)
+                     Journal(spec.run_dir / "journal.jsonl"), None, spec.faults)
+    endpoint = f"tcp://{spec.bind_host}:{ctl.endpoint.rsplit(':', 1)[1]}"
+    if backend_factory is None:
+        backend = LocalCluster(nodes, spec.nproc_per_node, spec.cmd, spec.run_dir, _fake_nvml(spec))
+        backend.start(endpoint, keys.path, spec.heartbeat_s)
+    else:
+        backend = backend_factory(endpoint, keys.path, spec.heartbeat_s)
+        backend.start()
+    ctl.backend = backend
     try:
         result = ctl.run()
     except KeyboardInterrupt:
         print("resil-run: interrupted", file=sys.stderr)
-        return 130
+        return (130, "interrupted") if return_reason else 130
     finally:
         events.close()
     failures, job = summarize(events.records)
@@ -78,4 +88,4 @@ def run_job(spec: JobSpec, as_json: bool = False) -> int:
         print(format_table(failures, job), file=sys.stderr)
     if result.exit_code != 0:
         print(f"resil-run: job failed: {result.reason}", file=sys.stderr)
-    return result.exit_code
+    return (result.exit_code, result.reason) if return_reason else result.exit_code

@@ -181,7 +181,8 @@ class NodeProcess:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launcher.node", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--node", required=True)
+    p.add_argument("--node", default=os.environ.get("SLURMD_NODENAME"),
+                   help="this node's name (default: $SLURMD_NODENAME)")
     p.add_argument("--controller", required=True)
     p.add_argument("--keys")
     p.add_argument("--nproc", type=int, required=True)
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not a.node:
+        p.error("--node is required outside Slurm")
     if not cmd:
         p.error("no worker command given after --")
     logging.basicConfig(level=logging.INFO, format=f"[{a.node}] %(message)s")

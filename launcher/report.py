@@ -42,7 +42,9 @@ def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[
             fault=fault["spec"] if fault else None,
             detect_s=(e["t_mono"] - fault["t_mono"]) if fault else None,
             recovery_s=(full["t_mono"] - t0) if full else None,
-            steps_lost=(e["committed_step"] - resumed["step"]) if resumed else None,
+            # Negative would mean the survivors committed more steps before the notice (a GPU
+            # fault leaves processes running): nothing lost either way.
+            steps_lost=max(0, e["committed_step"] - resumed["step"]) if resumed else None,
             bytes_replayed=sum(int(x["bytes"]) for x in replayed),
             replay_s=max((float(x["seconds"]) for x in replayed), default=None)))
     job: dict[str, Any] = {}

@@ -51,6 +51,9 @@
  *   event <gpu> unavailable     An event set only sees events appended after
  *   event <gpu> recovery <act>  nvmlEventSetCreate (events before registration
  *   event <gpu> raw <type> <data>  are lost, as with the real driver).
+ *   event <gpu> wait_error <code>  nvmlEventSetWait_v2 returns <code> once
+ *                               instead of an event (e.g. 15: a GPU fell off
+ *                               the bus; the driver does not say which).
  *
  * nvmlEventSetWait_v2 waits up to its timeout, re-reading the file every ~10 ms,
  * and returns NVML_ERROR_TIMEOUT (10) when nothing new arrived. Unknown lines
@@ -237,6 +240,7 @@ static int parse_event(int gpu, char **tok, int ntok) {
     else if (!strcmp(kind, "unavailable")) e->type = 0x4000;
     else if (!strcmp(kind, "recovery") && ntok >= 4) { e->type = 0x8000; e->data = num(tok[3]); }
     else if (!strcmp(kind, "raw") && ntok >= 5) { e->type = num(tok[3]); e->data = num(tok[4]); }
+    else if (!strcmp(kind, "wait_error") && ntok >= 4) { e->type = 0; e->data = num(tok[3]); }
     else return 0;
     g_nevents++;
     return 1;
@@ -616,6 +620,10 @@ API nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data,
         if (set->cursor > g_nevents) set->cursor = g_nevents;  /* file was rewritten shorter */
         while (set->cursor < g_nevents) {
             struct fake_event *e = &g_events[set->cursor++];
+            if (e->type == 0 && e->gpu < g_ngpus && set->mask[e->gpu]) {
+                pthread_mutex_unlock(&g_mu);
+                return (nvmlReturn_t)e->data;   /* injected wait failure */
+            }
             if (e->gpu < g_ngpus && (set->mask[e->gpu] & e->type)) {
                 memset(data, 0, sizeof *data);
                 data->device = &g_devs[e->gpu];

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -29,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from resild.health.deadline import CallTimeout, DeadlineRunner
 from resild.health.kmsg import KmsgXid, pci_bus_key
 from resild.health.model import GpuStatus, HealthEvent, RemapStatus, Verdict, worst
 from resild.health.xid import (
@@ -90,10 +90,6 @@ class NvmlUnavailable(RuntimeError):
     """NVML cannot be used at all: binding or library missing, driver not loaded."""
 
 
-class _CallTimeout(Exception):
-    pass
-
-
 class _Missing(Exception):
     """The binding has no such function (older nvidia-ml-py)."""
 
@@ -122,7 +118,7 @@ class _Finding:
 class _Gpu:
     index: int
     handle: Any = None
-    addr: int | None = None
+    addr: Any = None                          # identity of the handle (see _handle_key)
     uuid: str | None = None
     name: str | None = None
     pci_bus_id: str | None = None
@@ -134,44 +130,10 @@ class _Gpu:
     nvlinks: list[int] | None = None          # None: not scanned yet
     unsupported: set[str] = field(default_factory=set)
     pcie_samples: deque[tuple[float, int]] = field(default_factory=deque)
-    hung: threading.Event | None = None       # set when an abandoned call returns
-    hung_since_mono: float = 0.0
 
     @property
     def lost(self) -> bool:
         return "gpu_lost" in self.sticky
-
-
-class _Job:
-    __slots__ = ("fn", "args", "done", "result", "error")
-
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        self.fn, self.args = fn, args
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-
-class _Worker:
-    """Runs NVML calls one at a time; abandoned (and replaced) when a call hangs."""
-
-    def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.abandoned = False
-        threading.Thread(target=self._run, name="nvml-call", daemon=True).start()
-
-    def _run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            try:
-                job.result = job.fn(*job.args)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                job.error = e
-            job.done.set()
-            if self.abandoned:
-                return
 
 
 class NvmlProbe:
@@ -196,12 +158,11 @@ class NvmlProbe:
         self._event_wait_s = event_wait_s
         self._init_timeout_s = init_timeout_s
         self._nvml_error: type[BaseException] = _NoError
-        self._lock = threading.Lock()           # around every NVML call (but event waits)
+        self._calls = DeadlineRunner("nvml-call")   # the one lock around NVML calls
         self._state_lock = threading.RLock()    # around per-GPU bookkeeping
         self._poll_lock = threading.RLock()
-        self._worker: _Worker | None = None
         self._gpus: list[_Gpu] = []
-        self._by_addr: dict[int, _Gpu] = {}
+        self._by_addr: dict[Any, _Gpu] = {}
         self._by_bus: dict[str, _Gpu] = {}
         self._event_set: Any = None
         self._event_thread: threading.Thread | None = None
@@ -233,7 +194,7 @@ class NvmlProbe:
         self._nvml_error = getattr(self._nvml, "NVMLError", _NoError)
         try:
             self._call(None, "nvmlInit", timeout_s=self._init_timeout_s)
-        except _CallTimeout as e:
+        except CallTimeout as e:
             raise NvmlUnavailable(f"NVML unavailable: nvmlInit hung ({e})") from None
         except Exception as e:
             raise NvmlUnavailable(
@@ -272,10 +233,7 @@ class NvmlProbe:
             self._quiet_call("nvmlShutdown")
             self._initialised = False
         self._started = False
-        with self._lock:
-            if self._worker is not None:
-                self._worker.jobs.put(None)
-                self._worker = None
+        self._calls.close()
 
     def __enter__(self) -> NvmlProbe:
         self.start()
@@ -351,7 +309,7 @@ class NvmlProbe:
                 found.append(_Finding("remap_pending", "remap_pending", None, Verdict.DEGRADED,
                                       "row remap pending: reset GPU when convenient"))
         if g.nvlinks is None:
-            self._scan_nvlinks(g)
+            self._scan_nvlinks(g, found)
         for link in g.nvlinks or []:
             v = self._read(g, found, "nvmlDeviceGetNvLinkState", h, link, cache_unsupported=False)
             if v is not _SKIP and not v:
@@ -428,7 +386,7 @@ class NvmlProbe:
             return _SKIP
         try:
             return self._call(g, fn, *args)
-        except _CallTimeout as e:
+        except CallTimeout as e:
             found.append(_Finding("probe_timeout", "probe_timeout", None, Verdict.FAILED,
                                   f"probe timeout: {e}"))
             raise _Abort from None   # the GPU is wedged: do not queue more calls on it
@@ -451,37 +409,12 @@ class NvmlProbe:
     # -- NVML calls -------------------------------------------------------------
 
     def _call(self, g: _Gpu | None, fn_name: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """Runs one NVML call under the lock, on the worker, with a deadline."""
+        """One NVML call under the lock, with a deadline; a GPU with a stuck call fails fast."""
         fn = getattr(self._nvml, fn_name, None)
         if fn is None:
             raise _Missing(fn_name)
-        timeout_s = self._call_timeout_s if timeout_s is None else timeout_s
-        if g is not None and g.hung is not None:
-            if not g.hung.is_set():
-                raise _CallTimeout(f"an earlier NVML call on GPU {g.index} has been hung for "
-                                   f"{time.monotonic() - g.hung_since_mono:.1f} s")
-            g.hung = None
-        # Holders release within their own deadline, so this wait is bounded.
-        if not self._lock.acquire(timeout=timeout_s + self._call_timeout_s + 1.0):
-            raise _CallTimeout(f"{fn_name}: NVML lock busy")
-        try:
-            if self._worker is None:
-                self._worker = _Worker()
-            job = _Job(fn, args)
-            self._worker.jobs.put(job)
-            if not job.done.wait(timeout_s):
-                # Abandon the wedged worker; the next call gets a fresh one.
-                self._worker.abandoned = True
-                self._worker.jobs.put(None)
-                self._worker = None
-                if g is not None:
-                    g.hung, g.hung_since_mono = job.done, time.monotonic()
-                raise _CallTimeout(f"{fn_name} did not return within {timeout_s:g} s")
-        finally:
-            self._lock.release()
-        if job.error is not None:
-            raise job.error
-        return job.result
+        return self._calls.call(fn, *args, key=None if g is None else g.index, name=fn_name,
+                                timeout_s=self._call_timeout_s if timeout_s is None else timeout_s)
 
     def _quiet_call(self, fn_name: str, *args: Any) -> None:
         try:
@@ -576,66 +509,75 @@ class NvmlProbe:
         self.events_enabled = registered > 0
 
     def _scan_nvlinks_safely(self, g: _Gpu) -> None:
+        if g.lost or g.handle is None:
+            return
         try:
-            self._scan_nvlinks(g)
+            self._scan_nvlinks(g, [])
         except _Abort:
-            pass   # left unscanned; poll retries and reports the GPU's state
+            pass   # left unscanned; poll rescans and reports the GPU's state
 
-    def _scan_nvlinks(self, g: _Gpu) -> None:
-        """Finds the GPU's NVLinks. Watches them all if any is up at start.
+    def _scan_nvlinks(self, g: _Gpu, found: list[_Finding]) -> None:
+        """Finds the GPU's NVLinks. Watches them all if any is up at the scan.
 
         If none is up the GPU is taken to have no NVLink in use (a PCIe card
         without a bridge reports its links inactive), so none is watched.
+        On an unexpected error the GPU stays unscanned (the next poll retries)
+        and the error is a finding, like any failed read.
         """
-        if g.lost or g.handle is None:
-            return
         active: list[int] = []
         inactive: list[int] = []
+        fn = "nvmlDeviceGetNvLinkState"
         for link in range(int(getattr(self._nvml, "NVML_NVLINK_MAX_LINKS", 18))):
             try:
-                up = self._call(g, "nvmlDeviceGetNvLinkState", g.handle, link)
-            except _CallTimeout:
+                up = self._call(g, fn, g.handle, link)
+            except CallTimeout as e:
+                found.append(_Finding("probe_timeout", "probe_timeout", None, Verdict.FAILED,
+                                      f"probe timeout: {e}"))
                 raise _Abort from None
             except _Missing:
                 break
             except Exception as e:  # noqa: BLE001
                 code = self._code(e)
                 if code in _LOST_CODES:
-                    self._mark_lost(g, code, "nvmlDeviceGetNvLinkState")
+                    self._mark_lost(g, code, fn)
                     raise _Abort from None
                 if code == _NOT_SUPPORTED and link > 0:
                     continue   # a hole in the link numbering
-                break          # no NVLink, past the last link, or an error: stop here
+                if code in (_NOT_SUPPORTED, _INVALID_ARGUMENT, _FUNCTION_NOT_FOUND):
+                    break      # no NVLink, or past the last link
+                found.append(_Finding(f"probe_error:{fn}", "probe_error", code, Verdict.FAILED,
+                                      f"probe error: {fn}({link}): {_describe(e)}"))
+                return
             (active if up else inactive).append(link)
         g.nvlinks = sorted(active + inactive) if active else []
         if inactive and not active:
-            log.info("GPU %d: no NVLink up at start; NVLink not watched", g.index)
+            log.info("GPU %d: no NVLink up; NVLink not watched", g.index)
 
     # -- events -------------------------------------------------------------------
 
     def _event_loop(self) -> None:
         wait_ms = max(1, int(self._event_wait_s * 1000))
         failures = 0
+        reported_code: object = _SKIP   # sentinel: nothing reported in this streak
         while not self._stop.is_set():
             try:
                 data = self._wait_event(wait_ms)
             except Exception as e:  # noqa: BLE001 - the thread must survive anything
                 code = self._code(e)
                 if code == _TIMEOUT:
-                    failures = 0
+                    failures, reported_code = 0, _SKIP
                     continue
+                failures += 1
                 if code in _LOST_CODES:
                     self._find_lost_gpus()
-                else:
-                    failures += 1
-                    if failures == 1:
-                        now_m, now_w = time.monotonic(), time.time()
-                        self._emit([self._event(None, "event_wait_error", code, Verdict.DEGRADED,
-                                                f"NVML event wait failing ({_describe(e)}); "
-                                                f"relying on polling", now_m, now_w)])
+                elif code != reported_code:   # once per streak and code, not per retry
+                    reported_code = code
+                    self._emit([self._event(None, "event_wait_error", code, Verdict.DEGRADED,
+                                            f"NVML event wait failing ({_describe(e)}); "
+                                            f"relying on polling", time.monotonic(), time.time())])
                 self._stop.wait(min(5.0, 0.05 * 2 ** min(failures, 7)))
                 continue
-            failures = 0
+            failures, reported_code = 0, _SKIP
             try:
                 self._emit(self._handle_event(data))
             except Exception:  # noqa: BLE001
@@ -692,9 +634,9 @@ class NvmlProbe:
         with self._state_lock:
             g.last_xid, g.last_xid_wall = code, t_wall
             seen = g.xid_seen_mono.get(code)
-            g.xid_seen_mono[code] = t_mono
             if seen is not None and t_mono - seen < XID_DEDUP_WINDOW_S:
                 return None
+            g.xid_seen_mono[code] = t_mono   # window from the last report, so repeats resurface
             if verdict is not Verdict.HEALTHY:
                 self._add_sticky(g, _Finding(f"xid:{code}", "xid", code, verdict, reason))
         return self._event(g.index, "xid", code, verdict, reason, t_mono, t_wall,

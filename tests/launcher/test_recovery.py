@@ -47,6 +47,8 @@ def check_recovered(r: RunResult, reference: RunResult, n_failures: int) -> list
     ("exception:node0@20", "exception"),
     ("hang:node1@20", "hang"),
     ("nodeloss:node0@20", "process-exit"),
+    ("xid79:node1@20", "nvml-xid"),   # GPU fell off the bus, through the NVML stand-in and real pynvml
+    ("xid48:node0@20", "nvml-xid"),   # double-bit ECC
 ])
 def test_single_fault_is_survived_bitwise(tmp_path: Path, reference: RunResult, fault: str, detector: str) -> None:
     r = run_job(tmp_path, "--inject", fault, "--hang-timeout", "2")

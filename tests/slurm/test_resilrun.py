@@ -1,0 +1,173 @@
+"""resil-run as the srun wrapper on a real slurmctld/slurmd lab cluster.
+
+Each job: 3 nodes (2 active x 1 rank + 1 hot spare) unless said otherwise.
+Node failures are real: every process in the node's namespace is killed
+(crash) or stopped (freeze), slurmd included.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.slurmlab.fixture import SlurmLab
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 150
+
+
+class Job:
+    def __init__(self, lab: SlurmLab, tmp: Path, nodes: int = 3, spares: int = 1, extra: str = "",
+                 steps: int = STEPS) -> None:
+        self.lab, self.tmp = lab, tmp
+        tmp.mkdir(parents=True, exist_ok=True)
+        script = tmp / "job.sh"
+        py = sys.executable
+        script.write_text(f"""#!/bin/bash
+#SBATCH -N {nodes}
+#SBATCH --exclusive
+#SBATCH -t 5
+#SBATCH -o {tmp}/slurm.out
+export RESILD_CONTROLLER_HOST=127.0.0.1
+cd {REPO}
+{py} -m launcher.cli --spares {spares} --nproc-per-node 1 --heartbeat-timeout 1.5 \\
+  --events {tmp}/events.jsonl --run-dir {tmp}/run --json {extra} \\
+  -- {py} examples/train.py --steps {steps} --save {tmp}/final.pt > {tmp}/summary.json
+rc=$?
+echo $rc > {tmp}/rc
+exit $rc
+""")
+        self.jid = lab.run(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+
+    def events(self) -> list[dict]:
+        p = self.tmp / "events.jsonl"
+        if not p.exists():
+            return []
+        out = []
+        for line in p.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a line being written
+        return out
+
+    def wait_event(self, pred, timeout_s: float = 90.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for e in self.events():
+                if pred(e):
+                    return e
+            time.sleep(0.1)
+        raise AssertionError(f"event not seen in {timeout_s}s; log: {(self.tmp / 'slurm.out').read_text()[-2000:]}")
+
+    def active_nodes(self) -> list[str]:
+        m = self.wait_event(lambda e: e["event"] == "membership")
+        return list(m["layout"])
+
+    def wait(self, timeout_s: float = 150.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while not (self.tmp / "rc").exists():
+            if time.monotonic() > deadline:
+                self.lab.run(["scancel", self.jid], check=False)
+                raise AssertionError(f"job {self.jid} did not finish in {timeout_s}s")
+            time.sleep(0.2)
+        return int((self.tmp / "rc").read_text())
+
+    def summary(self) -> dict:
+        return json.loads((self.tmp / "summary.json").read_text())
+
+    def final(self) -> dict:
+        return torch.load(self.tmp / "final.pt")
+
+
+@pytest.fixture
+def lab(slurm_lab: SlurmLab):
+    yield slurm_lab
+    for node in slurm_lab.nodes:  # leave every node usable for the next test
+        slurm_lab.restore(node)
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_lab: SlurmLab, tmp_path_factory) -> dict:
+    job = Job(slurm_lab, tmp_path_factory.mktemp("slurm-ref"))
+    assert job.wait() == 0, (job.tmp / "slurm.out").read_text()
+    assert job.summary()["failures"] == []
+    return job.final()
+
+
+def _equal(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"] == STEPS
+    assert all(torch.equal(v, b["model"][k]) for k, v in a["model"].items())
+
+
+def _first_full_step_s(job: Job, t_fault: float) -> float:
+    e = job.wait_event(lambda e: e["event"] == "full_strength_step" and e["epoch"] == 2)
+    return e["t_mono"] - t_fault
+
+
+def test_clean_run(reference: dict) -> None:
+    assert reference["step"] == STEPS
+
+
+def test_node_crash_spare_takes_over_and_node_is_drained(lab: SlurmLab, tmp_path: Path, reference: dict) -> None:
+    job = Job(lab, tmp_path)
+    victim = job.active_nodes()[1]
+    job.wait_event(lambda e: e["event"] == "full_strength_step")
+    time.sleep(1.0)
+    t_fault = time.monotonic()
+    lab.crash(victim)
+    recovery_s = _first_full_step_s(job, t_fault)
+    assert job.wait() == 0, (tmp_path / "slurm.out").read_text()[-3000:]
+    _equal(reference, job.final())
+    (f,) = job.summary()["failures"]
+    assert f["node"] == victim and f["detector"] == "heartbeat" and f["steps_lost"] == 0
+    reasons = lab.sinfo_reasons()
+    assert reasons.get(victim, "").startswith("resild: "), reasons
+    print(f"\nslurm node crash -> first full-strength step: {recovery_s:.2f}s")
+
+
+def test_frozen_node_is_replaced(lab: SlurmLab, tmp_path: Path, reference: dict) -> None:
+    job = Job(lab, tmp_path)
+    victim = job.active_nodes()[0]
+    job.wait_event(lambda e: e["event"] == "full_strength_step")
+    time.sleep(1.0)
+    lab.freeze(victim)
+    job.wait_event(lambda e: e["event"] == "spare_assigned")
+    lab.thaw(victim)  # it wakes up fenced: told to die, never rejoins
+    assert job.wait() == 0, (tmp_path / "slurm.out").read_text()[-3000:]
+    _equal(reference, job.final())
+    (f,) = job.summary()["failures"]
+    assert f["node"] == victim and "no heartbeat" in f["cause"]
+    assert lab.sinfo_reasons().get(victim, "").startswith("resild: ")
+
+
+def test_spares_exhausted_exits_nonzero_with_reason(lab: SlurmLab, tmp_path: Path) -> None:
+    job = Job(lab, tmp_path, nodes=2, spares=0, steps=100)
+    victim = job.active_nodes()[1]
+    job.wait_event(lambda e: e["event"] == "full_strength_step")
+    lab.crash(victim)
+    rc = job.wait()
+    out = (tmp_path / "slurm.out").read_text()
+    assert rc == 1, out
+    assert f"resil-run: job failed: no spare left: {victim} failed" in out
+    assert job.summary()["exit_code"] == 1
+
+
+def test_two_jobs_at_once_do_not_interfere(lab: SlurmLab, tmp_path: Path) -> None:
+    a = Job(lab, tmp_path / "a", nodes=2, spares=1, steps=80)
+    b = Job(lab, tmp_path / "b", nodes=2, spares=1, steps=80)
+    a_nodes = a.active_nodes()
+    b.active_nodes()
+    a.wait_event(lambda e: e["event"] == "full_strength_step")
+    b.wait_event(lambda e: e["event"] == "full_strength_step")
+    lab.crash(a_nodes[0])  # only job a loses a node
+    assert a.wait() == 0 and b.wait() == 0
+    assert len(a.summary()["failures"]) == 1 and b.summary()["failures"] == []
+    ea = a.wait_event(lambda e: e["event"] == "job_started")["endpoint"]
+    eb = b.wait_event(lambda e: e["event"] == "job_started")["endpoint"]
+    assert ea != eb
