@@ -73,18 +73,20 @@ def step_intervals(events: Iterable[dict], rank: int, restart_count: int,
     return out
 
 
-def _fmt(v) -> str:
+def _fmt(v, digits: int = 3) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:.3f}"
+        return f"{v:.{digits}f}"
     return str(v)
 
 
-def phase_table(rows: Sequence[dict], columns: Sequence[str] = PHASES, label: str = "run") -> str:
-    """A plain-text table, one row per result dict, plus a median row when there are several."""
+def phase_table(rows: Sequence[dict], columns: Sequence[str] = PHASES, label: str = "run", digits: int = 3) -> str:
+    """A plain-text table, one row per result dict, plus a median row when there are several.
+
+    Floats are shown with ``digits`` decimals."""
     header = [label, *columns]
-    body = [[str(r.get(label, i + 1)), *(_fmt(r.get(c)) for c in columns)] for i, r in enumerate(rows)]
+    body = [[str(r.get(label, i + 1)), *(_fmt(r.get(c), digits) for c in columns)] for i, r in enumerate(rows)]
     if len(rows) > 1:
         meds = []
         for c in columns:
@@ -92,7 +94,7 @@ def phase_table(rows: Sequence[dict], columns: Sequence[str] = PHASES, label: st
             m = median(vals)
             if m is not None and all(isinstance(v, int) for v in vals) and float(m).is_integer():
                 m = int(m)
-            meds.append(_fmt(m))
+            meds.append(_fmt(m, digits))
         body.append(["median", *meds])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)),

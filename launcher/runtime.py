@@ -81,9 +81,7 @@ class Job:
         self.ch.send(MsgType.REGISTER_WORKER, {"node": self.node, "local_rank": self.local_rank, "pid": os.getpid()})
         welcome = self._wait_for(MsgType.WELCOME, timeout_s=120.0)
         self.cfg = welcome.body
-        host, port = self.cfg["store"].rsplit(":", 1)
-        self.store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
+        self.store = self._store_client()
         self.backend = os.environ.get("RESILD_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         self._install_excepthook()
@@ -174,6 +172,19 @@ class Job:
             done: Callable[[], bool] = lambda: not th.is_alive()  # noqa: E731
         else:
             done = work.is_completed
+        self._wait_until(done)
+        if p2p:
+            if "err" in out:
+                raise _CollectiveFailed(str(out["err"]))
+            return
+        try:
+            work.wait()
+        except Exception as e:  # gloo: peer reset; NCCL: comm aborted
+            raise _CollectiveFailed(str(e)) from None
+
+    def _wait_until(self, done: Callable[[], bool]) -> None:
+        """Spin on `done` while serving controller messages; after wait_report_s tell
+        the controller we are blocked (the hang detector blames whoever is not)."""
         t0 = time.monotonic()
         nap_s, reported = 0.0001, False
         while not done():
@@ -183,14 +194,6 @@ class Job:
             if not reported and time.monotonic() - t0 > float(self.cfg.get("wait_report_s", 1.0)):
                 self._send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state="wait")
                 reported = True
-        if p2p:
-            if "err" in out:
-                raise _CollectiveFailed(str(out["err"]))
-            return
-        try:
-            work.wait()
-        except Exception as e:  # gloo: peer reset; NCCL: comm aborted
-            raise _CollectiveFailed(str(e)) from None
 
     def _await_notice(self, why: str) -> None:
         """Our collective failed: only the controller knows the new membership."""
@@ -203,12 +206,17 @@ class Job:
         raise ResilienceError(f"collective failed ({why}) and no new membership came within the notice timeout")
 
     # ---- group formation and replay ----------------------------------------
+    def _store_client(self) -> Any:
+        host, port = self.cfg["store"].rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
+
     def _new_group(self, m: Membership, rank: int) -> Any:
-        store = dist.PrefixStore(f"resild/e{m.epoch}/", self.store)
         timeout = timedelta(seconds=float(self.cfg.get("collective_timeout_s", 60)))
-        if self.backend == "nccl":
+        if self.backend == "nccl":  # NCCL connects lazily, inside the first (abortable) collective
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
+            store = dist.PrefixStore(f"resild/e{m.epoch}/", self._store_client())  # own client: see below
             return dist.ProcessGroupNCCL(store, rank, m.world_size, opts)
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
@@ -219,15 +227,16 @@ class Job:
 
         def build() -> None:  # connectFullMesh blocks until every rank shows up
             try:
+                # Its own store connection: an abandoned formation blocks in store.wait()
+                # holding its client, and a shared client would stall the next epoch behind it.
+                store = dist.PrefixStore(f"resild/e{m.epoch}/", self._store_client())
                 out["pg"] = dist.ProcessGroupGloo(store, rank, m.world_size, opts)
             except Exception as e:
                 out["err"] = e
 
         th = threading.Thread(target=build, name=f"resild-form-e{m.epoch}", daemon=True)
         th.start()
-        while th.is_alive():
-            self._poll(0.002)
-            self._check()  # a newer epoch: abandon this formation (the thread fails on its own)
+        self._wait_until(lambda: not th.is_alive())  # a newer epoch abandons it (the thread fails on its own)
         if "err" in out:
             raise _CollectiveFailed(f"forming epoch {m.epoch}: {out['err']}")
         return out["pg"]

@@ -7,6 +7,7 @@ I/O that carries them out.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from statistics import median
 from dataclasses import dataclass, field
@@ -72,7 +73,8 @@ class Controller:
 
     # ---- main loop -------------------------------------------------------
     def run(self) -> JobResult:
-        self.events.emit("job_started", endpoint=self.endpoint, nodes=list(self.view.nodes))
+        self.events.emit("job_started", endpoint=self.endpoint, nodes=list(self.view.nodes),
+                         controller_host=socket.gethostname())
         try:
             while self.result is None:
                 got = self.ch.recv(self.cfg.tick_s)
@@ -132,7 +134,9 @@ class Controller:
         self.events.emit("node_registered", node=node.node_id, role=node.role.value, pid=b.get("pid"))
 
     def _on_heartbeat(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        self.node_ident[node.node_id] = ident
+        # The node agent heartbeats too; only the job's node process gets FENCE/INJECT/SHUTDOWN.
+        if ident.endswith(b"/node"):
+            self.node_ident[node.node_id] = ident
         node.last_heartbeat_s = now
         node.registered = True
         node.health = str(b.get("health", node.health))

@@ -31,6 +31,7 @@ class Job:
         script.write_text(f"""#!/bin/bash
 #SBATCH -N {nodes}
 #SBATCH --exclusive
+#SBATCH --no-kill
 #SBATCH -t 5
 #SBATCH -o {tmp}/slurm.out
 export RESILD_CONTROLLER_HOST=127.0.0.1
@@ -68,6 +69,12 @@ exit $rc
     def active_nodes(self) -> list[str]:
         m = self.wait_event(lambda e: e["event"] == "membership")
         return list(m["layout"])
+
+    def victim(self) -> str:
+        """An active node that is not the batch host: the batch host runs the embedded
+        controller, and losing it is losing the job (use a cluster controller for that)."""
+        host = self.wait_event(lambda e: e["event"] == "job_started")["controller_host"]
+        return next(n for n in self.active_nodes() if n != host)
 
     def wait(self, timeout_s: float = 150.0) -> int:
         deadline = time.monotonic() + timeout_s
@@ -116,7 +123,7 @@ def test_clean_run(reference: dict) -> None:
 
 def test_node_crash_spare_takes_over_and_node_is_drained(lab: SlurmLab, tmp_path: Path, reference: dict) -> None:
     job = Job(lab, tmp_path)
-    victim = job.active_nodes()[1]
+    victim = job.victim()
     job.wait_event(lambda e: e["event"] == "full_strength_step")
     time.sleep(1.0)
     t_fault = time.monotonic()
@@ -133,7 +140,7 @@ def test_node_crash_spare_takes_over_and_node_is_drained(lab: SlurmLab, tmp_path
 
 def test_frozen_node_is_replaced(lab: SlurmLab, tmp_path: Path, reference: dict) -> None:
     job = Job(lab, tmp_path)
-    victim = job.active_nodes()[0]
+    victim = job.victim()
     job.wait_event(lambda e: e["event"] == "full_strength_step")
     time.sleep(1.0)
     lab.freeze(victim)
@@ -148,7 +155,7 @@ def test_frozen_node_is_replaced(lab: SlurmLab, tmp_path: Path, reference: dict)
 
 def test_spares_exhausted_exits_nonzero_with_reason(lab: SlurmLab, tmp_path: Path) -> None:
     job = Job(lab, tmp_path, nodes=2, spares=0, steps=100)
-    victim = job.active_nodes()[1]
+    victim = job.victim()
     job.wait_event(lambda e: e["event"] == "full_strength_step")
     lab.crash(victim)
     rc = job.wait()
@@ -159,15 +166,17 @@ def test_spares_exhausted_exits_nonzero_with_reason(lab: SlurmLab, tmp_path: Pat
 
 
 def test_two_jobs_at_once_do_not_interfere(lab: SlurmLab, tmp_path: Path) -> None:
-    a = Job(lab, tmp_path / "a", nodes=2, spares=1, steps=80)
-    b = Job(lab, tmp_path / "b", nodes=2, spares=1, steps=80)
-    a_nodes = a.active_nodes()
+    # 2 + 2 nodes of the 4-node lab, each job with its own embedded controller and store.
+    a = Job(lab, tmp_path / "a", nodes=2, spares=0, steps=400)
+    b = Job(lab, tmp_path / "b", nodes=2, spares=0, steps=400)
+    a_victim = a.victim()
     b.active_nodes()
     a.wait_event(lambda e: e["event"] == "full_strength_step")
     b.wait_event(lambda e: e["event"] == "full_strength_step")
-    lab.crash(a_nodes[0])  # only job a loses a node
-    assert a.wait() == 0 and b.wait() == 0
+    lab.crash(a_victim)  # only job a loses a node (and, with no spare, fails cleanly)
+    assert a.wait() == 1 and b.wait() == 0
     assert len(a.summary()["failures"]) == 1 and b.summary()["failures"] == []
+    assert set(a.active_nodes()).isdisjoint(b.active_nodes())
     ea = a.wait_event(lambda e: e["event"] == "job_started")["endpoint"]
     eb = b.wait_event(lambda e: e["event"] == "job_started")["endpoint"]
     assert ea != eb

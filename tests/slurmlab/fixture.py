@@ -138,8 +138,14 @@ class SlurmLab:
         self.start(node, wait_s)
         state = self.node_state(node)
         if "drain" in state or state.startswith("down"):
-            self.resume(node, wait_s)
-        self.wait_state(node, _usable, wait_s)
+            self.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+        try:
+            self.wait_state(node, _usable, wait_s)
+        except AssertionError:
+            # A node crashed under a job can stay 'completing' for long: DOWN then RESUME clears it.
+            self.run(["scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=lab restore"], check=False)
+            self.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+            self.wait_state(node, _usable, wait_s)
 
 
 _JOB_DONE = frozenset(

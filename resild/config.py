@@ -1,0 +1,182 @@
+"""Node-agent configuration: defaults < TOML file < RESILD_* environment < command line.
+
+Every layer is checked the same way: an unknown key or a value of the wrong
+type is a ConfigError whose message is ONE line naming the source and the key,
+e.g. ``/etc/resild/resild.toml: unknown key 'hearbeat_s' (did you mean 'heartbeat_s'?)``.
+A config that silently ignores a typo is how health checks end up failing open.
+
+The environment namespace RESILD_* is shared with the launcher (RESILD_KEYS,
+RESILD_LOCAL_RANK, ... are set for workers), so unknown RESILD_* variables are
+ignored; only the names below are read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resild.health.xid import validate_overrides
+
+DEFAULT_CONFIG_PATH = Path("/etc/resild/resild.toml")
+DEFAULT_PROBES = ("gpu", "kmsg")
+
+
+class ConfigError(ValueError):
+    """A bad configuration; str() is one line: '<source>: <what is wrong>'."""
+
+    def __init__(self, source: str, message: str) -> None:
+        super().__init__(f"{source}: {message}")
+        self.source = source
+
+
+@dataclass
+class Config:
+    controller: str = ""                 # controller endpoint; "" = standalone
+    keys_dir: str = ""                   # CURVE key dir (resild keys DIR); "" = no CURVE
+    node: str = field(default_factory=socket.gethostname)
+    heartbeat_s: float = 2.0
+    probe_interval_s: float = 10.0
+    probe_timeout_s: float = 10.0        # a probe slower than this counts as FAILED
+    nvml_call_timeout_s: float = 2.0
+    hang_timeout_s: float = 300.0        # a watched process without progress this long is hung
+    metrics_port: int = 0                # 0 = no Prometheus endpoint
+    metrics_addr: str = "127.0.0.1"
+    kmsg_path: str = "/dev/kmsg"
+    state_dir: str = "/var/lib/resild"
+    status_socket: str = "/run/resild/status.sock"
+    status_timeout_s: float = 3.0        # `resild status` waits this long for the daemon
+    xid_overrides: dict[str, str] = field(default_factory=dict)   # {"43": "degraded"}
+    probes: list[str] = field(default_factory=lambda: list(DEFAULT_PROBES))
+    probe_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per probe name
+
+    @property
+    def status_endpoint(self) -> str:
+        s = self.status_socket
+        return s if "://" in s else f"ipc://{s}"
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_TYPES: dict[str, type] = {
+    "controller": str, "keys_dir": str, "node": str, "heartbeat_s": float,
+    "probe_interval_s": float, "probe_timeout_s": float, "nvml_call_timeout_s": float,
+    "hang_timeout_s": float, "metrics_port": int, "metrics_addr": str, "kmsg_path": str,
+    "state_dir": str, "status_socket": str, "status_timeout_s": float, "xid_overrides": dict,
+    "probes": list, "probe_options": dict,
+}
+assert set(_TYPES) == set(_FIELDS), "every Config field needs a declared type"
+_TYPE_NAMES = {str: "a string", float: "a number", int: "an integer", dict: "a table",
+               list: "a list of strings"}
+
+
+def env_name(key: str) -> str:
+    return "RESILD_" + key.upper()
+
+
+def _unknown(source: str, key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return ConfigError(source, f"unknown key '{key}'{hint}")
+
+
+def _check_type(source: str, key: str, value: Any) -> Any:
+    want = _TYPES[key]
+    ok = False
+    if want is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif want is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif want is list:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    else:
+        ok = isinstance(value, want)
+    if not ok:
+        raise ConfigError(source, f"key '{key}' must be {_TYPE_NAMES[want]}, "
+                                  f"not {type(value).__name__} {value!r}")
+    return value
+
+
+def _parse_env(source: str, key: str, text: str) -> Any:
+    """One environment value as the field's type (lists comma-separated, tables k=v,k=v)."""
+    want = _TYPES[key]
+    try:
+        if want is float:
+            return float(text)
+        if want is int:
+            return int(text)
+        if want is list:
+            return [p.strip() for p in text.split(",") if p.strip()]
+        if want is dict:
+            if key != "xid_overrides":
+                raise ValueError("only settable in the TOML file")
+            pairs = [p.split("=", 1) for p in text.split(",") if p.strip()]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError("expected CODE=CLASS[,CODE=CLASS...]")
+            return {k.strip(): v.strip() for k, v in pairs}
+    except ValueError as e:
+        raise ConfigError(source, f"key '{key}': cannot use {text!r}: {e}") from None
+    return text
+
+
+def _validate(source: str, cfg: Config) -> None:
+    for key in ("heartbeat_s", "probe_interval_s", "probe_timeout_s", "nvml_call_timeout_s",
+                "hang_timeout_s", "status_timeout_s"):
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(source, f"key '{key}' must be > 0, not {getattr(cfg, key)!r}")
+    if not 0 <= cfg.metrics_port <= 65535:
+        raise ConfigError(source, f"key 'metrics_port' must be 0..65535, not {cfg.metrics_port}")
+    if not cfg.node:
+        raise ConfigError(source, "key 'node' must not be empty")
+    try:
+        validate_overrides(cfg.xid_overrides)
+    except ValueError as e:
+        raise ConfigError(source, f"key 'xid_overrides': {e}") from None
+    for name, opts in cfg.probe_options.items():
+        if not isinstance(opts, dict):
+            raise ConfigError(source, f"key 'probe_options.{name}' must be a table")
+
+
+def _apply(cfg: Config, source: str, values: Mapping[str, Any]) -> None:
+    for key, value in values.items():
+        if key not in _FIELDS:
+            raise _unknown(source, key)
+        setattr(cfg, key, _check_type(source, key, value))
+    _validate(source, cfg)
+
+
+def load_config(path: str | os.PathLike[str] | None = None,
+                env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Build the config. ``path=None`` reads DEFAULT_CONFIG_PATH if it exists
+    (RESILD_CONFIG names another); an explicit path must exist.
+    ``overrides``: command-line values (None entries are ignored)."""
+    env = os.environ if env is None else env
+    cfg = Config()
+    explicit = path is not None or "RESILD_CONFIG" in env
+    file = Path(path if path is not None else env.get("RESILD_CONFIG", DEFAULT_CONFIG_PATH))
+    source = str(file)
+    if explicit or file.exists():
+        try:
+            with open(file, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(source, "no such file") from None
+        except OSError as e:
+            raise ConfigError(source, f"cannot read: {e.strerror or e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(source, f"not valid TOML: {e}") from None
+        _apply(cfg, source, data)
+    env_values = {key: _parse_env(env_name(key), key, env[env_name(key)])
+                  for key in _FIELDS if env_name(key) in env}
+    for key, value in env_values.items():
+        _apply(cfg, env_name(key), {key: value})
+    cli = {k: v for k, v in (overrides or {}).items() if v is not None}
+    for key, value in cli.items():
+        _apply(cfg, f"--{key.replace('_', '-')}", {key: value})
+    return cfg

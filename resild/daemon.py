@@ -1,0 +1,399 @@
+"""The node agent: probes, health reports to the controller, local status socket.
+
+Threads: the *prober* runs every probe each ``probe_interval_s`` and at once
+when the NVML event thread or the kmsg follower reports something; the *main
+loop* owns every ZeroMQ socket (sockets are not thread-safe): it answers the
+local status socket, sends HEALTH the moment the published verdict changes and
+HEARTBEAT every ``heartbeat_s``, watches registered training processes and
+pings the systemd watchdog. A hung probe therefore never stalls the status
+socket or the heartbeat; it only turns FAILED (probes.ProbeRunner).
+
+Local socket (REP on ipc://<status_socket>), protocol.Message frames:
+  STATUS -> STATUS_REPLY {node, verdict, reasons, probes, gpus, processes, ...}
+  REGISTER_WORKER {pid, name} / PROGRESS {pid, step} -> STATUS_REPLY {ok: true}
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import psutil
+import zmq
+
+from resild.config import Config
+from resild.health.model import HealthEvent, Verdict
+from resild.metrics import Metrics
+from resild.probes import Outcome, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
+from resild.protocol import Message, MsgType, ProtocolError, Sequencer, decode, encode
+from resild.transport import KeyDir, connect
+
+log = logging.getLogger("resild.daemon")
+LOOP_TICK_S = 0.05          # bounds the delay from a verdict change to its HEALTH message
+PROC_CHECK_INTERVAL_S = 0.5
+
+
+# -- systemd notify protocol (sd_notify(3)), no libsystemd needed ---------------------
+
+def sd_notify(state: str, env: Mapping[str, str] | None = None) -> bool:
+    """Send one datagram to $NOTIFY_SOCKET; False when not under systemd or it fails."""
+    addr = (os.environ if env is None else env).get("NOTIFY_SOCKET", "")
+    if not addr:
+        return False
+    if addr.startswith("@"):   # abstract namespace
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(state.encode())
+        return True
+    except OSError as e:
+        log.warning("sd_notify(%s) failed: %s", state, e)
+        return False
+
+
+def watchdog_interval_s(env: Mapping[str, str] | None = None) -> float | None:
+    """Half of WatchdogSec (systemd's advice), or None when no watchdog is asked of us."""
+    env = os.environ if env is None else env
+    try:
+        usec = int(env.get("WATCHDOG_USEC", "0"))
+    except ValueError:
+        return None
+    pid = env.get("WATCHDOG_PID")
+    if usec <= 0 or (pid and pid != str(os.getpid())):
+        return None
+    return usec / 2e6
+
+
+# -- watched training processes (pure judgement) --------------------------------------
+
+class ProcState(str, enum.Enum):
+    RUNNING = "running"
+    EXITED = "exited"
+    ZOMBIE = "zombie"
+    HUNG = "hung"
+
+
+@dataclass
+class Watched:
+    pid: int
+    name: str
+    create_time: float          # psutil's, guards against pid reuse
+    last_progress_s: float      # monotonic
+    step: int | None = None
+    state: ProcState = ProcState.RUNNING
+    reason: str = ""
+
+
+def judge_process(now: float, w: Watched, alive: bool, zombie: bool,
+                  hang_timeout_s: float) -> tuple[ProcState, str]:
+    if w.state is ProcState.EXITED or not alive:
+        return ProcState.EXITED, w.reason or "process exited"
+    if zombie:
+        return ProcState.ZOMBIE, "zombie: exited but not reaped by its parent"
+    idle_s = now - w.last_progress_s
+    if idle_s > hang_timeout_s:
+        return ProcState.HUNG, f"no progress for {idle_s:.0f}s (hang_timeout_s={hang_timeout_s:g})"
+    return ProcState.RUNNING, ""
+
+
+def _observe(w: Watched) -> tuple[bool, bool]:
+    try:
+        p = psutil.Process(w.pid)
+        if abs(p.create_time() - w.create_time) > 0.01:
+            return False, False   # pid reused: ours is gone
+        return True, p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False, False
+    except psutil.AccessDenied:
+        return True, False
+
+
+# -- health snapshot ----------------------------------------------------------------
+
+@dataclass
+class Snapshot:
+    verdict: Verdict = Verdict.FAILED     # fail closed until the first check has run
+    reasons: list[str] = field(default_factory=lambda: ["no check has run yet"])
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    checked_mono: float | None = None
+    version: int = 0
+
+
+def health_key(verdict: Verdict, reasons: list[str]) -> tuple[str, tuple[str, ...]]:
+    """What must change for a new HEALTH message (not the order of reasons)."""
+    return verdict.value, tuple(sorted(reasons))
+
+
+class Agent:
+    def __init__(self, cfg: Config, probes: list[Probe] | None = None,
+                 ctx: zmq.Context | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics(cfg.node)
+        self._trigger = threading.Event()
+        self._stop = threading.Event()
+        self.probes = probes if probes is not None else build_probes(
+            cfg, on_event=self._on_health_event, follow=True)
+        self.runners = [ProbeRunner(p, cfg.probe_timeout_s) for p in self.probes]
+        self.ctx = ctx or zmq.Context()
+        self._lock = threading.Lock()
+        self.snap = Snapshot()
+        self.procs: dict[int, Watched] = {}
+        self._rep: zmq.Socket | None = None
+        self._ctl = None
+        self._started_mono = time.monotonic()
+        self._last_hb_mono: float | None = None
+        self._sent_key: tuple[str, tuple[str, ...]] | None = None
+        self._prober: threading.Thread | None = None
+        self._last_ctl_error: Any = None
+        self._loop_done = threading.Event()
+        self._loop_done.set()   # cleared while run() owns the sockets
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the status socket, connect, start probes and run the first check."""
+        self._rep = self._bind_status()
+        if self.cfg.controller:
+            keys = KeyDir(Path(self.cfg.keys_dir)) if self.cfg.keys_dir else None
+            self._ctl = connect(self.ctx, self.cfg.controller, keys, sender=f"{self.cfg.node}/agent")
+        if self.cfg.metrics_port:
+            self.metrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr)
+        start_probes(self.probes)
+        self._check_once()
+        self._prober = threading.Thread(target=self._prober_loop, name="prober", daemon=True)
+        self._prober.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._trigger.set()
+
+    def close(self) -> None:
+        self.stop()
+        self._loop_done.wait(2.0)   # sockets belong to run()'s thread until it returns
+        if self._prober is not None:
+            self._prober.join(self.cfg.probe_timeout_s + 1)
+        stop_probes(self.probes)
+        for sock in (self._rep, self._ctl.sock if self._ctl else None):
+            if sock is not None:
+                sock.close(linger=0)
+        if self.cfg.status_endpoint.startswith("ipc://"):
+            Path(self.cfg.status_endpoint[6:]).unlink(missing_ok=True)
+
+    def _bind_status(self) -> zmq.Socket:
+        ep = self.cfg.status_endpoint
+        if ep.startswith("ipc://"):
+            path = Path(ep[6:])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                if local_request(ep, MsgType.STATUS, timeout_s=0.5, ctx=self.ctx) is not None:
+                    raise RuntimeError(f"another resild daemon already answers on {ep}")
+                path.unlink()   # stale socket of a dead daemon
+        sock = self.ctx.socket(zmq.REP)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(ep)
+        if ep.startswith("ipc://"):
+            os.chmod(ep[6:], 0o666)   # `resild status` and workers run as ordinary users
+        return sock
+
+    # -- probing (prober thread) -------------------------------------------------------
+    def _on_health_event(self, ev: HealthEvent) -> None:   # NVML / kmsg threads
+        log.warning("health event: %s", ev.reason)
+        self.metrics.on_event(ev)
+        self._trigger.set()
+
+    def _prober_loop(self) -> None:
+        while not self._stop.is_set():
+            self._trigger.wait(self.cfg.probe_interval_s)
+            self._trigger.clear()
+            if not self._stop.is_set():
+                self._check_once()
+
+    def _check_once(self) -> None:
+        outcomes = {r.name: r.run() for r in self.runners}
+        verdict, reasons = aggregate({n: o.result for n, o in outcomes.items()})
+        self.metrics.on_outcomes(outcomes)
+        self.metrics.on_node(verdict)
+        with self._lock:
+            self.snap = Snapshot(verdict, reasons, outcomes, time.monotonic(), self.snap.version + 1)
+
+    # -- main loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        assert self._rep is not None, "start() first"
+        self._loop_done.clear()
+        poller = zmq.Poller()
+        poller.register(self._rep, zmq.POLLIN)
+        if self._ctl is not None:
+            poller.register(self._ctl.sock, zmq.POLLIN)
+        wd_s = watchdog_interval_s()
+        next_wd = time.monotonic()
+        next_proc = time.monotonic()
+        sd_notify(f"READY=1\nSTATUS=serving {self.cfg.status_endpoint}")
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(int(LOOP_TICK_S * 1000)))
+                if self._rep in ready:
+                    self._serve_one()
+                if self._ctl is not None and self._ctl.sock in ready:
+                    self._from_controller()
+                now = time.monotonic()
+                self._report(now)
+                if now >= next_proc:
+                    self._watch_processes(now)
+                    next_proc = now + PROC_CHECK_INTERVAL_S
+                if wd_s is not None and now >= next_wd:
+                    sd_notify("WATCHDOG=1")
+                    next_wd = now + wd_s
+        finally:
+            sd_notify("STOPPING=1")
+            self._loop_done.set()
+
+    def _report(self, now: float) -> None:
+        with self._lock:
+            snap = self.snap
+        key = health_key(snap.verdict, snap.reasons)
+        if key != self._sent_key and snap.checked_mono is not None:
+            self._sent_key = key
+            log.log(logging.INFO if snap.verdict is Verdict.HEALTHY else logging.WARNING,
+                    "node verdict %s: %s", snap.verdict.value, "; ".join(snap.reasons) or "ok")
+            self._write_state()
+            if self._ctl is not None:
+                self._ctl.send(MsgType.HEALTH, {"node": self.cfg.node, "verdict": snap.verdict.value,
+                                                "reasons": snap.reasons, "detector": "resild-agent"})
+        if self._ctl is not None and (self._last_hb_mono is None
+                                      or now - self._last_hb_mono >= self.cfg.heartbeat_s):
+            self._ctl.send(MsgType.HEARTBEAT, {"node": self.cfg.node, "health": snap.verdict.value,
+                                               "source": "agent"})
+            self._last_hb_mono = now
+        if self._last_hb_mono is not None:
+            self.metrics.heartbeat_age.labels(self.cfg.node).set(now - self._last_hb_mono)
+
+    def _from_controller(self) -> None:
+        assert self._ctl is not None
+        while (got := self._ctl.recv(0)) is not None:
+            _, msg = got
+            if msg.type is MsgType.ERROR:
+                if msg.body.get("code") != self._last_ctl_error:   # once per streak, not per heartbeat
+                    log.warning("controller: %s: %s", msg.body.get("code"), msg.body.get("detail"))
+                self._last_ctl_error = msg.body.get("code")
+            elif msg.type is MsgType.FENCE:
+                log.error("controller fenced this node: %s", msg.body.get("reason"))
+            else:
+                log.info("controller sent %s (ignored by the agent)", msg.type.value)
+
+    def _write_state(self) -> None:
+        """Last verdict on disk, for post-mortems; best effort (state_dir may be absent)."""
+        try:
+            path = Path(self.cfg.state_dir) / "last_status.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.status()))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    # -- local status socket ---------------------------------------------------------
+    def _serve_one(self) -> None:
+        assert self._rep is not None
+        frame = self._rep.recv(zmq.NOBLOCK)
+        seq = Sequencer(f"{self.cfg.node}/agent")
+        try:
+            msg = decode(frame)
+            body = self._answer(msg)
+            reply = seq.make(MsgType.STATUS_REPLY, body)
+        except ProtocolError as e:
+            reply = seq.make(MsgType.ERROR, {"code": e.code, "detail": e.detail})
+        except Exception as e:  # noqa: BLE001 - a REP socket must always answer
+            log.exception("status request failed")
+            reply = seq.make(MsgType.ERROR, {"code": "internal", "detail": str(e)})
+        self._rep.send(encode(reply))
+
+    def _answer(self, msg: Message) -> dict[str, Any]:
+        b = msg.body
+        if msg.type is MsgType.STATUS:
+            return self.status()
+        if msg.type is MsgType.REGISTER_WORKER:
+            pid = _int(b.get("pid"), "pid")
+            try:
+                ct = psutil.Process(pid).create_time()
+            except psutil.NoSuchProcess:
+                raise ProtocolError("no_such_process", f"pid {pid} does not exist") from None
+            with self._lock:
+                self.procs[pid] = Watched(pid, str(b.get("name") or f"pid {pid}"), ct, time.monotonic())
+            return {"ok": True}
+        if msg.type is MsgType.PROGRESS:
+            pid = _int(b.get("pid"), "pid")
+            with self._lock:
+                w = self.procs.get(pid)
+                if w is None:
+                    raise ProtocolError("not_watched", f"pid {pid} is not registered")
+                w.last_progress_s = time.monotonic()
+                w.step = b.get("step") if isinstance(b.get("step"), int) else w.step
+            return {"ok": True}
+        raise ProtocolError("unexpected", f"{msg.type.value} not accepted on the status socket")
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        with self._lock:
+            snap = self.snap
+            procs = [{**asdict(w), "state": w.state.value,
+                      "idle_s": round(now - w.last_progress_s, 1)} for w in self.procs.values()]
+        gpu = snap.outcomes.get("gpu")
+        return {
+            "node": self.cfg.node, "verdict": snap.verdict.value, "reasons": snap.reasons,
+            "probes": {n: {**o.result.to_dict(), "latency_s": round(o.latency_s, 4), "error": o.error}
+                       for n, o in snap.outcomes.items()},
+            "gpus": gpu.result.details.get("gpus", []) if gpu else [],
+            "processes": procs,
+            "controller": self.cfg.controller or None,
+            "heartbeat_age_s": None if self._last_hb_mono is None else round(now - self._last_hb_mono, 3),
+            "checked_age_s": None if snap.checked_mono is None else round(now - snap.checked_mono, 3),
+            "uptime_s": round(now - self._started_mono, 1),
+        }
+
+    def _watch_processes(self, now: float) -> None:
+        with self._lock:
+            watched = list(self.procs.values())
+        counts = {s: 0 for s in ProcState}
+        for w in watched:
+            alive, zombie = _observe(w)
+            state, reason = judge_process(now, w, alive, zombie, self.cfg.hang_timeout_s)
+            counts[state] += 1
+            if state is not w.state:
+                log.warning("watched process %s (pid %d): %s %s", w.name, w.pid, state.value, reason)
+                if self._ctl is not None:
+                    self._ctl.send(MsgType.EVENT, {"node": self.cfg.node, "name": f"process_{state.value}",
+                                                   "fields": {"pid": w.pid, "name": w.name, "reason": reason}})
+            w.state, w.reason = state, reason
+        for s, n in counts.items():
+            self.metrics.watched.labels(self.cfg.node, s.value).set(n)
+
+
+def _int(v: Any, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ProtocolError("malformed", f"{what} must be a positive integer")
+    return v
+
+
+def local_request(endpoint: str, mtype: MsgType, body: dict[str, Any] | None = None,
+                  timeout_s: float = 3.0, ctx: zmq.Context | None = None) -> Message | None:
+    """One request to a daemon's status socket; None when nothing answers in time."""
+    ctx = ctx or zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode(Sequencer(f"{socket.gethostname()}/cli-{os.getpid()}").make(mtype, body)))
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        return decode(sock.recv())
+    except (zmq.ZMQError, ProtocolError) as e:
+        log.debug("status request to %s failed: %s", endpoint, e)
+        return None
+    finally:
+        sock.close(linger=0)
