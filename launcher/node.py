@@ -162,6 +162,8 @@ class NodeProcess:
             if msg.type == MsgType.SHUTDOWN:
                 if self.shutting_down_until is None:
                     self.shutting_down_until = time.monotonic() + 30.0
+            elif msg.type == MsgType.PING:
+                self.ch.send(MsgType.HEARTBEAT, {"node": self.node}, ttl_s=5)
             elif msg.type == MsgType.INJECT:
                 self._inject(msg.body)
             elif msg.type == MsgType.ERROR:

@@ -196,8 +196,10 @@ class Job:
                 reported = True
 
     def _await_notice(self, why: str) -> None:
-        """Our collective failed: only the controller knows the new membership."""
-        self._send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state="wait")
+        """Our collective failed: only the controller knows the new membership. The
+        report makes it probe every node at once instead of waiting for heartbeats."""
+        self._send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state="collective_failed",
+                   error=why[:300])
         deadline = time.monotonic() + float(self.cfg.get("notice_timeout_s", 120))
         while time.monotonic() < deadline:
             self._poll(0.05)

@@ -98,7 +98,10 @@ class Controller:
                 missing = [n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and v.workers_ready < v.nproc]
                 self.result = JobResult(1, f"start timed out after {self.cfg.start_timeout_s:.0f}s waiting for {', '.join(missing)}")
             return
-        self._decide(check_timeouts(now, self.view, self.cfg.policy), now)
+        d = check_timeouts(now, self.view, self.cfg.policy)
+        if self.view.probe_sent_s is not None and now - self.view.probe_sent_s >= self.cfg.policy.probe_timeout_s:
+            self.view.probe_sent_s = None  # probe answered (or judged): done
+        self._decide(d, now)
         self._fire_faults(now)
 
     # ---- message handlers --------------------------------------------------
@@ -176,6 +179,12 @@ class Controller:
         m = self.view.membership
         if m is None or m.node_ranks.get(node.node_id) is None or rank not in m.node_ranks[node.node_id]:
             return  # stale sender
+        if b.get("state") == "collective_failed" and self.view.probe_sent_s is None:
+            self.events.emit("collective_failed", rank=rank, epoch=epoch, error=str(b.get("error", ""))[:300])
+            self.view.probe_sent_s = now
+            for node_id, n in self.view.nodes.items():
+                if n.role == NodeRole.ACTIVE and node_id in self.node_ident:
+                    self.ch.send(MsgType.PING, {}, to=self.node_ident[node_id], ttl_s=1.0)
         p = self.view.progress.setdefault(rank, RankProgress())
         committed = step > p.step or epoch != p.epoch
         p.step, p.epoch, p.state, p.t_s = step, epoch, str(b.get("state", "compute")), now
@@ -286,6 +295,7 @@ class Controller:
         now = time.monotonic()
         return {"epoch": m.epoch if m else 0, "max_step": self.max_step,
                 "nodes": [{"node": n.node_id, "role": n.role.value, "reason": n.reason, "health": n.health,
+                           "drained": n.node_id in getattr(self.backend, "drained", {}),
                            "ranks": list(m.node_ranks.get(n.node_id, ())) if m else [],
                            "heartbeat_age_s": round(now - n.last_heartbeat_s, 3) if n.registered else None}
                           for n in self.view.nodes.values()]}

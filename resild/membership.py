@@ -119,6 +119,7 @@ class ClusterView:
     last_commit_s: float = 0.0
     progress: dict[int, RankProgress] = field(default_factory=dict)
     done_ranks: set[int] = field(default_factory=set)
+    probe_sent_s: float | None = None  # a liveness probe is out since then (see policy.check_probe)
 
     def spares(self) -> list[NodeView]:
         return [n for n in self.nodes.values() if n.role == NodeRole.SPARE]

@@ -36,6 +36,7 @@ NOTHING = Decision(Action.NONE, "")
 class PolicyConfig:
     heartbeat_timeout_s: float = 2.0
     hang_timeout_s: float = 30.0
+    probe_timeout_s: float = 0.5  # a pinged node process must answer within this
 
 
 def pick_spare(view: ClusterView) -> NodeView | None:
@@ -59,8 +60,25 @@ def on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str) 
                     membership=view.membership.replace(node_id, spare.node_id), detector=detector)
 
 
+def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
+    """A rank saw a collective fail (a peer's socket reset): every active node was
+    pinged at `probe_sent_s`. One that has not answered within probe_timeout_s is
+    dead; this beats waiting for the heartbeat timeout by a second or more."""
+    sent = view.probe_sent_s
+    if sent is None or now - sent < cfg.probe_timeout_s:
+        return NOTHING
+    for node in view.nodes.values():
+        if node.role == NodeRole.ACTIVE and node.last_heartbeat_s < sent:
+            return on_node_failure(view, node.node_id, f"no answer to a liveness probe within "
+                                                       f"{cfg.probe_timeout_s:.1f}s after a collective failed", "probe")
+    return NOTHING
+
+
 def check_timeouts(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
-    """Heartbeat loss first (a dead node explains a stall), then hangs."""
+    """Probe answers first, then heartbeat loss (a dead node explains a stall), then hangs."""
+    d = check_probe(now, view, cfg)
+    if d.action != Action.NONE:
+        return d
     for node in view.nodes.values():
         if node.registered and node.role in (NodeRole.ACTIVE, NodeRole.SPARE):
             silent_s = now - node.last_heartbeat_s
@@ -81,7 +99,7 @@ def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
         return NOTHING
     for rank in range(m.world_size):
         p = view.progress.get(rank)
-        if p is None or p.epoch != m.epoch or p.state != "wait":
+        if p is None or p.epoch != m.epoch or p.state not in ("wait", "collective_failed"):
             node = m.node_of(rank)
             assert node is not None
             last = "never reported" if p is None else f"last step {p.step}, state {p.state}"

@@ -35,6 +35,7 @@ class MsgType(str, Enum):
     FENCE = "fence"
     SHUTDOWN = "shutdown"
     INJECT = "inject"
+    PING = "ping"  # "answer with a heartbeat now": a liveness probe after a collective error
     # either way
     STATUS = "status"
     STATUS_REPLY = "status_reply"

@@ -111,3 +111,19 @@ def test_membership_replace_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
         m.replace("a", "b")
     assert Membership.from_dict(m.to_dict()) == m
+
+
+def test_probe_unanswered_by_the_deadline_fails_that_node_only() -> None:
+    v = view(now=100.0)            # last heartbeats at 100.0
+    v.probe_sent_s = 100.05
+    v.nodes["a"].last_heartbeat_s = 100.1  # answered the ping
+    assert check_timeouts(100.3, v, CFG).action == Action.NONE  # still within probe_timeout_s (0.5 s)
+    d = check_timeouts(100.6, v, CFG)
+    assert d.action == Action.REPLACE_NODE and d.node == "b" and d.detector == "probe"
+
+
+def test_probe_answered_by_everyone_is_nothing() -> None:
+    v = view(now=100.0)
+    v.probe_sent_s = 100.0
+    beat(v, 100.2)
+    assert check_timeouts(100.6, v, CFG).action == Action.NONE
