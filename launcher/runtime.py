@@ -35,6 +35,7 @@ from resild.membership import Membership
 from resild.protocol import MsgType
 from resild.transport import Channel, KeyDir, connect
 
+from .agent_link import AgentLink, agent_endpoint
 from .replicas import ReplicaMap, plan_replay
 from .state import flatten, unflatten
 
@@ -85,6 +86,8 @@ class Job:
         self.backend = os.environ.get("RESILD_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         self._install_excepthook()
+        ep = agent_endpoint()
+        self._agent = AgentLink(ep, f"{self.node}/rank{self.local_rank}", lambda: self.step).start() if ep else None
         # A spare waits here, warm: torch imported, model and optimizer built.
         while self._pending is None:
             self._poll(1.0)
@@ -403,6 +406,8 @@ class Job:
 
     def close(self) -> None:
         if not self.solo:
+            if self._agent is not None:
+                self._agent.stop()
             self.ch.close()
             self.ctx.term()
 
