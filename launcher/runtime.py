@@ -352,7 +352,10 @@ class Job:
         says the whole job is done (a late failure may still need our state)."""
         self._finishing = True
         self._send(MsgType.DONE, rank=self.rank, step=self.step, pid=os.getpid())
+        deadline = time.monotonic() + float(self.cfg.get("notice_timeout_s", 120))
         while self._shutdown is None:
+            if time.monotonic() > deadline:
+                raise ResilienceError("finished, but the controller never confirmed the end of the job")
             self._poll(0.05)
             if self._pending is not None:
                 self._finishing = False

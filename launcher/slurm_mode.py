@@ -56,7 +56,7 @@ def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tu
     code, reason = run_job(spec, as_json=as_json, backend_factory=make_backend, return_reason=True)
     if code != 0 and requeue_on_exhaustion and reason.startswith("no spare left"):
         try:
-            slurm.requeue(alloc.job_id, f"resild: {reason}")
+            slurm.requeue(alloc.job_id, reason)  # requeue_cmd adds the "resild: " prefix
             print(f"resil-run: requeued job {alloc.job_id}: {reason}", file=sys.stderr)
         except slurm.SlurmError as e:
             print(f"resil-run: requeue failed: {e}", file=sys.stderr)

@@ -32,6 +32,7 @@ class Job:
 #SBATCH -N {nodes}
 #SBATCH --exclusive
 #SBATCH --no-kill
+#SBATCH --requeue
 #SBATCH -t 5
 #SBATCH -o {tmp}/slurm.out
 export RESILD_CONTROLLER_HOST=127.0.0.1
@@ -132,7 +133,9 @@ def test_node_crash_spare_takes_over_and_node_is_drained(lab: SlurmLab, tmp_path
     assert job.wait() == 0, (tmp_path / "slurm.out").read_text()[-3000:]
     _equal(reference, job.final())
     (f,) = job.summary()["failures"]
-    assert f["node"] == victim and f["detector"] == "heartbeat" and f["steps_lost"] == 0
+    # A survivor's collective fails at once (peer reset) and the controller's liveness
+    # probe finds the dead node in 0.5 s; heartbeats (1.5 s here) are the fallback.
+    assert f["node"] == victim and f["detector"] in ("probe", "heartbeat") and f["steps_lost"] == 0
     reasons = lab.sinfo_reasons()
     assert reasons.get(victim, "").startswith("resild: "), reasons
     print(f"\nslurm node crash -> first full-strength step: {recovery_s:.2f}s")
@@ -180,3 +183,21 @@ def test_two_jobs_at_once_do_not_interfere(lab: SlurmLab, tmp_path: Path) -> Non
     ea = a.wait_event(lambda e: e["event"] == "job_started")["endpoint"]
     eb = b.wait_event(lambda e: e["event"] == "job_started")["endpoint"]
     assert ea != eb
+
+
+def test_requeue_on_exhaustion_puts_the_reason_in_the_comment(lab: SlurmLab, tmp_path: Path) -> None:
+    job = Job(lab, tmp_path, nodes=2, spares=0, steps=400, extra="--requeue-on-exhaustion")
+    victim = job.victim()
+    job.wait_event(lambda e: e["event"] == "full_strength_step")
+    lab.crash(victim)
+    job.wait_event(lambda e: e["event"] == "job_failed")
+    deadline = time.monotonic() + 60
+    info = ""
+    while time.monotonic() < deadline:
+        info = lab.run(["scontrol", "show", "job", "-o", job.jid]).stdout
+        if "Restarts=1" in info and "Comment=resild: no spare left" in info:
+            break
+        time.sleep(0.3)
+    lab.run(["scancel", job.jid], check=False)  # do not let the requeued job run again
+    assert "Restarts=1" in info and f"Comment=resild: no spare left: {victim} failed" in info, \
+        (info, (tmp_path / "slurm.out").read_text()[-2000:])
