@@ -100,6 +100,7 @@ class Job:
         def hook(tp: type, value: BaseException, tb: Any) -> None:
             try:
                 self._send(MsgType.FAILED, local_rank=self.local_rank, pid=os.getpid(), error=f"{tp.__name__}: {value}")
+                self.ch.sock.close(linger=1000)  # flush it: LINGER 0 would drop it at teardown
             finally:
                 prev(tp, value, tb)
 

@@ -20,7 +20,8 @@ from .events import EventLog
 from .faults import Fault, Injector
 from .journal import Journal
 from .membership import ClusterView, Membership, NodeRole, NodeView, RankProgress
-from .policy import Action, Decision, PolicyConfig, check_done, check_timeouts, on_node_failure
+from .policy import (Action, Decision, PolicyConfig, check_done, check_timeouts, on_node_failure,
+                     on_worker_exception)
 from .protocol import Message, MsgType
 from .transport import KeyDir, Server
 
@@ -202,8 +203,10 @@ class Controller:
         self.events.emit(str(b.get("name", "worker_event")), node=node.node_id, **fields)
 
     def _on_failed(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        cause = f"worker {b.get('local_rank')} (pid {b.get('pid')}) raised {b.get('error', 'an exception')}"
-        self._decide(on_node_failure(self.view, node.node_id, cause, "exception"), now)
+        error = str(b.get("error", "an exception"))
+        cause = f"worker {b.get('local_rank')} (pid {b.get('pid')}) raised {error}"
+        self._decide(on_worker_exception(self.view, node.node_id, error, cause), now)
+        self.view.exceptions_seen.append(error)
 
     def _on_done(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         self.view.done_ranks.add(int(b["rank"]))

@@ -120,6 +120,7 @@ class ClusterView:
     progress: dict[int, RankProgress] = field(default_factory=dict)
     done_ranks: set[int] = field(default_factory=set)
     probe_sent_s: float | None = None  # a liveness probe is out since then (see policy.check_probe)
+    exceptions_seen: list[str] = field(default_factory=list)  # worker exception texts, oldest first
 
     def spares(self) -> list[NodeView]:
         return [n for n in self.nodes.values() if n.role == NodeRole.SPARE]

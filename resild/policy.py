@@ -60,6 +60,17 @@ def on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str) 
                     membership=view.membership.replace(node_id, spare.node_id), detector=detector)
 
 
+def on_worker_exception(view: ClusterView, node_id: str, error: str, cause: str) -> Decision:
+    """A worker raised. The first time it is treated like a node fault (a bad GPU
+    often surfaces as an exception); the same error again, on another node, is a
+    bug in the training script: replacing nodes would only burn the spares."""
+    if error and error in view.exceptions_seen:
+        return Decision(Action.FAIL_JOB, f"the same exception recurred on {node_id} after a node replacement; "
+                                         f"this looks like a bug in the training script, not a fault: {error}",
+                        node=node_id, detector="exception")
+    return on_node_failure(view, node_id, cause, "exception")
+
+
 def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     """A rank saw a collective fail (a peer's socket reset): every active node was
     pinged at `probe_sent_s`. One that has not answered within probe_timeout_s is

@@ -90,3 +90,13 @@ def test_bad_fault_spec_is_a_usage_error_not_a_traceback(tmp_path: Path) -> None
     assert r.rc == 2 and "unknown fault kind" in r.stderr and "Traceback" not in r.stderr
     r = run_job(tmp_path, "--inject", "kill:node9@3", timeout_s=30)
     assert r.rc == 2 and "nodes are local-node0" in r.stderr
+
+
+def test_the_same_exception_twice_is_a_bug_not_a_fault(tmp_path: Path) -> None:
+    # The first exception uses a spare; the same error on the replacement stops the job
+    # instead of burning the second spare on what is evidently a software bug.
+    r = run_job(tmp_path, "--inject", "exception:node0@15", "--inject", "exception:node2@30", nodes=4, spares=2)
+    assert r.rc == 1, r.stderr[-2000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("resil-run: job failed:")]
+    assert "bug in the training script" in line and "RuntimeError: resild fault injection" in line
+    assert [e["spare"] for e in r.events if e["event"] == "spare_assigned"] == ["local-node2"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from resild.membership import ClusterView, IllegalTransition, Membership, NodeRole, NodeView, RankProgress
-from resild.policy import Action, PolicyConfig, check_done, check_timeouts, on_node_failure, pick_spare
+from resild.policy import (Action, PolicyConfig, check_done, check_timeouts, on_node_failure, on_worker_exception,
+                           pick_spare)
 
 CFG = PolicyConfig(heartbeat_timeout_s=2.0, hang_timeout_s=5.0)
 
@@ -127,3 +128,13 @@ def test_probe_answered_by_everyone_is_nothing() -> None:
     v.probe_sent_s = 100.0
     beat(v, 100.2)
     assert check_timeouts(100.6, v, CFG).action == Action.NONE
+
+
+def test_first_exception_is_treated_as_a_fault_a_repeat_as_a_bug() -> None:
+    v = view(spares=2)
+    d = on_worker_exception(v, "a", "ValueError: bad shape", "worker 0 raised ValueError: bad shape")
+    assert d.action == Action.REPLACE_NODE and d.detector == "exception"
+    v.exceptions_seen.append("ValueError: bad shape")
+    d = on_worker_exception(v, "b", "ValueError: bad shape", "worker 0 raised ValueError: bad shape")
+    assert d.action == Action.FAIL_JOB and "bug in the training script" in d.reason
+    assert on_worker_exception(v, "b", "RuntimeError: CUDA error", "...").action == Action.REPLACE_NODE
