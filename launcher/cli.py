@@ -67,6 +67,11 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
          events: Path | None, hang_timeout_s: float, heartbeat_timeout_s: float, run_dir: Path | None,
          requeue_on_exhaustion: bool, as_json: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="resil-run: %(message)s")
+    if events is not None:
+        try:
+            events.open("a").close()
+        except OSError as e:
+            raise click.UsageError(f"cannot write --events {events}: {e.strerror}") from None
     if not local:
         from .slurm_mode import run_slurm  # imported lazily: local mode needs no Slurm
         sys.exit(run_slurm(nodes=nodes, spares=spares, nproc_per_node=nproc_per_node, inject=inject, events=events,

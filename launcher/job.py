@@ -50,6 +50,15 @@ def _fake_nvml(spec: JobSpec) -> Path | None:
         return None
 
 
+def worker_timeouts(hang_timeout_s: float, heartbeat_timeout_s: float) -> dict[str, float]:
+    """Timeouts the workers use, derived from the controller's so that they nest:
+    a collective must not time out before the controller could have declared a
+    hang, and a rank must not give up on the notice before the collective did."""
+    collective_s = max(60.0, 3 * hang_timeout_s)
+    return {"wait_report_s": min(1.0, hang_timeout_s / 4), "collective_timeout_s": collective_s,
+            "notice_timeout_s": collective_s + 2 * hang_timeout_s + heartbeat_timeout_s + 60.0}
+
+
 def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str, Path, float], Any] | None = None,
             return_reason: bool = False) -> Any:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
@@ -62,7 +71,7 @@ def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str
                            policy=PolicyConfig(heartbeat_timeout_s=spec.heartbeat_timeout_s,
                                                hang_timeout_s=spec.hang_timeout_s),
                            store_addr=f"{spec.bind_host}:{store.port}",
-                           worker={"wait_report_s": min(1.0, spec.hang_timeout_s / 4)})
+                           worker=worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s))
     ctl = Controller(cfg, spec.active, spec.spares, spec.nproc_per_node, keys, events,
                      Journal(spec.run_dir / "journal.jsonl"), None, spec.faults)
     endpoint = f"tcp://{spec.bind_host}:{ctl.endpoint.rsplit(':', 1)[1]}"

@@ -42,6 +42,9 @@ class NodeProcess:
         self.ctx = zmq.Context()
         self.ch = connect(self.ctx, controller, keys, sender=f"{node}/node")
         self.env = dict(os.environ, RESILD_CONTROLLER=controller, RESILD_NODE=node, RESILD_NPROC=str(nproc))
+        # NCCL: on a communicator error abort it but keep the process (the controller's
+        # notice, not torch's watchdog, decides what happens next).
+        self.env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         if keys is not None:
             self.env["RESILD_KEYS"] = str(keys.path)
         self.workers: dict[int, Worker] = {}
@@ -51,6 +54,7 @@ class NodeProcess:
         self.probe = None
         self.probe_interval_s = probe_interval_s
         self.exit_code: int | None = None
+        self.exit_grace_s = float(os.environ.get("RESILD_EXIT_GRACE_S", "600"))
         self.shutting_down_until: float | None = None
 
     # ---- health probe (GPU) -------------------------------------------------
@@ -105,8 +109,17 @@ class NodeProcess:
     def run(self) -> int:
         self.ch.send(MsgType.REGISTER_NODE, {"node": self.node, "pid": os.getpid(), "nproc": self.nproc})
         self._start_probe()
-        for lr in range(self.nproc):
-            self._spawn(lr)
+        try:
+            for lr in range(self.nproc):
+                self._spawn(lr)
+        except OSError as e:
+            # A bad command is the user's mistake, the same on every node: stop the job.
+            why = f"{self.node}: cannot start the worker command {self.cmd[0]!r}: {e.strerror}"
+            self.ch.send(MsgType.FATAL, {"node": self.node, "error": why})
+            self.ch.sock.close(linger=2000)
+            log.error("%s", why)
+            self._kill_workers()
+            return 2
         poller = zmq.Poller()
         poller.register(self.ch.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -135,6 +148,8 @@ class NodeProcess:
                 if self.shutting_down_until is not None:
                     alive = [w for w in self.workers.values() if w.proc.poll() is None]
                     if not alive or time.monotonic() > self.shutting_down_until:
+                        if alive:
+                            log.warning("%s: killing %d worker(s) still running after shutdown", self.node, len(alive))
                         self._kill_workers()
                         self.exit_code = 0
         finally:
@@ -161,7 +176,10 @@ class NodeProcess:
                 return
             if msg.type == MsgType.SHUTDOWN:
                 if self.shutting_down_until is None:
-                    self.shutting_down_until = time.monotonic() + 30.0
+                    # Success: workers may still be saving their final state, give them
+                    # time. Failure: they are being stopped, do not wait long.
+                    ok = int(msg.body.get("exit_code", 1)) == 0
+                    self.shutting_down_until = time.monotonic() + (self.exit_grace_s if ok else 5.0)
             elif msg.type == MsgType.PING:
                 self.ch.send(MsgType.HEARTBEAT, {"node": self.node}, ttl_s=5)
             elif msg.type == MsgType.INJECT:

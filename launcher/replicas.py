@@ -16,6 +16,14 @@ class NoReplica(RuntimeError):
 class ReplicaMap:
     groups: tuple[tuple[int, ...], ...]  # each group: ranks holding identical state
 
+    def validate(self, world_size: int) -> None:
+        """The groups must partition range(world_size): a rank in no group would
+        silently resume from nothing, a rank in two would get two states."""
+        seen = sorted(r for g in self.groups for r in g)
+        if seen != list(range(world_size)):
+            raise ValueError(f"replica map {[list(g) for g in self.groups]} does not partition ranks "
+                             f"0..{world_size - 1}: every rank must be in exactly one replica group")
+
     @staticmethod
     def data_parallel(world_size: int) -> ReplicaMap:
         return ReplicaMap((tuple(range(world_size)),))

@@ -36,7 +36,7 @@ from resild.protocol import MsgType
 from resild.transport import Channel, KeyDir, connect
 
 from .agent_link import AgentLink, agent_endpoint
-from .replicas import ReplicaMap, plan_replay
+from .replicas import NoReplica, ReplicaMap, plan_replay
 from .state import flatten, unflatten
 
 log = logging.getLogger("resild.runtime")
@@ -85,7 +85,10 @@ class Job:
         self.store = self._store_client()
         self.backend = os.environ.get("RESILD_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self._install_excepthook()
+        self._aux = self._capture_aux()
         ep = agent_endpoint()
         self._agent = AgentLink(ep, f"{self.node}/rank{self.local_rank}", lambda: self.step).start() if ep else None
         # A spare waits here, warm: torch imported, model and optimizer built.
@@ -99,8 +102,12 @@ class Job:
 
         def hook(tp: type, value: BaseException, tb: Any) -> None:
             try:
-                self._send(MsgType.FAILED, local_rank=self.local_rank, pid=os.getpid(), error=f"{tp.__name__}: {value}")
-                self.ch.sock.close(linger=1000)  # flush it: LINGER 0 would drop it at teardown
+                if not self.ch.sock.closed:
+                    self._send(MsgType.FAILED, local_rank=self.local_rank, pid=os.getpid(),
+                               error=f"{tp.__name__}: {value}")
+                    self.ch.sock.close(linger=1000)  # flush it: LINGER 0 would drop it at teardown
+            except Exception:
+                pass  # reporting is best effort; the exit is seen by the node process anyway
             finally:
                 prev(tp, value, tb)
 
@@ -125,8 +132,12 @@ class Job:
         elif msg.type == MsgType.SHUTDOWN:
             self._shutdown = msg.body
             if not self._finishing:
-                if self.epoch == 0 and int(msg.body.get("exit_code", 0)) == 0:
-                    raise SystemExit(0)  # a spare that was never needed
+                if int(msg.body.get("exit_code", 1)) == 0:
+                    # The job is complete (every rank of the current epoch committed the last
+                    # step): a spare never needed, or a rank whose DONE was still in flight.
+                    if self.epoch == 0:
+                        raise SystemExit(0)
+                    return
                 raise SystemExit(f"resild: job stopped by the controller: {msg.body.get('reason')}")
         elif msg.type == MsgType.ERROR:
             log.error("controller error: %s", msg.body)
@@ -162,7 +173,7 @@ class Job:
         gloo's send/recv works never report is_completed() before wait() is
         called, so those are waited on in a helper thread (wait releases the GIL).
         """
-        if p2p:
+        if p2p and self.backend != "nccl":  # NCCL works report completion themselves
             out: dict[str, Exception] = {}
 
             def waiter() -> None:
@@ -176,8 +187,9 @@ class Job:
             done: Callable[[], bool] = lambda: not th.is_alive()  # noqa: E731
         else:
             done = work.is_completed
+            p2p = False
         self._wait_until(done)
-        if p2p:
+        if p2p and self.backend != "nccl":
             if "err" in out:
                 raise _CollectiveFailed(str(out["err"]))
             return
@@ -188,7 +200,8 @@ class Job:
 
     def _wait_until(self, done: Callable[[], bool]) -> None:
         """Spin on `done` while serving controller messages; after wait_report_s tell
-        the controller we are blocked (the hang detector blames whoever is not)."""
+        the controller we are blocked (the hang detector blames whoever is not),
+        and that we are computing again once the wait ends."""
         t0 = time.monotonic()
         nap_s, reported = 0.0001, False
         while not done():
@@ -198,6 +211,8 @@ class Job:
             if not reported and time.monotonic() - t0 > float(self.cfg.get("wait_report_s", 1.0)):
                 self._send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state="wait")
                 reported = True
+        if reported:
+            self._send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state="compute")
 
     def _await_notice(self, why: str) -> None:
         """Our collective failed: only the controller knows the new membership. The
@@ -254,16 +269,22 @@ class Job:
             try:
                 self.pg = self._new_group(self._m, self.rank)
                 t_formed = time.monotonic()
-                steps = torch.zeros(self.world_size, dtype=torch.int64)
+                self._rewind_aux()
+                steps = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
                 steps[self.rank] = self.step
                 self._wait(self.pg.allreduce([steps]))
-                target, plan = plan_replay(steps.tolist(), self._replicas(self.world_size))
+                target, plan = plan_replay(steps.tolist(), self._replica_map())
                 nbytes = self._replay(plan)
             except _Reformed:
                 continue
             except _CollectiveFailed as e:
                 self._await_notice(str(e))
                 continue
+            except (NoReplica, ValueError) as e:
+                # Every rank computes the same plan, so every rank lands here: stop the job.
+                self._send(MsgType.FATAL, error=str(e))
+                self.ch.sock.close(linger=1000)
+                raise ResilienceError(str(e)) from None
             t_done = time.monotonic()
             if self.rank == 0:
                 self._event("group_reformed", seconds=round(t_formed - t0, 4), world_size=self.world_size)
@@ -272,6 +293,11 @@ class Job:
             if self.rank == 0:
                 self._event("resumed", step=target, seconds=round(t_done - t0, 4))
             return
+
+    def _replica_map(self) -> ReplicaMap:
+        rm = self._replicas(self.world_size)
+        rm.validate(self.world_size)
+        return rm
 
     def _check_fenced_or_take(self) -> None:
         m = self._pending
@@ -285,16 +311,46 @@ class Job:
                 self.pg.abort()  # NCCL: interrupts pending kernels; gloo: returns at once
             except Exception:
                 pass
-            self._graveyard.append(self.pg)  # freeing a gloo group with blocked threads can deadlock
+            self._bury(self.pg)
             self.pg = None
         self._m, self.rank, self.world_size, self.epoch = m, rank, m.world_size, m.epoch
 
+    def _capture_aux(self) -> dict[str, Any]:
+        """RNG and `extra` as of the last commit. An abandoned step has consumed
+        random numbers (dropout) and advanced the data loader: recovery rewinds
+        to this, and replay sends this, never the live state."""
+        return {"extra": self.extra.state_dict() if self.extra is not None else None,
+                "rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                "cuda_rng": torch.cuda.get_rng_state(self.device).cpu() if self.device.type == "cuda" else None}
+
+    def _rewind_aux(self) -> None:
+        a = self._aux
+        if self.extra is not None and a["extra"] is not None:
+            self.extra.load_state_dict(a["extra"])
+        torch.set_rng_state(a["rng"])
+        random.setstate(a["py_rng"])
+        if a["cuda_rng"] is not None:
+            torch.cuda.set_rng_state(a["cuda_rng"], self.device)
+
+    def _bury(self, pg: Any) -> None:
+        """Keep an aborted group alive until its pending work has timed out (freeing a
+        gloo group with threads blocked on a dead peer can deadlock), then drop it off
+        the hot path: each group holds world-size sockets, and they must not pile up."""
+        self._graveyard.append(pg)
+        delay_s = float(self.cfg.get("collective_timeout_s", 60)) + 5.0
+
+        def reap() -> None:
+            time.sleep(delay_s)
+            try:
+                self._graveyard.remove(pg)
+            except ValueError:
+                pass
+
+        threading.Thread(target=reap, name="resild-reaper", daemon=True).start()
+
     def _snapshot(self) -> dict[str, Any]:
         return {"step": self.step, "model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "extra": self.extra.state_dict() if self.extra is not None else None,
-                "rng": torch.get_rng_state(), "py_rng": random.getstate(),
-                "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None}
+                "sched": self.scheduler.state_dict() if self.scheduler is not None else None, **self._aux}
 
     def _restore(self, s: dict[str, Any]) -> None:
         self.model.load_state_dict(s["model"])
@@ -309,13 +365,14 @@ class Job:
         if s["cuda_rng"] is not None:
             torch.cuda.set_rng_state(s["cuda_rng"], self.device)
         self.step = int(s["step"])
+        self._aux = self._capture_aux()
 
     def _replay(self, plan: list[Any]) -> int:
         sends = [t for t in plan if t.src == self.rank]
         recv = next((t for t in plan if t.dst == self.rank), None)
         nbytes = 0
         if sends:
-            skel, buf = flatten(self._snapshot())
+            skel, buf = flatten(self._snapshot())  # on the CPU: model (GPU) and RNG (CPU) state mix
             skel_t = torch.frombuffer(bytearray(skel), dtype=torch.uint8).to(self.device)
             buf = buf.to(self.device)
             header = torch.tensor([len(skel), buf.numel()], dtype=torch.int64, device=self.device)
@@ -327,6 +384,7 @@ class Job:
         if recv is not None:
             header = torch.zeros(2, dtype=torch.int64, device=self.device)
             self._wait(self.pg.recv([header], recv.src, 1), p2p=True)
+            header = header.cpu()
             skel_t = torch.empty(int(header[0]), dtype=torch.uint8, device=self.device)
             buf = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
             self._wait(self.pg.recv([skel_t], recv.src, 2), p2p=True)
@@ -352,7 +410,7 @@ class Job:
         """Report done, then stay available as a replica until the controller
         says the whole job is done (a late failure may still need our state)."""
         self._finishing = True
-        self._send(MsgType.DONE, rank=self.rank, step=self.step, pid=os.getpid())
+        self._send(MsgType.DONE, rank=self.rank, epoch=self.epoch, step=self.step, pid=os.getpid())
         deadline = time.monotonic() + float(self.cfg.get("notice_timeout_s", 120))
         while self._shutdown is None:
             if time.monotonic() > deadline:
@@ -365,8 +423,8 @@ class Job:
         return True
 
     def commit(self) -> bool:
-        """All-reduce gradients with a health vote; step optimizer and scheduler
-        only if every rank took part. Returns False if the step was abandoned
+        """All-reduce gradients; step optimizer and scheduler only if the
+        all-reduce completed, i.e. every rank took part. Returns False if the step was abandoned
         (a recovery ran; the loop resumes at the agreed committed step)."""
         self._commits += 1
         if self.solo:
@@ -376,7 +434,7 @@ class Job:
             raise RuntimeError("resild fault injection: exception raised in the training step")
         params = [p for p in self.model.parameters() if p.requires_grad]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads] + [torch.ones(1, dtype=grads[0].dtype, device=grads[0].device)])
+        flat = torch.cat([g.reshape(-1) for g in grads])
         try:
             self._poll(0)
             self._check()
@@ -388,8 +446,8 @@ class Job:
             self._await_notice(str(e))
             self._recover()
             return False
-        if int(flat[-1].item()) != self.world_size:
-            return False  # someone voted no: nobody steps
+        # The all-reduce completed, so every rank contributed: that is the commit vote
+        # (a separate vote element would saturate in bf16 beyond 256 ranks).
         flat.div_(self.world_size)
         offset = 0
         for p in params:
@@ -399,6 +457,7 @@ class Job:
             p.grad.copy_(flat[offset:offset + n].view_as(p))
             offset += n
         self._apply_step()
+        self._aux = self._capture_aux()
         self._send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state="commit")
         return True
 

@@ -31,6 +31,7 @@ class SlurmBackend(Backend):
         self.proc: subprocess.Popen | None = None
         self.drained: dict[str, str] = {}
         self.fenced: set[str] = set()
+        self._srun_reported = False
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -55,6 +56,14 @@ class SlurmBackend(Backend):
 
     def fence(self, node: str, reason: str) -> None:
         self.fenced.add(node)
+
+    def exited_nodes(self) -> list[tuple[str, int]]:
+        """srun is one step for all nodes: if it ends while the job runs (a launch
+        failure, or every node gone), every node not yet fenced has failed."""
+        if self.proc is None or self.proc.poll() is None or self._srun_reported:
+            return []
+        self._srun_reported = True
+        return [(n, self.proc.returncode) for n in self.nodes if n not in self.fenced]
 
     def shutdown(self, timeout_s: float) -> None:
         for t in self._threads:

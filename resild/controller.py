@@ -33,8 +33,9 @@ class ControllerConfig:
     bind: str = "tcp://127.0.0.1:0"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     tick_s: float = 0.02
+    max_batch: int = 1000  # messages handled before the timeout checks run again
     start_timeout_s: float = 300.0
-    shutdown_timeout_s: float = 30.0
+    shutdown_timeout_s: float = 600.0  # at success: time for workers to finish (final save)
     store_addr: str = ""
     worker: dict[str, Any] = field(default_factory=dict)  # runtime settings handed to workers
 
@@ -83,7 +84,10 @@ class Controller:
                 if got is not None:
                     ident, msg = got
                     self._handle(ident, msg, now)
-                    while self.result is None and (got := self.ch.recv(0)) is not None:
+                    # Bounded: at scale a flood of progress reports must not starve the checks.
+                    for _ in range(self.cfg.max_batch):
+                        if self.result is not None or (got := self.ch.recv(0)) is None:
+                            break
                         self._handle(got[0], got[1], time.monotonic())
                 if self.result is None:
                     self._tick(time.monotonic())
@@ -126,11 +130,17 @@ class Controller:
             MsgType.WORKER_EXIT: self._on_worker_exit, MsgType.HEALTH: self._on_health,
             MsgType.REGISTER_WORKER: self._on_register_worker, MsgType.PROGRESS: self._on_progress,
             MsgType.EVENT: self._on_event, MsgType.DONE: self._on_done, MsgType.FAILED: self._on_failed,
+            MsgType.FATAL: self._on_fatal,
         }.get(msg.type)
         if handler is None:
             self.ch.send(MsgType.ERROR, {"code": "unexpected", "detail": f"{msg.type.value} not accepted here"}, to=ident)
             return
-        handler(ident, node, b, now)
+        try:
+            handler(ident, node, b, now)
+        except (KeyError, ValueError, TypeError) as e:
+            # A well-framed message with a bad body: answer and log, never crash the job.
+            log.warning("bad %s body from %s: %r", msg.type.value, msg.sender, e)
+            self.ch.send(MsgType.ERROR, {"code": "bad_body", "detail": f"{msg.type.value}: {e!r}"}, to=ident)
 
     def _on_register_node(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         self.node_ident[node.node_id] = ident
@@ -138,9 +148,11 @@ class Controller:
         self.events.emit("node_registered", node=node.node_id, role=node.role.value, pid=b.get("pid"))
 
     def _on_heartbeat(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        # The node agent heartbeats too; only the job's node process gets FENCE/INJECT/SHUTDOWN.
-        if ident.endswith(b"/node"):
-            self.node_ident[node.node_id] = ident
+        # The node daemon may heartbeat too, but the job's liveness is its node process:
+        # only that one refreshes the clock and receives FENCE/INJECT/SHUTDOWN.
+        if not ident.endswith(b"/node"):
+            return
+        self.node_ident[node.node_id] = ident
         node.last_heartbeat_s = now
         node.registered = True
         node.health = str(b.get("health", node.health))
@@ -208,8 +220,17 @@ class Controller:
         self._decide(on_worker_exception(self.view, node.node_id, error, cause), now)
         self.view.exceptions_seen.append(error)
 
+    def _on_fatal(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        self._decide(Decision(Action.FAIL_JOB, f"unrecoverable: {b.get('error', 'no reason given')}",
+                              detector="runtime"), now)
+
     def _on_done(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        m = self.view.membership
+        if m is None or int(b["epoch"]) != m.epoch:
+            return  # sent before a re-form: the rank reports again in the new epoch
         self.view.done_ranks.add(int(b["rank"]))
+        if self.view.first_done_s is None:
+            self.view.first_done_s = now
         self.events.emit("rank_done", node=node.node_id, rank=int(b["rank"]), pid=b.get("pid"), step=b.get("step"))
         self._decide(check_done(self.view), now)
 
@@ -257,6 +278,7 @@ class Controller:
     def _apply_membership(self, m: Membership, now: float) -> None:
         self.view.membership = m
         self.view.done_ranks.clear()  # ranks re-report done in the new epoch
+        self.view.first_done_s = None
         self.view.epoch_started_s = now
         self._awaiting_full_strength = m.epoch
         for node_id in m.node_ranks:
@@ -288,7 +310,8 @@ class Controller:
                 self.ch.send(MsgType.SHUTDOWN, {"reason": self.result.reason, "exit_code": self.result.exit_code}, to=ident)
         for (node_id, _), ident in self.worker_ident.items():
             if self.view.nodes[node_id].role != NodeRole.FENCED:
-                self.ch.send(MsgType.SHUTDOWN, {"reason": self.result.reason}, to=ident)
+                self.ch.send(MsgType.SHUTDOWN, {"reason": self.result.reason, "exit_code": self.result.exit_code},
+                             to=ident)
         self.backend.shutdown(self.cfg.shutdown_timeout_s if self.result.exit_code == 0 else 0.0)
         self.server.close()
         self.journal.close()

@@ -119,6 +119,7 @@ class ClusterView:
     last_commit_s: float = 0.0
     progress: dict[int, RankProgress] = field(default_factory=dict)
     done_ranks: set[int] = field(default_factory=set)
+    first_done_s: float | None = None  # when the first rank of this epoch reported done
     probe_sent_s: float | None = None  # a liveness probe is out since then (see policy.check_probe)
     exceptions_seen: list[str] = field(default_factory=list)  # worker exception texts, oldest first
 

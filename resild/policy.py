@@ -52,7 +52,11 @@ def on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str) 
         return NOTHING  # already handled (several detectors often see one fault)
     if node.role == NodeRole.SPARE:
         return Decision(Action.DROP_SPARE, f"spare {node_id} failed: {cause}", node=node_id, detector=detector)
-    assert view.membership is not None
+    if view.membership is None:
+        # Before the first epoch this is almost always the command itself (bad path,
+        # import error, bad argument): replacing nodes would repeat it.
+        return Decision(Action.FAIL_JOB, f"{node_id} failed before the job started: {cause}",
+                        node=node_id, detector=detector)
     spare = pick_spare(view)
     if spare is None:
         return Decision(Action.FAIL_JOB, f"no spare left: {node_id} failed ({cause})", node=node_id, detector=detector)
@@ -102,13 +106,15 @@ def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     """A stalled job: nobody committed for hang_timeout_s. The culprits are the
     ranks NOT blocked in a collective (they are what the others wait for)."""
     m = view.membership
-    if m is None or view.done_ranks:
+    if m is None:
         return NOTHING
-    since = max(view.last_commit_s, view.epoch_started_s)
+    since = max(view.last_commit_s, view.epoch_started_s, view.first_done_s or 0.0)
     stalled_s = now - since
     if stalled_s <= cfg.hang_timeout_s:
         return NOTHING
     for rank in range(m.world_size):
+        if rank in view.done_ranks:
+            continue  # finished: waiting for the others is all it does
         p = view.progress.get(rank)
         if p is None or p.epoch != m.epoch or p.state not in ("wait", "collective_failed"):
             node = m.node_of(rank)

@@ -29,6 +29,7 @@ class MsgType(str, Enum):
     EVENT = "event"
     DONE = "done"
     FAILED = "failed"  # the worker is about to die of an exception: do not wait for its exit
+    FATAL = "fatal"    # the job cannot go on (e.g. every replica of a shard lost): stop it
     # controller -> peers
     WELCOME = "welcome"
     MEMBERSHIP = "membership"
@@ -78,7 +79,7 @@ def decode(frame: bytes) -> Message:
         raise ProtocolError("too_large", f"{len(frame)} bytes > {MAX_FRAME_BYTES}")
     try:
         raw = json.loads(frame)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ProtocolError("malformed", f"not JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ProtocolError("malformed", "frame is not a JSON object")

@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 from .conftest import RunResult, assert_bitwise_equal, run_job
+
+DROPOUT = Path(__file__).with_name("train_dropout.py")
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -100,3 +104,22 @@ def test_the_same_exception_twice_is_a_bug_not_a_fault(tmp_path: Path) -> None:
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("resil-run: job failed:")]
     assert "bug in the training script" in line and "RuntimeError: resild fault injection" in line
     assert [e["spare"] for e in r.events if e["event"] == "spare_assigned"] == ["local-node2"]
+
+
+def test_rng_and_data_cursor_are_rewound_and_replayed(tmp_path: Path) -> None:
+    ref = run_job(tmp_path / "ref", script=DROPOUT)
+    assert ref.rc == 0, ref.stderr[-2000:]
+    r = run_job(tmp_path / "hurt", "--inject", "kill:node1@20", script=DROPOUT)
+    assert r.rc == 0, r.stderr[-2000:]
+    assert len(failures(r)) == 1
+    assert_bitwise_equal(ref.final, r.final)
+    assert r.final["cursor"] == ref.final["cursor"] == 60
+    assert torch.equal(r.final["rng"], ref.final["rng"])
+
+
+def test_a_bad_command_fails_the_job_in_one_line_without_using_spares(tmp_path: Path) -> None:
+    r = run_job(tmp_path, nodes=3, spares=1, timeout_s=60, script=tmp_path / "missing.py")
+    assert r.rc == 1
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("resil-run: job failed:")]
+    assert "before the job started" in line and "exited with code 2" in line
+    assert not [e for e in r.events if e["event"] == "spare_assigned"]

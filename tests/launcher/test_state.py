@@ -82,3 +82,11 @@ def test_plan_hsdp_sends_each_shard_from_its_own_replica_group() -> None:
 def test_plan_every_replica_of_a_shard_lost() -> None:
     with pytest.raises(NoReplica, match="disk checkpoint"):
         plan_replay([5, 0, 5, 0], ReplicaMap.hsdp(4, shard_size=2))
+
+
+def test_replica_map_must_partition_the_ranks() -> None:
+    ReplicaMap.hsdp(4, 2).validate(4)
+    with pytest.raises(ValueError, match="partition"):
+        ReplicaMap(((0, 2),)).validate(4)  # ranks 1 and 3 in no group
+    with pytest.raises(ValueError, match="partition"):
+        ReplicaMap(((0, 1), (1, 2, 3))).validate(4)

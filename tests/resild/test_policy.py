@@ -138,3 +138,20 @@ def test_first_exception_is_treated_as_a_fault_a_repeat_as_a_bug() -> None:
     d = on_worker_exception(v, "b", "ValueError: bad shape", "worker 0 raised ValueError: bad shape")
     assert d.action == Action.FAIL_JOB and "bug in the training script" in d.reason
     assert on_worker_exception(v, "b", "RuntimeError: CUDA error", "...").action == Action.REPLACE_NODE
+
+
+def test_a_rank_that_hangs_after_others_finished_is_blamed() -> None:
+    v = view(now=100.0)
+    v.done_ranks = {0, 1, 3}
+    v.first_done_s = 101.0
+    v.progress[2].state = "compute"
+    assert check_timeouts(105.0, beat(v, 105.0), CFG).action == Action.NONE
+    d = check_timeouts(107.0, beat(v, 107.0), CFG)
+    assert d.action == Action.REPLACE_NODE and d.node == "b" and "rank 2" in d.reason
+
+
+def test_no_membership_yet_means_the_command_failed_not_the_node() -> None:
+    v = view()
+    v.membership = None
+    d = on_node_failure(v, "a", "worker 0 exited with code 2", "process-exit")
+    assert d.action == Action.FAIL_JOB and "before the job started" in d.reason
