@@ -192,12 +192,13 @@ class Controller:
         m = self.view.membership
         if m is None or m.node_ranks.get(node.node_id) is None or rank not in m.node_ranks[node.node_id]:
             return  # stale sender
-        if b.get("state") == "collective_failed" and self.view.probe_sent_s is None:
+        if b.get("state") == "collective_failed" and self.view.probe_sent_s is None and epoch == m.epoch:
             self.events.emit("collective_failed", rank=rank, epoch=epoch, error=str(b.get("error", ""))[:300])
-            self.view.probe_sent_s = now
-            for node_id, n in self.view.nodes.items():
-                if n.role == NodeRole.ACTIVE and node_id in self.node_ident:
-                    self.ch.send(MsgType.PING, {}, to=self.node_ident[node_id], ttl_s=1.0)
+            self.view.probe_sent_s, self.view.probe_epoch = now, epoch
+            targets = [n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and n in self.node_ident]
+            self.view.probe_targets = frozenset(targets)
+            for node_id in targets:
+                self.ch.send(MsgType.PING, {}, to=self.node_ident[node_id], ttl_s=1.0)
         p = self.view.progress.setdefault(rank, RankProgress())
         committed = step > p.step or epoch != p.epoch
         p.step, p.epoch, p.state, p.t_s = step, epoch, str(b.get("state", "compute")), now
@@ -253,6 +254,10 @@ class Controller:
             self.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
             self.events.emit("spare_assigned", spare=d.spare, failed=d.node, epoch=d.membership.epoch,
                              ranks=list(d.membership.node_ranks[d.spare]), spares_left=len(self.view.spares()))
+            self._apply_membership(d.membership, now)
+        elif d.action == Action.REFORM:
+            assert d.membership is not None
+            self.events.emit("reform", epoch=d.membership.epoch, reason=d.reason)
             self._apply_membership(d.membership, now)
         elif d.action == Action.FAIL_JOB:
             self.events.emit("job_failed", reason=d.reason)

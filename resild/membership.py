@@ -58,6 +58,10 @@ class Membership:
                 return node
         return None
 
+    def bump(self) -> Membership:
+        """The next epoch with the same layout: re-form without replacing anyone."""
+        return Membership(self.epoch + 1, self.world_size, dict(self.node_ranks))
+
     def replace(self, failed: str, spare: str) -> Membership:
         """The next epoch: `spare` takes exactly the ranks `failed` held."""
         if failed not in self.node_ranks:
@@ -121,6 +125,8 @@ class ClusterView:
     done_ranks: set[int] = field(default_factory=set)
     first_done_s: float | None = None  # when the first rank of this epoch reported done
     probe_sent_s: float | None = None  # a liveness probe is out since then (see policy.check_probe)
+    probe_targets: frozenset[str] = frozenset()  # the nodes it was sent to
+    probe_epoch: int = 0                         # the epoch whose collective failed
     exceptions_seen: list[str] = field(default_factory=list)  # worker exception texts, oldest first
 
     def spares(self) -> list[NodeView]:

@@ -14,6 +14,7 @@ from .membership import ClusterView, Membership, NodeRole, NodeView
 class Action(str, Enum):
     NONE = "none"
     REPLACE_NODE = "replace_node"   # fence `node`, give its ranks to `spare`
+    REFORM = "reform"               # same layout, new epoch: a transient collective failure
     DROP_SPARE = "drop_spare"       # a spare failed: fence it, no epoch change
     FAIL_JOB = "fail_job"
     FINISH = "finish"
@@ -82,10 +83,18 @@ def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     sent = view.probe_sent_s
     if sent is None or now - sent < cfg.probe_timeout_s:
         return NOTHING
-    for node in view.nodes.values():
+    for node_id in sorted(view.probe_targets):
+        node = view.nodes[node_id]
         if node.role == NodeRole.ACTIVE and node.last_heartbeat_s < sent:
-            return on_node_failure(view, node.node_id, f"no answer to a liveness probe within "
-                                                       f"{cfg.probe_timeout_s:.1f}s after a collective failed", "probe")
+            return on_node_failure(view, node_id, f"no answer to a liveness probe within "
+                                                  f"{cfg.probe_timeout_s:.1f}s after a collective failed", "probe")
+    m = view.membership
+    if m is not None and m.epoch == view.probe_epoch:
+        # Everyone is alive and nobody was replaced meanwhile: the failure was transient
+        # (a reset connection). Re-form, or the ranks would wait for a notice forever.
+        return Decision(Action.REFORM, f"a collective failed in epoch {m.epoch} but every node answered "
+                                       "the liveness probe: re-forming the group", membership=m.bump(),
+                        detector="probe")
     return NOTHING
 
 

@@ -116,7 +116,7 @@ def test_membership_replace_rejects_nonsense() -> None:
 
 def test_probe_unanswered_by_the_deadline_fails_that_node_only() -> None:
     v = view(now=100.0)            # last heartbeats at 100.0
-    v.probe_sent_s = 100.05
+    v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.05, 1, frozenset({"a", "b"})
     v.nodes["a"].last_heartbeat_s = 100.1  # answered the ping
     assert check_timeouts(100.3, v, CFG).action == Action.NONE  # still within probe_timeout_s (0.5 s)
     d = check_timeouts(100.6, v, CFG)
@@ -125,8 +125,9 @@ def test_probe_unanswered_by_the_deadline_fails_that_node_only() -> None:
 
 def test_probe_answered_by_everyone_is_nothing() -> None:
     v = view(now=100.0)
-    v.probe_sent_s = 100.0
+    v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.0, 1, frozenset({"a", "b"})
     beat(v, 100.2)
+    v.membership = v.membership.bump()  # a replacement happened meanwhile
     assert check_timeouts(100.6, v, CFG).action == Action.NONE
 
 
@@ -155,3 +156,22 @@ def test_no_membership_yet_means_the_command_failed_not_the_node() -> None:
     v.membership = None
     d = on_node_failure(v, "a", "worker 0 exited with code 2", "process-exit")
     assert d.action == Action.FAIL_JOB and "before the job started" in d.reason
+
+
+def test_probe_judges_only_the_nodes_it_pinged() -> None:
+    v = view(now=100.0)
+    v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.05, 1, frozenset({"a"})
+    v.nodes["a"].last_heartbeat_s = 100.1
+    # b was not pinged (say it became active after the probe went out): never judged by it
+    d = check_timeouts(100.6, v, CFG)
+    assert d.action == Action.REFORM  # a answered, same epoch: transient
+
+
+def test_transient_collective_failure_reforms_with_the_same_layout() -> None:
+    v = view(now=100.0)
+    v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.05, 1, frozenset({"a", "b"})
+    beat(v, 100.2)
+    d = check_timeouts(100.6, v, CFG)
+    assert d.action == Action.REFORM and d.membership == Membership(2, 4, {"a": (0, 1), "b": (2, 3)})
+    v.membership = d.membership  # a replacement (or re-form) already happened: nothing more to do
+    assert check_timeouts(100.6, v, CFG).action == Action.NONE
