@@ -374,27 +374,21 @@ def main(argv: list[str] | None = None) -> int:
         with slurm_cluster(LAB_NODES, lab=args.lab) as lab:
             lab_up_s = round(lab.up_seconds, 1)
             print(f"lab up in {lab.up_seconds:.1f}s ({args.lab}); job dirs under {work}", file=sys.stderr)
+            def side(label: str, fn: Callable[[], dict]) -> dict:
+                try:
+                    out = fn()
+                except BenchError as e:
+                    errors.append(f"{label}: {e}")
+                    out = {"error": str(e).splitlines()[0]}
+                print(f"{label}: {json.dumps(out)}", file=sys.stderr)
+                _restore_all(lab)
+                return out
+
             for i in range(1, args.runs + 1):
-                a: dict = {}
-                b: dict = {}
-                if args.only != "srun":
-                    try:
-                        a = run_resild(lab, work / f"run{i}-resild", args.steps, args.kill_after_s,
-                                       args.heartbeat_timeout)
-                    except BenchError as e:
-                        errors.append(f"run {i} resild: {e}")
-                        a = {"error": str(e).splitlines()[0]}
-                    print(f"run {i} resild: {json.dumps(a)}", file=sys.stderr)
-                    _restore_all(lab)
-                if args.only != "resild":
-                    try:
-                        b = run_baseline(lab, work / f"run{i}-srun", args.steps, args.kill_after_s,
-                                         args.ckpt_every)
-                    except BenchError as e:
-                        errors.append(f"run {i} srun+ckpt: {e}")
-                        b = {"error": str(e).splitlines()[0]}
-                    print(f"run {i} srun+ckpt: {json.dumps(b)}", file=sys.stderr)
-                    _restore_all(lab)
+                a = {} if args.only == "srun" else side(f"run {i} resild", lambda: run_resild(
+                    lab, work / f"run{i}-resild", args.steps, args.kill_after_s, args.heartbeat_timeout))
+                b = {} if args.only == "resild" else side(f"run {i} srun+ckpt", lambda: run_baseline(
+                    lab, work / f"run{i}-srun", args.steps, args.kill_after_s, args.ckpt_every))
                 pairs.append((a, b))
     except (pytest.skip.Exception, pytest.fail.Exception) as e:  # lab could not come up
         print(f"slurm lab unavailable: {e}", file=sys.stderr)
