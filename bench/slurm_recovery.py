@@ -46,6 +46,7 @@ same ports as the test suite's lab (slurmctld 6917, slurmd 17100+i): do not run 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -53,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -145,6 +146,18 @@ def _r(v: float | None, digits: int = 3) -> float | None:
 
 
 # -- (a) resild --------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _job_guard(lab, jid: str, res: dict) -> Iterator[None]:
+    """Cancel the job if the measurement fails; always record how the job ended."""
+    try:
+        yield
+    except BaseException:
+        lab.run(["scancel", jid], check=False)
+        raise
+    finally:
+        res["job_state"] = _wait_job_end(lab, jid, 60)
+
+
 def run_resild(lab, work: Path, steps: int, kill_after_s: float, heartbeat_timeout: float,
                timeout_s: float = 240) -> dict:
     work.mkdir(parents=True, exist_ok=True)
@@ -170,7 +183,7 @@ exit $rc
     jid = _sbatch(lab, [str(script)])
     res: dict = {"side": "resild", "job_id": jid, "workdir": str(work)}
     ev = lambda: _jsonl(events_path)  # noqa: E731
-    try:
+    with _job_guard(lab, jid, res):
         started = _wait("resild job_started", lambda: _first(ev(), lambda e: e["event"] == "job_started"),
                         120, out)
         host = started["controller_host"]
@@ -217,11 +230,6 @@ exit $rc
             pass
         res["sinfo_reason"] = lab.sinfo_reasons().get(victim)
         res["ctld_marked_down_s"] = _ctld_marked_down_s(lab, victim, t_crash_wall)
-    except BaseException:
-        lab.run(["scancel", jid], check=False)
-        raise
-    finally:
-        res["job_state"] = _wait_job_end(lab, jid, 60)
     return res
 
 
@@ -235,7 +243,7 @@ def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: i
     res: dict = {"side": "srun+ckpt", "job_id": jid, "workdir": str(work), "ckpt_every": ckpt_every}
     jev = lambda: _jsonl(jobev_path)  # noqa: E731
     ev = lambda: _jsonl(events_path)  # noqa: E731
-    try:
+    with _job_guard(lab, jid, res):
         started = _wait("baseline job_started", lambda: _first(jev(), lambda e: e["event"] == "job_started"),
                         120, out)
         host = started["batch_host"]
@@ -299,11 +307,6 @@ def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: i
                      timeout_s, out, poll_s=0.2)
         res["exit_code"] = ends[-1].get("rc")
         res["steps_done"] = sum(1 for _ in select(ev(), "done"))
-    except BaseException:
-        lab.run(["scancel", jid], check=False)
-        raise
-    finally:
-        res["job_state"] = _wait_job_end(lab, jid, 60)
     return res
 
 
