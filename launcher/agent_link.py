@@ -13,7 +13,8 @@ from typing import Callable
 
 import zmq
 
-from resild.protocol import MsgType, Sequencer, decode, encode
+from resild.protocol import MsgType
+from resild.transport import local_request
 
 log = logging.getLogger("resild.agent_link")
 DEFAULT_SOCKET = "/run/resild/status.sock"
@@ -33,7 +34,6 @@ class AgentLink:
         self.endpoint, self.name, self.step = endpoint, name, step
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._stop = threading.Event()
-        self._seq = Sequencer(f"{name}/{os.getpid()}")
         self._thread = threading.Thread(target=self._run, name="resild-agent-link", daemon=True)
 
     def start(self) -> AgentLink:
@@ -45,20 +45,8 @@ class AgentLink:
         self._thread.join(self.timeout_s + 1.0)
 
     def _request(self, ctx: zmq.Context, mtype: MsgType, body: dict) -> bool:
-        sock = ctx.socket(zmq.REQ)  # a fresh REQ each time: a lost reply never wedges the next one
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(self.endpoint)
-            sock.send(encode(self._seq.make(mtype, body, ttl_s=5.0)))
-            if not sock.poll(int(self.timeout_s * 1000), zmq.POLLIN):
-                return False
-            reply = decode(sock.recv())
-            return reply.type != MsgType.ERROR
-        except Exception as e:  # never let the link hurt training
-            log.debug("agent request failed: %s", e)
-            return False
-        finally:
-            sock.close(linger=0)
+        reply = local_request(self.endpoint, mtype, body, timeout_s=self.timeout_s, ctx=ctx)
+        return reply is not None and reply.type != MsgType.ERROR
 
     def _run(self) -> None:
         ctx = zmq.Context()

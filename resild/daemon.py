@@ -33,7 +33,7 @@ from resild.health.model import HealthEvent, Verdict
 from resild.metrics import Metrics
 from resild.probes import Outcome, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
 from resild.protocol import Message, MsgType, ProtocolError, Sequencer, decode, encode
-from resild.transport import KeyDir, connect
+from resild.transport import KeyDir, connect, local_request  # noqa: F401 (re-exported for the CLI/tests)
 
 log = logging.getLogger("resild.daemon")
 LOOP_TICK_S = 0.05          # bounds the delay from a verdict change to its HEALTH message
@@ -378,22 +378,3 @@ def _int(v: Any, what: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise ProtocolError("malformed", f"{what} must be a positive integer")
     return v
-
-
-def local_request(endpoint: str, mtype: MsgType, body: dict[str, Any] | None = None,
-                  timeout_s: float = 3.0, ctx: zmq.Context | None = None) -> Message | None:
-    """One request to a daemon's status socket; None when nothing answers in time."""
-    ctx = ctx or zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(endpoint)
-        sock.send(encode(Sequencer(f"{socket.gethostname()}/cli-{os.getpid()}").make(mtype, body)))
-        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return None
-        return decode(sock.recv())
-    except (zmq.ZMQError, ProtocolError) as e:
-        log.debug("status request to %s failed: %s", endpoint, e)
-        return None
-    finally:
-        sock.close(linger=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,3 +154,23 @@ def connect(ctx: zmq.Context, endpoint: str, keys: KeyDir | None, sender: str) -
         _set_curve_client(sock, keys)
     sock.connect(endpoint)
     return Channel(sock, sender, router=False)
+
+
+def local_request(endpoint: str, mtype: MsgType, body: dict | None = None,
+                  timeout_s: float = 3.0, ctx: zmq.Context | None = None) -> Message | None:
+    """One REQ/REP exchange with a node daemon's local socket; None when nothing
+    answers in time. A fresh socket each time: a lost reply never wedges the next."""
+    ctx = ctx or zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(encode(Sequencer(f"{socket.gethostname()}/req-{os.getpid()}").make(mtype, body)))
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        return decode(sock.recv())
+    except (zmq.ZMQError, ProtocolError) as e:
+        log.debug("request to %s failed: %s", endpoint, e)
+        return None
+    finally:
+        sock.close(linger=0)
