@@ -207,6 +207,7 @@ class Controller:
             if step > self.max_step:
                 self.max_step = step
                 self._commit_times.append((step, now))
+                self.events.progress(step, epoch)  # throttled: step-vs-time line, live status
             if self._awaiting_full_strength == epoch and committed:
                 self._awaiting_full_strength = None
                 self.events.emit("full_strength_step", epoch=epoch, step=step, rank=rank)

@@ -1,24 +1,61 @@
-"""The job's event stream: one JSON line per event with monotonic and wall time."""
+"""The job's event stream: one JSON line per event with monotonic and wall time.
+
+Listeners (``EventLog.listeners``) see every record as it is written: `resil-run`'s
+live status line is one. They run on the controller's thread, so they must be cheap;
+one that raises is dropped (with a log line) rather than allowed to stop the job.
+"""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+log = logging.getLogger("resild.events")
+
+Listener = Callable[[dict[str, Any]], None]
+
+# `progress` events are throttled: enough points to draw committed step against wall
+# time and to show steps/s live, without one line per step (100k ranks x 10 steps/s).
+PROGRESS_INTERVAL_S = 0.5
 
 
 class EventLog:
-    def __init__(self, path: Path | None = None) -> None:
+    def __init__(self, path: Path | None = None, progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
         self.records: list[dict[str, Any]] = []
+        self.listeners: list[Listener] = []
+        self.progress_interval_s = progress_interval_s
+        self._last_progress: float | None = None
         self._f = open(path, "a", encoding="utf-8") if path is not None else None
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        rec = {"event": event, "t_mono": fields.pop("t_mono", None) or time.monotonic(), "t_wall": time.time(), **fields}
+        now = time.monotonic()
+        src = fields.pop("t_mono", None)
+        rec = {"event": event, "t_mono": src or now, "t_wall": time.time(), **fields}
+        if src is not None and src != now:
+            # The sender's clock (a worker's CLOCK_MONOTONIC: another host under Slurm);
+            # t_log is when this log saw it, on the same clock as every controller event.
+            rec["t_log"] = now
         self.records.append(rec)
         if self._f is not None:
             self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
             self._f.flush()
+        for fn in list(self.listeners):
+            try:
+                fn(rec)
+            except Exception as e:  # a display bug must never take the job down
+                log.warning("event listener %r failed and was removed: %r", fn, e)
+                self.listeners.remove(fn)
         return rec
+
+    def progress(self, step: int, epoch: int) -> dict[str, Any] | None:
+        """A `progress` event (committed step, epoch), at most once per progress_interval_s."""
+        now = time.monotonic()
+        if self._last_progress is not None and now - self._last_progress < self.progress_interval_s:
+            return None
+        self._last_progress = now
+        return self.emit("progress", step=step, epoch=epoch)
 
     def close(self) -> None:
         if self._f is not None:
