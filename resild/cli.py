@@ -49,6 +49,7 @@ def cli() -> None:
       resild check --drain                             # Slurm HealthCheckProgram
       resild cluster --controller tcp://head:5555 --keys /etc/resild/keys
       resild keys /etc/resild/keys                     # make CURVE keys
+      resild report run.jsonl --plot run.png           # where a job's time went (resil-run --events)
     """
 
 
@@ -287,6 +288,53 @@ def cluster(controller: str, keys_dir: str | None, timeout_s: float, as_json: bo
                      "-" if age is None else f"{age:.1f}s", n.get("reason") or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     click.echo("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows))
+
+
+# -- report ------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("events_file", metavar="EVENTS.jsonl", type=click.Path(dir_okay=True, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the breakdown as JSON (seconds; shares are 0..1).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Draw the timeline to FILE: a PNG, or an HTML page (PNG, table and JSON) if FILE ends in .html.")
+@click.option("--job", "job_index", type=click.IntRange(min=1), default=None,
+              help="Which job of the file (--events appends; 1 = the first) [default: the last].")
+def report(events_file: Path, as_json: bool, plot_path: Path | None, job_index: int | None) -> None:
+    """Where a job's time went, from its `resil-run --events` file.
+
+    Splits the wall time into productive steps, start-up, each failure's recovery
+    (detection, fence, re-form, replay, first step), redone steps, idle time and
+    shutdown; these add up to the wall time. Goodput is productive / wall.
+
+    \b
+    Examples:
+      resil-run --local --events run.jsonl --inject kill:node1@40 -- python train.py
+      resild report run.jsonl                       # the table
+      resild report run.jsonl --plot run.png        # + timeline: step vs time, faults, phases, spares
+      resild report run.jsonl --plot run.html       # one self-contained page to share
+      resild report run.jsonl --json | jq .goodput
+    """
+    from resild.goodput import EventFileError, analyze, format_breakdown, load_events
+
+    suffix = plot_path.suffix.lower() if plot_path else ""
+    if plot_path is not None and suffix not in (".png", ".html", ".htm"):
+        _fail(f"--plot {plot_path}: the name must end in .png or .html", 2)
+    try:
+        b = analyze(load_events(events_file), job_index)
+    except EventFileError as e:
+        _fail(str(e), 2)
+    if plot_path is not None:
+        from resild.plot import write_plot
+        try:
+            write_plot(b, plot_path, title=events_file.name)
+        except OSError as e:
+            _fail(f"cannot write --plot {plot_path}: {e.strerror or e}", 2)
+    if as_json:
+        click.echo(json.dumps(b.to_dict(), indent=2))
+    else:
+        click.echo(format_breakdown(b))
+    if plot_path is not None:
+        click.echo(f"timeline written to {plot_path}", err=True)
 
 
 # -- keys --------------------------------------------------------------------------
