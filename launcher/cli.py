@@ -60,12 +60,14 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
               help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).")
 @click.option("--requeue-on-exhaustion", is_flag=True,
               help="Slurm: when no spare is left, requeue the job (reason in its comment) instead of failing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the end-of-run summary as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the end-of-run summary as JSON (stdout; status stays on stderr).")
+@click.option("-q", "--quiet", is_flag=True,
+              help="No live status line (step, steps/s, epoch, spares left, last failure and its recovery time) on stderr.")
 @click.option("-v", "--verbose", is_flag=True, help="Log controller decisions as they happen.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...],
          events: Path | None, hang_timeout_s: float, heartbeat_timeout_s: float, run_dir: Path | None,
-         requeue_on_exhaustion: bool, as_json: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
+         requeue_on_exhaustion: bool, as_json: bool, quiet: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="resil-run: %(message)s")
     if events is not None:
         try:
@@ -77,7 +79,7 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
         sys.exit(run_slurm(nodes=nodes, spares=spares, nproc_per_node=nproc_per_node, inject=inject, events=events,
                            hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
                            run_dir=run_dir, as_json=as_json, cmd=list(cmd),
-                           requeue_on_exhaustion=requeue_on_exhaustion))
+                           requeue_on_exhaustion=requeue_on_exhaustion, status=not quiet))
     n = nodes or 3
     if spares >= n:
         raise click.UsageError(f"--spares {spares} leaves no active node out of --nodes {n}")
@@ -91,7 +93,7 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
     spec = JobSpec(active=names[: n - spares], spares=names[n - spares:], nproc_per_node=nproc_per_node,
                    cmd=list(cmd), faults=faults, events_path=events, run_dir=rd,
                    hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
-    code = run_job(spec, as_json=as_json)
+    code = run_job(spec, as_json=as_json, status=not quiet)
     sys.exit(code)
 
 

@@ -14,10 +14,10 @@ from resild.events import EventLog
 from resild.faults import Fault
 from resild.journal import Journal
 from resild.policy import PolicyConfig
-from resild.transport import generate_keys
+from resild.transport import generate_keys, store_listen_fd
 
 from .local import LocalCluster
-from .report import format_table, summarize
+from .report import StatusLine, format_table, summarize
 
 
 @dataclass
@@ -60,11 +60,18 @@ def worker_timeouts(hang_timeout_s: float, heartbeat_timeout_s: float) -> dict[s
 
 
 def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str, Path, float], Any] | None = None,
-            return_reason: bool = False) -> Any:
+            return_reason: bool = False, status: bool = True) -> Any:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     keys = generate_keys(spec.run_dir / "keys")
-    store = dist.TCPStore("0.0.0.0" if spec.bind_any else spec.bind_host, 0, is_master=True, wait_for_workers=False)
+    # TCPStore has no authentication: listen only where the peers are (loopback in --local,
+    # the advertised job address under Slurm), never on every interface (its default).
+    store_fd, store_port = store_listen_fd(spec.bind_host, cluster=spec.bind_any)
+    store = dist.TCPStore(spec.bind_host, store_port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=store_fd)
     events = EventLog(spec.events_path)
+    live = StatusLine(sys.stderr) if status else None  # stderr only: stdout is --json's
+    if live is not None:
+        events.listeners.append(live)
     nodes = spec.active + spec.spares
     bind = f"tcp://{'*' if spec.bind_any else spec.bind_host}:0"
     cfg = ControllerConfig(bind=bind,
@@ -89,6 +96,8 @@ def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str
         return (130, "interrupted") if return_reason else 130
     finally:
         events.close()
+        if live is not None:
+            live.close()
     failures, job = summarize(events.records)
     if as_json:
         print(json.dumps({"exit_code": result.exit_code, "reason": result.reason, "job": job,

@@ -1,8 +1,9 @@
 """The end-of-run summary, computed from the event stream alone."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TextIO
 
 
 @dataclass
@@ -77,3 +78,119 @@ def format_table(failures: list[FailureSummary], job: dict[str, Any]) -> str:
         lines.append(f"steps {job['steps']}, median step {job['step_s'] * 1000:.1f}ms, training wall {job['train_s']:.2f}s, "
                      f"goodput {'-' if gp is None else f'{gp * 100:.1f}%'}")
     return "\n".join(lines)
+
+
+# ---- live status: one line while the job runs, driven by the event stream -----------------------
+class StatusLine:
+    """An EventLog listener that keeps a person watching a long job informed.
+
+    It prints at once on what matters (training started, a failure, back at full strength,
+    spares used up) and otherwise at most every `every_s` while steps advance. On a terminal
+    the periodic line is rewritten in place; in a log file (Slurm output) each is its own
+    line. It writes only to `out` (stderr): stdout stays clean for --json.
+    """
+
+    def __init__(self, out: TextIO, every_s: float = 5.0, tty: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.out = out
+        self.every_s = every_s
+        self.tty = out.isatty() if tty is None else tty
+        self.clock = clock
+        self.t0: float | None = None
+        self.step = 0
+        self.epoch = 0
+        self.rate: float | None = None
+        self.spares: int | None = None
+        self.spares0: int | None = None
+        self.nodes: list[str] = []
+        self.last_failure: str | None = None
+        self.recovering_since: float | None = None
+        self.awaiting_epoch: int | None = None
+        self.layout: set[str] = set()
+        self._fault_t: float | None = None
+        self._prev: tuple[float, int, int] | None = None  # (t, step, epoch) of the last progress point
+        self._last_print = float("-inf")
+        self._partial = False  # a rewritable line is on screen
+
+    # -- the listener ---------------------------------------------------------------
+    def __call__(self, e: dict[str, Any]) -> None:
+        name = e.get("event")
+        t = float(e.get("t_log", e.get("t_mono", self.clock())))
+        if name == "job_started":
+            self.t0, self.nodes = t, list(e.get("nodes") or [])
+        elif name == "membership":
+            layout = e.get("layout") or {}
+            self.layout = set(layout)
+            first = self.epoch == 0
+            self.epoch = int(e.get("epoch", self.epoch))
+            if first:
+                self.spares = self.spares0 = max(0, len(self.nodes) - len(layout))
+                self._line(f"training started: {len(layout)} nodes, {sum(len(r) for r in layout.values())} ranks, "
+                           f"{self.spares} hot spares", t, permanent=True)
+        elif name == "progress":
+            step, epoch = int(e["step"]), int(e.get("epoch", self.epoch))
+            if self._prev is not None and epoch == self._prev[2] and t > self._prev[0] and step > self._prev[1]:
+                self.rate = (step - self._prev[1]) / (t - self._prev[0])
+            self._prev = (t, step, epoch)
+            self.step, self.epoch = step, epoch
+            if self.clock() - self._last_print >= self.every_s:
+                self._line(self.status(), t, permanent=not self.tty)
+        elif name == "failure_detected":
+            node = e.get("node")
+            if node not in self.layout:  # a hot spare failed: training goes on
+                self.spares = max(0, (self.spares or 0) - 1)
+                self._line(f"hot spare {node} lost: {e.get('cause')}; {self.spares} spare(s) left", t, permanent=True)
+                return
+            self.step = int(e.get("committed_step", self.step))
+            self.last_failure = f"{node} ({e.get('detector')})"
+            fault_t, self._fault_t = self._fault_t, None
+            self.recovering_since = fault_t if fault_t is not None and fault_t <= t else t
+            self._line(f"failure: {e.get('cause')} [{e.get('detector')}] at step {self.step}", t, permanent=True)
+        elif name == "fault_injected":
+            self._fault_t = t  # the recovery clock starts at the fault when we know it
+        elif name == "spare_assigned":
+            self.spares = int(e.get("spares_left", self.spares or 0))
+            self.awaiting_epoch = int(e["epoch"])
+            self._line(f"{e.get('spare')} takes over {e.get('failed')}'s ranks (epoch {e['epoch']}), "
+                       f"{self.spares} spare(s) left", t, permanent=True)
+        elif name == "reform":
+            self.awaiting_epoch = int(e["epoch"])
+        elif name == "full_strength_step" and self.awaiting_epoch is not None \
+                and int(e.get("epoch", 0)) >= self.awaiting_epoch:
+            took = None if self.recovering_since is None else t - self.recovering_since
+            self.last_failure = f"{self.last_failure or 're-form'} recovered in {took:.2f}s" if took is not None \
+                else self.last_failure
+            self.awaiting_epoch = self.recovering_since = None
+            self.step = int(e.get("step", self.step))
+            self._line(f"back at full strength at step {self.step}" + (f", {took:.2f}s after the fault" if took else ""),
+                       t, permanent=True)
+        elif name == "job_failed":
+            self._line(f"job failed: {e.get('reason')}", t, permanent=True)
+
+    def status(self) -> str:
+        rate = "-" if self.rate is None else f"{self.rate:.1f}"
+        spares = "-" if self.spares is None else f"{self.spares}/{self.spares0}"
+        s = f"step {self.step} ({rate} steps/s), epoch {self.epoch}, spares {spares}"
+        if self.recovering_since is not None:
+            s += f", recovering from {self.last_failure}"
+        elif self.last_failure:
+            s += f", last failure: {self.last_failure}"
+        return s
+
+    def _line(self, text: str, t: float, permanent: bool) -> None:
+        elapsed = "" if self.t0 is None else f"[{t - self.t0:7.1f}s] "
+        line = f"resil-run: {elapsed}{text}"
+        if self.tty:
+            self.out.write("\r\x1b[K" + line + ("\n" if permanent else ""))
+            self._partial = not permanent
+        else:
+            self.out.write(line + "\n")
+        self.out.flush()
+        self._last_print = self.clock()
+
+    def close(self) -> None:
+        """End a rewritable line so that what follows starts on its own line."""
+        if self._partial:
+            self.out.write("\n")
+            self.out.flush()
+            self._partial = False

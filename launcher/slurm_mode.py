@@ -1,9 +1,14 @@
 """resil-run inside a Slurm allocation (sbatch or salloc)."""
 from __future__ import annotations
 
+import json
 import os
+import re
+import shlex
 import socket
+import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import click
@@ -13,9 +18,117 @@ from resild.faults import Fault, FaultSpecError, parse_fault
 from . import slurm
 
 
+# ---- will Slurm cancel the allocation when a node fails? -----------------------------------------
+# Without `sbatch --no-kill` Slurm revokes the whole allocation when one of its nodes fails, and
+# no spare can help. A job cannot ask Slurm directly in 22.05: `sbatch --no-kill` sets no
+# environment variable and `scontrol show job` does not print it. What a job can read: the
+# JSON job record of newer Slurm (kill_on_node_fail), the submit line (SubmitLine=, 23.02+),
+# its own batch script's #SBATCH directives, and SBATCH_NO_KILL when the user set it.
+NO_KILL_MESSAGE = ("resil-run: WARNING: job {job} was not submitted with --no-kill: when a node fails Slurm "
+                   "cancels the whole allocation, spares included, and resild cannot recover. "
+                   "Add `#SBATCH --no-kill` (or `sbatch -k`).")
+NO_KILL_UNKNOWN = ("resil-run: note: could not tell whether job {job} has --no-kill ({why}); without it a node "
+                   "failure cancels the whole allocation. Submit with `#SBATCH --no-kill`.")
+_SBATCH_DIRECTIVE = re.compile(r"^#SBATCH\s+(.*)$")
+
+
+def _no_kill_in_args(args: list[str]) -> bool | None:
+    """True/False if these sbatch arguments say --no-kill / --no-kill=off; None if silent."""
+    said: bool | None = None
+    for a in args:
+        if a in ("-k", "--no-kill") or a == "--no-kill=on":
+            said = True
+        elif a == "--no-kill=off":
+            said = False
+    return said
+
+
+def no_kill_from_script(script: str) -> bool | None:
+    """sbatch reads #SBATCH lines only until the first command line."""
+    said: bool | None = None
+    for line in script.splitlines()[1:] if script.startswith("#!") else script.splitlines():
+        stripped = line.strip()
+        if not stripped:
+            continue
+        m = _SBATCH_DIRECTIVE.match(stripped)
+        if m:
+            try:
+                got = _no_kill_in_args(shlex.split(m.group(1), comments=True))
+            except ValueError:
+                continue
+            said = got if got is not None else said
+        elif not stripped.startswith("#"):
+            break
+    return said
+
+
+def no_kill_from_job_json(text: str) -> bool | None:
+    try:
+        jobs = json.loads(text).get("jobs") or []
+    except (ValueError, AttributeError):
+        return None
+    if jobs and isinstance(jobs[0], dict) and "kill_on_node_fail" in jobs[0]:
+        return not bool(jobs[0]["kill_on_node_fail"])
+    return None
+
+
+def no_kill_from_show_job(text: str) -> bool | None:
+    m = re.search(r"\bSubmitLine=(.*)$", text, flags=re.M)
+    if not m:
+        return None
+    try:
+        args = shlex.split(m.group(1))
+    except ValueError:
+        return None
+    return _no_kill_in_args(args)  # silent: it may still be in the script's directives
+
+
+def allocation_survives_node_failure(job_id: str, env: Mapping[str, str],
+                                     run: Callable[[list[str]], str | None]) -> tuple[bool | None, str]:
+    """(True: --no-kill, False: a node failure cancels the job, None: cannot tell; how we know).
+
+    `run(argv)` returns a command's stdout or None when it failed. Command-line flags win over
+    script directives, which win over SBATCH_NO_KILL (sbatch's own order of precedence).
+    """
+    got = no_kill_from_job_json(run(["scontrol", "show", "job", "--json", job_id]) or "")
+    if got is not None:
+        return got, "scontrol show job --json"
+    got = no_kill_from_show_job(run(["scontrol", "show", "job", job_id]) or "")
+    if got is not None:
+        return got, "the submit line"
+    script = run(["scontrol", "write", "batch_script", job_id, "-"])
+    if script:
+        got = no_kill_from_script(script)
+        if got is not None:
+            return got, "#SBATCH directives"
+    if "SBATCH_NO_KILL" in env:
+        return env["SBATCH_NO_KILL"].lower() not in ("off", "0", "no", "false"), "SBATCH_NO_KILL"
+    if script:
+        return False, "#SBATCH directives (none says --no-kill)"
+    return None, "Slurm does not tell a job whether it was submitted with --no-kill, and no batch script was readable"
+
+
+def _run_quiet(argv: list[str], timeout_s: float = 10.0) -> str | None:
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout if r.returncode == 0 else None
+
+
+def warn_if_allocation_dies_with_a_node(job_id: str, env: Mapping[str, str], out=sys.stderr,
+                                        run: Callable[[list[str]], str | None] = _run_quiet) -> bool | None:
+    survives, how = allocation_survives_node_failure(job_id, env, run)
+    if survives is False:
+        print(NO_KILL_MESSAGE.format(job=job_id) + f" (from {how})", file=out)
+    elif survives is None:
+        print(NO_KILL_UNKNOWN.format(job=job_id, why=how), file=out)
+    return survives
+
+
 def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...], events: Path | None,
               hang_timeout_s: float, heartbeat_timeout_s: float, run_dir: Path | None, as_json: bool,
-              cmd: list[str], requeue_on_exhaustion: bool = False) -> int:
+              cmd: list[str], requeue_on_exhaustion: bool = False, status: bool = True) -> int:
     try:
         alloc = slurm.allocation_from_env(os.environ)
     except slurm.SlurmEnvError as e:
@@ -37,6 +150,9 @@ def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tu
         if f.node not in all_nodes:
             raise click.UsageError(f"fault {f} names node {f.node!r}; nodes are {', '.join(all_nodes)}")
 
+    # Said at start, not after the first failure: by then the allocation is gone.
+    warn_if_allocation_dies_with_a_node(alloc.job_id, os.environ)
+
     from .job import JobSpec, run_job  # imports torch
     from .slurm_backend import SlurmBackend
 
@@ -53,7 +169,8 @@ def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tu
     spec = JobSpec(active=active, spares=spare_nodes, nproc_per_node=nproc_per_node, cmd=cmd, run_dir=rd,
                    faults=faults, events_path=events, hang_timeout_s=hang_timeout_s,
                    heartbeat_timeout_s=heartbeat_timeout_s, bind_host=host, bind_any=True)
-    code, reason = run_job(spec, as_json=as_json, backend_factory=make_backend, return_reason=True)
+    code, reason = run_job(spec, as_json=as_json, backend_factory=make_backend, return_reason=True,
+                           status=status)
     if code != 0 and requeue_on_exhaustion and reason.startswith("no spare left"):
         try:
             slurm.requeue(alloc.job_id, reason)  # requeue_cmd adds the "resild: " prefix
