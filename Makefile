@@ -16,12 +16,16 @@ $(VENV)/.installed: pyproject.toml
 
 # The main job on the embedded local cluster: 2 active nodes x 2 ranks, 2 hot spares,
 # one worker SIGKILLed at step 40 and a GPU "fallen off the bus" (Xid 79) at step 150.
+# Then `resild report` splits its wall time into productive steps, start-up and each recovery's
+# phases, and draws runs/demo-report.png (the picture in the README: docs/demo-report.png).
 demo: setup
 	mkdir -p runs
+	rm -f runs/demo-events.jsonl  # --events appends: one job per file
 	$(BIN)/resil-run --local --nodes 4 --spares 2 --nproc-per-node 2 \
 	  --events runs/demo-events.jsonl \
 	  --inject kill:node1@40 --inject xid79:node0@150 \
 	  -- $(BIN)/python examples/train.py --steps 300 --save runs/demo-final.pt
+	$(BIN)/resild report runs/demo-events.jsonl --plot runs/demo-report.png
 
 test: setup
 	$(BIN)/pytest -q
