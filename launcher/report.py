@@ -107,6 +107,7 @@ class StatusLine:
         self.recovering_since: float | None = None
         self.awaiting_epoch: int | None = None
         self.layout: set[str] = set()
+        self.workers = 0
         self._fault_t: float | None = None
         self._prev: tuple[float, int, int] | None = None  # (t, step, epoch) of the last progress point
         self._last_print = float("-inf")
@@ -118,6 +119,11 @@ class StatusLine:
         t = float(e.get("t_log", e.get("t_mono", self.clock())))
         if name == "job_started":
             self.t0, self.nodes = t, list(e.get("nodes") or [])
+        elif name == "worker_registered" and self.epoch == 0:
+            self.workers += 1  # start-up can take minutes at scale: show it moving
+            if self.clock() - self._last_print >= self.every_s:
+                self._line(f"starting: {self.workers} workers ready on {len(self.nodes)} nodes", t,
+                           permanent=not self.tty)
         elif name == "membership":
             layout = e.get("layout") or {}
             self.layout = set(layout)

@@ -41,6 +41,8 @@ def feed(line: StatusLine, clock: Clock, events: list[dict]) -> None:
 
 JOB = [
     ev("job_started", 0.0, nodes=["a", "b", "c", "d"]),
+    ev("worker_registered", 10.0, node="a", local_rank=0),
+    ev("worker_registered", 11.0, node="a", local_rank=1),   # within 5 s: not printed
     ev("membership", 20.0, epoch=1, layout={"a": [0, 1], "b": [2, 3]}),
     ev("progress", 21.0, step=10, epoch=1),
     ev("progress", 21.5, step=20, epoch=1),     # 20 steps/s; too soon to print (every 5 s)
@@ -60,6 +62,7 @@ def test_status_line_says_what_matters():
     out, clock = io.StringIO(), Clock()
     feed(StatusLine(out, every_s=5.0, tty=False, clock=clock), clock, JOB)
     lines = out.getvalue().splitlines()
+    assert lines.pop(0) == "resil-run: [   10.0s] starting: 1 workers ready on 4 nodes"
     assert lines[0] == "resil-run: [   20.0s] training started: 2 nodes, 4 ranks, 2 hot spares"
     # 21.0 and 21.5: within 5 s of the last line; 26.5: rate from the last two points
     assert lines[1] == "resil-run: [   26.5s] step 120 (20.0 steps/s), epoch 1, spares 2/2"
@@ -75,7 +78,7 @@ def test_status_line_says_what_matters():
 def test_status_line_on_a_terminal_rewrites_in_place():
     out, clock = io.StringIO(), Clock()
     line = StatusLine(out, every_s=0.0, tty=True, clock=clock)
-    feed(line, clock, JOB[:4])
+    feed(line, clock, JOB[:1] + JOB[3:6])
     text = out.getvalue()
     assert text.count("\r\x1b[K") == 3 and text.endswith("epoch 1, spares 2/2")  # last line left open
     line.close()
