@@ -37,16 +37,22 @@ class ReplicaMap:
 
 @dataclass(frozen=True)
 class Transfer:
+    """`src` sends `dst` slice `part` of `parts` of the replicated state; the
+    source of part 0 also sends the skeleton and the aux state (RNG, extra)."""
     src: int
     dst: int
+    part: int = 0
+    parts: int = 1
 
 
-def plan_replay(steps: list[int], replicas: ReplicaMap) -> tuple[int, list[Transfer]]:
+def plan_replay(steps: list[int], replicas: ReplicaMap, max_sources: int = 1) -> tuple[int, list[Transfer]]:
     """Agree on the newest committed step and plan who sends state to each rank behind it.
 
     A step commits only when every rank's all-reduce completed, so the newest
     step any rank holds is a valid state for the whole group. Sources are spread
-    round-robin over the holders so several receivers do not queue on one rank.
+    round-robin over the holders so several receivers do not queue on one rank;
+    with `max_sources` > 1 a receiver pulls disjoint slices from up to that many
+    holders at once.
     """
     target = max(steps)
     plan: list[Transfer] = []
@@ -56,5 +62,12 @@ def plan_replay(steps: list[int], replicas: ReplicaMap) -> tuple[int, list[Trans
         if behind and not holders:
             raise NoReplica(f"no rank of replica group {list(group)} holds step {target}: "
                             "checkpointless recovery is impossible; restart from a disk checkpoint")
-        plan += [Transfer(holders[i % len(holders)], dst) for i, dst in enumerate(behind)]
+        k = max(1, min(max_sources, len(holders)))
+        for i, dst in enumerate(behind):
+            plan += [Transfer(holders[(i * k + j) % len(holders)], dst, j, k) for j in range(k)]
     return target, plan
+
+
+def slice_bounds(nbytes: int, part: int, parts: int) -> tuple[int, int]:
+    """Byte range of slice `part`; sender and receiver compute the same one."""
+    return nbytes * part // parts, nbytes * (part + 1) // parts

@@ -1,53 +1,55 @@
-"""The library inside the training process. A data-parallel loop becomes
-resilient with a handful of lines (see examples/train.py):
+"""The library inside the training process: `launcher.init` and the `Job` facade.
+
+A plain data-parallel loop needs four lines (examples/train.py):
 
     job = launcher.init(model, optimizer, scheduler=sched)
     for step in job.steps(total):
         ...forward/backward...
         job.commit()
 
-`commit()` all-reduces the gradients together with a health vote and steps the
-optimizer only if every rank took part, so replicas can never diverge. When
-the controller announces a new membership epoch, whatever collective is in
-flight is abandoned (gloo cannot interrupt it, so we stop *waiting* on it),
-the old group is aborted and parked, a new group is formed under a fresh
-store prefix, the ranks agree on the newest committed step and every rank
-behind it receives the full training state from a replica, in one flat buffer.
-The same path serves NCCL (GPU) and gloo (CPU).
+Sharded and wrapped models (FSDP2/HSDP, DDP) join first, build on the job's
+stable group or mesh, then attach (examples/train_hsdp.py):
+
+    job = launcher.init()                      # a spare waits here
+    mesh = job.hsdp_mesh(shard_size=4)         # DeviceMesh over resild's groups
+    fully_shard(model, mesh=mesh); opt = AdamW(model.parameters())
+    job.attach(model, opt, scheduler=sched, scaler=scaler, extra=loader)
+    for step in job.steps(total):
+        ...forward/backward (hooks sync gradients)...
+        job.sync()                             # optional: plain loops all-reduce here
+        scaler.unscale_(opt); clip_grad_norm_(model.parameters(), 1.0)
+        job.commit()                           # vote; optimizer/scaler/scheduler step
+
+The optimizer steps only if every rank of the epoch completed this step's
+gradient sync (the commit vote). The parts: `control` (the controller link),
+`group` (the stable process group and backend factory), `recovery` (the
+sequence), `replay` (the state transport), `trainstate` (what is replayed).
 """
 from __future__ import annotations
 
 import logging
 import os
-import random
 import sys
-import threading
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-import zmq
 
-from resild.membership import Membership
 from resild.protocol import MsgType
-from resild.transport import Channel, KeyDir, connect
 
 from .agent_link import AgentLink, agent_endpoint
-from .replicas import NoReplica, ReplicaMap, plan_replay
-from .state import flatten, unflatten
+from .control import FENCED_EXIT, ControlLink, keys_from_env
+from .group import GroupFactory, Interrupts, StableGroup, install_default, register
+from .recovery import Recovery, Reformed
+from .replay import describe
+from .replicas import NoReplica, ReplicaMap
+from .trainstate import TrainState
 
 log = logging.getLogger("resild.runtime")
 
-
-class _Reformed(Exception):
-    """A newer membership epoch arrived: stop what we are doing and re-form."""
-
-
-class _CollectiveFailed(Exception):
-    pass
+Replicas = Callable[[int], ReplicaMap]
 
 
 class ResilienceError(RuntimeError):
@@ -55,348 +57,269 @@ class ResilienceError(RuntimeError):
 
 
 class Job:
-    """Handle returned by `launcher.init`. `rank`, `world_size`, `step` are current values."""
+    """Handle returned by `launcher.init`. `rank`, `world_size`, `step`, `epoch` are current values."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
-                 extra: Any = None, replicas: Callable[[int], ReplicaMap] | None = None) -> None:
-        self.model, self.optimizer, self.scheduler, self.extra = model, optimizer, scheduler, extra
-        self._replicas = replicas or ReplicaMap.data_parallel
-        self.step = 0
-        self.rank, self.world_size, self.epoch = 0, 1, 0
-        self.pg: Any = None
-        self._graveyard: list[Any] = []  # old groups: never destroyed on the hot path
-        self._pending: Membership | None = None
-        self._inject_exception = False
-        self._commits = 0
-        self._shutdown: dict | None = None
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: Any = None, extra: Any = None, replicas: Replicas | None = None, *,
+                 scaler: Any = None) -> None:
+        self.step, self.rank, self.world_size, self.epoch = 0, 0, 1, 0
+        self.state: TrainState | None = None
+        self._replicas: Replicas | None = replicas
+        self._mesh_replicas: Replicas | None = None
+        self._aux: dict[str, Any] = {}
+        self._prepared_aux: dict[str, Any] | None = None
+        self._prepared = False          # this step's gradients are synced; waiting on the vote
+        self._last_found_inf = -1
+        self._commits, self._committed_at = 0, -1
+        self._synced_at = -1
         self._finishing = False
+        self._mesh: Any = None
+        self.intr = Interrupts()
         controller = os.environ.get("RESILD_CONTROLLER")
         self.solo = controller is None
+        self.node = os.environ.get("RESILD_NODE", "solo")
+        self.local_rank = int(os.environ.get("RESILD_LOCAL_RANK", "0"))
         if self.solo:
-            return
-        self.node = os.environ["RESILD_NODE"]
-        self.local_rank = int(os.environ["RESILD_LOCAL_RANK"])
-        keys = KeyDir(Path(os.environ["RESILD_KEYS"])) if os.environ.get("RESILD_KEYS") else None
-        self.ctx = zmq.Context()
-        self.ch: Channel = connect(self.ctx, controller, keys, sender=f"{self.node}/w{self.local_rank}/{os.getpid()}")
-        self.ch.send(MsgType.REGISTER_WORKER, {"node": self.node, "local_rank": self.local_rank, "pid": os.getpid()})
-        welcome = self._wait_for(MsgType.WELCOME, timeout_s=120.0)
-        self.cfg = welcome.body
-        self.store = self._store_client()
+            self._init_solo()
+        else:
+            self._init_controlled(controller)
+        if model is not None:
+            if optimizer is None:
+                raise ResilienceError("launcher.init(model, optimizer, ...): the optimizer is required with a model")
+            self.attach(model, optimizer, scheduler, scaler=scaler, extra=extra, replicas=replicas)
+
+    # ---- joining ----------------------------------------------------------------------
+    def _init_solo(self) -> None:
+        self.cfg: dict[str, Any] = {}
+        self.backend = "gloo"
+        self.device = torch.device("cpu")
+        store = dist.HashStore()
+        self.rec = Recovery(self.intr, GroupFactory("gloo", lambda: store, 60.0), self.device, 0.0)
+        self.link = None
+        self._store = store
+        self.rank, self.world_size, self.epoch = 0, 1, 1
+        self._make_world(store)
+        self.rec.form(_SoloMembership(), [self.group])
+
+    def _init_controlled(self, controller: str) -> None:
+        self.link = ControlLink(controller, keys_from_env(), self.node, self.local_rank, self.intr,
+                                lambda: (self.rank, self.epoch, self.step)).start()
+        self.link.send(MsgType.REGISTER_WORKER, local_rank=self.local_rank, pid=os.getpid())
+        if not self.link.wait(lambda: self.link.welcome is not None, 120.0):
+            raise ResilienceError(f"no welcome from the controller within 120s ({controller})")
+        self.cfg = dict(self.link.welcome or {})
         self.backend = os.environ.get("RESILD_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        timeout_s = float(self.cfg.get("collective_timeout_s", 60))
+        self._store = self._store_client()
+        factory = GroupFactory(self.backend, self._store_client, timeout_s, os.environ.get("RESILD_GLOO_HOST"))
+        self.rec = Recovery(self.intr, factory, self.device, timeout_s + 5.0)
         self._install_excepthook()
-        self._aux = self._capture_aux()
         ep = agent_endpoint()
         self._agent = AgentLink(ep, f"{self.node}/rank{self.local_rank}", lambda: self.step).start() if ep else None
-        # A spare waits here, warm: torch imported, model and optimizer built.
-        while self._pending is None:
-            self._poll(1.0)
-        self._recover()
+        # A spare waits here, warm (torch imported, CUDA context up), until it is given ranks.
+        while True:
+            self.link.wait(lambda: self.link.pending is not None or self.link.shutdown is not None, 3600.0)
+            self._check_shutdown(waiting_spare=True)
+            if self.link.pending is not None:
+                m = self.link.pending
+                if m.rank_of(self.node, self.local_rank) is not None:
+                    break
+                self.link.take()  # an epoch that does not include this spare: keep waiting
+        m = self.link.take()
+        assert m is not None
+        self.rank, self.world_size, self.epoch = m.rank_of(self.node, self.local_rank), m.world_size, m.epoch
+        self._make_world(self._store)
+        self._form_until_stable(m, only=[self.group])
 
+    def _make_world(self, store: Any) -> None:
+        self.group = StableGroup("world", list(range(self.world_size)), self.rank, self.intr)
+        self.rec.groups["world"] = self.group
+        install_default(self.group, store)
+
+    def _store_client(self) -> Any:
+        host, port = self.cfg["store"].rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
+
+    def hsdp_mesh(self, shard_size: int, device_type: str | None = None) -> Any:
+        """A 2-D DeviceMesh ("replicate", "shard") over resild's stable groups: shard
+        inside groups of `shard_size` consecutive ranks, replicate across them.
+        Pass it to `fully_shard(..., mesh=...)`; the replica map follows from it."""
+        from torch.distributed.device_mesh import DeviceMesh
+        S, W = int(shard_size), self.world_size
+        if S <= 0 or W % S:
+            raise ResilienceError(f"hsdp_mesh: world size {W} is not a multiple of shard_size {shard_size}")
+        R = W // S
+        r, s = divmod(self.rank, S)
+        rep = StableGroup(f"resild-replicate-{s}", [s + i * S for i in range(R)], self.rank, self.intr)
+        shard = StableGroup(f"resild-shard-{r}", [r * S + j for j in range(S)], self.rank, self.intr)
+        for g in (rep, shard):
+            g.allow = self.group.allow
+            register(g, self._store)
+            self.rec.groups[g.name] = g
+        self._form_until_stable(None, only=[rep, shard])
+        self._mesh_replicas = lambda w: ReplicaMap.hsdp(w, S)
+        self._mesh = DeviceMesh.from_group([rep, shard], device_type or self.device.type,
+                                           mesh=torch.arange(W).view(R, S), mesh_dim_names=("replicate", "shard"))
+        return self._mesh
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
+               scaler: Any = None, extra: Any = None, replicas: Replicas | None = None) -> Job:
+        """Hand resild the training state. On a spare this is where the failed rank's
+        state arrives from a replica; at the job's start the ranks agree on step 0."""
+        if self.state is not None:
+            raise ResilienceError("job.attach() was already called")
+        self.state = TrainState(model, optimizer, scheduler, scaler, extra, self.device)
+        if replicas is not None:
+            self._replicas = replicas
+        self._aux = self.state.capture_aux()
+        for g in self.rec.groups.values():
+            g.allow = True
+        if not self.solo:
+            try:
+                self._join()
+            except Reformed:
+                self._recover()
+        return self
+
+    # ---- messages and failures -----------------------------------------------------
     def _install_excepthook(self) -> None:
         # Interpreter teardown with torch loaded takes ~1-2 s; report the failure first.
         prev = sys.excepthook
 
         def hook(tp: type, value: BaseException, tb: Any) -> None:
             try:
-                if not self.ch.sock.closed:
-                    self._send(MsgType.FAILED, local_rank=self.local_rank, pid=os.getpid(),
-                               error=f"{tp.__name__}: {value}")
-                    self.ch.sock.close(linger=1000)  # flush it: LINGER 0 would drop it at teardown
+                if self.link is not None:
+                    self.link.send(MsgType.FAILED, local_rank=self.local_rank, pid=os.getpid(),
+                                   error=f"{tp.__name__}: {value}"[:1000])
+                    self.link.close(flush_s=1.0)
             except Exception:
-                pass  # reporting is best effort; the exit is seen by the node process anyway
+                pass  # best effort; the exit is seen by the node process anyway
             finally:
                 prev(tp, value, tb)
 
         sys.excepthook = hook
 
-    # ---- messages from the controller --------------------------------------
-    def _poll(self, timeout_s: float) -> None:
-        got = self.ch.recv(timeout_s)
-        while got is not None:
-            self._on_message(got[1])
-            got = self.ch.recv(0)
-
-    def _on_message(self, msg: Any) -> None:
-        if msg.type == MsgType.MEMBERSHIP:
-            m = Membership.from_dict(msg.body)
-            if m.epoch > self.epoch and (self._pending is None or m.epoch > self._pending.epoch):
-                self._pending = m
-        elif msg.type == MsgType.INJECT and msg.body.get("kind") == "exception":
-            self._inject_exception = True
-        elif msg.type == MsgType.FENCE:
-            os._exit(3)  # a fenced rank must never take part again
-        elif msg.type == MsgType.SHUTDOWN:
-            self._shutdown = msg.body
-            if not self._finishing:
-                if int(msg.body.get("exit_code", 1)) == 0:
-                    # The job is complete (every rank of the current epoch committed the last
-                    # step): a spare never needed, or a rank whose DONE was still in flight.
-                    if self.epoch == 0:
-                        raise SystemExit(0)
-                    return
-                raise SystemExit(f"resild: job stopped by the controller: {msg.body.get('reason')}")
-        elif msg.type == MsgType.ERROR:
-            log.error("controller error: %s", msg.body)
-        self._last_msg = msg
-
-    def _wait_for(self, mtype: MsgType, timeout_s: float) -> Any:
-        deadline = time.monotonic() + timeout_s
-        self._last_msg = None
-        while time.monotonic() < deadline:
-            got = self.ch.recv(max(0.0, deadline - time.monotonic()))
-            if got is not None:
-                self._on_message(got[1])
-                if got[1].type == mtype:
-                    return got[1]
-        raise ResilienceError(f"no {mtype.value} from the controller within {timeout_s:.0f}s "
-                              f"({os.environ.get('RESILD_CONTROLLER')})")
-
-    def _send(self, mtype: MsgType, **body: Any) -> None:
-        self.ch.send(mtype, {"node": self.node, **body})
+    def _check_shutdown(self, waiting_spare: bool = False) -> None:
+        s = self.link.shutdown if self.link is not None else None
+        if s is None:
+            return
+        if int(s.get("exit_code", 1)) != 0:
+            raise SystemExit(f"resild: job stopped by the controller: {s.get('reason')}")
+        if waiting_spare:
+            raise SystemExit(0)  # the job is complete and this spare was never needed
 
     def _event(self, name: str, **fields: Any) -> None:
-        self._send(MsgType.EVENT, name=name, fields={"rank": self.rank, "epoch": self.epoch,
-                                                      "t_mono": time.monotonic(), **fields})
+        if self.link is not None:
+            self.link.send(MsgType.EVENT, name=name, fields={"rank": self.rank, "epoch": self.epoch,
+                                                             "t_mono": time.monotonic(), **fields})
 
-    # ---- waiting on collectives without trusting their timeouts -------------
-    def _check(self) -> None:
-        if self._pending is not None and self._pending.epoch > self.epoch:
-            raise _Reformed()
-
-    def _wait(self, work: Any, p2p: bool = False) -> None:
-        """Wait for `work` while listening to the controller; a newer epoch raises _Reformed.
-
-        gloo's send/recv works never report is_completed() before wait() is
-        called, so those are waited on in a helper thread (wait releases the GIL).
-        """
-        if p2p and self.backend != "nccl":  # NCCL works report completion themselves
-            out: dict[str, Exception] = {}
-
-            def waiter() -> None:
-                try:
-                    work.wait()
-                except Exception as e:
-                    out["err"] = e
-
-            th = threading.Thread(target=waiter, name="resild-p2p-wait", daemon=True)
-            th.start()
-            done: Callable[[], bool] = lambda: not th.is_alive()  # noqa: E731
-        else:
-            done = work.is_completed
-            p2p = False
-        self._wait_until(done)
-        if p2p and self.backend != "nccl":
-            if "err" in out:
-                raise _CollectiveFailed(str(out["err"]))
-            return
-        try:
-            work.wait()
-        except Exception as e:  # gloo: peer reset; NCCL: comm aborted
-            raise _CollectiveFailed(str(e)) from None
-
-    def _wait_until(self, done: Callable[[], bool]) -> None:
-        """Spin on `done` while serving controller messages; after wait_report_s tell
-        the controller we are blocked (the hang detector blames whoever is not),
-        and that we are computing again once the wait ends."""
-        t0 = time.monotonic()
-        nap_s, reported = 0.0001, False
-        while not done():
-            self._poll(nap_s)
-            self._check()
-            nap_s = min(nap_s * 2, 0.002)
-            if not reported and time.monotonic() - t0 > float(self.cfg.get("wait_report_s", 1.0)):
-                self._send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state="wait")
-                reported = True
-        if reported:
-            self._send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state="compute")
+    def _progress(self, state: str, **extra: Any) -> None:
+        if self.link is not None:
+            self.link.send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state=state, **extra)
 
     def _await_notice(self, why: str) -> None:
-        """Our collective failed: only the controller knows the new membership. The
-        report makes it probe every node at once instead of waiting for heartbeats."""
-        self._send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state="collective_failed",
-                   error=why[:300])
-        deadline = time.monotonic() + float(self.cfg.get("notice_timeout_s", 120))
-        while time.monotonic() < deadline:
-            self._poll(0.05)
-            if self._pending is not None and self._pending.epoch > self.epoch:
-                return
-        raise ResilienceError(f"collective failed ({why}) and no new membership came within the notice timeout")
+        """A collective failed with no new membership yet: only the controller knows.
+        The report makes it probe every node at once instead of waiting for heartbeats."""
+        self._progress("collective_failed", error=why[:300])
+        link = self.link
+        assert link is not None
+        ok = link.wait(lambda: link.newer_epoch() or link.shutdown is not None,
+                       float(self.cfg.get("notice_timeout_s", 120)))
+        self._check_shutdown()
+        if not ok:
+            raise ResilienceError(f"collective failed ({why}) and no new membership came within the notice timeout")
 
-    # ---- group formation and replay ----------------------------------------
-    def _store_client(self) -> Any:
-        host, port = self.cfg["store"].rsplit(":", 1)
-        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
-
-    def _new_group(self, m: Membership, rank: int) -> Any:
-        timeout = timedelta(seconds=float(self.cfg.get("collective_timeout_s", 60)))
-        if self.backend == "nccl":  # NCCL connects lazily, inside the first (abortable) collective
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            store = dist.PrefixStore(f"resild/e{m.epoch}/", self._store_client())  # own client: see below
-            return dist.ProcessGroupNCCL(store, rank, m.world_size, opts)
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        host = os.environ.get("RESILD_GLOO_HOST")
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host) if host
-                         else dist.ProcessGroupGloo.create_default_device()]
-        out: dict[str, Any] = {}
-
-        def build() -> None:  # connectFullMesh blocks until every rank shows up
-            try:
-                # Its own store connection: an abandoned formation blocks in store.wait()
-                # holding its client, and a shared client would stall the next epoch behind it.
-                store = dist.PrefixStore(f"resild/e{m.epoch}/", self._store_client())
-                out["pg"] = dist.ProcessGroupGloo(store, rank, m.world_size, opts)
-            except Exception as e:
-                out["err"] = e
-
-        th = threading.Thread(target=build, name=f"resild-form-e{m.epoch}", daemon=True)
-        th.start()
-        self._wait_until(lambda: not th.is_alive())  # a newer epoch abandons it (the thread fails on its own)
-        if "err" in out:
-            raise _CollectiveFailed(f"forming epoch {m.epoch}: {out['err']}")
-        return out["pg"]
+    # ---- recovery -------------------------------------------------------------------
+    def _form_until_stable(self, m: Any, only: list[StableGroup]) -> None:
+        try:
+            self.rec.form(m or _EpochOnly(self.epoch), only)
+        except Reformed:
+            self._recover()
 
     def _recover(self) -> None:
+        """Run the recovery sequence until one epoch completes it."""
+        link = self.link
+        assert link is not None
         while True:
-            self._check_fenced_or_take()
+            self._check_shutdown()
+            if not link.newer_epoch():
+                self._await_notice(self.intr.error or "collective failed")
+            m = link.take()
+            assert m is not None
+            rank = m.rank_of(self.node, self.local_rank)
+            if rank is None:
+                os._exit(FENCED_EXIT)  # not in the new membership: we were fenced
+            if rank != self.rank or m.world_size != self.world_size:
+                raise ResilienceError(f"membership epoch {m.epoch} moved rank {self.rank} to {rank}: "
+                                      "resild replaces failed nodes one for one, it never renumbers survivors")
+            self.epoch = m.epoch
+            self.rec.retire()
+            self.intr.clear()
+            if link.newer_epoch():
+                continue
             t0 = time.monotonic()
             try:
-                self.pg = self._new_group(self._m, self.rank)
-                t_formed = time.monotonic()
-                self._rewind_aux()
-                steps = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-                steps[self.rank] = self.step
-                self._wait(self.pg.allreduce([steps]))
-                target, plan = plan_replay(steps.tolist(), self._replica_map())
-                nbytes = self._replay(plan)
-            except _Reformed:
+                formed_s = self.rec.form(m, list(self.rec.groups.values()))
+                if self.rank == 0:
+                    self._event("group_reformed", seconds=round(formed_s, 4), world_size=self.world_size)
+                if self.state is not None:
+                    self._join(t0)
+                return
+            except Reformed:
                 continue
-            except _CollectiveFailed as e:
-                self._await_notice(str(e))
-                continue
-            except (NoReplica, ValueError) as e:
-                # Every rank computes the same plan, so every rank lands here: stop the job.
-                self._send(MsgType.FATAL, error=str(e))
-                self.ch.sock.close(linger=1000)
-                raise ResilienceError(str(e)) from None
-            t_done = time.monotonic()
-            if self.rank == 0:
-                self._event("group_reformed", seconds=round(t_formed - t0, 4), world_size=self.world_size)
-            if nbytes:
-                self._event("state_replayed", bytes=nbytes, seconds=round(t_done - t_formed, 4), step=target)
-            if self.rank == 0:
-                self._event("resumed", step=target, seconds=round(t_done - t0, 4))
-            return
+
+    def _join(self, t0: float | None = None) -> None:
+        """Agree on the newest committed step; roll forward or receive state."""
+        assert self.state is not None
+        t0 = t0 or time.monotonic()
+        ag = self.rec.agree(self.rank, self.world_size,
+                            (self.step, int(self._prepared), self._last_found_inf))
+        if self.rank in ag.rollers:
+            # Every rank voted for this step and some committed it: our gradients are
+            # the committed ones, so finish the step here instead of receiving it.
+            self.state.apply_step(ag.found_inf)
+            self.step += 1
+            self._aux = self._prepared_aux or self._aux
+            self._last_found_inf = ag.found_inf
+        self._prepared = False
+        self._synced_at = self._committed_at = -1  # the agreed step is computed afresh
+        try:
+            target, got = self.rec.replay(ag.steps, self._replica_map(), self.rank, int(self.cfg.get("replay_sources", 2)),
+                                          lambda: (self.state.snapshot(self.step), self._aux))
+        except (NoReplica, ValueError) as e:
+            # Every rank computes the same plan, so every rank lands here: stop the job.
+            if self.link is not None:
+                self.link.send(MsgType.FATAL, error=str(e))
+                self.link.close(flush_s=1.0)
+            raise ResilienceError(str(e)) from None
+        if got is not None:
+            self.step = self.state.restore(got.state, got.aux)
+            self._aux = self.state.capture_aux()
+            self._last_found_inf = -1
+            print(f"resild: rank {self.rank} replayed {describe(got)}", file=sys.stderr, flush=True)
+            self._event("state_replayed", bytes=got.nbytes, seconds=round(got.seconds, 4), step=target,
+                        sources=got.sources, mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1))
+        else:
+            self.state.rewind_aux(self._aux)
+        if self.rank == 0 and self.epoch > 1:
+            self._event("resumed", step=target, seconds=round(time.monotonic() - t0, 4))
 
     def _replica_map(self) -> ReplicaMap:
-        rm = self._replicas(self.world_size)
+        make = self._replicas or self._mesh_replicas or ReplicaMap.data_parallel
+        rm = make(self.world_size)
         rm.validate(self.world_size)
         return rm
 
-    def _check_fenced_or_take(self) -> None:
-        m = self._pending
-        assert m is not None
-        self._pending = None
-        rank = m.rank_of(self.node, self.local_rank)
-        if rank is None:
-            os._exit(3)  # not in the new membership: we were fenced
-        if self.pg is not None:
-            try:
-                self.pg.abort()  # NCCL: interrupts pending kernels; gloo: returns at once
-            except Exception:
-                pass
-            self._bury(self.pg)
-            self.pg = None
-        self._m, self.rank, self.world_size, self.epoch = m, rank, m.world_size, m.epoch
-
-    def _capture_aux(self) -> dict[str, Any]:
-        """RNG and `extra` as of the last commit. An abandoned step has consumed
-        random numbers (dropout) and advanced the data loader: recovery rewinds
-        to this, and replay sends this, never the live state."""
-        return {"extra": self.extra.state_dict() if self.extra is not None else None,
-                "rng": torch.get_rng_state(), "py_rng": random.getstate(),
-                "cuda_rng": torch.cuda.get_rng_state(self.device).cpu() if self.device.type == "cuda" else None}
-
-    def _rewind_aux(self) -> None:
-        a = self._aux
-        if self.extra is not None and a["extra"] is not None:
-            self.extra.load_state_dict(a["extra"])
-        torch.set_rng_state(a["rng"])
-        random.setstate(a["py_rng"])
-        if a["cuda_rng"] is not None:
-            torch.cuda.set_rng_state(a["cuda_rng"], self.device)
-
-    def _bury(self, pg: Any) -> None:
-        """Keep an aborted group alive until its pending work has timed out (freeing a
-        gloo group with threads blocked on a dead peer can deadlock), then drop it off
-        the hot path: each group holds world-size sockets, and they must not pile up."""
-        self._graveyard.append(pg)
-        delay_s = float(self.cfg.get("collective_timeout_s", 60)) + 5.0
-
-        def reap() -> None:
-            time.sleep(delay_s)
-            try:
-                self._graveyard.remove(pg)
-            except ValueError:
-                pass
-
-        threading.Thread(target=reap, name="resild-reaper", daemon=True).start()
-
-    def _snapshot(self) -> dict[str, Any]:
-        return {"step": self.step, "model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                "sched": self.scheduler.state_dict() if self.scheduler is not None else None, **self._aux}
-
-    def _restore(self, s: dict[str, Any]) -> None:
-        self.model.load_state_dict(s["model"])
-        self.optimizer.load_state_dict(s["optim"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(s["sched"])
-        if self.extra is not None:
-            self.extra.load_state_dict(s["extra"])
-        torch.set_rng_state(s["rng"])
-        v, inner, gauss = s["py_rng"]
-        random.setstate((v, tuple(inner), gauss))
-        if s["cuda_rng"] is not None:
-            torch.cuda.set_rng_state(s["cuda_rng"], self.device)
-        self.step = int(s["step"])
-        self._aux = self._capture_aux()
-
-    def _replay(self, plan: list[Any]) -> int:
-        sends = [t for t in plan if t.src == self.rank]
-        recv = next((t for t in plan if t.dst == self.rank), None)
-        nbytes = 0
-        if sends:
-            skel, buf = flatten(self._snapshot())  # on the CPU: model (GPU) and RNG (CPU) state mix
-            skel_t = torch.frombuffer(bytearray(skel), dtype=torch.uint8).to(self.device)
-            buf = buf.to(self.device)
-            header = torch.tensor([len(skel), buf.numel()], dtype=torch.int64, device=self.device)
-            works = []
-            for t in sends:  # issue all, then wait: receivers proceed in parallel
-                works += [self.pg.send([header], t.dst, 1), self.pg.send([skel_t], t.dst, 2), self.pg.send([buf], t.dst, 3)]
-            for w in works:
-                self._wait(w, p2p=True)
-        if recv is not None:
-            header = torch.zeros(2, dtype=torch.int64, device=self.device)
-            self._wait(self.pg.recv([header], recv.src, 1), p2p=True)
-            header = header.cpu()
-            skel_t = torch.empty(int(header[0]), dtype=torch.uint8, device=self.device)
-            buf = torch.empty(int(header[1]), dtype=torch.uint8, device=self.device)
-            self._wait(self.pg.recv([skel_t], recv.src, 2), p2p=True)
-            self._wait(self.pg.recv([buf], recv.src, 3), p2p=True)
-            self._restore(unflatten(bytes(skel_t.cpu().numpy().tobytes()), buf.cpu()))
-            nbytes = buf.numel() + skel_t.numel()
-        return nbytes
-
-    # ---- the training loop -------------------------------------------------
+    # ---- the training loop ------------------------------------------------------------
     def steps(self, total: int) -> Iterator[int]:
         """Yield the step to compute until `total` steps are committed; after a
         recovery the next step yielded is the agreed committed step."""
+        if self.state is None:
+            raise ResilienceError("call job.attach(model, optimizer, ...) before job.steps()")
         while True:
             while self.step < total:
                 before = self._commits
@@ -409,45 +332,40 @@ class Job:
     def _finish(self) -> bool:
         """Report done, then stay available as a replica until the controller
         says the whole job is done (a late failure may still need our state)."""
+        link = self.link
+        assert link is not None
         self._finishing = True
-        self._send(MsgType.DONE, rank=self.rank, epoch=self.epoch, step=self.step, pid=os.getpid())
-        deadline = time.monotonic() + float(self.cfg.get("notice_timeout_s", 120))
-        while self._shutdown is None:
-            if time.monotonic() > deadline:
-                raise ResilienceError("finished, but the controller never confirmed the end of the job")
-            self._poll(0.05)
-            if self._pending is not None:
-                self._finishing = False
-                self._recover()
-                return False
-        return True
-
-    def commit(self) -> bool:
-        """All-reduce gradients; step optimizer and scheduler only if the
-        all-reduce completed, i.e. every rank took part. Returns False if the step was abandoned
-        (a recovery ran; the loop resumes at the agreed committed step)."""
-        self._commits += 1
-        if self.solo:
-            self._apply_step()
+        link.send(MsgType.DONE, rank=self.rank, epoch=self.epoch, step=self.step, pid=os.getpid())
+        ok = link.wait(lambda: link.shutdown is not None or link.newer_epoch(),
+                       float(self.cfg.get("notice_timeout_s", 120)))
+        if link.shutdown is not None:
+            self._check_shutdown()
             return True
-        if self._inject_exception:
-            raise RuntimeError("resild fault injection: exception raised in the training step")
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        try:
-            self._poll(0)
-            self._check()
-            self._wait(self.pg.allreduce([flat]))
-        except _Reformed:
-            self._recover()
-            return False
-        except _CollectiveFailed as e:
-            self._await_notice(str(e))
-            self._recover()
-            return False
-        # The all-reduce completed, so every rank contributed: that is the commit vote
-        # (a separate vote element would saturate in bf16 beyond 256 ranks).
+        if not ok:
+            raise ResilienceError("finished, but the controller never confirmed the end of the job")
+        self._finishing = False
+        self._recover()
+        return False
+
+    def sync(self) -> None:
+        """Make this step's gradients identical across replicas. DDP and FSDP2 do it
+        in their backward hooks (then this only checks they completed); a plain
+        model's gradients are averaged here in one flat all-reduce. Idempotent."""
+        if self._synced_at == self.step or self.solo:
+            return
+        self._synced_at = self.step
+        assert self.state is not None
+        if self.intr.error is not None or (self.link is not None and self.link.newer_epoch()):
+            return
+        if _hooks_sync(self.state.model):
+            return
+        params = [p for p in self.state.model.parameters() if p.requires_grad]
+        if not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        self.group.allreduce([flat]).wait()
+        if self.intr.error is not None:
+            return
         flat.div_(self.world_size)
         offset = 0
         for p in params:
@@ -456,31 +374,77 @@ class Job:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(flat[offset:offset + n].view_as(p))
             offset += n
-        self._apply_step()
-        self._aux = self._capture_aux()
-        self._send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state="commit")
-        return True
 
-    def _apply_step(self) -> None:
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.step += 1
+    def commit(self) -> bool:
+        """Vote, then step optimizer, GradScaler and scheduler only if every rank of
+        the epoch completed this step's gradient sync. Returns False if the step
+        was abandoned (a recovery ran; the loop resumes at the agreed step)."""
+        if self.state is None:
+            raise ResilienceError("call job.attach(model, optimizer, ...) before job.commit()")
+        if self._committed_at == self.step:
+            raise ResilienceError(f"job.commit() called twice in step {self.step}: exactly one commit per step")
+        self._committed_at = self.step
+        self._commits += 1
+        if self.solo:
+            self.state.apply_step(self.state.local_found_inf())
+            self.step += 1
+            return True
+        assert self.link is not None
+        if self.link.inject_exception:
+            raise RuntimeError("resild fault injection: exception raised in the training step")
+        self.sync()
+        found = self.state.local_found_inf()
+        if self.intr.error is None and not self.link.newer_epoch():
+            self._prepared, self._prepared_aux = True, self.state.capture_aux()
+            vote = torch.tensor([found], dtype=torch.int64, device=self.device)
+            self.group.allreduce([vote]).wait()
+            if self.intr.error is None:
+                # The vote completed, so every rank synced this step: commit.
+                self._last_found_inf = int(vote.item() > 0)
+                self.state.apply_step(self._last_found_inf)
+                self.step += 1
+                self._prepared = False
+                self._aux = self._prepared_aux
+                self._progress("commit")
+                return True
+        self._recover()
+        return False
 
     def close(self) -> None:
-        if not self.solo:
+        if self.link is not None:
             if self._agent is not None:
                 self._agent.stop()
-            self.ch.close()
-            self.ctx.term()
+            self.link.close()
 
 
-def init(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *, extra: Any = None,
-         replicas: Callable[[int], ReplicaMap] | None = None) -> Job:
-    """Join the job (or, run without resil-run, train alone). A spare worker blocks
-    here, fully built, until the controller gives it a failed node's ranks."""
+def _hooks_sync(model: torch.nn.Module) -> bool:
+    """Does the model's backward already synchronise gradients (DDP, FSDP2)?"""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return True
     try:
-        return Job(model, optimizer, scheduler, extra, replicas)
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+class _EpochOnly:
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+class _SoloMembership(_EpochOnly):
+    def __init__(self) -> None:
+        super().__init__(1)
+
+
+def init(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+         scheduler: Any = None, *, extra: Any = None, replicas: Replicas | None = None, scaler: Any = None) -> Job:
+    """Join the job (or, run without resil-run, train alone). A spare blocks here,
+    warm, until the controller gives it a failed node's ranks. With a model and
+    optimizer the job is attached at once (plain data parallelism)."""
+    try:
+        return Job(model, optimizer, scheduler, extra, replicas, scaler=scaler)
     except ResilienceError as e:
         print(f"resild: {e}", file=sys.stderr)
         raise SystemExit(2) from None

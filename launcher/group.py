@@ -1,0 +1,318 @@
+"""A process group that outlives communicator failures.
+
+User code and torch's wrappers (DDP, FSDP2, DeviceMesh) hold one `StableGroup`
+for the whole job. Underneath, resild swaps the backend group (gloo or NCCL,
+one code path) at every membership epoch. Survivors keep their ranks (a hot
+spare takes the failed node's ranks), so rank and size never change.
+
+Collectives never raise into user code and never block past a new epoch: a
+failed or interrupted collective completes with whatever is in its buffers and
+*latches* an error (`Interrupts`); the commit then abandons the step and runs
+recovery. torchft's `ProcessGroupWrapper` and its errored-latch are the model.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _register_process_group, _world
+
+
+class Interrupts:
+    """Shared by the training thread, the control thread and backend threads:
+    the latched error of the current epoch and the collectives in flight."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.error: str | None = None
+        self.gen = 0  # bumped per epoch: a late failure of an old epoch's work must not latch the new one
+        self._works: dict[int, tuple[float, ManagedWork]] = {}
+        self._next = 0
+
+    def fail(self, reason: str, gen: int | None = None) -> None:
+        """Latch `reason` and release every waiter (their buffers are garbage now)."""
+        with self.cond:
+            if gen is not None and gen != self.gen:
+                return
+            if self.error is None:
+                self.error = reason
+            works = [w for _, w in self._works.values()]
+            self._works.clear()
+            self.cond.notify_all()
+        for w in works:
+            w._complete()
+
+    def clear(self) -> None:
+        with self.cond:
+            self.error = None
+            self.gen += 1
+
+    def _add(self, w: ManagedWork) -> int:
+        with self.cond:
+            self._next += 1
+            self._works[self._next] = (time.monotonic(), w)
+            return self._next
+
+    def _done(self, key: int) -> None:
+        with self.cond:
+            self._works.pop(key, None)
+            self.cond.notify_all()
+
+    def oldest_in_flight_s(self, now: float) -> float:
+        """How long the oldest collective in flight has been waiting (0 if none)."""
+        with self.cond:
+            return max((now - t0 for t0, _ in self._works.values()), default=0.0)
+
+    def wait_until(self, pred: Callable[[], bool], timeout_s: float | None = None) -> bool:
+        """Block until `pred()` or a latched error; True if pred() holds."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self.cond:
+            while not pred():
+                if self.error is not None:
+                    return False
+                left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+                if left <= 0:
+                    return pred()
+                self.cond.wait(left)
+            return True
+
+
+class ManagedWork(dist._Work):
+    """Wraps a backend Work: completes when the backend does, or at once when the
+    epoch is interrupted. Completion with an error latches it; nothing raises."""
+
+    def __init__(self, inner: Any, result: Any, intr: Interrupts) -> None:
+        super().__init__()
+        self._inner, self._result, self._intr = inner, result, intr
+        self._fut: torch.futures.Future = torch.futures.Future()
+        self._lock = threading.Lock()
+        self._gen = intr.gen
+        self._key = intr._add(self)
+        try:
+            inner.get_future().add_done_callback(self._on_future)
+        except RuntimeError:  # gloo send/recv and some collectives have no future: wait in a thread
+            threading.Thread(target=self._wait_inner, name="resild-work", daemon=True).start()
+
+    def _on_future(self, f: torch.futures.Future) -> None:
+        try:
+            f.wait()
+        except Exception as e:
+            self._intr.fail(f"collective failed: {e}", self._gen)
+        self._complete()
+
+    def _wait_inner(self) -> None:
+        try:
+            self._inner.wait()
+        except Exception as e:  # gloo: peer reset; NCCL: communicator aborted
+            self._intr.fail(f"collective failed: {e}", self._gen)
+        self._complete()
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._fut.done():
+                return
+            self._fut.set_result(self._result)
+        self._intr._done(self._key)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._intr.wait_until(self._fut.done)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done() or self._intr.error is not None
+
+    def is_success(self) -> bool:
+        return self._intr.error is None
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
+class _DoneWork(dist._Work):
+    """Returned once the epoch has latched an error: the step is lost anyway."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self._fut: torch.futures.Future = torch.futures.Future()
+        self._fut.set_result(result)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
+class NotJoined(RuntimeError):
+    pass
+
+
+class StableGroup(dist.ProcessGroup):
+    """One rank's view of a group whose backend is replaced at every epoch."""
+
+    def __init__(self, name: str, ranks: list[int], rank: int, intr: Interrupts) -> None:
+        super().__init__(ranks.index(rank), len(ranks))
+        self.name, self.ranks, self.global_rank = name, list(ranks), rank
+        self._intr = intr
+        self._inner: Any = None  # the epoch's backend ProcessGroup
+        self.allow = False       # collectives allowed (joined and attached)
+
+    # torch reads these
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self.name
+
+    def getBackendName(self) -> str:
+        return "resild"
+
+    def set_backend(self, inner: Any) -> None:
+        self._inner = inner
+
+    def _run(self, result: Any, op: Callable[[Any], Any]) -> dist._Work:
+        if not self.allow:
+            raise NotJoined(
+                f"resild: a collective on group {self.name!r} before job.attach(): under resild a spare joins a "
+                "running job, so nothing may communicate before attach (construct DDP with init_sync=False; "
+                "resild makes replicas equal at attach)")
+        if self._intr.error is not None or self._inner is None:
+            return _DoneWork(result)
+        try:
+            work = op(self._inner)
+        except Exception as e:  # e.g. gloo refusing to start on a dead connection
+            self._intr.fail(f"collective failed to start: {e}")
+            return _DoneWork(result)
+        return ManagedWork(work, result, self._intr)
+
+    # Every collective torch issues, from Python c10d or (through the pybind
+    # trampoline) from C++ callers such as DDP's reducer and functional collectives.
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist._Work:
+        return self._run(tensors, lambda g: g.allreduce(tensors, opts or dist.AllreduceOptions()))
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist._Work:
+        return self._run(tensors, lambda g: g.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions()))
+
+    def allgather(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
+        return self._run(outs, lambda g: g.allgather(outs, ins, opts or dist.AllgatherOptions()))
+
+    def all_gather_single(self, out: Any, inp: Any, opts: Any = None) -> dist._Work:
+        return self._run(out, lambda g: g.all_gather_single(out, inp, opts or dist.AllgatherOptions()))
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
+        return self._run(outs, lambda g: g.all_gather_single_coalesced(outs, ins, opts or dist.AllgatherOptions()))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
+        return self._run(outs, lambda g: g.reduce_scatter(outs, ins, opts or dist.ReduceScatterOptions()))
+
+    def reduce_scatter_single(self, out: Any, inp: Any, opts: Any = None) -> dist._Work:
+        return self._run(out, lambda g: g.reduce_scatter_single(out, inp, opts or dist.ReduceScatterOptions()))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
+        return self._run(outs, lambda g: g.reduce_scatter_single_coalesced(outs, ins,
+                                                                           opts or dist.ReduceScatterOptions()))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist._Work:
+        return self._run(tensors, lambda g: g.broadcast(tensors, opts or dist.BroadcastOptions()))
+
+    def reduce(self, tensors: Any, opts: Any = None) -> dist._Work:
+        return self._run(tensors, lambda g: g.reduce(tensors, opts or dist.ReduceOptions()))
+
+    def all_to_all_single(self, out: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> dist._Work:
+        return self._run(out, lambda g: g.all_to_all_single(out, inp, out_splits, in_splits,
+                                                            opts or dist.AllToAllOptions()))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
+        return self._run(outs, lambda g: g.alltoall(outs, ins, opts or dist.AllToAllOptions()))
+
+    def gather(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
+        return self._run(outs, lambda g: g.gather(outs, ins, opts or dist.GatherOptions()))
+
+    def scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
+        return self._run(outs, lambda g: g.scatter(outs, ins, opts or dist.ScatterOptions()))
+
+    def barrier(self, opts: Any = None) -> dist._Work:
+        return self._run([], lambda g: g.barrier(opts or dist.BarrierOptions()))
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> dist._Work:
+        return self._run(tensors, lambda g: g.send(tensors, dst, tag))
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> dist._Work:
+        return self._run(tensors, lambda g: g.recv(tensors, src, tag))
+
+
+def register(pg: StableGroup, store: Any) -> None:
+    """Make a subgroup known to c10d the way `new_group` would (ranks, name, the
+    functional-collective registry), without new_group's job-wide barrier."""
+    _world.pg_map[pg] = ("resild", store)
+    _world.pg_names[pg] = pg.name
+    _world.pg_group_ranks[pg] = {g: i for i, g in enumerate(pg.ranks)}
+    _world.pg_backend_config[pg] = "cpu:resild,cuda:resild"
+    _register_process_group(pg.name, pg)
+
+
+def install_default(pg: StableGroup, store: Any) -> None:
+    """Make the world StableGroup torch's default group, so `dist.get_rank()`,
+    DDP without `process_group=` and DeviceMesh all see it."""
+    if dist.is_initialized():
+        raise RuntimeError("resild: torch.distributed is already initialised; let launcher.init() set it up")
+    dist.Backend.register_backend("resild", lambda *a, **k: pg, devices=["cpu", "cuda"])
+    dist.init_process_group("resild", store=dist.PrefixStore("resild/user/", store), rank=pg.global_rank,
+                            world_size=pg.size())
+
+
+class GroupFactory:
+    """Builds one epoch's backend group for a StableGroup: gloo on CPU, NCCL on
+    GPU, wrapped in a c10d ProcessGroup so every collective name resolves."""
+
+    def __init__(self, backend: str, store_client: Callable[[], Any], timeout_s: float,
+                 gloo_host: str | None = None) -> None:
+        self.backend, self._store_client, self.timeout_s, self.gloo_host = backend, store_client, timeout_s, gloo_host
+
+    def build(self, epoch: int, group: StableGroup) -> Any:
+        """Blocking (gloo connects a full mesh here); run it off the training thread.
+        Each formation gets its own store client: an abandoned one blocks in
+        store.wait() holding its client, which would stall the next epoch."""
+        store = dist.PrefixStore(f"resild/e{epoch}/{group.name}/", self._store_client())
+        rank, size = group.rank(), group.size()
+        timeout = timedelta(seconds=self.timeout_s)
+        pg = dist.ProcessGroup(store, rank, size)
+        if self.backend == "nccl":  # connects lazily, inside the first (abortable) collective
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            be = dist.ProcessGroupNCCL(store, rank, size, opts)
+            kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+        else:
+            gopts = dist.ProcessGroupGloo._Options()
+            gopts._timeout = timeout
+            gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host) if self.gloo_host
+                              else dist.ProcessGroupGloo.create_default_device()]
+            be = dist.ProcessGroupGloo(store, rank, size, gopts)
+            kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+        pg._set_default_backend(kind)
+        pg._register_backend(device, kind, be)
+        return pg
+
+
+def abort(inner: Any) -> None:
+    """NCCL: interrupts pending kernels (ncclCommAbort); gloo: returns at once
+    without interrupting a pending recv, which is why waits watch the epoch."""
+    try:
+        inner.abort()
+    except Exception:
+        pass
