@@ -27,8 +27,8 @@ from . import slurm
 NO_KILL_MESSAGE = ("resil-run: WARNING: job {job} was not submitted with --no-kill: when a node fails Slurm "
                    "cancels the whole allocation, spares included, and resild cannot recover. "
                    "Add `#SBATCH --no-kill` (or `sbatch -k`).")
-NO_KILL_UNKNOWN = ("resil-run: note: could not tell whether job {job} has --no-kill ({why}); without it a node "
-                   "failure cancels the whole allocation. Submit with `#SBATCH --no-kill`.")
+NO_KILL_UNKNOWN = ("resil-run: note: could not tell whether job {job} has --no-kill ({why}). Without it a node "
+                   "failure cancels the whole allocation, spares included: submit with `#SBATCH --no-kill`.")
 _SBATCH_DIRECTIVE = re.compile(r"^#SBATCH\s+(.*)$")
 
 
@@ -89,22 +89,27 @@ def allocation_survives_node_failure(job_id: str, env: Mapping[str, str],
 
     `run(argv)` returns a command's stdout or None when it failed. Command-line flags win over
     script directives, which win over SBATCH_NO_KILL (sbatch's own order of precedence).
+    Checked on Slurm 22.05: no JSON, no SubmitLine, and `sbatch -k` on the command line leaves
+    no trace a job can read, so a script without the directive is "cannot tell", not "no".
     """
     got = no_kill_from_job_json(run(["scontrol", "show", "job", "--json", job_id]) or "")
     if got is not None:
         return got, "scontrol show job --json"
-    got = no_kill_from_show_job(run(["scontrol", "show", "job", job_id]) or "")
+    show = run(["scontrol", "show", "job", job_id]) or ""
+    got = no_kill_from_show_job(show)
     if got is not None:
         return got, "the submit line"
     script = run(["scontrol", "write", "batch_script", job_id, "-"])
-    if script:
-        got = no_kill_from_script(script)
-        if got is not None:
-            return got, "#SBATCH directives"
+    got = no_kill_from_script(script) if script else None
+    if got is not None:
+        return got, "#SBATCH directives"
     if "SBATCH_NO_KILL" in env:
         return env["SBATCH_NO_KILL"].lower() not in ("off", "0", "no", "false"), "SBATCH_NO_KILL"
+    if script and "SubmitLine=" in show:
+        return False, "neither the submit line nor the #SBATCH directives say --no-kill"
     if script:
-        return False, "#SBATCH directives (none says --no-kill)"
+        return None, ("the batch script has no #SBATCH --no-kill, and this Slurm does not show the sbatch "
+                      "command line, where -k may have been given")
     return None, "Slurm does not tell a job whether it was submitted with --no-kill, and no batch script was readable"
 
 

@@ -136,15 +136,20 @@ def test_no_kill_sources_in_order():
     assert no_kill_from_job_json(json.dumps({"jobs": [{"kill_on_node_fail": False}]})) is True
     submit = runner({"scontrol show job 7": "JobId=7\n   SubmitLine=sbatch -k -N 5 job.sh\n"})
     assert allocation_survives_node_failure("7", {}, submit) == (True, "the submit line")
+    # Slurm 22.05 (checked on the lab): no JSON, no SubmitLine; `sbatch -k` leaves no trace,
+    # so a script without the directive cannot tell us "no".
     script = runner({"scontrol write batch_script 7": SCRIPT.format(directive="")})
-    assert allocation_survives_node_failure("7", {}, script)[0] is False
+    assert allocation_survives_node_failure("7", {}, script)[0] is None
     assert allocation_survives_node_failure("7", {"SBATCH_NO_KILL": "1"}, script)[0] is True
+    with_submit = runner({"scontrol write batch_script 7": SCRIPT.format(directive=""),
+                          "scontrol show job 7": "JobId=7\n   SubmitLine=sbatch -N 5 job.sh\n"})
+    assert allocation_survives_node_failure("7", {}, with_submit)[0] is False
     assert allocation_survives_node_failure("7", {}, runner({}))[0] is None
 
 
 def test_warning_printed_at_start():
     out = io.StringIO()
-    script = {"scontrol write batch_script 42 -": "#!/bin/bash\n#SBATCH -N 3\nsrun true\n"}
+    script = {"scontrol write batch_script 42 -": "#!/bin/bash\n#SBATCH -N 3\n#SBATCH --no-kill=off\nsrun true\n"}
     assert warn_if_allocation_dies_with_a_node("42", {}, out, run=lambda a: script.get(" ".join(a))) is False
     assert "job 42 was not submitted with --no-kill" in out.getvalue()
     out = io.StringIO()
