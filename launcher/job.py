@@ -14,7 +14,7 @@ from resild.events import EventLog
 from resild.faults import Fault
 from resild.journal import Journal
 from resild.policy import PolicyConfig
-from resild.transport import generate_keys
+from resild.transport import generate_keys, store_listen_fd
 
 from .local import LocalCluster
 from .report import StatusLine, format_table, summarize
@@ -63,7 +63,11 @@ def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str
             return_reason: bool = False, status: bool = True) -> Any:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     keys = generate_keys(spec.run_dir / "keys")
-    store = dist.TCPStore("0.0.0.0" if spec.bind_any else spec.bind_host, 0, is_master=True, wait_for_workers=False)
+    # TCPStore has no authentication: listen only where the peers are (loopback in --local,
+    # the advertised job address under Slurm), never on every interface (its default).
+    store_fd, store_port = store_listen_fd(spec.bind_host, cluster=spec.bind_any)
+    store = dist.TCPStore(spec.bind_host, store_port, is_master=True, wait_for_workers=False,
+                          master_listen_fd=store_fd)
     events = EventLog(spec.events_path)
     live = StatusLine(sys.stderr) if status else None  # stderr only: stdout is --json's
     if live is not None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from resild.backend import Backend
+from resild.transport import KeyDir, add_node_key
 
 from .procutil import die_with_parent
 
@@ -32,12 +33,17 @@ class LocalCluster(Backend):
         self._reported: set[str] = set()
 
     def start(self, controller: str, keys_dir: Path | None, heartbeat_s: float) -> None:
+        # One key pair per node, all made before any node starts: each node process (and
+        # its workers, through RESILD_KEYS) gets a directory with only its own secret key,
+        # and the controller knows the node by that key (ZAP User-Id), not by what it says.
+        node_keys = {n: add_node_key(KeyDir(keys_dir), n).path for n in self.nodes} if keys_dir else {}
         for node in self.nodes:
             args = [sys.executable, "-m", "launcher.node", "--node", node, "--controller", controller,
                     "--nproc", str(self.nproc), "--heartbeat-s", str(heartbeat_s)]
             env = dict(os.environ)
+            env.pop("RESILD_KEYS", None)   # never inherit another key directory
             if keys_dir is not None:
-                args += ["--keys", str(keys_dir)]
+                args += ["--keys", str(node_keys[node])]
             if self.fake_nvml_dir is not None:
                 control = self.run_dir / f"nvml-{node}.ctl"
                 control.write_text(f"gpus {max(1, self.gpus_per_node)}\n")

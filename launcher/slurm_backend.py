@@ -14,12 +14,34 @@ import signal
 import subprocess
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 
 from resild.backend import Backend
+from resild.transport import KeyDir, add_node_key
 
 from . import slurm
 
 log = logging.getLogger("resild.slurm")
+
+
+# Runs argv with the value after "--keys" (before "--") suffixed by /nodes/$SLURMD_NODENAME:
+# one srun step runs the same command on every node, so the node picks its own directory.
+_PICK_KEYS = ('p=; d=; for a do if [ -z "$d" ] && [ "$p" = --keys ]; then a="$a/nodes/$SLURMD_NODENAME"; '
+              'elif [ "$a" = -- ]; then d=1; fi; set -- "$@" "$a"; shift; p=$a; done; exec "$@"')
+
+
+def per_node_keys(node_cmd: list[str], nodes: list[str]) -> list[str]:
+    """Give every node its own key pair (made now, before any node starts) and make each
+    node process use only its own: the controller identifies nodes by key (ZAP User-Id)."""
+    if "--keys" not in node_cmd:
+        return list(node_cmd)
+    i = node_cmd.index("--keys")
+    if "--" in node_cmd and node_cmd.index("--") < i:
+        return list(node_cmd)
+    keys = KeyDir(Path(node_cmd[i + 1]))
+    for n in nodes:
+        add_node_key(keys, n)
+    return ["/bin/sh", "-c", _PICK_KEYS, "sh", *node_cmd]
 
 
 class SlurmBackend(Backend):
@@ -35,7 +57,7 @@ class SlurmBackend(Backend):
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        argv = slurm.srun_node_launcher_cmd(self.alloc, self.nodes, self.node_cmd)
+        argv = slurm.srun_node_launcher_cmd(self.alloc, self.nodes, per_node_keys(self.node_cmd, self.nodes))
         log.info("launching: %s", " ".join(argv))
         self.proc = subprocess.Popen(argv, env=self.env, start_new_session=True)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import socket
 import tomllib
@@ -51,6 +52,7 @@ class Config:
     state_dir: str = "/var/lib/resild"
     status_socket: str = "/run/resild/status.sock"
     status_timeout_s: float = 3.0        # `resild status` waits this long for the daemon
+    status_group: str = "resild"         # the status socket is 0660 in this group ("" = any local user)
     xid_overrides: dict[str, str] = field(default_factory=dict)   # {"43": "degraded"}
     probes: list[str] = field(default_factory=lambda: list(DEFAULT_PROBES))
     probe_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per probe name
@@ -66,7 +68,7 @@ _TYPES: dict[str, type] = {
     "controller": str, "keys_dir": str, "node": str, "heartbeat_s": float,
     "probe_interval_s": float, "probe_timeout_s": float, "nvml_call_timeout_s": float,
     "hang_timeout_s": float, "metrics_port": int, "metrics_addr": str, "kmsg_path": str,
-    "state_dir": str, "status_socket": str, "status_timeout_s": float, "xid_overrides": dict,
+    "state_dir": str, "status_socket": str, "status_timeout_s": float, "status_group": str, "xid_overrides": dict,
     "probes": list, "probe_options": dict,
 }
 assert set(_TYPES) == set(_FIELDS), "every Config field needs a declared type"
@@ -89,7 +91,13 @@ def _check_type(source: str, key: str, value: Any) -> Any:
     ok = False
     if want is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
+        if ok:
+            try:
+                value = float(value)
+            except OverflowError:   # an integer too big for a float
+                ok = False
+        if ok and not math.isfinite(value):
+            raise ConfigError(source, f"key '{key}' must be a finite number, not {value!r}")
     elif want is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif want is list:
@@ -107,7 +115,10 @@ def _parse_env(source: str, key: str, text: str) -> Any:
     want = _TYPES[key]
     try:
         if want is float:
-            return float(text)
+            v = float(text)
+            if not math.isfinite(v):
+                raise ValueError("not a finite number")
+            return v
         if want is int:
             return int(text)
         if want is list:
@@ -133,6 +144,9 @@ def _validate(source: str, cfg: Config) -> None:
         raise ConfigError(source, f"key 'metrics_port' must be 0..65535, not {cfg.metrics_port}")
     if not cfg.node:
         raise ConfigError(source, "key 'node' must not be empty")
+    if "://" in cfg.status_socket and not cfg.status_socket.startswith("ipc://"):
+        raise ConfigError(source, f"key 'status_socket' must be a path (a local unix socket), "
+                                  f"not {cfg.status_socket!r}")
     try:
         validate_overrides(cfg.xid_overrides)
     except ValueError as e:
@@ -170,7 +184,11 @@ def load_config(path: str | os.PathLike[str] | None = None,
         except OSError as e:
             raise ConfigError(source, f"cannot read: {e.strerror or e}") from None
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(source, f"not valid TOML: {e}") from None
+            raise ConfigError(source, f"not valid TOML: {str(e).splitlines()[0] if str(e) else e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(source, f"not UTF-8 text (byte {e.start}): TOML files must be UTF-8") from None
+        except (ValueError, RecursionError) as e:   # tomllib's own limits, e.g. deep nesting
+            raise ConfigError(source, f"not valid TOML: {str(e)[:200]}") from None
         _apply(cfg, source, data)
     env_values = {key: _parse_env(env_name(key), key, env[env_name(key)])
                   for key in _FIELDS if env_name(key) in env}

@@ -83,12 +83,12 @@ class Controller:
                 now = time.monotonic()
                 if got is not None:
                     ident, msg = got
-                    self._handle(ident, msg, now)
+                    self._dispatch(ident, msg, now)
                     # Bounded: at scale a flood of progress reports must not starve the checks.
                     for _ in range(self.cfg.max_batch):
                         if self.result is not None or (got := self.ch.recv(0)) is None:
                             break
-                        self._handle(got[0], got[1], time.monotonic())
+                        self._dispatch(got[0], got[1], time.monotonic())
                 if self.result is None:
                     self._tick(time.monotonic())
         finally:
@@ -110,6 +110,16 @@ class Controller:
         self._fire_faults(now)
 
     # ---- message handlers --------------------------------------------------
+    def _dispatch(self, ident: bytes | None, msg: Message, now: float) -> None:
+        """The loop outlives any one message: a handler's exception is logged and answered."""
+        try:
+            self._handle(ident, msg, now)
+        except Exception as e:  # noqa: BLE001
+            log.exception("handling %s from %s failed", msg.type.value, msg.sender)
+            if ident is not None:
+                self.ch.send(MsgType.ERROR, {"code": "internal", "detail": f"{msg.type.value}: {e!r}"[:1024]},
+                             to=ident)
+
     def _handle(self, ident: bytes | None, msg: Message, now: float) -> None:
         assert ident is not None
         b = msg.body

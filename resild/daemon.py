@@ -8,16 +8,25 @@ HEARTBEAT every ``heartbeat_s``, watches registered training processes and
 pings the systemd watchdog. A hung probe therefore never stalls the status
 socket or the heartbeat; it only turns FAILED (probes.ProbeRunner).
 
-Local socket (REP on ipc://<status_socket>), protocol.Message frames:
+Local socket (AF_UNIX stream at <status_socket>, transport.UnixServer: length-
+prefixed protocol.Message frames; the peer's uid/pid come from the kernel):
   STATUS -> STATUS_REPLY {node, verdict, reasons, probes, gpus, processes, ...}
   REGISTER_WORKER {pid, name} / PROGRESS {pid, step} -> STATUS_REPLY {ok: true}
+Who may do what: the socket is 0660 in group `status_group` (config; world-
+accessible with a warning when that group does not exist). Anyone connected may
+ask for STATUS; a non-root peer may register and report progress only for its
+own processes (same real uid), never for another user's or pid 1. Names are
+bounded and sanitized, watched processes capped, and a reply never exceeds the
+frame limit, so no client can make `resild status` fail for the others.
 """
 from __future__ import annotations
 
 import enum
+import grp
 import json
 import logging
 import os
+import resource
 import socket
 import threading
 import time
@@ -32,12 +41,43 @@ from resild.config import Config
 from resild.health.model import HealthEvent, Verdict
 from resild.metrics import Metrics
 from resild.probes import Outcome, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
-from resild.protocol import Message, MsgType, ProtocolError, Sequencer, decode, encode
-from resild.transport import KeyDir, connect, local_request  # noqa: F401 (re-exported for the CLI/tests)
+from resild.protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Sequencer, decode, encode
+from resild.transport import (KeyDir, Peer, UnixServer, connect, local_request,  # noqa: F401 (re-exported)
+                              unix_path)
 
 log = logging.getLogger("resild.daemon")
 LOOP_TICK_S = 0.05          # bounds the delay from a verdict change to its HEALTH message
 PROC_CHECK_INTERVAL_S = 0.5
+MAX_WATCHED = 1024          # processes watched at once (all users)
+MAX_WATCHED_PER_UID = 256
+EXITED_KEEP_S = 600.0       # an exited process stays visible in `resild status` this long
+MAX_REASONS, MAX_REASON_CHARS = 64, 1024
+NOFILE_WANTED = 65536       # systemd's LimitNOFILE= sets it too; this covers a manual start
+
+
+def _printable(text: str, limit: int) -> str:
+    """Names land in terminals (`resild status`): no control characters, bounded."""
+    return "".join(ch if ch.isprintable() else "?" for ch in text[:limit])
+
+
+def _bounded_reasons(reasons: list[str]) -> list[str]:
+    out = [r[:MAX_REASON_CHARS] for r in reasons[:MAX_REASONS]]
+    if len(reasons) > MAX_REASONS:
+        out.append(f"... and {len(reasons) - MAX_REASONS} more")
+    return out
+
+
+def raise_nofile_limit(wanted: int = NOFILE_WANTED) -> int:
+    """Raise the soft open-files limit toward the hard one; returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-files limit to %d: %s", target, e)
+    return soft
 
 
 # -- systemd notify protocol (sd_notify(3)), no libsystemd needed ---------------------
@@ -90,6 +130,8 @@ class Watched:
     step: int | None = None
     state: ProcState = ProcState.RUNNING
     reason: str = ""
+    uid: int = 0                # real uid of the process: only it (or root) may report for it
+    exited_s: float | None = None   # monotonic, when it was first seen gone
 
 
 def judge_process(now: float, w: Watched, alive: bool, zombie: bool,
@@ -146,7 +188,7 @@ class Agent:
         self._lock = threading.Lock()
         self.snap = Snapshot()
         self.procs: dict[int, Watched] = {}
-        self._rep: zmq.Socket | None = None
+        self._rep: UnixServer | None = None
         self._ctl = None
         self._started_mono = time.monotonic()
         self._last_hb_mono: float | None = None
@@ -159,6 +201,7 @@ class Agent:
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
         """Bind the status socket, connect, start probes and run the first check."""
+        raise_nofile_limit()
         self._rep = self._bind_status()
         if self.cfg.controller:
             keys = KeyDir(Path(self.cfg.keys_dir)) if self.cfg.keys_dir else None
@@ -180,27 +223,38 @@ class Agent:
         if self._prober is not None:
             self._prober.join(self.cfg.probe_timeout_s + 1)
         stop_probes(self.probes)
-        for sock in (self._rep, self._ctl.sock if self._ctl else None):
-            if sock is not None:
-                sock.close(linger=0)
-        if self.cfg.status_endpoint.startswith("ipc://"):
-            Path(self.cfg.status_endpoint[6:]).unlink(missing_ok=True)
+        if self._rep is not None:
+            self._rep.close()
+        if self._ctl is not None:
+            self._ctl.sock.close(linger=0)
+        path = unix_path(self.cfg.status_endpoint)
+        if path is not None and self._rep is not None:
+            Path(path).unlink(missing_ok=True)
 
-    def _bind_status(self) -> zmq.Socket:
+    def _bind_status(self) -> UnixServer:
         ep = self.cfg.status_endpoint
-        if ep.startswith("ipc://"):
-            path = Path(ep[6:])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.exists():
-                if local_request(ep, MsgType.STATUS, timeout_s=0.5, ctx=self.ctx) is not None:
-                    raise RuntimeError(f"another resild daemon already answers on {ep}")
-                path.unlink()   # stale socket of a dead daemon
-        sock = self.ctx.socket(zmq.REP)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(ep)
-        if ep.startswith("ipc://"):
-            os.chmod(ep[6:], 0o666)   # `resild status` and workers run as ordinary users
-        return sock
+        p = unix_path(ep)
+        if p is None:
+            raise RuntimeError(f"status_socket {ep!r}: the daemon serves a local unix socket only (a path)")
+        path = Path(p)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists() or path.is_symlink():
+            if local_request(ep, MsgType.STATUS, timeout_s=0.5) is not None:
+                raise RuntimeError(f"another resild daemon already answers on {ep}")
+            path.unlink()   # stale socket of a dead daemon
+        gid, mode = None, 0o660
+        if self.cfg.status_group:
+            try:
+                gid = grp.getgrnam(self.cfg.status_group).gr_gid
+            except KeyError:
+                mode = 0o666
+                log.warning("group %r does not exist: the status socket is open to every local user "
+                            "(each may still only register its own processes); create it with "
+                            "`groupadd --system %s` to restrict the socket to its members",
+                            self.cfg.status_group, self.cfg.status_group)
+        else:
+            mode = 0o666
+        return UnixServer(str(path), self._handle_local, mode=mode, gid=gid)
 
     # -- probing (prober thread) -------------------------------------------------------
     def _on_health_event(self, ev: HealthEvent) -> None:   # NVML / kmsg threads
@@ -228,7 +282,7 @@ class Agent:
         assert self._rep is not None, "start() first"
         self._loop_done.clear()
         poller = zmq.Poller()
-        poller.register(self._rep, zmq.POLLIN)
+        self._rep.register(poller)
         if self._ctl is not None:
             poller.register(self._ctl.sock, zmq.POLLIN)
         wd_s = watchdog_interval_s()
@@ -238,11 +292,16 @@ class Agent:
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(int(LOOP_TICK_S * 1000)))
-                if self._rep in ready:
-                    self._serve_one()
+                for fd, ev in ready.items():
+                    if isinstance(fd, int) and self._rep.owns(fd):
+                        self._rep.on_ready(fd, ev)
                 if self._ctl is not None and self._ctl.sock in ready:
-                    self._from_controller()
+                    try:
+                        self._from_controller()
+                    except Exception:  # noqa: BLE001 - the loop outlives any one message
+                        log.exception("handling a controller message failed")
                 now = time.monotonic()
+                self._rep.reap_idle(now)
                 self._report(now)
                 if now >= next_proc:
                     self._watch_processes(now)
@@ -265,7 +324,8 @@ class Agent:
             self._write_state()
             if self._ctl is not None:
                 self._ctl.send(MsgType.HEALTH, {"node": self.cfg.node, "verdict": snap.verdict.value,
-                                                "reasons": snap.reasons, "detector": "resild-agent"})
+                                                "reasons": _bounded_reasons(snap.reasons),
+                                                "detector": "resild-agent"})
         if self._ctl is not None and (self._last_hb_mono is None
                                       or now - self._last_hb_mono >= self.cfg.heartbeat_s):
             self._ctl.send(MsgType.HEARTBEAT, {"node": self.cfg.node, "health": snap.verdict.value,
@@ -298,33 +358,55 @@ class Agent:
             pass
 
     # -- local status socket ---------------------------------------------------------
-    def _serve_one(self) -> None:
-        assert self._rep is not None
-        frame = self._rep.recv(zmq.NOBLOCK)
+    def _handle_local(self, frame: bytes, peer: Peer) -> bytes:
+        """One request on the local socket -> one reply frame; never raises."""
         seq = Sequencer(f"{self.cfg.node}/agent")
         try:
             msg = decode(frame)
-            body = self._answer(msg)
-            reply = seq.make(MsgType.STATUS_REPLY, body)
+            reply = seq.make(MsgType.STATUS_REPLY, self._answer(msg, peer))
         except ProtocolError as e:
-            reply = seq.make(MsgType.ERROR, {"code": e.code, "detail": e.detail})
-        except Exception as e:  # noqa: BLE001 - a REP socket must always answer
+            reply = seq.make(MsgType.ERROR, {"code": e.code, "detail": e.detail[:1024]})
+        except Exception as e:  # noqa: BLE001 - every request gets an answer, the loop goes on
             log.exception("status request failed")
-            reply = seq.make(MsgType.ERROR, {"code": "internal", "detail": str(e)})
-        self._rep.send(encode(reply))
+            reply = seq.make(MsgType.ERROR, {"code": "internal", "detail": str(e)[:1024]})
+        try:
+            out = encode(reply)
+        except (TypeError, ValueError) as e:
+            log.error("status reply not encodable: %s", e)
+            out = encode(seq.make(MsgType.ERROR, {"code": "internal", "detail": "reply not encodable"}))
+        if len(out) > MAX_FRAME_BYTES:
+            out = encode(seq.make(MsgType.ERROR, {"code": "too_large", "detail": f"reply of {len(out)} bytes"}))
+        return out
 
-    def _answer(self, msg: Message) -> dict[str, Any]:
+    def _answer(self, msg: Message, peer: Peer | None = None) -> dict[str, Any]:
+        """`peer` None: an in-process caller (tests), trusted like root."""
         b = msg.body
+        uid = 0 if peer is None else peer.uid
         if msg.type is MsgType.STATUS:
             return self.status()
         if msg.type is MsgType.REGISTER_WORKER:
             pid = _int(b.get("pid"), "pid")
             try:
-                ct = psutil.Process(pid).create_time()
+                p = psutil.Process(pid)
+                ct, owner = p.create_time(), p.uids().real
             except psutil.NoSuchProcess:
                 raise ProtocolError("no_such_process", f"pid {pid} does not exist") from None
+            except psutil.AccessDenied:
+                raise ProtocolError("forbidden", f"pid {pid} cannot be inspected") from None
+            if uid != 0 and (owner != uid or pid == 1):
+                log.warning("uid %d (pid %d) tried to register pid %d of uid %d: refused",
+                            uid, peer.pid if peer else 0, pid, owner)
+                raise ProtocolError("forbidden", f"pid {pid} is not yours: register your own processes only")
+            name = _printable(str(b.get("name") or f"pid {pid}"), 128)
+            now = time.monotonic()
             with self._lock:
-                self.procs[pid] = Watched(pid, str(b.get("name") or f"pid {pid}"), ct, time.monotonic())
+                self._forget_exited(now)
+                if pid not in self.procs:
+                    if len(self.procs) >= MAX_WATCHED:
+                        raise ProtocolError("too_many", f"{MAX_WATCHED} processes are watched already")
+                    if sum(1 for w in self.procs.values() if w.uid == owner) >= MAX_WATCHED_PER_UID:
+                        raise ProtocolError("too_many", f"uid {owner} has {MAX_WATCHED_PER_UID} watched processes")
+                self.procs[pid] = Watched(pid, name, ct, now, uid=owner)
             return {"ok": True}
         if msg.type is MsgType.PROGRESS:
             pid = _int(b.get("pid"), "pid")
@@ -332,10 +414,18 @@ class Agent:
                 w = self.procs.get(pid)
                 if w is None:
                     raise ProtocolError("not_watched", f"pid {pid} is not registered")
+                if uid != 0 and uid != w.uid:
+                    raise ProtocolError("forbidden", f"pid {pid} is not yours")
                 w.last_progress_s = time.monotonic()
                 w.step = b.get("step") if isinstance(b.get("step"), int) else w.step
             return {"ok": True}
         raise ProtocolError("unexpected", f"{msg.type.value} not accepted on the status socket")
+
+    def _forget_exited(self, now: float) -> None:
+        """Caller holds the lock. Exited processes are dropped after EXITED_KEEP_S."""
+        for pid in [p for p, w in self.procs.items()
+                    if w.exited_s is not None and now - w.exited_s > EXITED_KEEP_S]:
+            del self.procs[pid]
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -345,7 +435,7 @@ class Agent:
                       "idle_s": round(now - w.last_progress_s, 1)} for w in self.procs.values()]
         gpu = snap.outcomes.get("gpu")
         return {
-            "node": self.cfg.node, "verdict": snap.verdict.value, "reasons": snap.reasons,
+            "node": self.cfg.node, "verdict": snap.verdict.value, "reasons": _bounded_reasons(snap.reasons),
             "probes": {n: {**o.result.to_dict(), "latency_s": round(o.latency_s, 4), "error": o.error}
                        for n, o in snap.outcomes.items()},
             "gpus": gpu.result.details.get("gpus", []) if gpu else [],
@@ -370,6 +460,8 @@ class Agent:
                     self._ctl.send(MsgType.EVENT, {"node": self.cfg.node, "name": f"process_{state.value}",
                                                    "fields": {"pid": w.pid, "name": w.name, "reason": reason}})
             w.state, w.reason = state, reason
+            if state is ProcState.EXITED and w.exited_s is None:
+                w.exited_s = now
         for s, n in counts.items():
             self.metrics.watched.labels(self.cfg.node, s.value).set(n)
 

@@ -12,7 +12,9 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("kill", "exception", "hang", "nodeloss")
-_SPEC = re.compile(r"^(?P<kind>[a-z]+\d*):(?P<node>[A-Za-z0-9_.-]+)@(?:(?P<step>\d+)|e(?P<epoch>\d+))(?:\+(?P<delay>\d+(?:\.\d+)?))?$")
+_SPEC = re.compile(r"(?P<kind>[a-z]{1,16}[0-9]{0,6}):(?P<node>[A-Za-z0-9_.-]{1,128})"
+                   r"@(?:(?P<step>[0-9]{1,15})|e(?P<epoch>[0-9]{1,15}))(?:\+(?P<delay>[0-9]{1,7}(?:\.[0-9]{1,6})?))?",
+                   re.ASCII)
 
 
 class FaultSpecError(ValueError):
@@ -38,11 +40,11 @@ class Fault:
 
 
 def parse_fault(spec: str) -> Fault:
-    m = _SPEC.match(spec.strip())
+    m = _SPEC.fullmatch(spec.strip()) if isinstance(spec, str) and len(spec) <= 256 else None
     if not m:
-        raise FaultSpecError(f"bad fault spec {spec!r}: expected KIND:NODE@STEP[+DELAY_S], e.g. kill:node1@40")
+        raise FaultSpecError(f"bad fault spec {str(spec)[:80]!r}: expected KIND:NODE@STEP[+DELAY_S], e.g. kill:node1@40")
     kind = m["kind"]
-    if kind not in KINDS and not re.fullmatch(r"xid\d+", kind):
+    if kind not in KINDS and not re.fullmatch(r"xid[0-9]{1,6}", kind):
         raise FaultSpecError(f"unknown fault kind {kind!r} in {spec!r}: one of {', '.join(KINDS)}, or xidN (e.g. xid79)")
     epoch = int(m["epoch"]) if m["epoch"] is not None else None
     return Fault(kind, m["node"], int(m["step"] or 0), float(m["delay"] or 0.0), epoch=epoch)

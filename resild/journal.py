@@ -1,41 +1,106 @@
 """Write-ahead journal: a decision is on disk (fsynced) before it is acted on,
-so a restarted controller can rebuild membership and never re-admit a fenced node."""
+so a restarted controller can rebuild membership and never re-admit a fenced node.
+
+A journal that cannot be written (disk full, I/O error, the file gone) must not
+turn a recoverable fault into a failed job: `append` logs loudly, emits a
+`journal_error` event (once per failure streak, when an event log is attached),
+keeps `healthy`/`last_error`/`errors` for the controller's status, and returns
+False; the job goes on without durability until a write succeeds again.
+"""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
+
+log = logging.getLogger("resild.journal")
+
+
+class _Events(Protocol):
+    def emit(self, event: str, **fields: Any) -> Any: ...
 
 
 class Journal:
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, events: _Events | None = None) -> None:
         self.path = path
+        self.events = events
+        self.errors = 0                 # failed appends so far
+        self.last_error: str | None = None
+        self.healthy = True             # False while writes fail (the status flag)
         self._f = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(path, "a", encoding="utf-8")
 
-    def append(self, record: dict[str, Any]) -> None:
+    def attach(self, events: _Events) -> None:
+        """Journal failures also go to this event log (as `journal_error`)."""
+        self.events = events
+
+    def status(self) -> dict[str, Any]:
+        return {"path": str(self.path) if self.path else None, "healthy": self.healthy,
+                "errors": self.errors, "last_error": self.last_error}
+
+    def append(self, record: dict[str, Any]) -> bool:
+        """True once the record is durable; False (never an exception) when it is not."""
         if self._f is None:
-            return
-        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+            return self.path is None
+        try:
+            line = json.dumps(record, separators=(",", ":")) + "\n"
+            self._f.write(line)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except (OSError, ValueError, TypeError) as e:
+            self._failed(e, record)
+            return False
+        if not self.healthy:
+            log.warning("journal %s writable again after %d failed write(s)", self.path, self.errors)
+            self.healthy = True
+        return True
+
+    def _failed(self, e: Exception, record: dict[str, Any]) -> None:
+        self.errors += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        first = self.healthy
+        self.healthy = False
+        log.error("JOURNAL WRITE FAILED (%s) for %s: %s; the job goes on, but this decision is not "
+                  "durable", self.path, record.get("action", "a record"), self.last_error)
+        # A failed write may leave a partial line: start the next record on a fresh line so
+        # that replay() stops at most at this torn record.
+        try:
+            assert self._f is not None
+            self._f.write("\n")
+            self._f.flush()
+        except (OSError, ValueError):
+            pass
+        if first and self.events is not None:
+            try:
+                self.events.emit("journal_error", path=str(self.path), error=self.last_error,
+                                 errors=self.errors)
+            except Exception:  # noqa: BLE001 - the event log may fail for the same reason (same disk)
+                log.exception("could not record the journal error as an event")
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError as e:   # close flushes: a full disk can fail here too
+                log.error("journal %s: close failed: %s", self.path, e)
             self._f = None
 
 
 def replay(path: Path) -> Iterator[dict[str, Any]]:
-    """Records in order; a torn last line (crash mid-write) is ignored."""
+    """Records in order; a torn line (a crash or a failed write mid-record) is skipped."""
     if not path.exists():
         return
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
+            if not line.strip():
+                continue
             try:
-                yield json.loads(line)
+                rec = json.loads(line)
             except ValueError:
-                break
+                continue
+            if isinstance(rec, dict):
+                yield rec

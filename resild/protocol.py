@@ -4,17 +4,27 @@ Every message is a single JSON frame (never pickle) carrying a protocol
 version, a type, the sender, a per-sender monotonic sequence number and an
 absolute wall-clock deadline (wall clock because peers live on different
 hosts; monotonic clocks are not comparable between them).
+
+Validation happens once, in `decode`: every number is finite and in range,
+every string bounded, and each message type's body is checked against its
+typed class (`BODY_TYPES`), so handlers never see a malformed body. Keys a
+body class does not name are passed through (peers of the same protocol
+version may add optional fields) but still obey the generic limits.
 """
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20  # control messages only; state travels over torch collectives
+MAX_INT = (1 << 53) - 1    # JSON numbers stay exact in every peer's parser up to here
+MAX_DEPTH = 16             # nesting of a body: a deep frame must not exhaust a handler's stack
 
 
 class MsgType(str, Enum):
@@ -37,6 +47,8 @@ class MsgType(str, Enum):
     SHUTDOWN = "shutdown"
     INJECT = "inject"
     PING = "ping"  # "answer with a heartbeat now": a liveness probe after a collective error
+    MEMBERSHIP_DELTA = "membership_delta"  # to a node process holding the previous epoch: {epoch, base, moves}
+    RELAY_HELLO = "relay_hello"  # worker -> its node process's relay: send me the current membership
     # either way
     STATUS = "status"
     STATUS_REPLY = "status_reply"
@@ -52,6 +64,238 @@ class ProtocolError(Exception):
         self.detail = detail
 
 
+# ---- typed bodies ---------------------------------------------------------------------
+
+def _f(kind: str, *, lo: float = 0, hi: float = MAX_INT, max_len: int = 256, required: bool = False,
+       choices: tuple[str, ...] | None = None) -> Any:
+    """A body field: `kind` is str | int | float | bool | strs (list of str) | obj (JSON object)."""
+    return field(default=None, metadata={"kind": kind, "lo": lo, "hi": hi, "max_len": max_len,
+                                         "required": required, "choices": choices})
+
+
+NODE = 256        # node names, detectors, states
+TEXT = 4096       # reasons, error texts (truncated by senders, refused beyond this)
+PID = (1 << 31) - 1
+RANK = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class Body:
+    """Base of the typed message bodies. `from_dict` validates; unknown keys are kept in the
+    dict (Message.body) but never reach the typed object."""
+
+    node: str | None = _f("str", max_len=NODE)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Body:
+        kw: dict[str, Any] = {}
+        for f in fields(cls):
+            v = raw.get(f.name)
+            meta = f.metadata
+            if v is None:
+                if meta.get("required"):
+                    raise ProtocolError("bad_body", f"{f.name} is required")
+                continue
+            kw[f.name] = _check_field(f.name, v, meta)
+        return cls(**kw)
+
+
+def _check_field(name: str, v: Any, m: Any) -> Any:
+    kind = m["kind"]
+    if kind == "str":
+        if not isinstance(v, str) or len(v) > m["max_len"]:
+            raise ProtocolError("bad_body", f"{name} must be a string of at most {m['max_len']} characters")
+        if m["choices"] is not None and v not in m["choices"]:
+            raise ProtocolError("bad_body", f"{name} must be one of {', '.join(m['choices'])}")
+    elif kind == "int":
+        if not isinstance(v, int) or isinstance(v, bool) or not m["lo"] <= v <= m["hi"]:
+            raise ProtocolError("bad_body", f"{name} must be an integer in [{m['lo']}, {m['hi']}]")
+    elif kind == "float":
+        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                or not m["lo"] <= v <= m["hi"]):
+            raise ProtocolError("bad_body", f"{name} must be a finite number in [{m['lo']}, {m['hi']}]")
+        v = float(v)
+    elif kind == "bool":
+        if not isinstance(v, bool):
+            raise ProtocolError("bad_body", f"{name} must be true or false")
+    elif kind == "strs":
+        if (not isinstance(v, list) or len(v) > 256
+                or not all(isinstance(x, str) and len(x) <= m["max_len"] for x in v)):
+            raise ProtocolError("bad_body", f"{name} must be a list of at most 256 strings "
+                                            f"of at most {m['max_len']} characters")
+        v = list(v)
+    elif kind == "obj":
+        if not isinstance(v, dict):
+            raise ProtocolError("bad_body", f"{name} must be a JSON object")
+    return v
+
+
+@dataclass(frozen=True)
+class RegisterNode(Body):
+    pid: int | None = _f("int", lo=1, hi=PID)
+    nproc: int | None = _f("int", lo=1, hi=1 << 16)
+
+
+@dataclass(frozen=True)
+class Heartbeat(Body):
+    health: str | None = _f("str", max_len=64)
+    source: str | None = _f("str", max_len=64)
+
+
+@dataclass(frozen=True)
+class WorkerExit(Body):
+    local_rank: int | None = _f("int", hi=1 << 16)
+    pid: int | None = _f("int", lo=1, hi=PID)
+    returncode: int | None = _f("int", lo=-255, hi=255)
+
+
+@dataclass(frozen=True)
+class Health(Body):
+    verdict: str | None = _f("str", required=True, choices=("healthy", "degraded", "failed", "unknown"))
+    reasons: list[str] | None = _f("strs", max_len=TEXT)
+    detector: str | None = _f("str", max_len=64)
+
+
+@dataclass(frozen=True)
+class RegisterWorker(Body):
+    """To the controller: node + local_rank + pid; to a node daemon: pid + name."""
+    local_rank: int | None = _f("int", hi=1 << 16)
+    pid: int | None = _f("int", lo=1, hi=PID)
+    name: str | None = _f("str", max_len=128)
+
+
+@dataclass(frozen=True)
+class Progress(Body):
+    """To the controller: rank/epoch/step/state; to a node daemon: pid + step."""
+    rank: int | None = _f("int", hi=RANK)
+    epoch: int | None = _f("int")
+    step: int | None = _f("int")
+    state: str | None = _f("str", max_len=32)
+    error: str | None = _f("str", max_len=TEXT)
+    pid: int | None = _f("int", lo=1, hi=PID)
+
+
+# Events peers may emit under their own name (the runtime's recovery milestones and the
+# node daemon's process watch); any other peer event is renamed "worker.<name>", so a
+# peer can never forge a controller event (failure_detected, job_finished, ...).
+PEER_EVENTS: dict[str, dict[str, Any]] = {
+    "group_reformed": {"seconds": _f("float", hi=1e9, required=True).metadata},
+    "state_replayed": {"bytes": _f("int", required=True).metadata,
+                       "seconds": _f("float", hi=1e9, required=True).metadata},
+    "resumed": {"step": _f("int", required=True).metadata, "seconds": _f("float", hi=1e9).metadata},
+    "process_running": {}, "process_exited": {}, "process_zombie": {}, "process_hung": {},
+}
+WORKER_EVENT_PREFIX = "worker."
+_EVENT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_EVENT_COMMON = {"rank": _f("int", hi=RANK).metadata, "epoch": _f("int").metadata,
+                 "t_mono": _f("float", lo=-1e12, hi=1e12).metadata}
+_EVENT_RESERVED = ("node", "event", "t_wall")  # set by the controller's event log
+
+
+@dataclass(frozen=True)
+class Event(Body):
+    name: str | None = _f("str", max_len=64, required=True)
+    fields: dict[str, Any] | None = _f("obj")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Body:
+        ev = super().from_dict(raw)
+        assert isinstance(ev, Event) and ev.name is not None
+        if not _EVENT_NAME.fullmatch(ev.name):
+            raise ProtocolError("bad_body", "event name must be 1-64 characters of [A-Za-z0-9_.:-]")
+        fl = ev.fields or {}
+        if any(k in fl for k in _EVENT_RESERVED):
+            raise ProtocolError("bad_body", f"event fields must not set {', '.join(_EVENT_RESERVED)}")
+        spec = dict(_EVENT_COMMON)
+        name = ev.name
+        if name in PEER_EVENTS:
+            spec.update(PEER_EVENTS[name])
+        elif not name.startswith(WORKER_EVENT_PREFIX):
+            name = WORKER_EVENT_PREFIX + name
+        for key, meta in spec.items():
+            if fl.get(key) is None:
+                if meta["required"]:
+                    raise ProtocolError("bad_body", f"event {ev.name}: fields.{key} is required")
+                continue
+            _check_field(f"fields.{key}", fl[key], meta)
+        return Event(ev.node, name, fl)
+
+
+@dataclass(frozen=True)
+class Done(Body):
+    rank: int | None = _f("int", hi=RANK, required=True)
+    epoch: int | None = _f("int", required=True)
+    step: int | None = _f("int")
+    pid: int | None = _f("int", lo=1, hi=PID)
+
+
+@dataclass(frozen=True)
+class Failed(Body):
+    local_rank: int | None = _f("int", hi=1 << 16)
+    pid: int | None = _f("int", lo=1, hi=PID)
+    error: str | None = _f("str", max_len=TEXT)
+
+
+@dataclass(frozen=True)
+class Fatal(Body):
+    error: str | None = _f("str", max_len=TEXT)
+
+
+@dataclass(frozen=True)
+class Welcome(Body):
+    store: str | None = _f("str", max_len=NODE)
+
+
+@dataclass(frozen=True)
+class MembershipBody(Body):
+    epoch: int | None = _f("int", required=True)
+    world_size: int | None = _f("int", lo=1, hi=RANK, required=True)
+    node_ranks: dict[str, Any] | None = _f("obj", required=True)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Body:
+        m = super().from_dict(raw)
+        assert isinstance(m, MembershipBody) and m.node_ranks is not None and m.world_size is not None
+        for n, ranks in m.node_ranks.items():
+            if len(n) > NODE or not isinstance(ranks, list) or not all(
+                    isinstance(r, int) and not isinstance(r, bool) and 0 <= r < m.world_size for r in ranks):
+                raise ProtocolError("bad_body", f"node_ranks[{n[:64]!r}] must be a list of ranks < world_size")
+        return m
+
+
+@dataclass(frozen=True)
+class Fence(Body):
+    reason: str | None = _f("str", max_len=TEXT)
+
+
+@dataclass(frozen=True)
+class Shutdown(Body):
+    reason: str | None = _f("str", max_len=TEXT)
+    exit_code: int | None = _f("int", lo=-255, hi=255)
+
+
+@dataclass(frozen=True)
+class Inject(Body):
+    kind: str | None = _f("str", max_len=32, required=True)
+    local_rank: int | None = _f("int", hi=1 << 16)
+    xid: int | None = _f("int", hi=1 << 16)
+
+
+@dataclass(frozen=True)
+class ErrorBody(Body):
+    code: str | None = _f("str", max_len=64)
+    detail: str | None = _f("str", max_len=TEXT)
+
+
+BODY_TYPES: dict[MsgType, type[Body]] = {
+    MsgType.REGISTER_NODE: RegisterNode, MsgType.HEARTBEAT: Heartbeat, MsgType.WORKER_EXIT: WorkerExit,
+    MsgType.HEALTH: Health, MsgType.REGISTER_WORKER: RegisterWorker, MsgType.PROGRESS: Progress,
+    MsgType.EVENT: Event, MsgType.DONE: Done, MsgType.FAILED: Failed, MsgType.FATAL: Fatal,
+    MsgType.WELCOME: Welcome, MsgType.MEMBERSHIP: MembershipBody, MsgType.FENCE: Fence,
+    MsgType.SHUTDOWN: Shutdown, MsgType.INJECT: Inject, MsgType.ERROR: ErrorBody,
+}  # PING, STATUS, STATUS_REPLY and types without a class: generic checks only
+
+
 @dataclass(frozen=True)
 class Message:
     type: MsgType
@@ -60,6 +304,8 @@ class Message:
     deadline: float
     body: dict[str, Any] = field(default_factory=dict)
     v: int = PROTOCOL_VERSION
+    # The validated typed view of `body` (set by decode); handlers may keep reading `body`.
+    typed: Body | None = field(default=None, compare=False, repr=False)
 
     def expired(self, now_wall: float | None = None) -> bool:
         return (time.time() if now_wall is None else now_wall) > self.deadline
@@ -69,37 +315,78 @@ def encode(msg: Message) -> bytes:
     return json.dumps(
         {"v": msg.v, "type": msg.type.value, "sender": msg.sender, "seq": msg.seq,
          "deadline": msg.deadline, "body": msg.body},
-        separators=(",", ":"),
+        separators=(",", ":"), allow_nan=False,
     ).encode()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"{text[:20]} is not a finite number")
+    return v
+
+
+def _check_json(v: Any, depth: int = 0) -> None:
+    """Generic limits on any body: bounded nesting and 64-bit integers."""
+    if depth > MAX_DEPTH:
+        raise ProtocolError("malformed", f"body nested deeper than {MAX_DEPTH}")
+    if isinstance(v, dict):
+        for x in v.values():
+            _check_json(x, depth + 1)
+    elif isinstance(v, list):
+        for x in v:
+            _check_json(x, depth + 1)
+    elif isinstance(v, int) and not isinstance(v, bool) and not -(1 << 63) <= v < (1 << 63):
+        raise ProtocolError("malformed", "integer out of 64-bit range")
 
 
 def decode(frame: bytes) -> Message:
     """Parse and validate one frame; raises ProtocolError, never anything else."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError("malformed", "frame is not bytes")
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError("too_large", f"{len(frame)} bytes > {MAX_FRAME_BYTES}")
     try:
-        raw = json.loads(frame)
+        raw = json.loads(bytes(frame), parse_constant=_no_constant, parse_float=_finite)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ProtocolError("malformed", f"not JSON: {e}") from None
+        raise ProtocolError("malformed", f"not JSON: {str(e)[:200]}") from None
     if not isinstance(raw, dict):
         raise ProtocolError("malformed", "frame is not a JSON object")
     v = raw.get("v")
-    if v != PROTOCOL_VERSION:
-        raise ProtocolError("bad_version", f"protocol version {v!r}, this peer speaks {PROTOCOL_VERSION}")
+    if v != PROTOCOL_VERSION or isinstance(v, bool):
+        raise ProtocolError("bad_version", f"protocol version {str(v)[:20]!r}, this peer speaks {PROTOCOL_VERSION}")
     try:
         mtype = MsgType(raw.get("type"))
-    except ValueError:
-        raise ProtocolError("bad_type", f"unknown message type {raw.get('type')!r}") from None
+    except (ValueError, TypeError):
+        raise ProtocolError("bad_type", f"unknown message type {str(raw.get('type'))[:64]!r}") from None
     sender, seq, deadline, body = raw.get("sender"), raw.get("seq"), raw.get("deadline"), raw.get("body", {})
-    if not isinstance(sender, str) or not sender:
-        raise ProtocolError("malformed", "sender must be a non-empty string")
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        raise ProtocolError("malformed", "seq must be a non-negative integer")
-    if not isinstance(deadline, (int, float)) or isinstance(deadline, bool):
-        raise ProtocolError("malformed", "deadline must be a number (unix seconds)")
+    if not isinstance(sender, str) or not sender or len(sender) > NODE:
+        raise ProtocolError("malformed", f"sender must be a non-empty string of at most {NODE} characters")
+    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq <= MAX_INT:
+        raise ProtocolError("malformed", f"seq must be an integer in [0, {MAX_INT}]")
+    if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not math.isfinite(deadline):
+        raise ProtocolError("malformed", "deadline must be a finite number (unix seconds)")
     if not isinstance(body, dict):
         raise ProtocolError("malformed", "body must be a JSON object")
-    return Message(mtype, sender, seq, float(deadline), body, v)
+    _check_json(body)
+    if abs(deadline) > 1e12:
+        raise ProtocolError("malformed", "deadline out of range")
+    cls = BODY_TYPES.get(mtype)
+    typed = cls.from_dict(body) if cls is not None else None
+    if isinstance(typed, Event) and typed.name != body.get("name"):
+        body = {**body, "name": typed.name}  # namespaced: the handlers emit what decode decided
+    return Message(mtype, sender, seq, float(deadline), body, PROTOCOL_VERSION, typed)
+
+
+def seq_origin() -> int:
+    """Where a sender's sequence starts: microseconds of wall clock, so a restarted
+    sender (same name) starts above what its previous incarnation sent and the
+    receiver's per-sender high-water mark (transport.Channel) still accepts it."""
+    return int(time.time() * 1e6)
 
 
 class Sequencer:
@@ -108,7 +395,7 @@ class Sequencer:
     def __init__(self, sender: str, default_ttl_s: float = 10.0) -> None:
         self.sender = sender
         self.default_ttl_s = default_ttl_s
-        self._seq = 0
+        self._seq = seq_origin()
 
     def make(self, mtype: MsgType, body: dict[str, Any] | None = None, ttl_s: float | None = None) -> Message:
         self._seq += 1

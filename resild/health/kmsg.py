@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 # /dev/kmsg, "[ 123.456]" from dmesg, a syslog prefix.
 _XID_RE = re.compile(
     r"NVRM: Xid \((?:PCI:)?(?P<bus>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\)"
-    r":\s*(?P<xid>\d+)(?:,\s*(?P<msg>.*?))?\s*$")
+    r":[ \t]*(?P<xid>[0-9]{1,6})(?![0-9])(?:,[ \t]*(?P<msg>.*))?", re.ASCII)
+MAX_LINE = 4096      # a kernel record is at most ~1 KiB; anything longer is cut before parsing
+MAX_PARTIAL = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,10 @@ class KmsgXid:
 
 def parse_xid_line(line: str) -> KmsgXid | None:
     """The Xid in one kernel-log line, or None if it is not an NVRM Xid line."""
-    m = _XID_RE.search(line)
+    m = _XID_RE.search(line[:MAX_LINE])
     if m is None:
         return None
-    return KmsgXid(pci_bus_id=m["bus"], xid=int(m["xid"]), message=m["msg"] or "")
+    return KmsgXid(pci_bus_id=m["bus"], xid=int(m["xid"]), message=(m["msg"] or "").strip())
 
 
 def pci_bus_key(bus_id: str) -> str:
@@ -158,11 +160,16 @@ class KmsgFollower:
                 continue
             pos += len(chunk)
             *lines, partial = (partial + chunk).split(b"\n")
+            partial = partial[-MAX_PARTIAL:]   # a newline-less flood must not grow without bound
             for raw in lines:
                 self._line(raw.decode("utf-8", "replace"))
 
     def _line(self, line: str) -> None:
-        xid = parse_xid_line(line)
+        try:
+            xid = parse_xid_line(line)
+        except Exception as e:  # noqa: BLE001 - one odd line must not stop following
+            self._report(e)
+            return
         if xid is None:
             return
         try:

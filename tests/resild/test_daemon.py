@@ -120,10 +120,10 @@ def test_systemd_unit() -> None:
 # -- the agent in-process, against a real ROUTER ------------------------------------------
 
 def test_agent_reports_health_and_heartbeats_and_watches(tmp_path: Path) -> None:
-    keys = generate_keys(tmp_path / "keys")
+    keys = generate_keys(tmp_path / "keys", nodes=["n1"])
     ctx = zmq.Context()
     server = Server(ctx, "tcp://127.0.0.1:0", keys)
-    cfg = Config(controller=server.endpoint, keys_dir=str(keys.path), node="n1", heartbeat_s=0.2,
+    cfg = Config(controller=server.endpoint, keys_dir=str(keys.node("n1").path), node="n1", heartbeat_s=0.2,
                  probe_interval_s=30, hang_timeout_s=0.6, state_dir=str(tmp_path),
                  status_socket=str(tmp_path / "s.sock"))
     flip = Flip()
