@@ -34,6 +34,7 @@ class JobSpec:
     heartbeat_s: float = 0.25
     bind_host: str = "127.0.0.1"   # the address peers use to reach the controller and the store
     bind_any: bool = False         # listen on every interface (cluster mode)
+    start_timeout_s: float = 300.0  # every active node's workers registered within this, or the job fails
 
 
 def _fake_nvml(spec: JobSpec) -> Path | None:
@@ -77,10 +78,10 @@ def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str
     cfg = ControllerConfig(bind=bind,
                            policy=PolicyConfig(heartbeat_timeout_s=spec.heartbeat_timeout_s,
                                                hang_timeout_s=spec.hang_timeout_s),
-                           store_addr=f"{spec.bind_host}:{store.port}",
+                           store_addr=f"{spec.bind_host}:{store.port}", start_timeout_s=spec.start_timeout_s,
                            worker=worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s))
     ctl = Controller(cfg, spec.active, spec.spares, spec.nproc_per_node, keys, events,
-                     Journal(spec.run_dir / "journal.jsonl"), None, spec.faults)
+                     Journal(spec.run_dir / "journal.jsonl", events=events), None, spec.faults)
     endpoint = f"tcp://{spec.bind_host}:{ctl.endpoint.rsplit(':', 1)[1]}"
     if backend_factory is None:
         backend = LocalCluster(nodes, spec.nproc_per_node, spec.cmd, spec.run_dir, _fake_nvml(spec))

@@ -133,7 +133,8 @@ def warn_if_allocation_dies_with_a_node(job_id: str, env: Mapping[str, str], out
 
 def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...], events: Path | None,
               hang_timeout_s: float, heartbeat_timeout_s: float, run_dir: Path | None, as_json: bool,
-              cmd: list[str], requeue_on_exhaustion: bool = False, status: bool = True) -> int:
+              cmd: list[str], requeue_on_exhaustion: bool = False, status: bool = True,
+              start_timeout_s: float = 300.0) -> int:
     try:
         alloc = slurm.allocation_from_env(os.environ)
     except slurm.SlurmEnvError as e:
@@ -173,7 +174,8 @@ def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tu
 
     spec = JobSpec(active=active, spares=spare_nodes, nproc_per_node=nproc_per_node, cmd=cmd, run_dir=rd,
                    faults=faults, events_path=events, hang_timeout_s=hang_timeout_s,
-                   heartbeat_timeout_s=heartbeat_timeout_s, bind_host=host, bind_any=True)
+                   heartbeat_timeout_s=heartbeat_timeout_s, bind_host=host, bind_any=True,
+                   start_timeout_s=start_timeout_s)
     code, reason = run_job(spec, as_json=as_json, backend_factory=make_backend, return_reason=True,
                            status=status)
     if code != 0 and requeue_on_exhaustion and reason.startswith("no spare left"):

@@ -76,3 +76,60 @@ def test_env_and_cli_errors_name_their_source(tmp_path: Path) -> None:
 def test_explicit_missing_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"absent.toml: no such file"):
         load_config(tmp_path / "absent.toml", env={})
+
+
+@pytest.mark.parametrize("text", ["status_timeout_s = nan\n", "heartbeat_s = inf\n", "hang_timeout_s = -inf\n",
+                                  "probe_timeout_s = +nan\n"])
+def test_non_finite_floats_are_refused(tmp_path: Path, text: str) -> None:
+    """`status_timeout_s = nan` was accepted and then crashed `resild status`."""
+    with pytest.raises(ConfigError, match="must be a finite number") as ei:
+        load_config(write(tmp_path, text), env={})
+    assert "\n" not in str(ei.value)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-Infinity", "1e999"])
+def test_non_finite_env_values_are_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match=r"^RESILD_STATUS_TIMEOUT_S: key 'status_timeout_s'"):
+        load_config(None, env={"RESILD_STATUS_TIMEOUT_S": value, "RESILD_CONFIG": "/dev/null"})
+
+
+def test_non_utf8_file_is_one_line(tmp_path: Path) -> None:
+    p = tmp_path / "resild.toml"
+    p.write_bytes(b'node = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, env={})
+    assert str(ei.value).startswith(f"{p}: not UTF-8") and "\n" not in str(ei.value)
+
+
+def test_non_utf8_file_from_the_cli_prints_no_traceback(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    p = tmp_path / "resild.toml"
+    p.write_bytes(b"\xff\xfe\x00garbage")
+    out = subprocess.run([sys.executable, "-m", "resild.cli", "status", "--config", str(p)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and "not UTF-8" in out.stderr
+
+
+def test_status_socket_must_be_local() -> None:
+    with pytest.raises(ConfigError, match="status_socket"):
+        load_config(None, env={"RESILD_CONFIG": "/dev/null"}, overrides={"status_socket": "tcp://0.0.0.0:5"})
+
+
+@pytest.mark.timeout(120)
+def test_resil_run_start_timeout_flag(tmp_path: Path) -> None:
+    """The start timeout (300 s) is a flag: workers that never register fail the job in time."""
+    import subprocess
+    import sys
+    import time
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "--local", "--nodes", "2", "--spares", "0", "-q",
+                          "--start-timeout", "2", "--run-dir", str(tmp_path / "run"), "--",
+                          sys.executable, "-c", "import time; time.sleep(60)"],
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 1 and "start timed out after 2s" in out.stderr, out.stderr
+    assert time.monotonic() - t0 < 60
+    bad = subprocess.run([sys.executable, "-m", "launcher.cli", "--local", "--start-timeout", "nan", "--", "true"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -236,3 +236,225 @@ def test_daemon_status_turns_failed_on_xid79(tmp_path: Path, fake_nvml_dir: Path
     assert daemon.returncode == 0, out
     assert "Traceback" not in out
     assert not (tmp_path / "status.sock").exists()
+
+
+# -- the status socket against hostile local clients (issue 9) ----------------------------
+
+import grp  # noqa: E402
+import resource  # noqa: E402
+import struct  # noqa: E402
+
+from resild import daemon as daemon_mod  # noqa: E402
+from resild.protocol import MAX_FRAME_BYTES, Sequencer, decode, encode  # noqa: E402
+
+
+@pytest.fixture
+def public_dir():
+    """A directory other users can traverse (pytest's tmp_path is under a 0700 one)."""
+    import tempfile
+    d = Path(tempfile.mkdtemp(prefix="resild-test-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def agent(public_dir: Path):
+    cfg = Config(node="n1", probe_interval_s=30, hang_timeout_s=60, state_dir=str(public_dir),
+                 status_socket=str(public_dir / "s.sock"), status_group="")
+    a = Agent(cfg, probes=[Flip()], ctx=zmq.Context())
+    a.start()
+    t = threading.Thread(target=a.run, daemon=True)
+    t.start()
+    yield a
+    a.close()
+    t.join(2)
+    a.ctx.term()
+
+
+def _raw(path: str, data: bytes, read: bool = True, timeout_s: float = 2.0) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(path)
+        s.sendall(data)
+        if not read:
+            return b""
+        out = b""
+        try:
+            while chunk := s.recv(65536):
+                out += chunk
+                if len(out) >= 4 and len(out) >= 4 + struct.unpack("!I", out[:4])[0]:
+                    break
+        except (TimeoutError, ConnectionResetError):
+            pass
+        return out
+
+
+def _alive(a: Agent) -> None:
+    rep = local_request(a.cfg.status_endpoint, MsgType.STATUS, timeout_s=2.0)
+    assert rep is not None and rep.type is MsgType.STATUS_REPLY and rep.body["node"] == "n1"
+
+
+def test_malformed_requests_never_stop_the_status_socket(agent: Agent) -> None:
+    """A two-frame REQ message killed the daemon (one frame read, EFSM on the reply)."""
+    ep, path = agent.cfg.status_endpoint, agent.cfg.status_socket
+    ctx = zmq.Context()
+    try:
+        req = ctx.socket(zmq.REQ)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(ep)
+        req.send_multipart([encode(Sequencer("x").make(MsgType.STATUS)), b"second frame"])
+        req.poll(500)
+        req.close()
+    finally:
+        ctx.term()
+    _alive(agent)
+    frame = encode(Sequencer("x").make(MsgType.STATUS))
+    for junk in (b"\xff" * 10, struct.pack("!I", 1 << 31), struct.pack("!I", 5) + b"junk!",
+                 struct.pack("!I", len(frame)) + frame[:10], b"", struct.pack("!I", 0)):
+        _raw(path, junk, read=False)
+        _alive(agent)
+    # Pipelined requests on one connection: each gets its reply, in order.
+    two = struct.pack("!I", len(frame)) + frame
+    out = _raw(path, two + two + struct.pack("!I", 3) + b"bad")
+    n = struct.unpack("!I", out[:4])[0]
+    assert decode(out[4:4 + n]).type is MsgType.STATUS_REPLY
+    # A request too big for the socket is refused before it is buffered.
+    big = encode(Sequencer("x").make(MsgType.REGISTER_WORKER, {"pid": os.getpid(), "name": "n" * 600_000}))
+    assert local_request(ep, MsgType.REGISTER_WORKER, {"pid": os.getpid(), "name": "n" * 600_000}) is None
+    assert len(big) > 64 << 10
+    _alive(agent)
+
+
+def test_clients_are_capped_and_idle_ones_dropped(agent: Agent, monkeypatch) -> None:
+    """~1,100 idle connections aborted the daemon (EMFILE inside libzmq): now excess
+    connections are closed at once and the daemon keeps serving."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2600:
+        pytest.skip(f"hard open-files limit {hard} too low for the flood")
+    path = agent.cfg.status_socket
+    flood = []
+    try:
+        for _ in range(1100):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(path)
+            except OSError:
+                s.close()
+                continue
+            flood.append(s)
+        time.sleep(0.5)
+        server = agent._rep
+        assert server is not None and len(server.conns) <= server.max_clients and server.refused > 0
+        assert len(os.listdir("/proc/self/fd")) < 1100 + 400   # the daemon's share stays bounded
+    finally:
+        for s in flood:
+            s.close()
+    time.sleep(0.3)
+    _alive(agent)
+    # An idle client is dropped after idle_timeout_s.
+    agent._rep.idle_timeout_s = 0.3
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.settimeout(3.0)
+        assert s.recv(10) == b""   # closed by the daemon
+
+
+def _as_nobody(fn) -> tuple[str, ...]:
+    """Run fn() in a forked child with uid/gid nobody; returns what it printed."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:   # child: no pytest, no threads of ours that matter
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            out = fn()
+        except BaseException as e:  # noqa: BLE001
+            out = (f"child error {e!r}",)
+        os.write(w, json.dumps(list(out)).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return tuple(json.loads(data))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_non_root_peer_may_register_only_its_own_processes(agent: Agent) -> None:
+    ep = agent.cfg.status_endpoint
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])   # root's
+    try:
+        assert local_request(ep, MsgType.REGISTER_WORKER, {"pid": victim.pid, "name": "root's"}).body == {"ok": True}
+
+        def attack() -> tuple[str, ...]:
+            def code(mtype: MsgType, body: dict) -> str:
+                rep = local_request(ep, mtype, body, timeout_s=2.0)
+                return "none" if rep is None else rep.body.get("code", "ok")
+            return (code(MsgType.REGISTER_WORKER, {"pid": 1, "name": "init"}),
+                    code(MsgType.REGISTER_WORKER, {"pid": victim.pid, "name": "x"}),
+                    code(MsgType.PROGRESS, {"pid": victim.pid, "step": 99}),   # hiding a real hang
+                    code(MsgType.REGISTER_WORKER, {"pid": os.getpid(), "name": "me\x1b[2J"}),
+                    code(MsgType.STATUS, {}))
+
+        assert _as_nobody(attack) == ("forbidden", "forbidden", "forbidden", "ok", "ok")
+        procs = {p["pid"]: p for p in local_request(ep, MsgType.STATUS).body["processes"]}
+        assert 1 not in procs and procs[victim.pid]["step"] is None and procs[victim.pid]["name"] == "root's"
+        assert [p["name"] for p in procs.values() if p["uid"] == 65534] == ["me?[2J"]   # no escapes
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def test_watched_processes_are_capped(agent: Agent, monkeypatch) -> None:
+    monkeypatch.setattr(daemon_mod, "MAX_WATCHED_PER_UID", 2)
+    ep = agent.cfg.status_endpoint
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(3)]
+    try:
+        codes = [local_request(ep, MsgType.REGISTER_WORKER, {"pid": p.pid}).body.get("code", "ok") for p in procs]
+        assert codes == ["ok", "ok", "too_many"]
+        rep = local_request(ep, MsgType.STATUS)
+        assert rep is not None and len(encode(rep)) < MAX_FRAME_BYTES
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_socket_is_group_only_when_the_group_exists(public_dir: Path) -> None:
+    group = grp.getgrgid(0).gr_name   # stands in for `resild`: exists, nobody is not in it
+    cfg = Config(node="n1", probe_interval_s=30, state_dir=str(public_dir), status_socket=str(public_dir / "g.sock"),
+                 status_group=group)
+    a = Agent(cfg, probes=[Flip()], ctx=zmq.Context())
+    a.start()
+    t = threading.Thread(target=a.run, daemon=True)
+    t.start()
+    try:
+        st = os.stat(cfg.status_socket)
+        assert st.st_mode & 0o777 == 0o660 and st.st_gid == 0
+        def try_connect() -> tuple[str, ...]:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                try:
+                    s.connect(cfg.status_socket)
+                except PermissionError:
+                    return ("denied",)
+            return ("connected",)
+
+        assert _as_nobody(try_connect) == ("denied",)
+        assert local_request(cfg.status_endpoint, MsgType.STATUS) is not None
+    finally:
+        a.close()
+        t.join(2)
+        a.ctx.term()
+
+
+def test_unit_runs_unprivileged_with_a_file_limit() -> None:
+    cp = configparser.ConfigParser(strict=False, interpolation=None)
+    cp.optionxform = str  # type: ignore[assignment,method-assign]
+    cp.read_string((REPO / "systemd" / "resild.service").read_text())
+    svc = cp["Service"]
+    assert svc["User"] == "resild" and svc["CapabilityBoundingSet"] == "CAP_SYSLOG"
+    assert int(svc["LimitNOFILE"]) >= 4096
+    assert "g resild" in (REPO / "systemd" / "resild.sysusers.conf").read_text()
