@@ -36,7 +36,8 @@ class Fault:
 
     def __str__(self) -> str:
         at = f"e{self.epoch}" if self.epoch is not None else str(self.step)
-        return f"{self.kind}:{self.node}@{at}" + (f"+{self.delay_s:g}" if self.delay_s else "")
+        delay = f"{self.delay_s:.6f}".rstrip("0").rstrip(".")   # parse_fault(str(f)) == f
+        return f"{self.kind}:{self.node}@{at}" + (f"+{delay}" if self.delay_s else "")
 
 
 def parse_fault(spec: str) -> Fault:
