@@ -1,0 +1,251 @@
+"""Soak: random fault schedules against `resil-run --local`, each checked bitwise
+against one failure-free run with the same seed and world size.
+
+Every fault kind (kill, exception, hang, nodeloss, xid79, xid48), single and double
+faults, faults during a recovery (`KIND:NODE@e2`: fired the moment epoch 2 is
+announced) and faults on hot spares. Each schedule gets as many spares as it has
+faults, so every schedule must succeed: exit 0, the final model and optimizer
+bitwise equal to the reference, no committed step lost, no process left behind.
+
+    python bench/soak.py --schedules 30 [--seed 1] [--steps 60] [--json out.json]
+
+Prints one line per schedule and a summary; exit 1 if any schedule failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = REPO / "examples" / "train.py"
+ACTIVE = 2                 # active nodes (x 1 rank): the reference's world size
+KINDS = ("kill", "exception", "hang", "nodeloss", "xid79", "xid48")
+SPARE_KINDS = ("kill", "nodeloss", "xid79")   # a spare runs no steps: a stopped or raising spare shows nothing
+HANG_TIMEOUT_S = 2.0
+
+
+@dataclass
+class Schedule:
+    faults: list[str]
+    spares: int
+    tags: list[str] = field(default_factory=list)   # single / double / during-recovery / on-spare
+
+    @property
+    def nodes(self) -> int:
+        return ACTIVE + self.spares
+
+
+@dataclass
+class Outcome:
+    index: int
+    schedule: Schedule
+    ok: bool
+    bitwise: bool          # exit 0 and final state bitwise equal to the reference
+    why: str
+    rc: int | None
+    wall_s: float
+    recovery_s: list[float | None]
+    steps_lost: list[int | None]
+
+
+def make_schedules(n: int, seed: int, steps: int) -> list[Schedule]:
+    """A deterministic mix; the first six cover every kind once, then doubles, faults
+    during recovery and faults on spares, then random draws of all of them."""
+    rng = random.Random(seed)
+    lo, hi = max(5, steps // 8), max(6, steps * 3 // 4)
+    out: list[Schedule] = []
+
+    def at() -> int:
+        return rng.randint(lo, hi)
+
+    def single(kind: str) -> Schedule:
+        return Schedule([f"{kind}:node{rng.randrange(ACTIVE)}@{at()}"], 1, ["single"])
+
+    def double() -> Schedule:
+        # Never two exceptions: the same exception text twice stops the job as a likely bug, by design.
+        k1, k2 = rng.choice(KINDS), rng.choice([k for k in KINDS if k != "exception"])
+        n1 = rng.randrange(ACTIVE)
+        s1 = at()
+        s2 = min(steps - 5, s1 + rng.randint(6, 20))
+        return Schedule([f"{k1}:node{n1}@{s1}", f"{k2}:node{(n1 + 1) % ACTIVE}@{s2}"], 2, ["double"])
+
+    def during_recovery() -> Schedule:
+        first = rng.randrange(ACTIVE)
+        other = (first + 1) % ACTIVE          # a survivor, hit while epoch 2 is being formed
+        k1, k2 = rng.choice(KINDS), rng.choice([k for k in KINDS if k != "exception"])
+        return Schedule([f"{k1}:node{first}@{at()}", f"{k2}:node{other}@e2"], 2, ["double", "during-recovery"])
+
+    def on_spare() -> Schedule:
+        spare = ACTIVE + rng.randrange(2)     # local-node2 or local-node3
+        sched = Schedule([f"{rng.choice(SPARE_KINDS)}:node{spare}@{rng.randint(lo, hi // 2)}"], 2, ["on-spare"])
+        if rng.random() < 0.7:                # and later an active node fails: the other spare takes over
+            sched.faults.append(f"{rng.choice(KINDS)}:node{rng.randrange(ACTIVE)}@{rng.randint(hi // 2 + 3, hi + 3)}")
+            sched.tags.append("double")
+        else:
+            sched.tags.append("single")
+        return sched
+
+    fixed = [single(k) for k in KINDS] + [double(), during_recovery(), on_spare(), during_recovery()]
+    makers = [lambda: single(rng.choice(KINDS)), double, during_recovery, on_spare]
+    while len(out) < n:
+        out.append(fixed[len(out)] if len(out) < len(fixed) else rng.choice(makers)())
+    return out
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    procs = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("RESILD_SOAK_MARK") == mark:
+                procs.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return procs
+
+
+def run_one(work: Path, sched: Schedule | None, steps: int, timeout_s: float) -> tuple[int | None, dict | None,
+                                                                                         dict | None, str]:
+    """One resil-run; returns (rc, --json summary, final checkpoint, stderr tail)."""
+    work.mkdir(parents=True, exist_ok=True)
+    save = work / "final.pt"
+    nodes, spares = (sched.nodes, sched.spares) if sched else (ACTIVE + 1, 1)
+    inject = [a for f in (sched.faults if sched else []) for a in ("--inject", f)]
+    cmd = [sys.executable, "-m", "launcher.cli", "--local", "--nodes", str(nodes), "--spares", str(spares),
+           "--nproc-per-node", "1", "--events", str(work / "events.jsonl"), "--run-dir", str(work / "run"),
+           "--json", "-q", "--hang-timeout", str(HANG_TIMEOUT_S), *inject,
+           "--", sys.executable, str(TRAIN), "--steps", str(steps), "--save", str(save)]
+    mark = uuid.uuid4().hex
+    env = dict(os.environ, RESILD_SOAK_MARK=mark, PYTHONUNBUFFERED="1")
+    rc: int | None
+    try:
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        rc, out, err = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out = None, ""
+        err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + f"\ntimed out after {timeout_s}s"
+    deadline = time.monotonic() + 5.0
+    while (left := _marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for q in left:
+        q.kill()
+    if left:
+        err += f"\norphan processes: {[q.pid for q in left]}"
+        rc = rc if rc else -1
+    try:
+        summary = json.loads(out)
+    except ValueError:
+        summary = None
+    final = torch.load(save) if save.exists() else None
+    return rc, summary, final, err[-2000:]
+
+
+def bitwise_diff(a: dict, b: dict, steps: int) -> str:
+    """'' when equal, else what differs first."""
+    if a["step"] != b["step"] or a["step"] != steps:
+        return f"step {b['step']} vs {a['step']}"
+    for k, v in a["model"].items():
+        if not torch.equal(v, b["model"][k]):
+            return f"model tensor {k} differs"
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    if sa.keys() != sb.keys():
+        return "optimizer state keys differ"
+    for i in sa:
+        for k in sa[i]:
+            if not torch.equal(sa[i][k], sb[i][k]):
+                return f"optimizer state {i}.{k} differs"
+    if a["optimizer"]["param_groups"] != b["optimizer"]["param_groups"]:
+        return "optimizer param groups differ"
+    return ""
+
+
+def judge(i: int, sched: Schedule, ref: dict, steps: int, work: Path, timeout_s: float) -> Outcome:
+    t0 = time.monotonic()
+    rc, summary, final, err = run_one(work, sched, steps, timeout_s)
+    wall = time.monotonic() - t0
+    fails = (summary or {}).get("failures", [])
+    rec = [f.get("recovery_s") for f in fails]
+    lost = [f.get("steps_lost") for f in fails]
+    why, bitwise = "", False
+    if rc != 0:
+        last = [ln for ln in err.strip().splitlines() if ln.strip()][-1:] or ["no output"]
+        why = f"exit {rc}: {last[0][:200]}"
+    elif final is None:
+        why = "no final checkpoint"
+    elif d := bitwise_diff(ref, final, steps):
+        why = f"not bitwise equal: {d}"
+    else:
+        bitwise = True
+        if any(x not in (0, None) for x in lost):
+            why = f"bitwise equal, but committed steps lost (recomputed): {lost}"
+        elif not fails:
+            why = "no failure was detected"
+    return Outcome(i, sched, not why, bitwise, why, rc, wall, rec, lost)
+
+
+def fmt(o: Outcome) -> str:
+    rec = ",".join("-" if r is None else f"{r:.2f}s" for r in o.recovery_s) or "-"
+    spec = " + ".join(o.schedule.faults)
+    verdict = "ok  " if o.ok else "FAIL"
+    return (f"#{o.index:02d} {verdict} {spec:<42} {'/'.join(o.schedule.tags):<24} nodes {o.schedule.nodes} "
+            f"failures {len(o.recovery_s)} recovery {rec:<14} lost {sum(x or 0 for x in o.steps_lost)} "
+            f"wall {o.wall_s:5.1f}s" + ("" if o.ok else f"  <- {o.why}"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--schedules", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
+    ap.add_argument("--workdir", type=Path, help="keep run directories here (default: a temporary one)")
+    ap.add_argument("--json", type=Path, help="also write the results as JSON")
+    a = ap.parse_args(argv)
+    if a.schedules < 1 or a.steps < 20:
+        ap.error("--schedules >= 1 and --steps >= 20")
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="resild-soak-"))
+    schedules = make_schedules(a.schedules, a.seed, a.steps)
+    t_start = time.monotonic()
+    rc, _, ref, err = run_one(work / "reference", None, a.steps, a.timeout)
+    if rc != 0 or ref is None:
+        print(f"soak: the failure-free reference run failed (exit {rc}): {err[-500:]}", file=sys.stderr)
+        return 2
+    print(f"reference: {ACTIVE} active nodes x 1 rank, {a.steps} steps, seed 0 ({time.monotonic() - t_start:.1f}s)",
+          flush=True)
+    outcomes = []
+    for i, s in enumerate(schedules, 1):
+        o = judge(i, s, ref, a.steps, work / f"s{i:02d}", a.timeout)
+        outcomes.append(o)
+        print(fmt(o), flush=True)
+    ok = [o for o in outcomes if o.ok]
+    bitwise = sum(o.bitwise for o in outcomes)
+    kinds = sorted({f.split(":")[0] for s in schedules for f in s.faults})
+    tags = {t: sum(t in s.tags for s in schedules) for t in ("single", "double", "during-recovery", "on-spare")}
+    recs = sorted(r for o in ok for r in o.recovery_s if r is not None)
+    med = recs[len(recs) // 2] if recs else None
+    print(f"soak: {len(ok)}/{len(outcomes)} schedules passed bitwise "
+          f"({tags['single']} single, {tags['double']} double, {tags['during-recovery']} during recovery, "
+          f"{tags['on-spare']} on spares; kinds {', '.join(kinds)}); "
+          f"{sum(len(o.recovery_s) for o in ok)} failures recovered, 0 steps lost" if len(ok) == len(outcomes) else
+          f"soak: {len(ok)}/{len(outcomes)} schedules passed ({bitwise}/{len(outcomes)} bitwise equal); failed: "
+          + ", ".join(f"#{o.index:02d} ({o.why})" for o in outcomes if not o.ok))
+    if med is not None:
+        print(f"soak: recovery median {med:.2f}s, max {recs[-1]:.2f}s; wall {time.monotonic() - t_start:.0f}s")
+    if a.json:
+        a.json.write_text(json.dumps([{**asdict(o), "schedule": asdict(o.schedule)} for o in outcomes], indent=1))
+    return 0 if len(ok) == len(outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
