@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
     ap.add_argument("--workdir", type=Path, help="keep run directories here (default: a temporary one)")
     ap.add_argument("--json", type=Path, help="also write the results as JSON")
+    ap.add_argument("--only", help="run only these schedule numbers, e.g. 8,9 (development)")
     a = ap.parse_args(argv)
     if a.schedules < 1 or a.steps < 20:
         ap.error("--schedules >= 1 and --steps >= 20")
@@ -224,14 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"reference: {ACTIVE} active nodes x 1 rank, {a.steps} steps, seed 0 ({time.monotonic() - t_start:.1f}s)",
           flush=True)
     outcomes = []
+    only = {int(x) for x in a.only.split(",")} if a.only else None
     for i, s in enumerate(schedules, 1):
+        if only is not None and i not in only:
+            continue
         o = judge(i, s, ref, a.steps, work / f"s{i:02d}", a.timeout)
         outcomes.append(o)
         print(fmt(o), flush=True)
     ok = [o for o in outcomes if o.ok]
     bitwise = sum(o.bitwise for o in outcomes)
-    kinds = sorted({f.split(":")[0] for s in schedules for f in s.faults})
-    tags = {t: sum(t in s.tags for s in schedules) for t in ("single", "double", "during-recovery", "on-spare")}
+    ran = [o.schedule for o in outcomes]
+    kinds = sorted({f.split(":")[0] for s in ran for f in s.faults})
+    tags = {t: sum(t in s.tags for s in ran) for t in ("single", "double", "during-recovery", "on-spare")}
     recs = sorted(r for o in ok for r in o.recovery_s if r is not None)
     med = recs[len(recs) // 2] if recs else None
     print(f"soak: {len(ok)}/{len(outcomes)} schedules passed bitwise "

@@ -5,7 +5,7 @@ DEALERs. Keys are generated per job (local mode) or provisioned by the site
 (cluster mode) by `generate_keys`:
 
     DIR/server.key, server.key_secret     the controller's pair (stays on the controller host)
-    DIR/client.key, client.key_secret     the operator's pair (User-Id "admin": `resild cluster`)
+    DIR/client.key, client.key_secret     the operator's pair (User-Id "client": `resild cluster`)
     DIR/authorized/<name>.key             every public key the controller accepts; the file
                                           name is the identity (ZAP User-Id) of its holder
     DIR/nodes/<node>/                     what node <node> gets, and nothing else: its own
@@ -45,7 +45,8 @@ from .protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Sequence
 
 log = logging.getLogger(__name__)
 
-ADMIN = "admin"            # identity of DIR/client.key: may ask for status, speaks for no node
+ADMIN = "client"           # identity of DIR/client.key, the operator's (`resild cluster`): may ask
+                           # for status, speaks for no node (name kept from the one-key layout)
 NODE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 MAX_SENDERS = 65536        # high-water marks kept (oldest forgotten first)
 
