@@ -19,7 +19,7 @@ import re
 import time
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, ClassVar
+from typing import Any
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20  # control messages only; state travels over torch collectives

@@ -266,9 +266,10 @@ def _forged(user: str, ident: bytes | None, msg: Message) -> str:
     return ""
 
 
-def _limit(sock: zmq.Socket) -> None:
-    # libzmq drops a peer that sends a bigger frame before buffering it (a 512 MiB
-    # frame would otherwise be held in memory before decode() refuses it).
+def limit_frame_size(sock: zmq.Socket) -> None:
+    """For every socket carrying protocol frames; call before bind/connect (libzmq
+    copies the options then). libzmq drops a peer that sends a bigger frame before
+    buffering it: a 512 MiB frame would otherwise sit in memory until decode() refused it."""
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
 
 
@@ -287,7 +288,7 @@ class Server:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        _limit(sock)
+        limit_frame_size(sock)
         if keys is not None:
             auth = _KeyAuthenticator(ctx, keys.authorized)
             auth.start()
@@ -309,7 +310,7 @@ def connect(ctx: zmq.Context, endpoint: str, keys: KeyDir | None, sender: str) -
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 10000)
-    _limit(sock)
+    limit_frame_size(sock)
     sock.setsockopt_string(zmq.IDENTITY, sender)
     if keys is not None:
         _set_curve_client(sock, keys)
