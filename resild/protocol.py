@@ -265,12 +265,14 @@ class MembershipBody(Body):
 
 @dataclass(frozen=True)
 class Fence(Body):
-    reason: str | None = _f("str", max_len=TEXT)
+    # Composed by the controller from causes (health reasons, exception texts): never refuse
+    # a FENCE or SHUTDOWN for its length, only the frame limit bounds it.
+    reason: str | None = _f("str", max_len=MAX_FRAME_BYTES)
 
 
 @dataclass(frozen=True)
 class Shutdown(Body):
-    reason: str | None = _f("str", max_len=TEXT)
+    reason: str | None = _f("str", max_len=MAX_FRAME_BYTES)
     exit_code: int | None = _f("int", lo=-255, hi=255)
 
 
@@ -284,7 +286,7 @@ class Inject(Body):
 @dataclass(frozen=True)
 class ErrorBody(Body):
     code: str | None = _f("str", max_len=64)
-    detail: str | None = _f("str", max_len=TEXT)
+    detail: str | None = _f("str", max_len=MAX_FRAME_BYTES)
 
 
 BODY_TYPES: dict[MsgType, type[Body]] = {
