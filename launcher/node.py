@@ -2,6 +2,12 @@
 (pidfd, no polling), heartbeats to the controller, relays GPU health, executes
 FENCE / SHUTDOWN / INJECT. One per allocated node, active or spare.
 
+It is also its workers' relay (launcher/relay.py): the controller sends it one
+membership message per epoch (a delta when it holds the previous epoch), which
+it hands to its workers as a full layout; their commits are aggregated into one
+report per node. Its heartbeats carry the epoch it holds, so the controller
+resends the full layout to a node that missed one.
+
     python -m launcher.node --node NODE --controller tcp://HOST:PORT --keys DIR --nproc N -- CMD...
 """
 from __future__ import annotations
@@ -19,10 +25,11 @@ from pathlib import Path
 
 import zmq
 
-from resild.protocol import MsgType
+from resild.protocol import Message, MsgType
 from resild.transport import KeyDir, connect
 
 from .procutil import die_with_parent
+from .relay import IMMEDIATE_STATES, RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
 
 log = logging.getLogger("resild.node")
 
@@ -56,6 +63,10 @@ class NodeProcess:
         self.exit_code: int | None = None
         self.exit_grace_s = float(os.environ.get("RESILD_EXIT_GRACE_S", "600"))
         self.shutting_down_until: float | None = None
+        self.layout = LayoutTracker()
+        self.commits = CommitAggregator(expected=nproc)
+        self.relay: RelayServer | None = None
+        self._relayed_sent: list[int] | None = None  # the relayed set the controller last heard
 
     # ---- health probe (GPU) -------------------------------------------------
     def _start_probe(self) -> None:
@@ -107,6 +118,8 @@ class NodeProcess:
 
     # ---- main loop -------------------------------------------------------
     def run(self) -> int:
+        self.relay = RelayServer(self.ctx, self.node)
+        self.env[RELAY_ENV] = self.relay.endpoint
         self.ch.send(MsgType.REGISTER_NODE, {"node": self.node, "pid": os.getpid(), "nproc": self.nproc})
         self._start_probe()
         try:
@@ -122,6 +135,7 @@ class NodeProcess:
             return 2
         poller = zmq.Poller()
         poller.register(self.ch.sock, zmq.POLLIN)
+        poller.register(self.relay.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         for w in self.workers.values():
             poller.register(w.pidfd, zmq.POLLIN)
@@ -130,15 +144,20 @@ class NodeProcess:
             while self.exit_code is None:
                 now = time.monotonic()
                 if now >= next_hb:
-                    self.ch.send(MsgType.HEARTBEAT, {"node": self.node}, ttl_s=5)
+                    self._heartbeat()
                     next_hb = now + self.heartbeat_s
                 if self.probe is not None and now >= next_probe:
                     self._poll_probe()
                     next_probe = now + self.probe_interval_s
-                timeout_ms = max(1, int((next_hb - time.monotonic()) * 1000))
+                if self.commits.due(now):
+                    self._report_commits(now)
+                wake = min(next_hb, self.commits.next_due_s() or next_hb)
+                timeout_ms = max(1, int((wake - time.monotonic()) * 1000))
                 for fd, _ in poller.poll(timeout_ms):
                     if fd is self.ch.sock:
                         self._drain_socket()
+                    elif fd is self.relay.sock:
+                        self._drain_relay()
                     elif fd == self._wake_r:
                         os.read(self._wake_r, 4096)
                         while not self.health_q.empty():
@@ -156,9 +175,69 @@ class NodeProcess:
             self._kill_workers()
             if self.probe is not None:
                 self.probe.stop()
+            self.relay.close()
             self.ch.close()
             self.ctx.term()
         return self.exit_code
+
+    # ---- relay: membership down, progress up ----------------------------------
+    def _heartbeat(self, resync: bool = False) -> None:
+        body: dict = {"node": self.node, "epoch": self.layout.epoch}
+        relayed = sorted(self.relay.workers) if self.relay is not None else []
+        if relayed != self._relayed_sent:  # only on change: the controller keeps it
+            body["relayed"] = relayed
+            self._relayed_sent = relayed
+        if resync:
+            body["resync"] = True
+        self.ch.send(MsgType.HEARTBEAT, body, ttl_s=5)
+
+    def _on_membership(self, msg: Message) -> None:
+        if msg.type == MsgType.MEMBERSHIP:
+            fresh: bool | None = self.layout.on_full(msg.body)
+        else:
+            fresh = self.layout.on_delta(msg.body)
+        if fresh is None:
+            self._heartbeat(resync=True)  # missed an epoch: the controller sends the full layout
+        elif fresh:
+            m = self.layout.membership
+            assert m is not None and self.relay is not None
+            self.commits.expected = max(1, len(m.node_ranks.get(self.node, ())))
+            self.relay.set_membership(m)
+
+    def _drain_relay(self) -> None:
+        assert self.relay is not None
+        for _ in range(1000):  # bounded: the controller socket is served too
+            got = self.relay.recv()
+            if got is None:
+                return
+            _, msg = got
+            if msg.type == MsgType.RELAY_HELLO:
+                self._heartbeat()  # tell the controller this rank no longer needs direct sends
+            elif msg.type == MsgType.PROGRESS:
+                self._on_progress(msg.body)
+            else:  # anything else is the controller's business, unchanged
+                self.ch.send(msg.type, {**msg.body, "node": self.node})
+
+    def _on_progress(self, b: dict) -> None:
+        now = time.monotonic()
+        state = b.get("state")
+        if state == "commit":
+            try:
+                self.commits.add(int(b["rank"]), int(b["epoch"]), int(b["step"]), now)
+            except (KeyError, TypeError, ValueError):
+                log.warning("%s: bad progress from a worker: %r", self.node, b)
+            if self.commits.due(now):
+                self._report_commits(now)
+            return
+        if state in IMMEDIATE_STATES:
+            # Commits first, so the controller sees each rank's reports in order.
+            self._report_commits(now)
+        self.ch.send(MsgType.PROGRESS, {**b, "node": self.node})
+
+    def _report_commits(self, now: float) -> None:
+        body = self.commits.take(now)
+        if body is not None:
+            self.ch.send(MsgType.PROGRESS, {"node": self.node, **body})
 
     def _poll_probe(self) -> None:
         from resild.health.verdict import node_verdict
@@ -180,8 +259,12 @@ class NodeProcess:
                     # time. Failure: they are being stopped, do not wait long.
                     ok = int(msg.body.get("exit_code", 1)) == 0
                     self.shutting_down_until = time.monotonic() + (self.exit_grace_s if ok else 5.0)
+                    if self.relay is not None:
+                        self.relay.broadcast(MsgType.SHUTDOWN, msg.body)
             elif msg.type == MsgType.PING:
-                self.ch.send(MsgType.HEARTBEAT, {"node": self.node}, ttl_s=5)
+                self._heartbeat()
+            elif msg.type in (MsgType.MEMBERSHIP, MsgType.MEMBERSHIP_DELTA):
+                self._on_membership(msg)
             elif msg.type == MsgType.INJECT:
                 self._inject(msg.body)
             elif msg.type == MsgType.ERROR:
@@ -193,6 +276,8 @@ class NodeProcess:
                 rc = w.proc.wait()
                 poller.unregister(fd)
                 os.close(fd)
+                if self.relay is not None:
+                    self.relay.forget(w.local_rank)
                 self.ch.send(MsgType.WORKER_EXIT, {"node": self.node, "local_rank": w.local_rank,
                                                    "pid": w.proc.pid, "returncode": rc})
                 return

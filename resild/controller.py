@@ -3,9 +3,17 @@
 Single-threaded loop over a ROUTER socket. Every message handler updates the
 ClusterView; decisions come from `policy` (pure) and are journaled before the
 I/O that carries them out.
+
+Cost model (it has to hold at 16k ranks): every message costs O(1) (a node's
+aggregated progress report O(its ranks)); an epoch costs O(ranks) once: the
+membership is encoded once, node processes holding the previous epoch get a
+few-byte delta, the others the full layout, and each node process relays it to
+its own workers (launcher/relay.py). Only workers not behind a relay (no
+RESILD_RELAY) get it directly.
 """
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
@@ -22,7 +30,7 @@ from .journal import Journal
 from .membership import ClusterView, Membership, NodeRole, NodeView, RankProgress
 from .policy import (Action, Decision, PolicyConfig, check_done, check_timeouts, on_node_failure,
                      on_worker_exception)
-from .protocol import Message, MsgType
+from .protocol import Message, MsgType, encode
 from .transport import KeyDir, Server
 
 log = logging.getLogger("resild.controller")
@@ -35,6 +43,7 @@ class ControllerConfig:
     tick_s: float = 0.02
     max_batch: int = 1000  # messages handled before the timeout checks run again
     start_timeout_s: float = 300.0
+    resync_s: float = 1.0  # a node still reporting an old epoch this long after a send gets the full layout
     shutdown_timeout_s: float = 600.0  # at success: time for workers to finish (final save)
     store_addr: str = ""
     worker: dict[str, Any] = field(default_factory=dict)  # runtime settings handed to workers
@@ -67,6 +76,15 @@ class Controller:
         self._initial = Membership.initial(active, nproc_per_node)
         self.node_ident: dict[str, bytes] = {}
         self.worker_ident: dict[tuple[str, int], bytes] = {}
+        self._unregistered = len(active) * nproc_per_node  # active workers yet to register: O(1) start check
+        self._full_json = b""  # the current membership's full layout, encoded once per epoch
+        self._handlers = {
+            MsgType.REGISTER_NODE: self._on_register_node, MsgType.HEARTBEAT: self._on_heartbeat,
+            MsgType.WORKER_EXIT: self._on_worker_exit, MsgType.HEALTH: self._on_health,
+            MsgType.REGISTER_WORKER: self._on_register_worker, MsgType.PROGRESS: self._on_progress,
+            MsgType.EVENT: self._on_event, MsgType.DONE: self._on_done, MsgType.FAILED: self._on_failed,
+            MsgType.FATAL: self._on_fatal,
+        }
         self.max_step = 0
         self.result: JobResult | None = None
         self._started = time.monotonic()
@@ -135,13 +153,7 @@ class Controller:
             # A fenced node never rejoins: whatever it says, it is told to die.
             self.ch.send(MsgType.FENCE, {"reason": node.reason}, to=ident)
             return
-        handler = {
-            MsgType.REGISTER_NODE: self._on_register_node, MsgType.HEARTBEAT: self._on_heartbeat,
-            MsgType.WORKER_EXIT: self._on_worker_exit, MsgType.HEALTH: self._on_health,
-            MsgType.REGISTER_WORKER: self._on_register_worker, MsgType.PROGRESS: self._on_progress,
-            MsgType.EVENT: self._on_event, MsgType.DONE: self._on_done, MsgType.FAILED: self._on_failed,
-            MsgType.FATAL: self._on_fatal,
-        }.get(msg.type)
+        handler = self._handlers.get(msg.type)
         if handler is None:
             self.ch.send(MsgType.ERROR, {"code": "unexpected", "detail": f"{msg.type.value} not accepted here"}, to=ident)
             return
@@ -154,8 +166,13 @@ class Controller:
 
     def _on_register_node(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         self.node_ident[node.node_id] = ident
-        node.registered, node.last_heartbeat_s, node.host_pid = True, now, b.get("pid")
+        node.registered, node.host_pid = True, b.get("pid")
+        self.view.beat(node.node_id, now)
+        self._node_state(node, b)
         self.events.emit("node_registered", node=node.node_id, role=node.role.value, pid=b.get("pid"))
+        m = self.view.membership
+        if m is not None and node.node_id in m.node_ranks:  # a (re)started node process
+            self._send_full(node, ident, now)
 
     def _on_heartbeat(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         # The node daemon may heartbeat too, but the job's liveness is its node process:
@@ -163,9 +180,25 @@ class Controller:
         if not ident.endswith(b"/node"):
             return
         self.node_ident[node.node_id] = ident
-        node.last_heartbeat_s = now
+        self.view.beat(node.node_id, now)
         node.registered = True
-        node.health = str(b.get("health", node.health))
+        if "health" in b:
+            node.health = str(b["health"])
+        self._node_state(node, b)
+        m = self.view.membership
+        if (m is not None and node.epoch_have < m.epoch and "epoch" in b and node.node_id in m.node_ranks
+                and (b.get("resync") or now - node.membership_sent_s > self.cfg.resync_s)):
+            # It missed an epoch (a lost send, a delta it could not apply): the full layout.
+            self._send_full(node, ident, now)
+
+    @staticmethod
+    def _node_state(node: NodeView, b: dict) -> None:
+        """What a node process says about its relay: the epoch it holds, the local ranks
+        it relays to (those need no direct sends)."""
+        if "epoch" in b:
+            node.epoch_have = int(b["epoch"])
+        if "relayed" in b:
+            node.relayed = frozenset(int(x) for x in b["relayed"])
 
     def _on_worker_exit(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         rc = b.get("returncode")
@@ -188,16 +221,22 @@ class Controller:
             return
         if (node.node_id, lr) not in self.worker_ident:
             node.workers_ready += 1
+            if node.role == NodeRole.ACTIVE:
+                self._unregistered -= 1
         self.events.emit("worker_registered", node=node.node_id, local_rank=lr, pid=b.get("pid"))
         self.worker_ident[(node.node_id, lr)] = ident
         self.ch.send(MsgType.WELCOME, {"store": self.cfg.store_addr, **self.cfg.worker}, to=ident)
         m = self.view.membership
         if m is not None and node.node_id in m.node_ranks:
-            self.ch.send(MsgType.MEMBERSHIP, m.to_dict(), to=ident, ttl_s=600)
-        elif m is None and all(n.workers_ready >= n.nproc for n in self.view.nodes.values() if n.role == NodeRole.ACTIVE):
+            if lr not in node.relayed:  # a relayed worker gets it from its node on its hello
+                self._send_raw(ident, self._frame(MsgType.MEMBERSHIP, self._full_json))
+        elif m is None and self._unregistered <= 0:
             self._apply_membership(self._initial, now)
 
     def _on_progress(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+        if "commits" in b:
+            self._on_commits(node, b, now)
+            return
         rank, epoch, step = int(b["rank"]), int(b["epoch"]), int(b["step"])
         m = self.view.membership
         if m is None or m.node_ranks.get(node.node_id) is None or rank not in m.node_ranks[node.node_id]:
@@ -209,10 +248,27 @@ class Controller:
             self.view.probe_targets = frozenset(targets)
             for node_id in targets:
                 self.ch.send(MsgType.PING, {}, to=self.node_ident[node_id], ttl_s=1.0)
-        p = self.view.progress.setdefault(rank, RankProgress())
+        self._rank_progress(rank, epoch, step, str(b.get("state", "compute")), m, now)
+
+    def _on_commits(self, node: NodeView, b: dict, now: float) -> None:
+        """A node process's aggregate of its ranks' commits: {"commits": {rank: step}, "epoch"}."""
+        epoch = int(b["epoch"])
+        m = self.view.membership
+        mine = m.node_ranks.get(node.node_id) if m is not None else None
+        if m is None or mine is None:
+            return  # stale sender
+        for r, step in dict(b["commits"]).items():
+            rank = int(r)
+            if rank in mine:
+                self._rank_progress(rank, epoch, int(step), "commit", m, now)
+
+    def _rank_progress(self, rank: int, epoch: int, step: int, state: str, m: Membership, now: float) -> None:
+        p = self.view.progress.get(rank)
+        if p is None:
+            p = self.view.progress[rank] = RankProgress()
         committed = step > p.step or epoch != p.epoch
-        p.step, p.epoch, p.state, p.t_s = step, epoch, str(b.get("state", "compute")), now
-        if b.get("state") == "commit" and epoch == m.epoch:
+        p.step, p.epoch, p.state, p.t_s = step, epoch, state, now
+        if state == "commit" and epoch == m.epoch:
             self.view.last_commit_s = now
             if step > self.max_step:
                 self.max_step = step
@@ -292,18 +348,62 @@ class Controller:
         self.events.emit("node_fenced", node=node_id, reason=reason)
 
     def _apply_membership(self, m: Membership, now: float) -> None:
+        t0 = time.perf_counter()
+        prev = self.view.membership
         self.view.membership = m
         self.view.done_ranks.clear()  # ranks re-report done in the new epoch
         self.view.first_done_s = None
         self.view.epoch_started_s = now
         self._awaiting_full_strength = m.epoch
+        # Encoded once: one frame for every receiver of each form (one seq, sent right
+        # away, so each receiver still sees the controller's seqs increase).
+        layout = m.to_dict()
+        self._full_json = json.dumps(layout, separators=(",", ":")).encode()
+        full = self._frame(MsgType.MEMBERSHIP, self._full_json)
+        delta = m.delta_from(prev) if prev is not None else None
+        delta_frame = (self._frame(MsgType.MEMBERSHIP_DELTA, json.dumps(delta, separators=(",", ":")).encode())
+                       if delta is not None else b"")
+        n_full = n_delta = n_direct = 0
         for node_id in m.node_ranks:
-            for lr in range(self.nproc):
-                ident = self.worker_ident.get((node_id, lr))
-                if ident is not None:
-                    self.ch.send(MsgType.MEMBERSHIP, m.to_dict(), to=ident, ttl_s=600)
-        self.events.emit("membership", epoch=m.epoch, layout={n: list(r) for n, r in m.node_ranks.items()})
+            node = self.view.nodes[node_id]
+            ident = self.node_ident.get(node_id)
+            if ident is not None:
+                if delta is not None and prev is not None and node.epoch_sent == prev.epoch:
+                    self._send_raw(ident, delta_frame)
+                    n_delta += 1
+                else:
+                    self._send_raw(ident, full)
+                    n_full += 1
+                node.epoch_sent, node.membership_sent_s = m.epoch, now
+            if len(node.relayed) < self.nproc:  # workers not behind the node's relay: directly
+                for lr in range(self.nproc):
+                    if lr not in node.relayed and (wid := self.worker_ident.get((node_id, lr))) is not None:
+                        self._send_raw(wid, full)
+                        n_direct += 1
+        self.events.emit("membership", epoch=m.epoch, layout=layout["node_ranks"], full=n_full, delta=n_delta,
+                         direct=n_direct, announce_s=round(time.perf_counter() - t0, 6))
         self._fire_faults(now)  # faults armed on this epoch hit during the recovery itself
+
+    def _send_full(self, node: NodeView, ident: bytes, now: float) -> None:
+        m = self.view.membership
+        assert m is not None
+        self._send_raw(ident, self._frame(MsgType.MEMBERSHIP, self._full_json))
+        node.epoch_sent, node.membership_sent_s = m.epoch, now
+
+    def _frame(self, mtype: MsgType, body_json: bytes, ttl_s: float = 600.0) -> bytes:
+        """A frame around an already-encoded body: the envelope is made by the protocol
+        module (fresh seq and deadline), the body is spliced in, not re-serialised."""
+        msg = self.ch.seq.make(mtype, None, ttl_s)
+        head = encode(msg)
+        if head.endswith(b'"body":{}}'):
+            return head[:-3] + body_json + b"}"
+        return encode(Message(msg.type, msg.sender, msg.seq, msg.deadline, json.loads(body_json)))
+
+    def _send_raw(self, ident: bytes, frame: bytes) -> None:
+        try:
+            self.ch.sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("membership send dropped: peer queue full")  # the node's heartbeat asks again
 
     def _fire_faults(self, now: float) -> None:
         epoch = self.view.membership.epoch if self.view.membership else 0
@@ -324,8 +424,9 @@ class Controller:
         for node_id, ident in self.node_ident.items():
             if self.view.nodes[node_id].role != NodeRole.FENCED:
                 self.ch.send(MsgType.SHUTDOWN, {"reason": self.result.reason, "exit_code": self.result.exit_code}, to=ident)
-        for (node_id, _), ident in self.worker_ident.items():
-            if self.view.nodes[node_id].role != NodeRole.FENCED:
+        for (node_id, lr), ident in self.worker_ident.items():
+            node = self.view.nodes[node_id]
+            if node.role != NodeRole.FENCED and lr not in node.relayed:  # relayed ones hear it from their node
                 self.ch.send(MsgType.SHUTDOWN, {"reason": self.result.reason, "exit_code": self.result.exit_code},
                              to=ident)
         self.backend.shutdown(self.cfg.shutdown_timeout_s if self.result.exit_code == 0 else 0.0)

@@ -9,9 +9,11 @@ NodeRole transitions (anything else is a bug and raises):
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from functools import cached_property
+from typing import Any, Iterator
 
 
 class NodeRole(str, Enum):
@@ -38,13 +40,27 @@ def check_transition(old: NodeRole, new: NodeRole) -> None:
         raise IllegalTransition(f"node role {old.value} -> {new.value} is not allowed")
 
 
+class DeltaMismatch(ValueError):
+    """A delta that does not apply to the layout held: the receiver needs the full layout."""
+
+
 @dataclass(frozen=True)
 class Membership:
-    """The rank layout of one epoch. Ranks of a node are ordered by local rank."""
+    """The rank layout of one epoch. Ranks of a node are ordered by local rank.
+
+    On the wire: the full layout (`to_dict`, MEMBERSHIP) to whoever does not hold
+    the previous epoch, a delta (`delta_from`, MEMBERSHIP_DELTA) to node processes
+    that do; a delta is a few bytes where the full layout of 16k ranks is ~100 KB.
+    """
 
     epoch: int
     world_size: int
     node_ranks: dict[str, tuple[int, ...]]
+
+    @cached_property
+    def _rank_node(self) -> dict[int, str]:
+        # Built once per epoch (O(ranks)); makes node_of O(1) for the hang detector.
+        return {r: n for n, ranks in self.node_ranks.items() for r in ranks}
 
     def rank_of(self, node: str, local_rank: int) -> int | None:
         ranks = self.node_ranks.get(node)
@@ -53,10 +69,7 @@ class Membership:
         return ranks[local_rank]
 
     def node_of(self, rank: int) -> str | None:
-        for node, ranks in self.node_ranks.items():
-            if rank in ranks:
-                return node
-        return None
+        return self._rank_node.get(rank)
 
     def bump(self) -> Membership:
         """The next epoch with the same layout: re-form without replacing anyone."""
@@ -70,6 +83,43 @@ class Membership:
             raise ValueError(f"{spare} already holds ranks in epoch {self.epoch}")
         layout = {(spare if n == failed else n): r for n, r in self.node_ranks.items()}
         return Membership(self.epoch + 1, self.world_size, layout)
+
+    # ---- deltas: what changed from the previous epoch ------------------------
+    def delta_from(self, prev: Membership) -> dict[str, Any] | None:
+        """The change from `prev` as {epoch, base, world_size, moves: {old node: new node}},
+        or None when this epoch is not a pure renaming of `prev` (send the full layout).
+        O(nodes), once per epoch."""
+        if self.world_size != prev.world_size or len(self.node_ranks) != len(prev.node_ranks):
+            return None
+        gone = [n for n in prev.node_ranks if n not in self.node_ranks]
+        came = {tuple(self.node_ranks[n]): n for n in self.node_ranks if n not in prev.node_ranks}
+        moves: dict[str, str] = {}
+        for n in gone:
+            new = came.pop(tuple(prev.node_ranks[n]), None)
+            if new is None:
+                return None
+            moves[n] = new
+        if came:
+            return None
+        for n, r in self.node_ranks.items():
+            if n in prev.node_ranks and prev.node_ranks[n] != r:
+                return None
+        return {"epoch": self.epoch, "base": prev.epoch, "world_size": self.world_size, "moves": moves}
+
+    def apply_delta(self, delta: dict[str, Any]) -> Membership:
+        """The next epoch from a delta made by `delta_from(self)`; DeltaMismatch when the
+        delta was made against another epoch or names nodes this layout does not have."""
+        base, epoch = int(delta["base"]), int(delta["epoch"])
+        if base != self.epoch or epoch <= base or int(delta["world_size"]) != self.world_size:
+            raise DeltaMismatch(f"delta {base}->{epoch} does not apply to epoch {self.epoch}")
+        moves = {str(k): str(v) for k, v in dict(delta["moves"]).items()}
+        for old, new in moves.items():
+            if old not in self.node_ranks or (new in self.node_ranks and new not in moves):
+                raise DeltaMismatch(f"delta {base}->{epoch} moves {old} -> {new}: not in epoch {self.epoch}")
+        layout = {moves.get(n, n): r for n, r in self.node_ranks.items()}
+        if len(layout) != len(self.node_ranks):
+            raise DeltaMismatch(f"delta {base}->{epoch} merges nodes")
+        return Membership(epoch, self.world_size, layout)
 
     def to_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "world_size": self.world_size,
@@ -97,6 +147,11 @@ class NodeView:
     reason: str = ""
     host_pid: int | None = None
     health: str = "healthy"
+    # Control-plane bookkeeping (the policy never reads these).
+    relayed: frozenset[int] = frozenset()  # local ranks that get membership through the node's relay
+    epoch_sent: int = 0       # last epoch sent to the node process (full or delta)
+    epoch_have: int = 0       # last epoch the node process said it holds (heartbeats)
+    full_sent_s: float = -1e9  # when the full layout was last sent to it (resend throttle)
 
     def set_role(self, role: NodeRole, reason: str = "") -> None:
         check_transition(self.role, role)
@@ -128,6 +183,28 @@ class ClusterView:
     probe_targets: frozenset[str] = frozenset()  # the nodes it was sent to
     probe_epoch: int = 0                         # the epoch whose collective failed
     exceptions_seen: list[str] = field(default_factory=list)  # worker exception texts, oldest first
+    # Nodes ordered by last heartbeat, oldest first: the heartbeat check looks at the
+    # head only (O(1) per tick, not O(nodes)). Keep it right by setting
+    # last_heartbeat_s through beat() only.
+    _hb_order: OrderedDict[str, None] = field(default_factory=OrderedDict, repr=False)
+
+    def __post_init__(self) -> None:
+        for n in sorted(self.nodes.values(), key=lambda v: v.last_heartbeat_s):
+            self._hb_order[n.node_id] = None
+
+    def beat(self, node_id: str, now: float) -> None:
+        newest = next(reversed(self._hb_order), None)
+        self.nodes[node_id].last_heartbeat_s = now
+        self._hb_order.move_to_end(node_id)
+        if newest is not None and now < self.nodes[newest].last_heartbeat_s:
+            # A time older than the newest (only a test's clock does this): re-sort, O(nodes).
+            order = sorted(self._hb_order, key=lambda n: self.nodes[n].last_heartbeat_s)
+            self._hb_order = OrderedDict.fromkeys(order)
+
+    def by_heartbeat(self) -> Iterator[NodeView]:
+        """Nodes, least recently heard from first."""
+        for n in self._hb_order:
+            yield self.nodes[n]
 
     def spares(self) -> list[NodeView]:
         return [n for n in self.nodes.values() if n.role == NodeRole.SPARE]

@@ -103,11 +103,12 @@ def check_timeouts(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision
     d = check_probe(now, view, cfg)
     if d.action != Action.NONE:
         return d
-    for node in view.nodes.values():
+    for node in view.by_heartbeat():  # oldest first: stop at the first live one
         if node.registered and node.role in (NodeRole.ACTIVE, NodeRole.SPARE):
             silent_s = now - node.last_heartbeat_s
             if silent_s > cfg.heartbeat_timeout_s:
                 return on_node_failure(view, node.node_id, f"no heartbeat for {silent_s:.1f}s", "heartbeat")
+            break
     return check_hang(now, view, cfg)
 
 
@@ -115,8 +116,8 @@ def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     """A stalled job: nobody committed for hang_timeout_s. The culprits are the
     ranks NOT blocked in a collective (they are what the others wait for)."""
     m = view.membership
-    if m is None:
-        return NOTHING
+    if m is None or view.last_commit_s == 0.0:
+        return NOTHING  # start-up (imports, model build, first formation): the start timeout governs it
     since = max(view.last_commit_s, view.epoch_started_s, view.first_done_s or 0.0)
     stalled_s = now - since
     if stalled_s <= cfg.hang_timeout_s:

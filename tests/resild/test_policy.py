@@ -23,8 +23,8 @@ def view(now: float = 100.0, spares: int = 1, warm: bool = True) -> ClusterView:
 
 
 def beat(v: ClusterView, now: float) -> ClusterView:
-    for n in v.nodes.values():
-        n.last_heartbeat_s = now
+    for n in v.nodes:
+        v.beat(n, now)
     return v
 
 
@@ -60,7 +60,7 @@ def test_warm_spare_is_preferred() -> None:
 
 def test_heartbeat_loss_after_timeout_only() -> None:
     v = view(now=100.0)
-    v.nodes["a"].last_heartbeat_s = 99.0
+    v.beat("a", 99.0)
     assert check_timeouts(101.0, v, CFG).action == Action.NONE          # 2.0 s silent: not yet
     d = check_timeouts(101.5, v, CFG)                                   # 2.5 s silent
     assert d.action == Action.REPLACE_NODE and d.node == "a" and d.detector == "heartbeat"
@@ -117,7 +117,7 @@ def test_membership_replace_rejects_nonsense() -> None:
 def test_probe_unanswered_by_the_deadline_fails_that_node_only() -> None:
     v = view(now=100.0)            # last heartbeats at 100.0
     v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.05, 1, frozenset({"a", "b"})
-    v.nodes["a"].last_heartbeat_s = 100.1  # answered the ping
+    v.beat("a", 100.1)  # answered the ping
     assert check_timeouts(100.3, v, CFG).action == Action.NONE  # still within probe_timeout_s (0.5 s)
     d = check_timeouts(100.6, v, CFG)
     assert d.action == Action.REPLACE_NODE and d.node == "b" and d.detector == "probe"
@@ -161,7 +161,7 @@ def test_no_membership_yet_means_the_command_failed_not_the_node() -> None:
 def test_probe_judges_only_the_nodes_it_pinged() -> None:
     v = view(now=100.0)
     v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.05, 1, frozenset({"a"})
-    v.nodes["a"].last_heartbeat_s = 100.1
+    v.beat("a", 100.1)
     # b was not pinged (say it became active after the probe went out): never judged by it
     d = check_timeouts(100.6, v, CFG)
     assert d.action == Action.REFORM  # a answered, same epoch: transient

@@ -1,0 +1,489 @@
+"""Control plane at scale: the real controller against N simulated nodes x P ranks.
+
+    python bench/controller_scale.py                      # N = 250, 1000, 2000, 4000 x 8, a table
+    python bench/controller_scale.py --nodes 250 --json   # one JSON object per line, one line per N
+    python bench/controller_scale.py --store-clients 2000 # TCPStore rendezvous at 2,000 clients
+
+The controller runs in its own process exactly as under resil-run (ROUTER socket,
+CURVE on, journal with fsync, the policy), with a no-op scheduler backend. Load
+generator processes each hold one DEALER per simulated node process (CURVE, its
+own identity), and speak the node's protocol: REGISTER_NODE, one REGISTER_WORKER
+per local rank (sent over the node's connection: the same handler and message
+count as a worker's own connection, without 16k more TCP connections on a
+2-core machine), HEARTBEAT every --heartbeat-s, and one aggregated commit
+report per node per step (what launcher/relay.py sends). A simulated node holds
+the epoch it was sent (full layout or delta; a delta that does not apply makes it
+ask for the full layout, as a node process does).
+
+Measured, per N:
+- register_s: first registration sent -> the controller has every worker (epoch 1 decided).
+- decide_s: a node's WORKER_EXIT sent -> the controller's decision (failure_detected).
+- announce_s: decision -> the new epoch held by every worker: the slowest simulated node
+  to hold it, plus the node-local relay hop to its P workers (measured with the real
+  RelayServer and P RelayClients over ipc, a layout of the same size; every node does
+  this hop in parallel on its own host). announce_ctl_s: controller time spent encoding
+  and sending the announcement.
+- cpu_per_s: controller process CPU seconds per second (all its threads, CURVE included)
+  in steady state at --steps-per-s with heartbeats every --heartbeat-s.
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import multiprocessing as mp
+import os
+import resource
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zmq  # noqa: E402
+
+from resild.protocol import Message, MsgType, Sequencer, encode  # noqa: E402
+
+NODES_PER_GENERATOR = 1000
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _keys_for(keys_dir: str, node: str) -> Any:
+    from resild.transport import KeyDir
+    keys = KeyDir(Path(keys_dir))
+    # Per-node keys where the transport has them (each node's key may speak only for it).
+    return keys.node(node) if hasattr(keys, "node") and (keys.path / "nodes" / node).exists() else keys
+
+
+# ---- the controller process ----------------------------------------------------------------
+
+def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
+    _raise_fd_limit()
+    from resild.backend import Backend
+    from resild.controller import Controller, ControllerConfig, JobResult
+    from resild.events import EventLog
+    from resild.journal import Journal
+    from resild.policy import PolicyConfig
+    from resild.transport import KeyDir
+
+    events = EventLog(None)
+    ccfg = ControllerConfig(bind="tcp://127.0.0.1:0", store_addr="127.0.0.1:1",
+                            policy=PolicyConfig(heartbeat_timeout_s=cfg["heartbeat_timeout_s"],
+                                                hang_timeout_s=cfg["hang_timeout_s"]),
+                            start_timeout_s=600.0)
+    ctl = Controller(ccfg, cfg["active"], cfg["spares"], cfg["nproc"], KeyDir(Path(cfg["keys"])), events,
+                     Journal(Path(cfg["journal"])), Backend())
+    out.put(("endpoint", ctl.endpoint))
+
+    def stopper() -> None:
+        stop.wait()
+        ctl.result = JobResult(0, "bench over")
+
+    threading.Thread(target=stopper, daemon=True).start()
+    ctl.run()
+    keep = ("membership", "failure_detected", "spare_assigned", "node_fenced")
+    recs = []
+    for e in events.records:
+        if e["event"] in keep:
+            recs.append({k: v for k, v in e.items() if k != "layout"})
+    out.put(("events", recs))
+
+
+# ---- a load generator process --------------------------------------------------------------
+
+@dataclass
+class SimNode:
+    name: str
+    sock: zmq.Socket
+    seq: Sequencer
+    epoch: int = 0
+    alive: bool = True
+    step: int = -1
+
+
+def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str, int], keys_dir: str,
+                   endpoint: str, hb_s: float, steps_per_s: float, conn: Any) -> None:
+    _raise_fd_limit()
+    from resild.transport import connect
+    ctx = zmq.Context(io_threads=1)
+    ctx.MAX_SOCKETS = 4 * len(nodes) + 64
+    sims: dict[str, SimNode] = {}
+    by_sock: dict[zmq.Socket, SimNode] = {}
+    for name in nodes:
+        ch = connect(ctx, endpoint, _keys_for(keys_dir, name), sender=f"{name}/node")
+        s = SimNode(name, ch.sock, Sequencer(f"{name}/node"))
+        sims[name], by_sock[ch.sock] = s, s
+    poller = zmq.Poller()
+    for s in sims.values():
+        poller.register(s.sock, zmq.POLLIN)
+    poller.register(conn.fileno(), zmq.POLLIN)
+    pid = os.getpid()
+    epoch_t: dict[int, dict[str, float]] = {}  # epoch -> node -> when it first held it
+    counts = {"sent": 0, "recv": 0}
+
+    def send(s: SimNode, mtype: MsgType, body: dict[str, Any], ttl_s: float = 10.0) -> None:
+        try:
+            s.sock.send(encode(s.seq.make(mtype, body, ttl_s)), flags=zmq.NOBLOCK)
+            counts["sent"] += 1
+        except zmq.Again:
+            pass
+
+    def hold(s: SimNode, epoch: int, now: float) -> None:
+        if epoch > s.epoch:
+            s.epoch = epoch
+            epoch_t.setdefault(epoch, {})[s.name] = now
+
+    def on_frame(s: SimNode, frame: bytes, now: float) -> None:
+        counts["recv"] += 1
+        raw = json.loads(frame)
+        t, b = raw["type"], raw["body"]
+        if t == "membership":
+            hold(s, int(b["epoch"]), now)
+        elif t == "membership_delta":
+            if int(b["base"]) == s.epoch:
+                hold(s, int(b["epoch"]), now)
+            elif int(b["epoch"]) > s.epoch:  # missed one: ask for the full layout
+                send(s, MsgType.HEARTBEAT, {"node": s.name, "epoch": s.epoch, "resync": True}, 5)
+        elif t == "fence":
+            s.alive = False
+        elif t == "ping":
+            send(s, MsgType.HEARTBEAT, {"node": s.name, "epoch": s.epoch}, 5)
+
+    conn.send(("connected", gid))
+    started = False
+    t0 = 0.0
+    hb_heap: list[tuple[float, int]] = []
+    names = list(sims)
+    awaiting: tuple[int, set[str], float] | None = None
+    while True:
+        now = time.monotonic()
+        if started:
+            while hb_heap and hb_heap[0][0] <= now:
+                due, i = heapq.heappop(hb_heap)
+                s = sims[names[i]]
+                if s.alive:
+                    send(s, MsgType.HEARTBEAT, {"node": s.name, "epoch": s.epoch}, 5)
+                    heapq.heappush(hb_heap, (due + hb_s, i))
+            if steps_per_s > 0:
+                step = int((now - t0) * steps_per_s)
+                for s in sims.values():  # one aggregated commit report per node per step
+                    if s.alive and s.epoch > 0 and step > s.step:
+                        s.step = step
+                        r0 = first_rank[s.name]
+                        send(s, MsgType.PROGRESS, {"node": s.name, "epoch": s.epoch, "state": "commit",
+                                                   "commits": {str(r0 + k): step for k in range(nproc)}})
+        if awaiting is not None:
+            ep, want, deadline = awaiting
+            got = epoch_t.get(ep, {})
+            have = [n for n in want if sims[n].epoch >= ep]
+            if len(have) == len(want) or now > deadline:
+                conn.send(("epoch", gid, ep, max((got.get(n, math.inf) for n in want), default=0.0),
+                           len(want) - len(have)))
+                awaiting = None
+        timeout_ms = 5 if started else 100
+        if hb_heap:
+            timeout_ms = max(0, min(timeout_ms, int((hb_heap[0][0] - time.monotonic()) * 1000)))
+        for sock, _ in poller.poll(timeout_ms):
+            if sock == conn.fileno():
+                cmd = conn.recv()
+                if cmd[0] == "go":
+                    started, t0 = True, time.monotonic()
+                    for i, name in enumerate(names):
+                        s = sims[name]
+                        send(s, MsgType.REGISTER_NODE, {"node": name, "pid": pid, "nproc": nproc,
+                                                        "epoch": 0, "relayed": list(range(nproc))})
+                        for lr in range(nproc):
+                            send(s, MsgType.REGISTER_WORKER, {"node": name, "local_rank": lr, "pid": pid})
+                        heapq.heappush(hb_heap, (t0 + hb_s * (i + 1) / len(names), i))
+                elif cmd[0] == "await":
+                    awaiting = (cmd[1], set(cmd[2]) & set(sims), time.monotonic() + cmd[3])
+                elif cmd[0] == "inject":
+                    s = sims[cmd[1]]
+                    t_fail = time.monotonic()
+                    send(s, MsgType.WORKER_EXIT, {"node": s.name, "local_rank": 0, "pid": pid, "returncode": -9})
+                    s.alive = False
+                    conn.send(("injected", gid, t_fail))
+                elif cmd[0] == "counts":
+                    conn.send(("counts", gid, dict(counts)))
+                elif cmd[0] == "stop":
+                    for s in sims.values():
+                        s.sock.close(linger=0)
+                    ctx.term()
+                    return
+                continue
+            s = by_sock[sock]
+            t_recv = time.monotonic()
+            for _ in range(100):
+                try:
+                    frame = sock.recv(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                on_frame(s, frame, t_recv)
+
+
+# ---- the node-local relay hop, measured for real -------------------------------------------
+
+def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
+    """Node process holding epoch E gets a delta -> all its P workers hold E+1 (full layout,
+    decoded and validated by each): the real RelayServer and RelayClients over ipc."""
+    from launcher.relay import LayoutTracker, RelayClient, RelayServer, wait_for
+    from resild.membership import Membership
+    ctx = zmq.Context()
+    tmp = tempfile.mkdtemp(prefix="resild-bench-")
+    srv = RelayServer(ctx, "n0", run_dir=tmp)
+    clients = [RelayClient(srv.endpoint, f"n0/w{lr}/1", local_rank=lr, ctx=ctx) for lr in range(nproc)]
+    m = Membership.initial([f"n{i}" for i in range(n_nodes)], nproc)
+    tracker = LayoutTracker(m)
+    deadline = time.monotonic() + 5
+    while len(srv.workers) < nproc and time.monotonic() < deadline:
+        srv.sock.poll(50)
+        while srv.recv() is not None:
+            pass
+    times = []
+    for i in range(repeats):
+        new = m.replace(f"n{i + 1}", f"spare{i}")
+        delta = new.delta_from(m)
+        t = time.perf_counter()
+        tracker.on_delta(delta)
+        srv.set_membership(tracker.membership)
+        for c in clients:
+            msg = wait_for(c, MsgType.MEMBERSHIP, 5.0)
+            assert msg is not None and Membership.from_dict(msg.body).epoch == new.epoch
+        times.append(time.perf_counter() - t)
+        m = new
+    for c in clients:
+        c.close()
+    srv.close()
+    ctx.term()
+    return sorted(times)[len(times) // 2]
+
+
+# ---- one N ------------------------------------------------------------------------------------
+
+def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: float,
+            steady_s: float) -> dict[str, Any]:
+    from resild.transport import generate_keys
+    mp_ctx = mp.get_context("spawn")
+    tmp = Path(tempfile.mkdtemp(prefix="resild-scale-"))
+    active = [f"n{i:05d}" for i in range(n_nodes)]
+    spare_names = [f"s{i:03d}" for i in range(spares)]
+    allnodes = active + spare_names
+    import inspect
+    keys_dir = str(tmp / "keys")
+    if "nodes" in inspect.signature(generate_keys).parameters:  # per-node keys where the transport has them
+        generate_keys(tmp / "keys", allnodes)
+    else:
+        generate_keys(tmp / "keys")
+    first_rank = {n: i * nproc for i, n in enumerate(active)}
+    first_rank.update({n: 0 for n in spare_names})
+    q = mp_ctx.Queue()
+    stop = mp_ctx.Event()
+    cfg = {"active": active, "spares": spare_names, "nproc": nproc, "keys": keys_dir,
+           "journal": str(tmp / "journal.jsonl"), "heartbeat_timeout_s": 10.0, "hang_timeout_s": 60.0}
+    ctl = mp_ctx.Process(target=controller_main, args=(cfg, q, stop), daemon=True)
+    ctl.start()
+    kind, endpoint = q.get(timeout=60)
+    assert kind == "endpoint"
+    n_gen = max(1, math.ceil(len(allnodes) / NODES_PER_GENERATOR))
+    chunks = [allnodes[i::n_gen] for i in range(n_gen)]
+    gens, conns = [], []
+    for gid, chunk in enumerate(chunks):
+        a, b = mp_ctx.Pipe()
+        p = mp_ctx.Process(target=generator_main, daemon=True,
+                           args=(gid, chunk, nproc, {n: first_rank[n] for n in chunk}, keys_dir, endpoint,
+                                 hb_s, steps_per_s, b))
+        p.start()
+        gens.append(p)
+        conns.append(a)
+    try:
+        for c in conns:
+            assert c.recv()[0] == "connected"
+        time.sleep(1.0)  # CURVE handshakes done before the clock starts
+        t_go = time.monotonic()
+        for c in conns:
+            c.send(("go",))
+
+        def await_epoch(epoch: int, want: list[str], timeout_s: float) -> tuple[float, int]:
+            for c in conns:
+                c.send(("await", epoch, want, timeout_s))
+            worst, missing = 0.0, 0
+            for c in conns:
+                msg = c.recv()
+                while msg[0] != "epoch":
+                    msg = c.recv()
+                worst, missing = max(worst, msg[3]), missing + msg[4]
+            return worst, missing
+
+        t_e1_all, missing1 = await_epoch(1, active, 300.0)
+        if missing1:
+            raise RuntimeError(f"{missing1} nodes never got epoch 1")
+        time.sleep(2.0)  # steady state
+        import psutil
+        proc = psutil.Process(ctl.pid)
+        for c in conns:
+            c.send(("counts",))
+        sent0 = sum(c.recv()[2]["sent"] for c in conns)
+        c0, w0 = proc.cpu_times(), time.monotonic()
+        time.sleep(steady_s)
+        c1, w1 = proc.cpu_times(), time.monotonic()
+        for c in conns:
+            c.send(("counts",))
+        sent1 = sum(c.recv()[2]["sent"] for c in conns)
+        cpu_per_s = ((c1.user + c1.system) - (c0.user + c0.system)) / (w1 - w0)
+        msgs_per_s = (sent1 - sent0) / (w1 - w0)
+        victim = active[len(active) // 2]
+        gi = next(i for i, ch in enumerate(chunks) if victim in ch)
+        conns[gi].send(("inject", victim))
+        msg = conns[gi].recv()
+        while msg[0] != "injected":
+            msg = conns[gi].recv()
+        t_fail = msg[2]
+        new_members = [n for n in active if n != victim] + [spare_names[0]]
+        t_e2_all, missing2 = await_epoch(2, new_members, 60.0)
+    finally:
+        stop.set()
+        try:
+            kind, recs = q.get(timeout=60)
+        except Exception:
+            recs = []
+        for c in conns:
+            try:
+                c.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in gens:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        ctl.join(10)
+        if ctl.is_alive():
+            ctl.kill()
+    mem = {e["epoch"]: e for e in recs if e["event"] == "membership"}
+    detected = next(e for e in recs if e["event"] == "failure_detected")
+    t_decide = detected["t_mono"]
+    relay_s = relay_hop_s(n_nodes, nproc)
+    return {
+        "nodes": n_nodes, "ranks": n_nodes * nproc,
+        "register_s": round(mem[1]["t_mono"] - t_go, 3),
+        "decide_s": round(t_decide - t_fail, 4),
+        "announce_s": round(t_e2_all - t_decide + relay_s, 4),
+        "cpu_per_s": round(cpu_per_s, 3),
+        # the parts, and what the load was
+        "epoch1_all_s": round(t_e1_all - t_go, 3),
+        "announce_nodes_s": round(t_e2_all - t_decide, 4), "relay_hop_s": round(relay_s, 4),
+        "announce_ctl_s": mem[2].get("announce_s"), "announce_full": mem[2].get("full"),
+        "announce_delta": mem[2].get("delta"), "announce_direct": mem[2].get("direct"),
+        "missing": missing2, "msgs_per_s": round(msgs_per_s), "generators": n_gen,
+    }
+
+
+# ---- rendezvous store ---------------------------------------------------------------------------
+
+def store_client_main(host: str, port: int, ranks: list[int], world: int, epochs: int, conn: Any) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    stores = [dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=120))
+              for _ in ranks]
+    conn.send(("connected",))
+    for e in range(1, epochs + 1):
+        assert conn.recv()[0] == "go"
+        errors: list[str] = []
+
+        def formation(store: Any, r: int) -> None:
+            # What a formation does under the epoch prefix: publish, count in, wait, read a peer.
+            try:
+                ps = dist.PrefixStore(f"resild/e{e}/", store)
+                ps.set(f"addr{r}", f"10.0.{r // 256}.{r % 256}:29500")
+                if ps.add("count", 1) == world:
+                    ps.set("ready", "1")
+                ps.wait(["ready"])
+                ps.get(f"addr{(r + 1) % world}")
+            except Exception as ex:  # reported, not raised: the driver counts failures
+                errors.append(repr(ex))
+
+        threads = [threading.Thread(target=formation, args=(s, r)) for s, r in zip(stores, ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        conn.send(("done", time.monotonic(), len(errors)))
+
+
+def run_store(clients: int, procs: int, epochs: int = 3) -> dict[str, Any]:
+    import torch.distributed as dist
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    mp_ctx = mp.get_context("spawn")
+    conns, ps = [], []
+    t_connect = time.monotonic()
+    for i in range(procs):
+        a, b = mp_ctx.Pipe()
+        p = mp_ctx.Process(target=store_client_main, daemon=True,
+                           args=("127.0.0.1", master.port, list(range(i, clients, procs)), clients, epochs, b))
+        p.start()
+        conns.append(a)
+        ps.append(p)
+    for c in conns:
+        assert c.recv()[0] == "connected"
+    connect_s = time.monotonic() - t_connect
+    rounds, errors = [], 0
+    for _ in range(epochs):
+        t0 = time.monotonic()
+        for c in conns:
+            c.send(("go",))
+        ends = [c.recv() for c in conns]
+        rounds.append(max(e[1] for e in ends) - t0)
+        errors += sum(e[2] for e in ends)
+    for p in ps:
+        p.join(30)
+    return {"store_clients": clients, "connect_s": round(connect_s, 2),
+            "formation_s": round(sorted(rounds)[len(rounds) // 2], 3),
+            "formation_all_s": [round(r, 3) for r in rounds], "errors": errors}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", default="250,1000,2000,4000", help="comma-separated node counts (active nodes)")
+    p.add_argument("--nproc", type=int, default=8, help="ranks per node")
+    p.add_argument("--spares", type=int, default=2)
+    p.add_argument("--heartbeat-s", type=float, default=0.25, help="node heartbeat interval (resil-run's default)")
+    p.add_argument("--steps-per-s", type=float, default=1.0)
+    p.add_argument("--steady-s", type=float, default=5.0, help="steady-state CPU measurement window")
+    p.add_argument("--store-clients", type=int, default=0, help="also measure a TCPStore formation at this many clients")
+    p.add_argument("--store-procs", type=int, default=4)
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    a = p.parse_args(argv)
+    _raise_fd_limit()
+    rows = []
+    if not a.json:
+        print(f"{'nodes':>6} {'ranks':>7} {'register_s':>10} {'decide_s':>9} {'announce_s':>10} "
+              f"{'cpu_per_s':>9}   (announce: nodes + relay hop; ctl time; msgs/s in)", flush=True)
+    for n in [int(x) for x in a.nodes.split(",") if x]:
+        r = run_one(n, a.nproc, a.spares, a.heartbeat_s, a.steps_per_s, a.steady_s)
+        rows.append(r)
+        if a.json:
+            print(json.dumps(r), flush=True)
+        else:
+            print(f"{r['nodes']:>6} {r['ranks']:>7} {r['register_s']:>10.3f} {r['decide_s']:>9.4f} "
+                  f"{r['announce_s']:>10.4f} {r['cpu_per_s']:>9.3f}   ({r['announce_nodes_s']:.4f} + "
+                  f"{r['relay_hop_s']:.4f}; ctl {r['announce_ctl_s']:.4f}s; {r['msgs_per_s']}/s)", flush=True)
+    if a.store_clients:
+        s = run_store(a.store_clients, a.store_procs)
+        print(json.dumps(s) if a.json else
+              f"TCPStore formation, {s['store_clients']} clients: {s['formation_s']:.3f}s median "
+              f"({s['formation_all_s']}), connect {s['connect_s']:.2f}s, errors {s['errors']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Membership deltas and the O(1) indexes: pure, no sockets."""
+from __future__ import annotations
+
+import pytest
+
+from resild.membership import ClusterView, DeltaMismatch, Membership, NodeRole, NodeView
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def layout(n: int = 4, p: int = 2) -> Membership:
+    return Membership.initial([f"n{i}" for i in range(n)], p)
+
+
+def test_delta_of_a_replacement_is_one_move_and_applies_to_the_same_layout() -> None:
+    m1 = layout()
+    m2 = m1.replace("n2", "s0")
+    d = m2.delta_from(m1)
+    assert d == {"epoch": 2, "base": 1, "world_size": 8, "moves": {"n2": "s0"}}
+    assert m1.apply_delta(d) == m2
+    assert list(m1.apply_delta(d).node_ranks) == list(m2.node_ranks)  # node order kept too
+
+
+def test_delta_of_a_reform_is_empty() -> None:
+    m1 = layout()
+    d = m1.bump().delta_from(m1)
+    assert d is not None and d["moves"] == {} and m1.apply_delta(d) == m1.bump()
+
+
+def test_deltas_chain_over_several_epochs() -> None:
+    m = layout(6, 3)
+    held = m
+    for failed, spare in (("n1", "s0"), ("n4", "s1"), ("s0", "s2")):
+        new = m.replace(failed, spare)
+        held = held.apply_delta(new.delta_from(m))
+        m = new
+    assert held == m and m.node_ranks["s2"] == (3, 4, 5)
+
+
+def test_a_delta_against_another_epoch_is_refused() -> None:
+    m1 = layout()
+    m2 = m1.replace("n0", "s0")
+    m3 = m2.replace("n1", "s1")
+    with pytest.raises(DeltaMismatch):
+        m1.apply_delta(m3.delta_from(m2))  # the holder missed epoch 2: it needs the full layout
+    with pytest.raises(DeltaMismatch):
+        m3.apply_delta(m3.delta_from(m2))  # old news
+
+
+def test_a_delta_naming_unknown_or_merging_nodes_is_refused() -> None:
+    m1 = layout()
+    with pytest.raises(DeltaMismatch):
+        m1.apply_delta({"epoch": 2, "base": 1, "world_size": 8, "moves": {"zz": "s0"}})
+    with pytest.raises(DeltaMismatch):
+        m1.apply_delta({"epoch": 2, "base": 1, "world_size": 8, "moves": {"n0": "n1"}})
+    with pytest.raises(DeltaMismatch):
+        m1.apply_delta({"epoch": 2, "base": 1, "world_size": 9, "moves": {}})
+
+
+def test_a_swap_is_sent_as_a_full_layout_but_a_hand_made_swap_delta_applies() -> None:
+    m1 = layout(2, 2)
+    m2 = Membership(2, 4, {"n1": (0, 1), "n0": (2, 3)})
+    assert m2.delta_from(m1) is None  # nodes that stay but change ranks: not a renaming
+    assert m1.apply_delta({"epoch": 2, "base": 1, "world_size": 4, "moves": {"n0": "n1", "n1": "n0"}}) == m2
+
+
+def test_no_delta_when_the_layout_is_not_a_renaming() -> None:
+    m1 = layout(2, 2)
+    assert Membership(2, 4, {"n0": (0, 2), "n1": (1, 3)}).delta_from(m1) is None
+    assert Membership(2, 6, {"n0": (0, 1, 2), "n1": (3, 4, 5)}).delta_from(m1) is None
+    assert Membership(2, 4, {"n0": (0, 1, 2, 3)}).delta_from(m1) is None
+
+
+def test_node_of_is_indexed_and_follows_the_epoch() -> None:
+    m1 = layout(2000, 8)
+    assert m1.node_of(15_999) == "n1999" and m1.node_of(16_000) is None
+    m2 = m1.replace("n1999", "s0")
+    assert m2.node_of(15_999) == "s0" and m1.node_of(15_999) == "n1999"
+
+
+def test_full_layout_round_trips() -> None:
+    m = layout(3, 4).replace("n1", "s")
+    assert Membership.from_dict(m.to_dict()) == m
+
+
+def test_heartbeat_order_puts_the_longest_silent_node_first() -> None:
+    nodes = {n: NodeView(n, NodeRole.ACTIVE, 1, registered=True, last_heartbeat_s=10.0) for n in "abc"}
+    v = ClusterView(nodes)
+    v.beat("a", 11.0)
+    v.beat("b", 12.0)
+    assert [n.node_id for n in v.by_heartbeat()] == ["c", "a", "b"]
+    v.beat("c", 13.0)
+    assert [n.node_id for n in v.by_heartbeat()] == ["a", "b", "c"]
+    v.beat("b", 5.0)  # a clock going back (tests only) still leaves the order right
+    assert [n.node_id for n in v.by_heartbeat()] == ["b", "a", "c"]
