@@ -37,7 +37,8 @@ class EventLog:
             # The sender's clock (a worker's CLOCK_MONOTONIC: another host under Slurm);
             # t_log is when this log saw it, on the same clock as every controller event.
             rec["t_log"] = now
-        self.records.append(rec)
+        if event != "progress":  # weeks of 2/s would fill memory; they are in the file and listeners
+            self.records.append(rec)
         if self._f is not None:
             self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
             self._f.flush()

@@ -95,6 +95,7 @@ def test_event_log_throttles_progress_and_isolates_listeners(tmp_path: Path):
     log.emit("resumed", t_mono=123.0, step=1)
     log.close()
     assert seen == ["progress", "resumed"] and len(log.listeners) == 1
+    assert [r["event"] for r in log.records] == ["resumed"]  # progress: file and listeners only
     recs = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert [r["event"] for r in recs] == ["progress", "resumed"]
     assert recs[1]["t_mono"] == 123.0 and recs[1]["t_log"] > 0  # the sender's clock kept, the log's added
