@@ -10,6 +10,7 @@ the shard it owns from the rank holding the same shard in another replica.
 """
 from __future__ import annotations
 
+import copy
 import random
 from collections import defaultdict
 from typing import Any
@@ -41,7 +42,8 @@ class TrainState:
 
     # ---- aux: RNG and extra as of the last commit --------------------------------
     def capture_aux(self) -> dict[str, Any]:
-        return {"extra": self.extra.state_dict() if self.extra is not None else None,
+        # deepcopy: a loader's state_dict may hand out live objects that keep moving.
+        return {"extra": copy.deepcopy(self.extra.state_dict()) if self.extra is not None else None,
                 "rng": torch.get_rng_state(), "py_rng": random.getstate(),
                 "cuda_rng": torch.cuda.get_rng_state(self.device).cpu() if self.device.type == "cuda" else None}
 
