@@ -75,7 +75,7 @@ class Breakdown:
     steps: int                # steps committed after the first one (each counted once)
     step_s: float | None      # median step time
     goodput: float | None     # productive / wall
-    training_goodput: float | None  # resil-run's figure: steps x median step / (first → last commit)
+    training_goodput: float | None  # steps x median step / (first → last commit), as resil-run prints
     gpu_goodput: float | None       # productive GPU-time / every allocated GPU's time (spares idle too)
     failures: list[FailureBreakdown]
     step_line: list[tuple[float, int]]     # (seconds since start, committed step)
@@ -154,14 +154,17 @@ def _first(events: list[dict], name: str, after: float = float("-inf"), **match:
 
 
 def _step_time(events: list[dict], fin: dict | None) -> float | None:
-    if fin is not None and fin.get("step_s"):
-        return float(fin["step_s"])
-    # No job_finished (failed or still running): seconds per step between progress points
-    # of one epoch, where no failure intervened.
+    """The failure-free step time: the controller's median over consecutive commits, or the
+    median seconds per step between progress points of one epoch, whichever is smaller.
+    Commit reports aggregated per node (every 100 ms) leave the controller only the slow
+    steps as consecutive pairs, which can only make its median too large; progress windows
+    average a few steps, which can only make theirs a little larger than a true median."""
     prog = [e for e in events if e["event"] == "progress"]
     rates = [(_t(b) - _t(a)) / (b["step"] - a["step"]) for a, b in zip(prog, prog[1:])
              if a.get("epoch") == b.get("epoch") and b["step"] > a["step"]]
-    return median(rates) if rates else None
+    cands = ([float(fin["step_s"])] if fin is not None and fin.get("step_s") else []) + \
+        ([median(rates)] if rates else [])
+    return min(cands) if cands else None
 
 
 def analyze(events: list[dict[str, Any]], job: int | None = None) -> Breakdown:
@@ -385,7 +388,7 @@ def format_breakdown(b: Breakdown) -> str:
     lines.append(f"{'total (wall)':<26}{b.wall_s:>10.3f}{'100.0%':>9}")
     lines.append("")
     lines.append(f"goodput {_pct(b.goodput)} of wall time; {_pct(b.training_goodput)} of the training window "
-                 f"(first -> last committed step, resil-run's figure); {_pct(b.gpu_goodput)} of all allocated "
+                 f"(first -> last committed step); {_pct(b.gpu_goodput)} of all allocated "
                  f"GPU time, counting the idle hot spares")
     if b.failures:
         lines.append("")

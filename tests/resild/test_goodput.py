@@ -158,6 +158,16 @@ def test_no_job_finished_yet_uses_progress_rate():
     assert analyze(evs).step_s == pytest.approx(0.1)
 
 
+def test_step_time_is_the_smaller_estimate():
+    # The controller's median (0.07) wins over the progress windows (10 steps in 1 s = 0.1)...
+    evs = one_failure_job()
+    evs.insert(-2, ev("progress", 121.0, step=110, epoch=2))
+    assert analyze(evs).step_s == pytest.approx(0.07)
+    # ...unless aggregated commit reports left it only slow pairs (0.25 > 0.1).
+    evs[-1] = dict(evs[-1], step_s=0.25)
+    assert analyze(evs).step_s == pytest.approx(0.1)
+
+
 def write(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "e.jsonl"
     p.write_text(text)
