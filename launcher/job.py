@@ -99,7 +99,7 @@ def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str
         events.close()
         if live is not None:
             live.close()
-    failures, job = summarize(events.records)
+    failures, job = summarize(events.records + list(events.recent_progress))
     if as_json:
         print(json.dumps({"exit_code": result.exit_code, "reason": result.reason, "job": job,
                           "failures": [f.__dict__ for f in failures]}, indent=2))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ PROGRESS_INTERVAL_S = 0.5
 class EventLog:
     def __init__(self, path: Path | None = None, progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
         self.records: list[dict[str, Any]] = []
+        self.recent_progress: deque[dict[str, Any]] = deque(maxlen=20_000)  # hours of step rate, bounded
         self.listeners: list[Listener] = []
         self.progress_interval_s = progress_interval_s
         self._last_progress: float | None = None
@@ -37,8 +39,10 @@ class EventLog:
             # The sender's clock (a worker's CLOCK_MONOTONIC: another host under Slurm);
             # t_log is when this log saw it, on the same clock as every controller event.
             rec["t_log"] = now
-        if event != "progress":  # weeks of 2/s would fill memory; they are in the file and listeners
+        if event != "progress":
             self.records.append(rec)
+        else:  # weeks of 2/s would fill memory: the file has them all, memory the latest
+            self.recent_progress.append(rec)
         if self._f is not None:
             self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
             self._f.flush()

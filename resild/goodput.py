@@ -153,7 +153,7 @@ def _first(events: list[dict], name: str, after: float = float("-inf"), **match:
     return None
 
 
-def _step_time(events: list[dict], fin: dict | None) -> float | None:
+def step_time(events: list[dict], fin: dict | None) -> float | None:
     """The failure-free step time: the controller's median over consecutive commits, or the
     median seconds per step between progress points of one epoch, whichever is smaller.
     Commit reports aggregated per node (every 100 ms) leave the controller only the slow
@@ -201,7 +201,7 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     # -- the committed-step line and the first/last commit --------------------------------
     first_commit = _first(ev, "full_strength_step", epoch=1) or _first(ev, "progress")
     t_first = _t(first_commit) if first_commit else None
-    step_s = _step_time(ev, fin)
+    step_s = step_time(ev, fin)
     if fin is not None and t_first is not None:
         t_last = t_first + float(fin.get("train_s") or 0.0)
         steps = int(fin.get("step") or 0)

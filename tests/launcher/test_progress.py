@@ -95,7 +95,8 @@ def test_event_log_throttles_progress_and_isolates_listeners(tmp_path: Path):
     log.emit("resumed", t_mono=123.0, step=1)
     log.close()
     assert seen == ["progress", "resumed"] and len(log.listeners) == 1
-    assert [r["event"] for r in log.records] == ["resumed"]  # progress: file and listeners only
+    assert [r["event"] for r in log.records] == ["resumed"]  # progress: file, listeners, the latest only
+    assert [r["step"] for r in log.recent_progress] == [1]
     recs = [json.loads(x) for x in (tmp_path / "e.jsonl").read_text().splitlines()]
     assert [r["event"] for r in recs] == ["progress", "resumed"]
     assert recs[1]["t_mono"] == 123.0 and recs[1]["t_log"] > 0  # the sender's clock kept, the log's added
@@ -190,3 +191,14 @@ def test_real_local_job_status_json_and_report(tmp_path: Path):
     assert sum(f.phases.values()) == pytest.approx(f.recovery_s)
     assert sum(v for _, v in b.parts()) == pytest.approx(b.wall_s, rel=1e-6)
     assert b.step_line[-1][1] == 80
+
+
+def test_end_of_run_goodput_survives_aggregated_commit_reports():
+    from launcher.report import summarize
+
+    progress = [ev("progress", 100.0 + 0.5 * k, step=10 * k, epoch=1) for k in range(5)]  # 0.05 s a step
+    # The controller only saw consecutive commits for slow steps: its median says 0.1 s.
+    fin = ev("job_finished", 102.5, reason="done", step=40, final_step=40, train_s=2.5, step_s=0.1)
+    _, job = summarize([fin] + progress)
+    assert job["step_s"] == pytest.approx(0.05)
+    assert job["goodput"] == pytest.approx(40 * 0.05 / 2.5)  # not min(1, 40 x 0.1 / 2.5) = 100%
