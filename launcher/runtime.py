@@ -300,11 +300,13 @@ class Job:
             self.step = self.state.restore(got.state, got.aux)
             self._aux = self.state.capture_aux()
             self._last_found_inf = -1
+            self.state.reset_hooks(got.aux.get("ddp_buckets"))
             print(f"resild: rank {self.rank} replayed {describe(got)}", file=sys.stderr, flush=True)
             self._event("state_replayed", bytes=got.nbytes, seconds=round(got.seconds, 4), step=target,
                         sources=got.sources, mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1))
         else:
             self.state.rewind_aux(self._aux)
+            self.state.reset_hooks(self._aux.get("ddp_buckets"))
         if self.rank == 0 and self.epoch > 1:
             self._event("resumed", step=target, seconds=round(time.monotonic() - t0, 4))
 

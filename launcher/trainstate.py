@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .ddp import bucket_layout, find_ddp, reset_reducer
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch without DTensor
@@ -43,7 +45,9 @@ class TrainState:
     # ---- aux: RNG and extra as of the last commit --------------------------------
     def capture_aux(self) -> dict[str, Any]:
         # deepcopy: a loader's state_dict may hand out live objects that keep moving.
+        ddp = find_ddp(self.model)
         return {"extra": copy.deepcopy(self.extra.state_dict()) if self.extra is not None else None,
+                "ddp_buckets": bucket_layout(ddp) if ddp is not None else None,
                 "rng": torch.get_rng_state(), "py_rng": random.getstate(),
                 "cuda_rng": torch.cuda.get_rng_state(self.device).cpu() if self.device.type == "cuda" else None}
 
@@ -66,6 +70,13 @@ class TrainState:
         if self.scaler is not None and hasattr(self.scaler, "_per_optimizer_states"):
             from torch.amp.grad_scaler import _refresh_per_optimizer_state
             self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def reset_hooks(self, layout: Any) -> None:
+        """After a recovery: wrappers whose hooks keep per-rank communication state
+        start again alike on every rank (DDP: a fresh reducer in the survivors' buckets)."""
+        ddp = find_ddp(self.model)
+        if ddp is not None:
+            reset_reducer(ddp, layout)
 
     # ---- replicated state ---------------------------------------------------------
     def snapshot(self, step: int) -> dict[str, Any]:
