@@ -379,8 +379,8 @@ def format_breakdown(b: Breakdown) -> str:
     lines.append(f"{'where the time went':<26}{'seconds':>10}{'share':>9}")
     for name, v in b.parts():
         share = v / b.wall_s if b.wall_s > 0 else None
-        label = f"recovery ({len([f for f in b.failures if f.kind != 'spare lost'])} failures)" \
-            if name == "recovery" else name
+        n = len([f for f in b.failures if f.kind != "spare lost"])
+        label = f"recovery ({n} failure{'' if n == 1 else 's'})" if name == "recovery" else name
         lines.append(f"{label:<26}{v:>10.3f}{_pct(share):>9}")
         if name == "recovery":
             for p in PHASES:
