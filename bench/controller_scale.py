@@ -76,13 +76,21 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     from resild.policy import PolicyConfig
     from resild.transport import KeyDir
 
+    class TimedJournal(Journal):  # the decision includes its fsync: report it apart
+        fsync_s: list[float] = []
+
+        def append(self, record: dict[str, Any]) -> None:
+            t = time.perf_counter()
+            super().append(record)
+            self.fsync_s.append(time.perf_counter() - t)
+
     events = EventLog(None)
     ccfg = ControllerConfig(bind="tcp://127.0.0.1:0", store_addr="127.0.0.1:1",
                             policy=PolicyConfig(heartbeat_timeout_s=cfg["heartbeat_timeout_s"],
                                                 hang_timeout_s=cfg["hang_timeout_s"]),
                             start_timeout_s=600.0)
     ctl = Controller(ccfg, cfg["active"], cfg["spares"], cfg["nproc"], KeyDir(Path(cfg["keys"])), events,
-                     Journal(Path(cfg["journal"])), Backend())
+                     TimedJournal(Path(cfg["journal"])), Backend())
     out.put(("endpoint", ctl.endpoint))
 
     def stopper() -> None:
@@ -90,13 +98,17 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
         ctl.result = JobResult(0, "bench over")
 
     threading.Thread(target=stopper, daemon=True).start()
-    ctl.run()
+    if os.environ.get("RESILD_BENCH_PROFILE"):  # where the controller's time goes
+        import cProfile
+        cProfile.runctx("ctl.run()", globals(), {"ctl": ctl}, os.environ["RESILD_BENCH_PROFILE"])
+    else:
+        ctl.run()
     keep = ("membership", "failure_detected", "spare_assigned", "node_fenced")
     recs = []
     for e in events.records:
         if e["event"] in keep:
             recs.append({k: v for k, v in e.items() if k != "layout"})
-    out.put(("events", recs))
+    out.put(("events", recs, TimedJournal.fsync_s))
 
 
 # ---- a load generator process --------------------------------------------------------------
@@ -250,7 +262,7 @@ def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
         while srv.recv() is not None:
             pass
     times = []
-    for i in range(repeats):
+    for i in range(min(repeats, n_nodes - 1)):
         new = m.replace(f"n{i + 1}", f"spare{i}")
         delta = new.delta_from(m)
         t = time.perf_counter()
@@ -333,9 +345,12 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
         for c in conns:
             c.send(("counts",))
         sent0 = sum(c.recv()[2]["sent"] for c in conns)
+        main0 = next(t for t in proc.threads() if t.id == ctl.pid)
         c0, w0 = proc.cpu_times(), time.monotonic()
         time.sleep(steady_s)
         c1, w1 = proc.cpu_times(), time.monotonic()
+        main1 = next(t for t in proc.threads() if t.id == ctl.pid)
+        cpu_main_per_s = ((main1.user_time + main1.system_time) - (main0.user_time + main0.system_time)) / (w1 - w0)
         for c in conns:
             c.send(("counts",))
         sent1 = sum(c.recv()[2]["sent"] for c in conns)
@@ -353,9 +368,9 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
     finally:
         stop.set()
         try:
-            kind, recs = q.get(timeout=60)
+            kind, recs, fsyncs = q.get(timeout=60)
         except Exception:
-            recs = []
+            recs, fsyncs = [], []
         for c in conns:
             try:
                 c.send(("stop",))
@@ -378,12 +393,15 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
         "decide_s": round(t_decide - t_fail, 4),
         "announce_s": round(t_e2_all - t_decide + relay_s, 4),
         "cpu_per_s": round(cpu_per_s, 3),
+        "cpu_main_per_s": round(cpu_main_per_s, 3),  # the controller's Python thread (rest: zmq I/O + CURVE)
+        "journal_s": round(fsyncs[0], 4) if fsyncs else None,  # the decision's journal write + fsync
         # the parts, and what the load was
         "epoch1_all_s": round(t_e1_all - t_go, 3),
         "announce_nodes_s": round(t_e2_all - t_decide, 4), "relay_hop_s": round(relay_s, 4),
         "announce_ctl_s": mem[2].get("announce_s"), "announce_full": mem[2].get("full"),
         "announce_delta": mem[2].get("delta"), "announce_direct": mem[2].get("direct"),
         "missing": missing2, "msgs_per_s": round(msgs_per_s), "generators": n_gen,
+        "load1": round(os.getloadavg()[0], 1),  # this machine's load: latencies above are wall clock
     }
 
 
@@ -393,9 +411,20 @@ def store_client_main(host: str, port: int, ranks: list[int], world: int, epochs
     from datetime import timedelta
 
     import torch.distributed as dist
-    stores = [dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=120))
-              for _ in ranks]
-    conn.send(("connected",))
+    conn.send(("ready",))
+    assert conn.recv()[0] == "connect"
+    stores: list[Any] = [None] * len(ranks)
+
+    def open_store(i: int) -> None:
+        stores[i] = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                  timeout=timedelta(seconds=120))
+
+    openers = [threading.Thread(target=open_store, args=(i,)) for i in range(len(ranks))]
+    for t in openers:
+        t.start()
+    for t in openers:
+        t.join()
+    conn.send(("connected", time.monotonic()))
     for e in range(1, epochs + 1):
         assert conn.recv()[0] == "go"
         errors: list[str] = []
@@ -425,7 +454,6 @@ def run_store(clients: int, procs: int, epochs: int = 3) -> dict[str, Any]:
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     mp_ctx = mp.get_context("spawn")
     conns, ps = [], []
-    t_connect = time.monotonic()
     for i in range(procs):
         a, b = mp_ctx.Pipe()
         p = mp_ctx.Process(target=store_client_main, daemon=True,
@@ -434,8 +462,11 @@ def run_store(clients: int, procs: int, epochs: int = 3) -> dict[str, Any]:
         conns.append(a)
         ps.append(p)
     for c in conns:
-        assert c.recv()[0] == "connected"
-    connect_s = time.monotonic() - t_connect
+        assert c.recv()[0] == "ready"   # torch imported
+    t_connect = time.monotonic()
+    for c in conns:
+        c.send(("connect",))
+    connect_s = max(c.recv()[1] for c in conns) - t_connect
     rounds, errors = [], 0
     for _ in range(epochs):
         t0 = time.monotonic()

@@ -30,7 +30,7 @@ from .journal import Journal
 from .membership import ClusterView, Membership, NodeRole, NodeView, RankProgress
 from .policy import (Action, Decision, PolicyConfig, check_done, check_timeouts, on_node_failure,
                      on_worker_exception)
-from .protocol import Message, MsgType, encode
+from .protocol import MAX_FRAME_BYTES, Message, MsgType, encode
 from .transport import KeyDir, Server
 
 log = logging.getLogger("resild.controller")
@@ -78,6 +78,7 @@ class Controller:
         self.worker_ident: dict[tuple[str, int], bytes] = {}
         self._unregistered = len(active) * nproc_per_node  # active workers yet to register: O(1) start check
         self._full_json = b""  # the current membership's full layout, encoded once per epoch
+        self._welcome_json = b""
         self._handlers = {
             MsgType.REGISTER_NODE: self._on_register_node, MsgType.HEARTBEAT: self._on_heartbeat,
             MsgType.WORKER_EXIT: self._on_worker_exit, MsgType.HEALTH: self._on_health,
@@ -95,9 +96,11 @@ class Controller:
     def run(self) -> JobResult:
         self.events.emit("job_started", endpoint=self.endpoint, nodes=list(self.view.nodes),
                          controller_host=socket.gethostname())
+        next_tick = 0.0
         try:
             while self.result is None:
-                got = self.ch.recv(self.cfg.tick_s)
+                wait_s = max(0.001, min(self.cfg.tick_s, next_tick - time.monotonic()))  # >= 1 ms: never spin
+                got = self.ch.recv(wait_s)
                 now = time.monotonic()
                 if got is not None:
                     ident, msg = got
@@ -107,8 +110,12 @@ class Controller:
                         if self.result is not None or (got := self.ch.recv(0)) is None:
                             break
                         self._dispatch(got[0], got[1], time.monotonic())
-                if self.result is None:
-                    self._tick(time.monotonic())
+                now = time.monotonic()
+                # Timeouts are checked once per tick, not after every message: at 10k
+                # messages/s the checks would cost more than the messages.
+                if self.result is None and now >= next_tick:
+                    self._tick(now)
+                    next_tick = now + self.cfg.tick_s
         finally:
             self._finish()
         return self.result
@@ -225,7 +232,10 @@ class Controller:
                 self._unregistered -= 1
         self.events.emit("worker_registered", node=node.node_id, local_rank=lr, pid=b.get("pid"))
         self.worker_ident[(node.node_id, lr)] = ident
-        self.ch.send(MsgType.WELCOME, {"store": self.cfg.store_addr, **self.cfg.worker}, to=ident)
+        if not self._welcome_json:  # the same for every worker: encoded once per job
+            self._welcome_json = json.dumps({"store": self.cfg.store_addr, **self.cfg.worker},
+                                            separators=(",", ":")).encode()
+        self._send_raw(ident, self._frame(MsgType.WELCOME, self._welcome_json, ttl_s=10.0))
         m = self.view.membership
         if m is not None and node.node_id in m.node_ranks:
             if lr not in node.relayed:  # a relayed worker gets it from its node on its hello
@@ -248,6 +258,10 @@ class Controller:
             self.view.probe_targets = frozenset(targets)
             for node_id in targets:
                 self.ch.send(MsgType.PING, {}, to=self.node_ident[node_id], ttl_s=1.0)
+        if b.get("state") == "joined" and epoch == m.epoch:
+            # A rank finished this epoch's recovery (the spare is last: it built its model
+            # first). The stall clock starts now, not at the announcement.
+            self.view.epoch_started_s = max(self.view.epoch_started_s, now)
         self._rank_progress(rank, epoch, step, str(b.get("state", "compute")), m, now)
 
     def _on_commits(self, node: NodeView, b: dict, now: float) -> None:
@@ -400,10 +414,13 @@ class Controller:
         return encode(Message(msg.type, msg.sender, msg.seq, msg.deadline, json.loads(body_json)))
 
     def _send_raw(self, ident: bytes, frame: bytes) -> None:
+        if len(frame) > MAX_FRAME_BYTES:  # ~130k ranks of layout: the peer would drop the connection
+            log.error("not sending a %d-byte frame (limit %d)", len(frame), MAX_FRAME_BYTES)
+            return
         try:
             self.ch.sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
         except zmq.Again:
-            log.debug("membership send dropped: peer queue full")  # the node's heartbeat asks again
+            log.debug("send dropped: peer queue full")  # membership: the node's heartbeat asks again
 
     def _fire_faults(self, now: float) -> None:
         epoch = self.view.membership.epoch if self.view.membership else 0

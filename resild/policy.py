@@ -38,6 +38,7 @@ class PolicyConfig:
     heartbeat_timeout_s: float = 2.0
     hang_timeout_s: float = 30.0
     probe_timeout_s: float = 0.5  # a pinged node process must answer within this
+    join_timeout_s: float = 300.0  # a spare building its model and receiving state ("join") is not hung
 
 
 def pick_spare(view: ClusterView) -> NodeView | None:
@@ -122,16 +123,20 @@ def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     stalled_s = now - since
     if stalled_s <= cfg.hang_timeout_s:
         return NOTHING
+    joining = False
     for rank in range(m.world_size):
         if rank in view.done_ranks:
             continue  # finished: waiting for the others is all it does
         p = view.progress.get(rank)
+        if p is not None and p.epoch == m.epoch and p.state == "join" and now - p.t_s <= cfg.join_timeout_s:
+            joining = True  # a spare building its model for the failed ranks: the others wait for it
+            continue
         if p is None or p.epoch != m.epoch or p.state not in ("wait", "collective_failed"):
             node = m.node_of(rank)
             assert node is not None
             last = "never reported" if p is None else f"last step {p.step}, state {p.state}"
             return on_node_failure(view, node, f"hang: rank {rank} made no progress for {stalled_s:.1f}s ({last})", "hang")
-    if stalled_s > 2 * cfg.hang_timeout_s:
+    if stalled_s > 2 * cfg.hang_timeout_s and not joining:
         return Decision(Action.FAIL_JOB, f"job stalled {stalled_s:.1f}s with every rank waiting in a collective; "
                                          "no culprit to replace")
     return NOTHING
