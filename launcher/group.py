@@ -40,7 +40,7 @@ class Interrupts:
                 return
             if self.error is None:
                 self.error = reason
-            works = [w for _, w in self._works.values()]
+            works = [w for _, w in self._works.values() if w is not None]
             self._works.clear()
             self.cond.notify_all()
         for w in works:
@@ -61,6 +61,11 @@ class Interrupts:
         with self.cond:
             self._works.pop(key, None)
             self.cond.notify_all()
+
+    def begin_wait(self) -> int:
+        """Count a blocking wait that is not a collective (group formation) as in flight,
+        so the rank reports itself waiting rather than being blamed for a hang."""
+        return self._add(None)  # type: ignore[arg-type]
 
     def oldest_in_flight_s(self, now: float) -> float:
         """How long the oldest collective in flight has been waiting (0 if none)."""

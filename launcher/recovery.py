@@ -101,7 +101,12 @@ class Recovery:
             th = threading.Thread(target=build, name=f"resild-form-e{m.epoch}-{g.name}", daemon=True)
             th.start()
             threads.append(th)
-        if not self.intr.wait_until(lambda: len(out) == len(groups)):
+        token = self.intr.begin_wait()
+        try:
+            formed = self.intr.wait_until(lambda: len(out) == len(groups))
+        finally:
+            self.intr._done(token)
+        if not formed:
             raise Reformed(self.intr.error or "interrupted")  # abandoned: the threads fail on their own
         errors = [f"{k}: {v}" for k, v in out.items() if isinstance(v, Exception)]
         if errors:

@@ -70,7 +70,9 @@ class Job:
         self._prepared_aux: dict[str, Any] | None = None
         self._prepared = False          # this step's gradients are synced; waiting on the vote
         self._last_found_inf = -1
-        self._commits, self._committed_at = 0, -1
+        self._commits = 0
+        self._step_commits: int | None = None  # commits in the current iteration of steps()
+        self._yielded = 0
         self._synced_at = -1
         self._finishing = False
         self._mesh: Any = None
@@ -131,6 +133,8 @@ class Job:
         m = self.link.take()
         assert m is not None
         self.rank, self.world_size, self.epoch = m.rank_of(self.node, self.local_rank), m.world_size, m.epoch
+        if self.epoch > 1:  # a spare taking over: building the model may take a while, and that is no hang
+            self._progress("join")
         self._make_world(self._store)
         self._form_until_stable(m, only=[self.group])
 
@@ -286,7 +290,7 @@ class Job:
             self._aux = self._prepared_aux or self._aux
             self._last_found_inf = ag.found_inf
         self._prepared = False
-        self._synced_at = self._committed_at = -1  # the agreed step is computed afresh
+        self._synced_at = -1  # the agreed step is computed afresh
         try:
             target, got = self.rec.replay(ag.steps, self._replica_map(), self.rank, int(self.cfg.get("replay_sources", 2)),
                                           lambda: (self.state.snapshot(self.step), self._aux))
@@ -307,6 +311,8 @@ class Job:
         else:
             self.state.rewind_aux(self._aux)
             self.state.reset_hooks(self._aux.get("ddp_buckets"))
+        if self.epoch > 1:
+            self._progress("joined")
         if self.rank == 0 and self.epoch > 1:
             self._event("resumed", step=target, seconds=round(time.monotonic() - t0, 4))
 
@@ -325,7 +331,9 @@ class Job:
         while True:
             while self.step < total:
                 before = self._commits
+                self._step_commits, self._yielded = 0, self.step
                 yield self.step
+                self._step_commits = None
                 if self._commits == before:
                     raise ResilienceError("call job.commit() once per step inside `for step in job.steps(...)`")
             if self.solo or self._finish():
@@ -383,9 +391,10 @@ class Job:
         was abandoned (a recovery ran; the loop resumes at the agreed step)."""
         if self.state is None:
             raise ResilienceError("call job.attach(model, optimizer, ...) before job.commit()")
-        if self._committed_at == self.step:
-            raise ResilienceError(f"job.commit() called twice in step {self.step}: exactly one commit per step")
-        self._committed_at = self.step
+        if self._step_commits is not None:
+            if self._step_commits:
+                raise ResilienceError(f"job.commit() called twice in step {self._yielded}: exactly one commit per step")
+            self._step_commits = 1
         self._commits += 1
         if self.solo:
             self.state.apply_step(self.state.local_found_inf())
