@@ -202,7 +202,10 @@ class Channel:
 
     def _reject(self, ident: bytes | None, code: str, detail: str) -> None:
         self.rejected += 1
-        log.warning("rejected frame from %r: %s: %s", ident[:64] if ident else ident, code, detail)
+        # A flood of bad frames must not become a flood of log lines (a full disk next).
+        if self.rejected <= 100 or self.rejected % 1000 == 0:
+            log.warning("rejected frame from %r: %s: %s%s", ident[:64] if ident else ident, code, detail,
+                        f" ({self.rejected} rejected so far)" if self.rejected >= 100 else "")
         if self.router and ident is not None:
             self.send(MsgType.ERROR, {"code": code, "detail": detail}, to=ident)
 
@@ -233,7 +236,8 @@ class Channel:
                 return None
         if msg.expired():
             self.rejected += 1
-            log.warning("dropped expired %s from %s (seq %d)", msg.type.value, msg.sender, msg.seq)
+            if self.rejected <= 100 or self.rejected % 1000 == 0:
+                log.warning("dropped expired %s from %s (seq %d)", msg.type.value, msg.sender, msg.seq)
             return None
         key = (user, msg.sender)
         last = self._hwm.get(key)
