@@ -60,6 +60,21 @@ def worker_timeouts(hang_timeout_s: float, heartbeat_timeout_s: float) -> dict[s
             "notice_timeout_s": collective_s + 2 * hang_timeout_s + heartbeat_timeout_s + 60.0}
 
 
+class CommittedFloor:
+    """Publishes, in the rendezvous store, the newest step the controller knew to be
+    committed when it decided a failure. A recovery that finds no rank at that step
+    has lost every replica of the state: it must stop, not restart from step 0."""
+
+    KEY = "resild/committed"
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def __call__(self, rec: dict[str, Any]) -> None:
+        if rec.get("event") == "failure_detected":
+            self.store.set(self.KEY, str(int(rec.get("committed_step") or 0)))
+
+
 def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str, Path, float], Any] | None = None,
             return_reason: bool = False, status: bool = True) -> Any:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
@@ -70,6 +85,7 @@ def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str
     store = dist.TCPStore(spec.bind_host, store_port, is_master=True, wait_for_workers=False,
                           master_listen_fd=store_fd)
     events = EventLog(spec.events_path)
+    events.listeners.append(CommittedFloor(store))
     live = StatusLine(sys.stderr) if status else None  # stderr only: stdout is --json's
     if live is not None:
         events.listeners.append(live)

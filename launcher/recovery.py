@@ -37,11 +37,21 @@ class Agreement:
     steps: list[int]          # every rank's step once the rollers have rolled forward
 
 
-def agree(rows: list[list[int]]) -> Agreement:
-    """rows[r] = (step, prepared, found_inf of r's last commit or -1). Pure."""
-    target = max(r[0] for r in rows)
+def agree(rows: list[list[int]], floor: int = 0) -> Agreement:
+    """rows[r] = (step, prepared, found_inf): found_inf is the GradScaler verdict of
+    r's last commit, or, for a prepared rank, its local verdict on the step it voted
+    for (-1 unknown). `floor`: the newest step the controller saw committed. Pure.
+
+    The newest step held wins. Ranks that voted for the step after it roll forward
+    when someone committed that step, which the controller may know although the
+    rank that committed it is gone."""
+    top = max(r[0] for r in rows)
+    target = top
+    if floor == top + 1 and any(r[0] == top and r[1] == 1 for r in rows):
+        target = floor
     rollers = [i for i, r in enumerate(rows) if r[0] == target - 1 and r[1] == 1]
-    found = next((r[2] for r in rows if r[0] == target and r[2] >= 0), 0)
+    committed = [r[2] for r in rows if r[0] == target and r[1] == 0 and r[2] >= 0]
+    found = committed[0] if committed else int(any(rows[i][2] > 0 for i in rollers))
     steps = [target if i in rollers else r[0] for i, r in enumerate(rows)]
     return Agreement(target, rollers, found, steps)
 
@@ -117,11 +127,11 @@ class Recovery:
         return time.monotonic() - t0
 
     # ---- agreeing and replaying -------------------------------------------------
-    def agree(self, rank: int, world: int, row: tuple[int, int, int]) -> Agreement:
+    def agree(self, rank: int, world: int, row: tuple[int, int, int], floor: int = 0) -> Agreement:
         rows = torch.zeros(world, 3, dtype=torch.int64, device=self.device)
         rows[rank] = torch.tensor(row, dtype=torch.int64)
         self.wait(self.groups["world"]._inner.allreduce([rows]))
-        return agree(rows.cpu().tolist())
+        return agree(rows.cpu().tolist(), floor)
 
     def replay(self, steps: list[int], replicas: ReplicaMap, rank: int, max_sources: int,
                snapshot: Any) -> tuple[int, Received | None]:

@@ -70,6 +70,7 @@ class Job:
         self._prepared_aux: dict[str, Any] | None = None
         self._prepared = False          # this step's gradients are synced; waiting on the vote
         self._last_found_inf = -1
+        self._prepared_found = 0
         self._commits = 0
         self._step_commits: int | None = None  # commits in the current iteration of steps()
         self._yielded = 0
@@ -280,8 +281,9 @@ class Job:
         """Agree on the newest committed step; roll forward or receive state."""
         assert self.state is not None
         t0 = t0 or time.monotonic()
-        ag = self.rec.agree(self.rank, self.world_size,
-                            (self.step, int(self._prepared), self._last_found_inf))
+        floor = self._floor()
+        row = (self.step, 1, self._prepared_found) if self._prepared else (self.step, 0, self._last_found_inf)
+        ag = self.rec.agree(self.rank, self.world_size, row, floor)
         if self.rank in ag.rollers:
             # Every rank voted for this step and some committed it: our gradients are
             # the committed ones, so finish the step here instead of receiving it.
@@ -292,6 +294,9 @@ class Job:
         self._prepared = False
         self._synced_at = -1  # the agreed step is computed afresh
         try:
+            if ag.target < floor:
+                raise NoReplica(f"every rank holding committed step {floor} was lost (the newest state left is step "
+                                f"{ag.target}): checkpointless recovery is impossible; restart from a disk checkpoint")
             target, got = self.rec.replay(ag.steps, self._replica_map(), self.rank, int(self.cfg.get("replay_sources", 2)),
                                           lambda: (self.state.snapshot(self.step), self._aux))
         except (NoReplica, ValueError) as e:
@@ -315,6 +320,14 @@ class Job:
             self._progress("joined")
         if self.rank == 0 and self.epoch > 1:
             self._event("resumed", step=target, seconds=round(time.monotonic() - t0, 4))
+
+    def _floor(self) -> int:
+        """The newest step the controller knew committed at the last failure (the
+        runner publishes it in the store): below it, every replica of the state is gone."""
+        key = "resild/committed"
+        if self.solo or self.epoch <= 1 or not self._store.check([key]):
+            return 0
+        return int(self._store.get(key))
 
     def _replica_map(self) -> ReplicaMap:
         make = self._replicas or self._mesh_replicas or ReplicaMap.data_parallel
@@ -406,7 +419,7 @@ class Job:
         self.sync()
         found = self.state.local_found_inf()
         if self.intr.error is None and not self.link.newer_epoch():
-            self._prepared, self._prepared_aux = True, self.state.capture_aux()
+            self._prepared, self._prepared_aux, self._prepared_found = True, self.state.capture_aux(), found
             vote = torch.tensor([found], dtype=torch.int64, device=self.device)
             self.group.allreduce([vote]).wait()
             if self.intr.error is None:

@@ -26,8 +26,16 @@ def test_agreement_rolls_forward_prepared_ranks_when_someone_committed() -> None
     assert ag.steps == [8, 8, 8, 0]
 
 
+def test_prepared_ranks_roll_forward_to_a_step_whose_only_committer_died() -> None:
+    # The controller saw step 8 committed; the rank that committed it is gone.
+    ag = agree([[7, 1, 0], [7, 1, 1], [0, 0, -1]], floor=8)
+    assert ag.target == 8 and ag.rollers == [0, 1] and ag.found_inf == 1 and ag.steps == [8, 8, 0]
+    # Without that knowledge the prepared gradients are discarded.
+    assert agree([[7, 1, 0], [7, 1, 0], [0, 0, -1]]).target == 7
+
+
 def test_agreement_discards_prepared_gradients_when_nobody_committed() -> None:
-    ag = agree([[7, 1, -1], [7, 1, -1], [7, 0, 0], [0, 0, -1]])
+    ag = agree([[7, 1, 0], [7, 1, 0], [7, 0, 0], [0, 0, -1]])
     assert ag.target == 7 and ag.rollers == [] and ag.steps == [7, 7, 7, 0]
 
 

@@ -123,3 +123,13 @@ def test_a_bad_command_fails_the_job_in_one_line_without_using_spares(tmp_path: 
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("resil-run: job failed:")]
     assert "before the job started" in line and "exited with code 2" in line
     assert not [e for e in r.events if e["event"] == "spare_assigned"]
+
+
+def test_losing_the_last_holder_during_a_recovery_stops_instead_of_restarting_from_zero(tmp_path: Path) -> None:
+    # node0 dies at step 20; node1, the only rank left holding the state, dies the
+    # moment epoch 2 is announced. The two spares hold nothing: the job must stop.
+    r = run_job(tmp_path, "--inject", "kill:node0@20", "--inject", "kill:node1@e2", nodes=4, spares=2, timeout_s=90)
+    assert r.rc != 0, r.stderr[-2000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("resil-run: job failed:")]
+    assert "every rank holding committed step" in line and "checkpointless recovery is impossible" in line, line
+    assert r.final is None
