@@ -1,0 +1,273 @@
+"""Worker of bench/sharded.py: one training loop, run under resild or under plain torchrun.
+
+    # resild (examples/train_ddp_amp.py / examples/train_hsdp.py, as they are)
+    resil-run --local --nodes 2 --spares 0 --nproc-per-node 2 -- \\
+        python bench/sharded_train.py --mode resild --model hsdp --steps 200 --times t.json
+    # the same loop without resild: torchrun, gloo, init_device_mesh, plain optimizer step
+    torchrun --standalone --nproc-per-node 4 bench/sharded_train.py --mode plain --model hsdp --times t.json
+    # a raw gloo send/recv of N bytes between two processes (the replay's yardstick)
+    torchrun --standalone --nproc-per-node 2 bench/sharded_train.py --mode loopback --nbytes N --times t.json
+
+Models, data and loops are those of the examples:
+
+- ``--model ddp``: ``DistributedDataParallel`` (256-1024-256 MLP, dropout), AdamW, LinearLR,
+  ``GradScaler`` with CPU autocast float16, 4 gradient-accumulation micro-steps (``no_sync``
+  on the first three), ``clip_grad_norm_``.
+- ``--model hsdp``: FSDP2 ``fully_shard`` per Linear and on the root over a 2-D mesh
+  (replicate x shard, shard = world size / 2), AdamW, CosineAnnealingLR, clipping, a
+  ``StatefulDataLoader`` over a ``DistributedSampler`` (``launcher.data.ResumableLoader``, a
+  plain data cursor with no resild runtime in it, in both modes).
+
+The only differences between the modes are the resild lines: ``launcher.init()``, the job's
+stable group / ``job.hsdp_mesh`` instead of ``init_process_group`` / ``init_device_mesh``,
+``job.attach``, ``job.steps`` and ``job.commit()`` (vote, then the same
+``scaler.step/update`` or ``opt.step`` and ``sched.step``) instead of calling them directly.
+
+Rank 0 writes ``--times`` (JSON): per committed step ``[step, t_top, t_commit, t_end]``
+(``time.perf_counter``: top of the step, just before the commit / optimizer step, after
+it). ``t_end[k] - t_end[k-1]`` is step k's time; ``t_end - t_commit`` the commit part.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import os
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import launcher  # resild (imports nothing more until launcher.init)
+from launcher.data import ResumableLoader  # a data cursor only (torch + torchdata)
+
+# Everything is imported before launcher.init(), as in the examples: a spare taking
+# over pays only for what follows init (mesh, model, fully_shard, optimizer, attach).
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+
+MICRO_STEPS = 4  # examples/train_ddp_amp.py
+
+
+# ---- models and data, as in the examples ------------------------------------------------
+def ddp_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                               torch.nn.Linear(1024, 256))
+
+
+def ddp_batch(seed: int, step: int, micro: int, rank: int, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + micro * 101 + rank)
+    x = torch.randn(batch, 256, generator=g)
+    return x, torch.tanh(x.roll(1, dims=1))
+
+
+def hsdp_model(seed: int, dropout: float = 0.1) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Dropout(dropout),
+        torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Dropout(dropout),
+        torch.nn.Linear(512, 128),
+    )
+
+
+def hsdp_loader(seed: int, world: int, rank: int, n: int = 4096) -> ResumableLoader:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 128, generator=g)
+    ds = TensorDataset(x, torch.tanh(x.roll(3, dims=1)))
+    sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    return ResumableLoader(StatefulDataLoader(ds, batch_size=16, sampler=sampler))
+
+
+# ---- the two ways of running the same loop ----------------------------------------------
+class Plain:
+    """torchrun: gloo default group, plain optimizer step."""
+
+    def __init__(self) -> None:
+        dist.init_process_group("gloo")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.group = None  # DDP's default: the world group
+        self.opt = self.sched = self.scaler = None
+
+    def mesh(self, shard: int):
+        return init_device_mesh("cpu", (self.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+    def attach(self, model, opt, scheduler=None, scaler=None, extra=None) -> None:
+        self.opt, self.sched, self.scaler = opt, scheduler, scaler
+
+    def steps(self, total: int):
+        yield from range(total)
+
+    def commit(self) -> bool:
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.sched.step()
+        return True
+
+    def close(self) -> None:
+        dist.destroy_process_group()
+
+
+class Resild:
+    def __init__(self) -> None:
+        self.job = launcher.init()                  # a spare waits here
+        self.rank, self.world_size, self.group = self.job.rank, self.job.world_size, self.job.group
+
+    def mesh(self, shard: int):
+        return self.job.hsdp_mesh(shard_size=shard)
+
+    def attach(self, model, opt, scheduler=None, scaler=None, extra=None) -> None:
+        self.job.attach(model, opt, scheduler=scheduler, scaler=scaler, extra=extra)
+
+    def steps(self, total: int):
+        return self.job.steps(total)
+
+    def commit(self) -> bool:
+        return self.job.commit()
+
+    def close(self) -> None:
+        self.job.close()
+
+
+# ---- the loops ------------------------------------------------------------------------
+def train_ddp(rt, args, record, mark) -> None:
+    kw = {"process_group": rt.group, "init_sync": False} if rt.group is not None else {}
+    model = DDP(ddp_model(args.seed), **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.1, total_iters=args.steps)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    mark("built")
+    rt.attach(model, opt, scheduler=sched, scaler=scaler)
+    mark("attached")
+    for step in rt.steps(args.steps):
+        t_top = time.perf_counter()
+        opt.zero_grad()
+        for micro in range(MICRO_STEPS):
+            x, y = ddp_batch(args.seed, step, micro, rt.rank)
+            last = micro == MICRO_STEPS - 1
+            with (model.no_sync() if not last else contextlib.nullcontext()):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.mse_loss(model(x), y) / MICRO_STEPS
+                scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t_commit = time.perf_counter()
+        if rt.commit():
+            record(step, t_top, t_commit, time.perf_counter())
+
+
+def train_hsdp(rt, args, record, mark) -> None:
+    shard = max(1, rt.world_size // 2)
+    mesh = rt.mesh(shard)
+    mark("mesh")
+    model = hsdp_model(args.seed)
+    mark("model")
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    mark("sharded")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+    loader = hsdp_loader(args.seed, rt.world_size, rt.rank)
+    mark("built")
+    rt.attach(model, opt, scheduler=sched, extra=loader)
+    mark("attached")
+    for step in rt.steps(args.steps):
+        t_top = time.perf_counter()
+        x, y = next(loader)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t_commit = time.perf_counter()
+        if rt.commit():
+            record(step, t_top, t_commit, time.perf_counter())
+
+
+# ---- loopback yardstick ---------------------------------------------------------------
+def loopback(args) -> None:
+    """Rank 1 sends a uint8 tensor of --nbytes to rank 0 (gloo, TCP over loopback),
+    --iters times after one warm-up exchange; rank 0 times each recv (the sender
+    starts after a barrier, so the recv's time is the transfer)."""
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    buf = torch.zeros(args.nbytes, dtype=torch.uint8) if rank == 0 else \
+        torch.randint(0, 255, (args.nbytes,), dtype=torch.uint8)
+    seconds = []
+    for i in range(args.iters + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.recv(buf, src=1)
+        else:
+            dist.send(buf, dst=0)
+        dt = time.perf_counter() - t0
+        if i > 0:
+            seconds.append(dt)
+    dist.barrier()
+    if rank == 0 and args.times:
+        with open(args.times, "w") as f:
+            json.dump({"mode": "loopback", "nbytes": args.nbytes, "seconds": seconds}, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("resild", "plain", "loopback"), required=True)
+    p.add_argument("--model", choices=("ddp", "hsdp"), default="ddp")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--times", help="rank 0 writes its per-step times here (JSON)")
+    p.add_argument("--phases", help="every rank writes DIR/phases-<pid>.json: time.monotonic() after init, "
+                   "mesh, model build, fully_shard/optimizer/loader, attach, first commit")
+    p.add_argument("--prewarm", action="store_true",
+                   help="import torch._dynamo before launcher.init (fully_shard imports it on first use)")
+    p.add_argument("--nbytes", type=int, default=1 << 20, help="loopback: bytes per transfer")
+    p.add_argument("--iters", type=int, default=20, help="loopback: timed transfers")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    if args.mode == "loopback":
+        loopback(args)
+        return
+
+    marks: dict[str, float] = {"start": time.monotonic()}
+    if args.prewarm:
+        # fully_shard's first call imports torch._dynamo (~200 modules, 0.5-0.7 s here,
+        # through torch._compile's lazy disable); a spare would pay it after taking over.
+        importlib.import_module("torch._dynamo")
+    rt = Resild() if args.mode == "resild" else Plain()
+    marks["init"] = time.monotonic()
+    rows: list[list[float]] = []
+
+    def mark(name: str) -> None:
+        marks[name] = time.monotonic()
+
+    def record(step: int, t_top: float, t_commit: float, t_end: float) -> None:
+        if not rows:
+            mark("first_commit")
+        rows.append([step, t_top, t_commit, t_end])
+
+    (train_ddp if args.model == "ddp" else train_hsdp)(rt, args, record, mark)
+    if args.phases:
+        with open(os.path.join(args.phases, f"phases-{os.getpid()}.json"), "w") as f:
+            json.dump({"rank": rt.rank, "pid": os.getpid(), "marks": marks}, f)
+    if args.times and rt.rank == 0:
+        tmp = f"{args.times}.tmp.{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"mode": args.mode, "model": args.model, "world_size": rt.world_size, "steps": rows}, f)
+        os.replace(tmp, args.times)
+    rt.close()
+
+
+if __name__ == "__main__":
+    main()
