@@ -12,8 +12,8 @@ per local rank (sent over the node's connection: the same handler and message
 count as a worker's own connection, without 16k more TCP connections on a
 2-core machine), HEARTBEAT every --heartbeat-s, and one aggregated commit
 report per node per step (what launcher/relay.py sends). A simulated node holds
-the epoch it was sent (full layout or delta; a delta that does not apply makes it
-ask for the full layout, as a node process does).
+the epoch it was sent (its view or a delta; a delta that does not apply makes it
+ask for its view again, as a node process does).
 
 Measured, per N:
 - register_s: first registration sent -> the controller has every worker (epoch 1 decided).
@@ -88,7 +88,7 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     ccfg = ControllerConfig(bind="tcp://127.0.0.1:0", store_addr="127.0.0.1:1",
                             policy=PolicyConfig(heartbeat_timeout_s=cfg["heartbeat_timeout_s"],
                                                 hang_timeout_s=cfg["hang_timeout_s"]),
-                            start_timeout_s=600.0)
+                            start_timeout_s=600.0, heartbeat_budget_per_s=cfg["heartbeat_budget"])
     ctl = Controller(ccfg, cfg["active"], cfg["spares"], cfg["nproc"], KeyDir(Path(cfg["keys"])), events,
                      TimedJournal(Path(cfg["journal"])), Backend())
     out.put(("endpoint", ctl.endpoint))
@@ -103,6 +103,8 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
         cProfile.runctx("ctl.run()", globals(), {"ctl": ctl}, os.environ["RESILD_BENCH_PROFILE"])
     else:
         ctl.run()
+    if ctl.result is not None and ctl.result.exit_code != 0 and not stop.is_set():
+        print(f"controller_scale: the controller stopped the job: {ctl.result.reason}", file=sys.stderr, flush=True)
     keep = ("membership", "failure_detected", "spare_assigned", "node_fenced")
     recs = []
     for e in events.records:
@@ -121,6 +123,7 @@ class SimNode:
     epoch: int = 0
     alive: bool = True
     step: int = -1
+    hb_s: float = 0.25
 
 
 def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str, int], keys_dir: str,
@@ -133,7 +136,7 @@ def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str,
     by_sock: dict[zmq.Socket, SimNode] = {}
     for name in nodes:
         ch = connect(ctx, endpoint, _keys_for(keys_dir, name), sender=f"{name}/node")
-        s = SimNode(name, ch.sock, Sequencer(f"{name}/node"))
+        s = SimNode(name, ch.sock, Sequencer(f"{name}/node"), hb_s=hb_s)
         sims[name], by_sock[ch.sock] = s, s
     poller = zmq.Poller()
     for s in sims.values():
@@ -164,8 +167,10 @@ def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str,
         elif t == "membership_delta":
             if int(b["base"]) == s.epoch:
                 hold(s, int(b["epoch"]), now)
-            elif int(b["epoch"]) > s.epoch:  # missed one: ask for the full layout
+            elif int(b["epoch"]) > s.epoch:  # missed one: ask for our view again
                 send(s, MsgType.HEARTBEAT, {"node": s.name, "epoch": s.epoch, "resync": True}, 5)
+        elif t == "welcome" and "heartbeat_s" in b:  # the controller's heartbeat budget
+            s.hb_s = max(s.hb_s, float(b["heartbeat_s"]))
         elif t == "fence":
             s.alive = False
         elif t == "ping":
@@ -185,7 +190,7 @@ def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str,
                 s = sims[names[i]]
                 if s.alive:
                     send(s, MsgType.HEARTBEAT, {"node": s.name, "epoch": s.epoch}, 5)
-                    heapq.heappush(hb_heap, (due + hb_s, i))
+                    heapq.heappush(hb_heap, (due + s.hb_s, i))
             if steps_per_s > 0:
                 step = int((now - t0) * steps_per_s)
                 for s in sims.values():  # one aggregated commit report per node per step
@@ -246,7 +251,7 @@ def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str,
 # ---- the node-local relay hop, measured for real -------------------------------------------
 
 def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
-    """Node process holding epoch E gets a delta -> all its P workers hold E+1 (full layout,
+    """Node process holding epoch E gets a delta -> all its P workers hold E+1 (the layout
     decoded and validated by each): the real RelayServer and RelayClients over ipc."""
     from launcher.relay import LayoutTracker, RelayClient, RelayServer, wait_for
     from resild.membership import Membership
@@ -255,7 +260,7 @@ def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
     srv = RelayServer(ctx, "n0", run_dir=tmp)
     clients = [RelayClient(srv.endpoint, f"n0/w{lr}/1", local_rank=lr, ctx=ctx) for lr in range(nproc)]
     m = Membership.initial([f"n{i}" for i in range(n_nodes)], nproc)
-    tracker = LayoutTracker(m)
+    tracker = LayoutTracker(m.view("n0"))  # a node process holds its view
     deadline = time.monotonic() + 5
     while len(srv.workers) < nproc and time.monotonic() < deadline:
         srv.sock.poll(50)
@@ -270,7 +275,8 @@ def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
         srv.set_membership(tracker.membership)
         for c in clients:
             msg = wait_for(c, MsgType.MEMBERSHIP, 5.0)
-            assert msg is not None and Membership.from_dict(msg.body).epoch == new.epoch
+            got = Membership.from_dict(msg.body) if msg is not None else None
+            assert got is not None and got.epoch == new.epoch and got.rank_of("n0", nproc - 1) == nproc - 1
         times.append(time.perf_counter() - t)
         m = new
     for c in clients:
@@ -282,8 +288,8 @@ def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
 
 # ---- one N ------------------------------------------------------------------------------------
 
-def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: float,
-            steady_s: float) -> dict[str, Any]:
+def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: float, steady_s: float,
+            heartbeat_budget: float, heartbeat_timeout_s: float) -> dict[str, Any]:
     from resild.transport import generate_keys
     mp_ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp(prefix="resild-scale-"))
@@ -301,7 +307,8 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
     q = mp_ctx.Queue()
     stop = mp_ctx.Event()
     cfg = {"active": active, "spares": spare_names, "nproc": nproc, "keys": keys_dir,
-           "journal": str(tmp / "journal.jsonl"), "heartbeat_timeout_s": 10.0, "hang_timeout_s": 60.0}
+           "journal": str(tmp / "journal.jsonl"), "heartbeat_timeout_s": heartbeat_timeout_s, "hang_timeout_s": 60.0,
+           "heartbeat_budget": heartbeat_budget}
     ctl = mp_ctx.Process(target=controller_main, args=(cfg, q, stop), daemon=True)
     ctl.start()
     kind, endpoint = q.get(timeout=60)
@@ -320,7 +327,10 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
     try:
         for c in conns:
             assert c.recv()[0] == "connected"
-        time.sleep(1.0)  # CURVE handshakes done before the clock starts
+        time.sleep(1.0 + len(allnodes) / 500)  # CURVE handshakes (ZAP in Python) done before the clock starts
+        import psutil
+        proc = psutil.Process(ctl.pid)
+        cpu_go = proc.cpu_times()
         t_go = time.monotonic()
         for c in conns:
             c.send(("go",))
@@ -337,11 +347,10 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
             return worst, missing
 
         t_e1_all, missing1 = await_epoch(1, active, 300.0)
+        cpu_e1 = proc.cpu_times()
         if missing1:
             raise RuntimeError(f"{missing1} nodes never got epoch 1")
         time.sleep(2.0)  # steady state
-        import psutil
-        proc = psutil.Process(ctl.pid)
         for c in conns:
             c.send(("counts",))
         sent0 = sum(c.recv()[2]["sent"] for c in conns)
@@ -398,10 +407,14 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
         # the parts, and what the load was
         "epoch1_all_s": round(t_e1_all - t_go, 3),
         "announce_nodes_s": round(t_e2_all - t_decide, 4), "relay_hop_s": round(relay_s, 4),
-        "announce_ctl_s": mem[2].get("announce_s"), "announce_full": mem[2].get("full"),
+        "announce_ctl_s": mem[2].get("announce_s"), "announce_cpu_s": mem[2].get("announce_cpu_s"),
+        "announce_view": mem[2].get("view"),
+        # controller CPU (all threads) from the first registration to epoch 1 held by every node
+        "register_cpu_s": round((cpu_e1.user + cpu_e1.system) - (cpu_go.user + cpu_go.system), 3),
         "announce_delta": mem[2].get("delta"), "announce_direct": mem[2].get("direct"),
         "missing": missing2, "msgs_per_s": round(msgs_per_s), "generators": n_gen,
         "load1": round(os.getloadavg()[0], 1),  # this machine's load: latencies above are wall clock
+        "heartbeat_s": round(max(hb_s, (n_nodes + spares) / heartbeat_budget if heartbeat_budget > 0 else 0), 3),
     }
 
 
@@ -489,6 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spares", type=int, default=2)
     p.add_argument("--heartbeat-s", type=float, default=0.25, help="node heartbeat interval (resil-run's default)")
     p.add_argument("--steps-per-s", type=float, default=1.0)
+    p.add_argument("--heartbeat-budget", type=float, default=2000.0,
+                   help="controller's heartbeats/s budget (ControllerConfig.heartbeat_budget_per_s); 0: every node "
+                        "heartbeats at --heartbeat-s whatever N")
+    p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="resil-run's default")
     p.add_argument("--steady-s", type=float, default=5.0, help="steady-state CPU measurement window")
     p.add_argument("--store-clients", type=int, default=0, help="also measure a TCPStore formation at this many clients")
     p.add_argument("--store-procs", type=int, default=4)
@@ -500,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'nodes':>6} {'ranks':>7} {'register_s':>10} {'decide_s':>9} {'announce_s':>10} "
               f"{'cpu_per_s':>9}   (announce: nodes + relay hop; ctl time; msgs/s in)", flush=True)
     for n in [int(x) for x in a.nodes.split(",") if x]:
-        r = run_one(n, a.nproc, a.spares, a.heartbeat_s, a.steps_per_s, a.steady_s)
+        r = run_one(n, a.nproc, a.spares, a.heartbeat_s, a.steps_per_s, a.steady_s, a.heartbeat_budget,
+                    a.heartbeat_timeout)
         rows.append(r)
         if a.json:
             print(json.dumps(r), flush=True)

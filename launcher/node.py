@@ -3,10 +3,10 @@
 FENCE / SHUTDOWN / INJECT. One per allocated node, active or spare.
 
 It is also its workers' relay (launcher/relay.py): the controller sends it one
-membership message per epoch (a delta when it holds the previous epoch), which
-it hands to its workers as a full layout; their commits are aggregated into one
-report per node. Its heartbeats carry the epoch it holds, so the controller
-resends the full layout to a node that missed one.
+membership message per epoch (a delta when it holds the previous epoch, else its
+view: its ranks and the world size), which it hands to its workers as a layout;
+their commits are aggregated into one report per node. Its heartbeats carry the
+epoch it holds, so the controller sends its view again if it missed an epoch.
 
     python -m launcher.node --node NODE --controller tcp://HOST:PORT --keys DIR --nproc N -- CMD...
 """
@@ -29,7 +29,7 @@ from resild.protocol import Message, MsgType
 from resild.transport import KeyDir, connect
 
 from .procutil import die_with_parent
-from .relay import IMMEDIATE_STATES, RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
+from .relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
 
 log = logging.getLogger("resild.node")
 
@@ -193,11 +193,11 @@ class NodeProcess:
 
     def _on_membership(self, msg: Message) -> None:
         if msg.type == MsgType.MEMBERSHIP:
-            fresh: bool | None = self.layout.on_full(msg.body)
+            fresh: bool | None = self.layout.on_layout(msg.body)
         else:
             fresh = self.layout.on_delta(msg.body)
         if fresh is None:
-            self._heartbeat(resync=True)  # missed an epoch: the controller sends the full layout
+            self._heartbeat(resync=True)  # missed an epoch: the controller sends our view again
         elif fresh:
             m = self.layout.membership
             assert m is not None and self.relay is not None
@@ -229,9 +229,9 @@ class NodeProcess:
             if self.commits.due(now):
                 self._report_commits(now)
             return
-        if state in IMMEDIATE_STATES:
-            # Commits first, so the controller sees each rank's reports in order.
-            self._report_commits(now)
+        # Any other state (wait, compute, collective_failed, ...) goes on at once, after the
+        # pending commits, so the controller sees each rank's reports in order.
+        self._report_commits(now)
         self.ch.send(MsgType.PROGRESS, {**b, "node": self.node})
 
     def _report_commits(self, now: float) -> None:
@@ -263,6 +263,11 @@ class NodeProcess:
                         self.relay.broadcast(MsgType.SHUTDOWN, msg.body)
             elif msg.type == MsgType.PING:
                 self._heartbeat()
+            elif msg.type == MsgType.WELCOME:
+                # At scale the controller asks for fewer heartbeats (its budget / nodes).
+                floor_s = msg.body.get("heartbeat_s")
+                if isinstance(floor_s, (int, float)) and 0 < floor_s <= 60:
+                    self.heartbeat_s = max(self.heartbeat_s, float(floor_s))
             elif msg.type in (MsgType.MEMBERSHIP, MsgType.MEMBERSHIP_DELTA):
                 self._on_membership(msg)
             elif msg.type == MsgType.INJECT:

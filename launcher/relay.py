@@ -1,15 +1,16 @@
 """The node-local relay between a node process and its workers.
 
 The controller sends ONE membership message per node (a few-byte delta when the
-node holds the previous epoch, the full layout otherwise); the node process
-resolves it to a full layout and hands it to its local workers over an ipc://
-socket in a private directory (0700). Workers send their PROGRESS here: commits
+node holds the previous epoch, the node's view otherwise: its own ranks and the
+world size); the node process resolves it to a layout (never a delta) and hands
+it to its local workers over an ipc:// socket in a private directory (0700). Workers send their PROGRESS here: commits
 are aggregated into one report per node (per node commit, at most one per
-`commit_report_s`); "wait", "compute" and "collective_failed" go on at once, so
-the hang detector still sees each rank's state and can name the culprit.
+COMMIT_REPORT_S); every other state ("wait", "compute", "collective_failed", ...)
+goes on at once, so the hang detector still sees each rank's state and can name
+the culprit.
 
     worker: RelayClient(os.environ["RESILD_RELAY"], sender)  --RELAY_HELLO-->  node: RelayServer
-            <-- MEMBERSHIP (always the full layout; again on every hello) --
+            <-- MEMBERSHIP (a layout, never a delta; again on every hello) --
 
 Everything other than PROGRESS (REGISTER_WORKER, EVENT, DONE, FAILED, FATAL) goes
 from the worker to the controller directly, as without a relay.
@@ -34,14 +35,14 @@ log = logging.getLogger("resild.relay")
 
 RELAY_ENV = "RESILD_RELAY"
 COMMIT_REPORT_S = 0.1  # at most one aggregated commit report per node this often
-IMMEDIATE_STATES = ("wait", "compute", "collective_failed")
 
 
 # ---- pure parts (unit-tested without sockets) ------------------------------------------
 
 @dataclass
 class LayoutTracker:
-    """The membership a node process holds, kept current from full layouts and deltas."""
+    """The membership a node process holds (its view, or a full layout), kept current
+    from the layouts and deltas the controller sends."""
 
     membership: Membership | None = None
 
@@ -49,8 +50,8 @@ class LayoutTracker:
     def epoch(self) -> int:
         return self.membership.epoch if self.membership is not None else 0
 
-    def on_full(self, body: dict[str, Any]) -> bool:
-        """A full layout; True when it is newer than what we hold."""
+    def on_layout(self, body: dict[str, Any]) -> bool:
+        """A layout (MEMBERSHIP); True when it is newer than what we hold."""
         m = Membership.from_dict(body)
         if m.epoch <= self.epoch:
             return False
@@ -59,7 +60,7 @@ class LayoutTracker:
 
     def on_delta(self, body: dict[str, Any]) -> bool | None:
         """A delta; True when applied, False when old news, None when it does not apply
-        to what we hold (a missed epoch): ask the controller for the full layout."""
+        to what we hold (a missed epoch): ask the controller for the layout."""
         if int(body["epoch"]) <= self.epoch:
             return False
         if self.membership is None:
@@ -139,13 +140,13 @@ class RelayServer:
         self.ch = Channel(sock, f"{node}/relay", router=True)
         self.sock = sock
         self.workers: dict[int, bytes] = {}  # local rank -> routing id of its RelayClient
-        self._full: dict[str, Any] | None = None
+        self._layout: dict[str, Any] | None = None
 
     def set_membership(self, m: Membership) -> None:
-        """A new epoch: every connected worker gets the full layout (encoded once)."""
-        self._full = m.to_dict()
+        """A new epoch: every connected worker gets the layout."""
+        self._layout = m.to_dict()
         for ident in self.workers.values():
-            self.ch.send(MsgType.MEMBERSHIP, self._full, to=ident, ttl_s=600)
+            self.ch.send(MsgType.MEMBERSHIP, self._layout, to=ident, ttl_s=600)
 
     def broadcast(self, mtype: MsgType, body: dict[str, Any]) -> None:
         for ident in self.workers.values():
@@ -162,8 +163,8 @@ class RelayServer:
             lr = msg.body.get("local_rank")
             if isinstance(lr, int) and not isinstance(lr, bool) and lr >= 0:
                 self.workers[lr] = ident
-            if self._full is not None:  # joined late, or missed epochs: the current layout
-                self.ch.send(MsgType.MEMBERSHIP, self._full, to=ident, ttl_s=600)
+            if self._layout is not None:  # joined late, or missed epochs: the current layout
+                self.ch.send(MsgType.MEMBERSHIP, self._layout, to=ident, ttl_s=600)
         return ident, msg
 
     def forget(self, local_rank: int) -> None:
@@ -179,8 +180,9 @@ class RelayServer:
 class RelayClient:
     """The worker's end. `sock` can sit in the worker's zmq.Poller; `recv(0)` never blocks.
 
-    Messages received are MEMBERSHIP (always a full layout for Membership.from_dict)
-    and SHUTDOWN. On connect it says hello, and the node answers with the current
+    Messages received are MEMBERSHIP (a layout for Membership.from_dict, never a
+    delta: the node's view, which names this node's ranks and the world size; a
+    worker needs `rank_of(node, local_rank)`, `world_size` and `epoch`) and SHUTDOWN. On connect it says hello, and the node answers with the current
     membership, so a worker that starts (or reconnects) late is never behind."""
 
     def __init__(self, endpoint: str, sender: str, local_rank: int | None = None,

@@ -5,14 +5,15 @@ ClusterView; decisions come from `policy` (pure) and are journaled before the
 I/O that carries them out.
 
 Cost model (it has to hold at 16k ranks): every message costs O(1) (a node's
-aggregated progress report O(its ranks)); an epoch costs O(ranks) once: the
-membership is encoded once, node processes holding the previous epoch get a
-few-byte delta, the others the full layout, and each node process relays it to
-its own workers (launcher/relay.py). Only workers not behind a relay (no
-RESILD_RELAY) get it directly.
+aggregated progress report O(its ranks)); an epoch costs O(ranks) once: node
+processes holding the previous epoch get one few-byte delta frame (encoded once),
+the others their node's view (its ranks, the world size), and each node process
+relays it to its own workers (launcher/relay.py). Only workers not behind a relay
+(no RESILD_RELAY) get the full layout directly from here.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import socket
@@ -43,7 +44,13 @@ class ControllerConfig:
     tick_s: float = 0.02
     max_batch: int = 1000  # messages handled before the timeout checks run again
     start_timeout_s: float = 300.0
-    resync_s: float = 1.0  # a node still reporting an old epoch this long after a send gets the full layout
+    # Heartbeats the controller accepts per second, all nodes together: past that, node
+    # processes are told to heartbeat less often (N / budget seconds) and the heartbeat
+    # timeout grows to 4 such intervals. 2,000 nodes at 0.25 s would be 8,000 messages/s
+    # before any progress; crashed nodes are still found at once (process exit, the
+    # liveness probe after a failed collective); only a frozen node takes longer. 0: off.
+    heartbeat_budget_per_s: float = 2000.0
+    resync_s: float = 1.0  # a node still reporting an old epoch this long after a send gets its view again
     shutdown_timeout_s: float = 600.0  # at success: time for workers to finish (final save)
     store_addr: str = ""
     worker: dict[str, Any] = field(default_factory=dict)  # runtime settings handed to workers
@@ -60,8 +67,13 @@ class Controller:
                  keys: KeyDir | None, events: EventLog, journal: Journal | None = None,
                  backend: Backend | None = None, faults: list[Fault] | None = None,
                  ctx: zmq.Context | None = None) -> None:
-        self.cfg = cfg
         self.nproc = nproc_per_node
+        n_nodes = len(active) + len(spares)
+        self.heartbeat_floor_s = n_nodes / cfg.heartbeat_budget_per_s if cfg.heartbeat_budget_per_s > 0 else 0.0
+        if 4 * self.heartbeat_floor_s > cfg.policy.heartbeat_timeout_s:
+            cfg = dataclasses.replace(cfg, policy=dataclasses.replace(
+                cfg.policy, heartbeat_timeout_s=4 * self.heartbeat_floor_s))
+        self.cfg = cfg
         self.events = events
         self.journal = journal or Journal(None)
         self.backend = backend or Backend()
@@ -177,9 +189,11 @@ class Controller:
         self.view.beat(node.node_id, now)
         self._node_state(node, b)
         self.events.emit("node_registered", node=node.node_id, role=node.role.value, pid=b.get("pid"))
+        if self.heartbeat_floor_s > 0:  # the heartbeat interval this job size allows (heartbeat_budget_per_s)
+            self.ch.send(MsgType.WELCOME, {"heartbeat_s": self.heartbeat_floor_s}, to=ident)
         m = self.view.membership
         if m is not None and node.node_id in m.node_ranks:  # a (re)started node process
-            self._send_full(node, ident, now)
+            self._send_view(node, ident, now)
 
     def _on_heartbeat(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         # The node daemon may heartbeat too, but the job's liveness is its node process:
@@ -195,8 +209,8 @@ class Controller:
         m = self.view.membership
         if (m is not None and node.epoch_have < m.epoch and "epoch" in b and node.node_id in m.node_ranks
                 and (b.get("resync") or now - node.membership_sent_s > self.cfg.resync_s)):
-            # It missed an epoch (a lost send, a delta it could not apply): the full layout.
-            self._send_full(node, ident, now)
+            # It missed an epoch (a lost send, a delta it could not apply): its view again.
+            self._send_view(node, ident, now)
 
     @staticmethod
     def _node_state(node: NodeView, b: dict) -> None:
@@ -362,46 +376,51 @@ class Controller:
         self.events.emit("node_fenced", node=node_id, reason=reason)
 
     def _apply_membership(self, m: Membership, now: float) -> None:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         prev = self.view.membership
         self.view.membership = m
         self.view.done_ranks.clear()  # ranks re-report done in the new epoch
         self.view.first_done_s = None
         self.view.epoch_started_s = now
         self._awaiting_full_strength = m.epoch
-        # Encoded once: one frame for every receiver of each form (one seq, sent right
-        # away, so each receiver still sees the controller's seqs increase).
+        # Encoded once: one delta frame for every node holding the previous epoch, one
+        # full-layout frame for every direct worker (one seq each, made just before its
+        # first send, so every receiver still sees our seqs rise).
         layout = m.to_dict()
         self._full_json = json.dumps(layout, separators=(",", ":")).encode()
-        full = self._frame(MsgType.MEMBERSHIP, self._full_json)
+        full = b""
         delta = m.delta_from(prev) if prev is not None else None
         delta_frame = (self._frame(MsgType.MEMBERSHIP_DELTA, json.dumps(delta, separators=(",", ":")).encode())
                        if delta is not None else b"")
-        n_full = n_delta = n_direct = 0
+        n_view = n_delta = n_direct = 0
         for node_id in m.node_ranks:
             node = self.view.nodes[node_id]
             ident = self.node_ident.get(node_id)
             if ident is not None:
                 if delta is not None and prev is not None and node.epoch_sent == prev.epoch:
                     self._send_raw(ident, delta_frame)
+                    node.epoch_sent, node.membership_sent_s = m.epoch, now
                     n_delta += 1
                 else:
-                    self._send_raw(ident, full)
-                    n_full += 1
-                node.epoch_sent, node.membership_sent_s = m.epoch, now
+                    self._send_view(node, ident, now)
+                    n_view += 1
             if len(node.relayed) < self.nproc:  # workers not behind the node's relay: directly
                 for lr in range(self.nproc):
                     if lr not in node.relayed and (wid := self.worker_ident.get((node_id, lr))) is not None:
+                        full = full or self._frame(MsgType.MEMBERSHIP, self._full_json)
                         self._send_raw(wid, full)
                         n_direct += 1
-        self.events.emit("membership", epoch=m.epoch, layout=layout["node_ranks"], full=n_full, delta=n_delta,
-                         direct=n_direct, announce_s=round(time.perf_counter() - t0, 6))
+        self.events.emit("membership", epoch=m.epoch, layout=layout["node_ranks"], view=n_view, delta=n_delta,
+                         direct=n_direct, announce_s=round(time.perf_counter() - t0, 6),
+                         announce_cpu_s=round(time.thread_time() - cpu0, 6))
         self._fire_faults(now)  # faults armed on this epoch hit during the recovery itself
 
-    def _send_full(self, node: NodeView, ident: bytes, now: float) -> None:
+    def _send_view(self, node: NodeView, ident: bytes, now: float) -> None:
+        """A node process's own view of the epoch: O(its ranks), not O(world)."""
         m = self.view.membership
         assert m is not None
-        self._send_raw(ident, self._frame(MsgType.MEMBERSHIP, self._full_json))
+        body = json.dumps(m.view(node.node_id).to_dict(), separators=(",", ":")).encode()
+        self._send_raw(ident, self._frame(MsgType.MEMBERSHIP, body))
         node.epoch_sent, node.membership_sent_s = m.epoch, now
 
     def _frame(self, mtype: MsgType, body_json: bytes, ttl_s: float = 600.0) -> bytes:

@@ -48,9 +48,12 @@ class DeltaMismatch(ValueError):
 class Membership:
     """The rank layout of one epoch. Ranks of a node are ordered by local rank.
 
-    On the wire: the full layout (`to_dict`, MEMBERSHIP) to whoever does not hold
-    the previous epoch, a delta (`delta_from`, MEMBERSHIP_DELTA) to node processes
-    that do; a delta is a few bytes where the full layout of 16k ranks is ~100 KB.
+    On the wire, to node processes: one delta frame (`delta_from`, MEMBERSHIP_DELTA)
+    for every node holding the previous epoch, and to the others their node's view
+    (`view`, MEMBERSHIP: its own ranks and the world size, all a worker needs). Each
+    is ~100 bytes; sending the full layout (~100 KB at 16k ranks) to every node
+    would make an epoch cost O(nodes x ranks): 200 MB at 2,000 nodes for epoch 1.
+    A view is "partial": it names fewer ranks than world_size.
     """
 
     epoch: int
@@ -70,6 +73,15 @@ class Membership:
 
     def node_of(self, rank: int) -> str | None:
         return self._rank_node.get(rank)
+
+    @property
+    def partial(self) -> bool:
+        return len(self._rank_node) < self.world_size
+
+    def view(self, node: str) -> Membership:
+        """What `node` needs of this epoch: its own ranks (none if it holds none), the world size."""
+        ranks = self.node_ranks.get(node)
+        return Membership(self.epoch, self.world_size, {node: ranks} if ranks is not None else {})
 
     def bump(self) -> Membership:
         """The next epoch with the same layout: re-form without replacing anyone."""
@@ -108,11 +120,14 @@ class Membership:
 
     def apply_delta(self, delta: dict[str, Any]) -> Membership:
         """The next epoch from a delta made by `delta_from(self)`; DeltaMismatch when the
-        delta was made against another epoch or names nodes this layout does not have."""
+        delta was made against another epoch or names nodes this layout does not have.
+        A partial layout (a node's view) applies the moves of the nodes it names."""
         base, epoch = int(delta["base"]), int(delta["epoch"])
         if base != self.epoch or epoch <= base or int(delta["world_size"]) != self.world_size:
             raise DeltaMismatch(f"delta {base}->{epoch} does not apply to epoch {self.epoch}")
         moves = {str(k): str(v) for k, v in dict(delta["moves"]).items()}
+        if self.partial:
+            return Membership(epoch, self.world_size, {moves.get(n, n): r for n, r in self.node_ranks.items()})
         for old, new in moves.items():
             if old not in self.node_ranks or (new in self.node_ranks and new not in moves):
                 raise DeltaMismatch(f"delta {base}->{epoch} moves {old} -> {new}: not in epoch {self.epoch}")

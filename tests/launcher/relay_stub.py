@@ -49,6 +49,7 @@ def main() -> int:
         got = Membership.from_dict(msg.body)
         with out.open("a") as f:
             f.write(json.dumps({"source": source, "epoch": got.epoch, "t": time.monotonic(),
+                                "world_size": got.world_size,
                                 "layout": {n: list(r) for n, r in got.node_ranks.items()}}) + "\n")
         if m is None or got.epoch > m.epoch:
             m, rank = got, got.rank_of(node, lr)

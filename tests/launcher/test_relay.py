@@ -33,13 +33,13 @@ def test_tracker_applies_deltas_and_asks_for_the_full_layout_after_a_gap() -> No
     m3 = m2.replace("c", "s1")
     t = LayoutTracker()
     assert t.on_delta(m2.delta_from(m1)) is None  # holds nothing: needs the full layout
-    assert t.on_full(m1.to_dict()) and t.membership == m1
+    assert t.on_layout(m1.to_dict()) and t.membership == m1
     assert t.on_delta(m2.delta_from(m1)) is True and t.membership == m2
     assert t.on_delta(m2.delta_from(m1)) is False  # old news
-    assert t.on_full(m1.to_dict()) is False and t.epoch == 2
+    assert t.on_layout(m1.to_dict()) is False and t.epoch == 2
     t2 = LayoutTracker(m1)
     assert t2.on_delta(m3.delta_from(m2)) is None and t2.membership == m1  # missed epoch 2
-    assert t2.on_full(m3.to_dict()) and t2.membership == m3
+    assert t2.on_layout(m3.to_dict()) and t2.membership == m3
 
 
 # ---- CommitAggregator ------------------------------------------------------------------------
@@ -153,7 +153,7 @@ def test_relayed_path_hang_names_the_rank_late_worker_and_spare_get_full_layouts
     ctl.backend = cluster
     th = threading.Thread(target=ctl.run, daemon=True)
     th.start()
-    want = {"node0": [0, 1], "node2": [2, 3]}
+    want = {"node0": {"node0": [0, 1]}, "node2": {"node2": [2, 3]}}  # each node relays its view
 
     def has_epoch2(name: str) -> bool:
         return any(r["epoch"] == 2 and r["source"] == "relay" for r in _records(out, name))
@@ -172,14 +172,13 @@ def test_relayed_path_hang_names_the_rank_late_worker_and_spare_get_full_layouts
     assert fail["node"] == "node1" and fail["detector"] == "hang", fail
     assert "rank 3 " in fail["cause"], fail  # the relayed waits and aggregated commits named the hung rank
     mem = {e["epoch"]: e for e in ev if e["event"] == "membership"}
-    assert mem[2]["delta"] == 1 and mem[2]["full"] == 1, mem[2]   # node0 held epoch 1, node2 did not
+    assert mem[2]["delta"] == 1 and mem[2]["view"] == 1, mem[2]   # node0 held epoch 1, node2 did not
     assert mem[2]["direct"] == 0, mem[2]                          # every worker is behind its relay now
     for n in names:
         got = [r for r in _records(out, n) if r["epoch"] == 2 and r["source"] == "relay"]
-        assert got[0]["layout"] == want, got
-    # The late worker (connected after epoch 1 went out) got the current full layout on its hello.
+        assert got[0]["layout"] == want[n.split("-")[0]] and got[0]["world_size"] == 4, got
+    # The late worker (connected after epoch 1 went out) got the current layout on its hello.
     late = _records(out, "node0-1")
-    assert any(r["source"] == "direct" and r["epoch"] == 1 for r in late), late
-    assert any(r["source"] == "relay" for r in late), late
+    assert any(r["source"] == "direct" and r["epoch"] == 1 for r in late), late  # not relayed then
     first_relay = next(r for r in late if r["source"] == "relay")
-    assert first_relay["epoch"] >= 1 and set(first_relay["layout"]) in ({"node0", "node1"}, {"node0", "node2"})
+    assert first_relay["epoch"] >= 1 and first_relay["layout"] == {"node0": [0, 1]}, late

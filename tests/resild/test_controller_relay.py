@@ -1,7 +1,7 @@
 """The controller's side of the relay protocol, against fake node processes (real
 sockets, no processes): one message per node per epoch, deltas to nodes holding the
-previous epoch, the full layout to those that do not (or that say they missed one),
-direct sends only to workers not behind a relay, aggregated commits, hang blame."""
+previous epoch, its view to a node that does not (or that says it missed one), the
+full layout directly only to workers not behind a relay, aggregated commits, hang blame."""
 from __future__ import annotations
 
 import threading
@@ -77,44 +77,47 @@ def test_deltas_full_layouts_resync_and_direct_workers(cluster: tuple[Controller
         w.send(MsgType.REGISTER_WORKER, {"node": "b", "local_rank": lr, "pid": 1})
     m1 = Membership.initial(["a", "b"], 2)
 
-    # Epoch 1: one full layout per node process; b's direct workers get their own; a's do not.
+    # Epoch 1: one view per node process; b's direct workers get the full layout; a's none.
     got_a = memberships(drain(nodes["a"]))
-    assert [(m.type, Membership.from_dict(m.body)) for m in got_a] == [(MsgType.MEMBERSHIP, m1)]
+    assert [(m.type, Membership.from_dict(m.body)) for m in got_a] == [(MsgType.MEMBERSHIP, m1.view("a"))]
+    assert Membership.from_dict(got_a[0].body).rank_of("a", 1) == 1
     assert len(memberships(drain(nodes["b"]))) == 1
     for w in b_workers:
         (m,) = memberships(drain(w))
         assert Membership.from_dict(m.body) == m1
     assert memberships(drain(nodes["s0"], 0.05)) == []   # spares hold no ranks
 
-    # b fails: a held epoch 1 -> a delta; s0 held nothing -> the full layout.
+    # b fails: a held epoch 1 -> a delta; s0 held nothing -> its view.
     nodes["b"].send(MsgType.WORKER_EXIT, {"node": "b", "local_rank": 0, "pid": 1, "returncode": -9})
     m2 = m1.replace("b", "s0")
     (d,) = memberships(drain(nodes["a"]))
     assert d.type == MsgType.MEMBERSHIP_DELTA and d.body == {"epoch": 2, "base": 1, "world_size": 4,
                                                             "moves": {"b": "s0"}}
-    assert m1.apply_delta(d.body) == m2
+    assert m1.apply_delta(d.body) == m2 and m1.view("a").apply_delta(d.body) == m2.view("a")
     (f,) = memberships(drain(nodes["s0"]))
-    assert f.type == MsgType.MEMBERSHIP and Membership.from_dict(f.body) == m2
+    assert f.type == MsgType.MEMBERSHIP and Membership.from_dict(f.body) == m2.view("s0")
+    assert Membership.from_dict(f.body).rank_of("s0", 0) == 2
     ev = wait_event(events, "membership") and [e for e in events.records if e["event"] == "membership"][-1]
-    assert (ev["epoch"], ev["full"], ev["delta"], ev["direct"]) == (2, 1, 1, 0)
+    assert (ev["epoch"], ev["view"], ev["delta"], ev["direct"]) == (2, 1, 1, 0)
+    assert ev["layout"] == {"a": [0, 1], "s0": [2, 3]}  # the event log keeps the whole layout
 
     # a says it still holds epoch 1 (the delta was lost): right after the send, no
-    # resend; once resync_s has passed, the full layout. With "resync" at once.
+    # resend; once resync_s has passed, its view. With "resync" at once.
     nodes["a"].send(MsgType.HEARTBEAT, {"node": "a", "epoch": 1})
     assert memberships(drain(nodes["a"], 0.1)) == []
     time.sleep(1.0)
     nodes["a"].send(MsgType.HEARTBEAT, {"node": "a", "epoch": 1})
     (f,) = memberships(drain(nodes["a"]))
-    assert f.type == MsgType.MEMBERSHIP and Membership.from_dict(f.body) == m2
+    assert f.type == MsgType.MEMBERSHIP and Membership.from_dict(f.body) == m2.view("a")
     nodes["a"].send(MsgType.HEARTBEAT, {"node": "a", "epoch": 1, "resync": True})
     (f,) = memberships(drain(nodes["a"]))
-    assert Membership.from_dict(f.body) == m2
+    assert Membership.from_dict(f.body) == m2.view("a")
     nodes["a"].send(MsgType.HEARTBEAT, {"node": "a", "epoch": 2})
     assert memberships(drain(nodes["a"], 0.5)) == []
-    # A restarted node process (registers again) gets the full layout.
+    # A restarted node process (registers again) gets its view.
     nodes["a"].send(MsgType.REGISTER_NODE, {"node": "a", "pid": 2, "nproc": 2, "epoch": 0, "relayed": [0, 1]})
     (f,) = memberships(drain(nodes["a"]))
-    assert Membership.from_dict(f.body) == m2
+    assert Membership.from_dict(f.body) == m2.view("a")
     # A direct worker registering late gets the full layout directly; a relayed one does not.
     late = connect(ctx, ctl.endpoint, None, "s0/wlate/1")
     late.send(MsgType.REGISTER_WORKER, {"node": "s0", "local_rank": 1, "pid": 1})

@@ -78,6 +78,20 @@ def test_node_of_is_indexed_and_follows_the_epoch() -> None:
     assert m2.node_of(15_999) == "s0" and m1.node_of(15_999) == "n1999"
 
 
+def test_a_node_view_names_its_ranks_and_follows_deltas() -> None:
+    m1 = layout(4, 2)
+    v = m1.view("n1")
+    assert v.partial and not m1.partial
+    assert v.node_ranks == {"n1": (2, 3)} and v.world_size == 8 and v.rank_of("n1", 1) == 3
+    assert Membership.from_dict(v.to_dict()) == v
+    m2 = m1.replace("n3", "s0")
+    assert v.apply_delta(m2.delta_from(m1)) == m2.view("n1")        # others' moves: just the epoch
+    assert m1.view("n3").apply_delta(m2.delta_from(m1)) == m2.view("s0")  # (never sent: n3 is fenced)
+    assert m1.view("zz").node_ranks == {} and m1.view("zz").rank_of("zz", 0) is None
+    with pytest.raises(DeltaMismatch):
+        v.apply_delta(m2.replace("n0", "s1").delta_from(m2))        # missed epoch 2
+
+
 def test_full_layout_round_trips() -> None:
     m = layout(3, 4).replace("n1", "s")
     assert Membership.from_dict(m.to_dict()) == m
