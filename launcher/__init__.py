@@ -1,7 +1,7 @@
 """resild launcher: `resil-run` and the in-training runtime (`launcher.init`).
 
 The runtime (and so torch) is imported on first use, so batch-host tools such
-as `launcher.slurm` stay light.
+as the Slurm helpers stay light.
 """
 from __future__ import annotations
 

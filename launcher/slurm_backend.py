@@ -19,7 +19,7 @@ from pathlib import Path
 from resild.backend import Backend
 from resild.transport import KeyDir, add_node_key
 
-from . import slurm
+from resild import slurm
 
 log = logging.getLogger("resild.slurm")
 

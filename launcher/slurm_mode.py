@@ -15,7 +15,7 @@ import click
 
 from resild.faults import Fault, FaultSpecError, parse_fault
 
-from . import slurm
+from resild import slurm
 
 
 # ---- will Slurm cancel the allocation when a node fails? -----------------------------------------

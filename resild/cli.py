@@ -224,7 +224,7 @@ def check(config_path: str | None, probes: str | None, drain: bool, drain_on: st
             click.echo("\n".join(format_gpus(gpu.details["gpus"])))
     threshold = Verdict.DEGRADED if drain_on == "degraded" else Verdict.FAILED
     if drain and verdict.severity >= threshold.severity:
-        from launcher.slurm import SlurmError, drain as slurm_drain
+        from resild.slurm import SlurmError, drain as slurm_drain
         summary = fault_summary(results)
         try:
             slurm_drain(cfg.node, summary)

@@ -4,8 +4,8 @@ import subprocess
 
 import pytest
 
-from launcher import slurm
-from launcher.slurm import (
+from resild import slurm
+from resild.slurm import (
     Allocation,
     SlurmEnvError,
     SlurmError,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.slurm import SlurmError, drain, requeue
+from resild.slurm import SlurmError, drain, requeue
 from tests.slurmlab.fixture import SlurmLab
 
 # first test also pays for bringing the lab up (and, on a fresh machine, apt-get install)
@@ -64,7 +64,7 @@ def test_step_reaches_host_loopback(slurm_lab: SlurmLab) -> None:
 
 PROBE = r"""
 import json, os, subprocess, sys
-from launcher.slurm import allocation_from_env, split_roles, srun_node_launcher_cmd
+from resild.slurm import allocation_from_env, split_roles, srun_node_launcher_cmd
 alloc = allocation_from_env(os.environ)
 active, spares = split_roles(list(alloc.nodes), 1)
 show = [sys.executable, "-c",

@@ -1,4 +1,4 @@
-"""Slurm glue for the launcher: read the allocation, build srun/scontrol commands.
+"""Slurm glue (shared by the daemon, the controller and resil-run): read the allocation, build srun/scontrol commands.
 
 Command builders are pure (they return argv lists) so they can be tested without Slurm;
 `drain` and `requeue` are thin wrappers that run them with a timeout. Every argv is
