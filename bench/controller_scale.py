@@ -24,7 +24,11 @@ Measured, per N:
   this hop in parallel on its own host). announce_ctl_s: controller time spent encoding
   and sending the announcement.
 - cpu_per_s: controller process CPU seconds per second (all its threads, CURVE included)
-  in steady state at --steps-per-s with heartbeats every --heartbeat-s.
+  in steady state at --steps-per-s with heartbeats every --heartbeat-s, or less often
+  where the controller's heartbeat budget says so (--heartbeat-budget 0: never).
+Also in --json: the CPU parts (register_cpu_s, announce_cpu_s, cpu_main_per_s), the
+decision's journal fsync, the messages/s actually sent and the machine's load average,
+since every latency here is wall clock on a machine the generators share.
 """
 from __future__ import annotations
 
