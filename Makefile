@@ -28,6 +28,7 @@ demo: setup
 	$(BIN)/resild report runs/demo-events.jsonl --plot runs/demo-report.png
 
 test: setup
+	$(BIN)/ruff check --select F,E9 resild launcher plugins tests bench examples
 	$(BIN)/pytest -q
 
 bench: setup

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
 
-from resild.protocol import Message, MsgType, Sequencer, encode  # noqa: E402
+from resild.protocol import MsgType, Sequencer, encode  # noqa: E402
 
 NODES_PER_GENERATOR = 1000
 

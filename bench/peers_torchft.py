@@ -85,7 +85,7 @@ def worker(a: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     prof = PROFILES[a.profile]
-    group, ngroups = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
+    group = int(os.environ["REPLICA_GROUP_ID"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     dist.init_process_group("gloo", timeout=timedelta(seconds=prof["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()

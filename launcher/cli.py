@@ -17,7 +17,6 @@ fault specs may say node0 for local-node0.
 """
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import tempfile

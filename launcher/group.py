@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 from torch.distributed.distributed_c10d import _register_process_group, _world
 
 
@@ -87,20 +88,50 @@ class Interrupts:
 
 
 class ManagedWork(dist._Work):
-    """Wraps a backend Work: completes when the backend does, or at once when the
-    epoch is interrupted. Completion with an error latches it; nothing raises."""
+    """Wraps a backend Work: done when the backend is, or at once when the epoch is
+    interrupted. Completion with an error latches it; nothing raises.
 
-    def __init__(self, inner: Any, result: Any, intr: Interrupts) -> None:
+    Cheap on the hot path (FSDP2 issues a dozen collectives a step): a wait polls the
+    backend work's future with a short, growing nap; our own torch Future (DDP's
+    reducer waits on one in C++) is made only when asked for. Works without a future
+    (gloo's point-to-point and reduce_scatter_single never report completion before
+    wait() is called) are waited on in a helper thread."""
+
+    def __init__(self, inner: Any, result: Any, intr: Interrupts, p2p: bool = False) -> None:
         super().__init__()
         self._inner, self._result, self._intr = inner, result, intr
-        self._fut: torch.futures.Future = torch.futures.Future()
-        self._lock = threading.Lock()
         self._gen = intr.gen
-        self._key = intr._add(self)
+        self._lock = threading.Lock()
+        self._done = False
+        self._fut: torch.futures.Future | None = None
+        self._key: int | None = None
+        self._threaded = False
+        self._inner_fut: torch.futures.Future | None = None
+        if not p2p:
+            try:
+                self._inner_fut = inner.get_future()
+            except RuntimeError:
+                p2p = True  # e.g. gloo's reduce_scatter_single: no future, and no completion before wait()
+        if p2p:
+            self._track()
+            self._start_thread()
+
+    def _track(self) -> None:
+        """Count as in flight: reported as waiting, and released by Interrupts.fail()."""
+        with self._lock:
+            if not self._done and self._key is None:
+                self._key = self._intr._add(self)
+
+    def _start_thread(self) -> None:
+        self._threaded = True
+        threading.Thread(target=self._settle, name="resild-work", daemon=True).start()
+
+    def _settle(self) -> None:
         try:
-            inner.get_future().add_done_callback(self._on_future)
-        except RuntimeError:  # gloo send/recv and some collectives have no future: wait in a thread
-            threading.Thread(target=self._wait_inner, name="resild-work", daemon=True).start()
+            self._inner.wait()
+        except Exception as e:  # gloo: peer reset; NCCL: communicator aborted
+            self._intr.fail(f"collective failed: {e}", self._gen)
+        self._complete()
 
     def _on_future(self, f: torch.futures.Future) -> None:
         try:
@@ -109,32 +140,61 @@ class ManagedWork(dist._Work):
             self._intr.fail(f"collective failed: {e}", self._gen)
         self._complete()
 
-    def _wait_inner(self) -> None:
-        try:
-            self._inner.wait()
-        except Exception as e:  # gloo: peer reset; NCCL: communicator aborted
-            self._intr.fail(f"collective failed: {e}", self._gen)
-        self._complete()
-
     def _complete(self) -> None:
         with self._lock:
-            if self._fut.done():
+            if self._done:
                 return
-            self._fut.set_result(self._result)
-        self._intr._done(self._key)
+            self._done = True
+            key, fut = self._key, self._fut
+            self._key = None
+        if key is not None:
+            self._intr._done(key)
+        if fut is not None and not fut.done():
+            fut.set_result(self._result)
+
+    def _backend_done(self) -> bool:
+        return not self._threaded and self._inner_fut is not None and self._inner_fut.done()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        self._intr.wait_until(self._fut.done)
+        if self._done:
+            return True
+        if self._backend_done():
+            self._settle()
+            return True
+        self._track()
+        nap_s = 2e-5
+        cond = self._intr.cond
+        while not self._done:
+            if self._intr.error is not None:
+                self._complete()
+                break
+            if self._backend_done():
+                self._settle()
+                break
+            with cond:
+                cond.wait(nap_s)
+            nap_s = min(nap_s * 2, 1e-3)
         return True
 
     def is_completed(self) -> bool:
-        return self._fut.done() or self._intr.error is not None
+        return self._done or self._intr.error is not None or self._backend_done()
 
     def is_success(self) -> bool:
         return self._intr.error is None
 
     def get_future(self) -> torch.futures.Future:
-        return self._fut
+        with self._lock:
+            if self._fut is not None:
+                return self._fut
+            fut = self._fut = torch.futures.Future()
+            done = self._done
+        if done:
+            fut.set_result(self._result)
+            return fut
+        self._track()
+        if not self._threaded and self._inner_fut is not None:
+            self._inner_fut.add_done_callback(self._on_future)
+        return fut
 
 
 class _DoneWork(dist._Work):
@@ -180,7 +240,7 @@ class StableGroup(dist.ProcessGroup):
     def set_backend(self, inner: Any) -> None:
         self._inner = inner
 
-    def _run(self, result: Any, op: Callable[[Any], Any]) -> dist._Work:
+    def _run(self, result: Any, op: Callable[[Any], Any], p2p: bool = False) -> dist._Work:
         if not self.allow:
             raise NotJoined(
                 f"resild: a collective on group {self.name!r} before job.attach(): under resild a spare joins a "
@@ -193,7 +253,7 @@ class StableGroup(dist.ProcessGroup):
         except Exception as e:  # e.g. gloo refusing to start on a dead connection
             self._intr.fail(f"collective failed to start: {e}")
             return _DoneWork(result)
-        return ManagedWork(work, result, self._intr)
+        return ManagedWork(work, result, self._intr, p2p)
 
     # Every collective torch issues, from Python c10d or (through the pybind
     # trampoline) from C++ callers such as DDP's reducer and functional collectives.
@@ -204,15 +264,15 @@ class StableGroup(dist.ProcessGroup):
         return self._run(tensors, lambda g: g.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions()))
 
     def allgather(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
-        return self._run(outs, lambda g: g.allgather(outs, ins, opts or dist.AllgatherOptions()))
+        return self._run(outs, lambda g: g.allgather(outs, ins, opts or AllgatherOptions()))
 
     def all_gather_single(self, out: Any, inp: Any, opts: Any = None) -> dist._Work:
-        return self._run(out, lambda g: g.all_gather_single(out, inp, opts or dist.AllgatherOptions()))
+        return self._run(out, lambda g: g.all_gather_single(out, inp, opts or AllgatherOptions()))
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
-        return self._run(outs, lambda g: g.all_gather_single_coalesced(outs, ins, opts or dist.AllgatherOptions()))
+        return self._run(outs, lambda g: g.all_gather_single_coalesced(outs, ins, opts or AllgatherOptions()))
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -255,10 +315,10 @@ class StableGroup(dist.ProcessGroup):
         return self._run([], lambda g: g.barrier(opts or dist.BarrierOptions()))
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist._Work:
-        return self._run(tensors, lambda g: g.send(tensors, dst, tag))
+        return self._run(tensors, lambda g: g.send(tensors, dst, tag), p2p=True)
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> dist._Work:
-        return self._run(tensors, lambda g: g.recv(tensors, src, tag))
+        return self._run(tensors, lambda g: g.recv(tensors, src, tag), p2p=True)
 
 
 def register(pg: StableGroup, store: Any) -> None:

@@ -66,9 +66,9 @@ class Recovery:
         self._graveyard: list[Any] = []
 
     # ---- waiting ----------------------------------------------------------------
-    def wait(self, work: Any) -> None:
+    def wait(self, work: Any, p2p: bool = False) -> None:
         """Wait on a backend work while watching the epoch: a latched error raises."""
-        mw = work if isinstance(work, ManagedWork) else ManagedWork(work, None, self.intr)
+        mw = work if isinstance(work, ManagedWork) else ManagedWork(work, None, self.intr, p2p)
         mw.wait()
         if self.intr.error is not None:
             raise Reformed(self.intr.error)
@@ -136,5 +136,5 @@ class Recovery:
     def replay(self, steps: list[int], replicas: ReplicaMap, rank: int, max_sources: int,
                snapshot: Any) -> tuple[int, Received | None]:
         target, plan = plan_replay(steps, replicas, max_sources)
-        transport = P2PTransport(self.groups["world"]._inner, self.device, self.wait)
+        transport = P2PTransport(self.groups["world"]._inner, self.device, lambda w: self.wait(w, p2p=True))
         return target, transport.exchange(plan, rank, snapshot)

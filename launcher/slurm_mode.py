@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from resild.faults import Fault, FaultSpecError, parse_fault
+from resild.faults import FaultSpecError, parse_fault
 
 from resild import slurm
 

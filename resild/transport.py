@@ -90,6 +90,8 @@ def _pair(directory: Path, name: str) -> None:
 def generate_keys(path: Path, nodes: Iterable[str] = ()) -> KeyDir:
     """Create the server pair, the operator pair and one pair per node under `path`
     (directories 0700, secrets 0600); see the module docstring for the layout."""
+    if path.exists():
+        shutil.rmtree(path)  # a reused run directory: this job's keys only, nothing stale stays authorized
     path.mkdir(parents=True, exist_ok=True)
     os.chmod(path, 0o700)
     _pair(path, "server")

@@ -21,7 +21,7 @@ from resild.health.fakenvml import build_fake_nvml, fake_nvml_env
 from resild.health.model import Verdict
 from resild.probes import ProbeResult, ProbeRunner, aggregate
 from resild.protocol import MsgType
-from resild.transport import KeyDir, Server, generate_keys
+from resild.transport import Server, generate_keys
 
 REPO = Path(__file__).resolve().parents[2]
 RESILD = [sys.executable, "-m", "resild.cli"]
