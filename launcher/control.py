@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import sys
 import threading
 import time
 from pathlib import Path
@@ -137,8 +136,6 @@ class ControlLink:
                 mtype, body = self._out.get_nowait()
             except queue.Empty:
                 return
-            if os.environ.get("RESILD_DEBUG_PROGRESS") and mtype == MsgType.PROGRESS:
-                print(f"resild-debug: {time.monotonic():.3f} {body}", file=sys.stderr, flush=True)
             if mtype == MsgType.PROGRESS and relay is not None:
                 relay.send(mtype, body)
             else:

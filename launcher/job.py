@@ -17,6 +17,7 @@ from resild.policy import PolicyConfig
 from resild.transport import generate_keys, store_listen_fd
 
 from .local import LocalCluster
+from .recovery import COMMITTED_KEY
 from .report import StatusLine, format_table, summarize
 
 
@@ -65,14 +66,12 @@ class CommittedFloor:
     committed when it decided a failure. A recovery that finds no rank at that step
     has lost every replica of the state: it must stop, not restart from step 0."""
 
-    KEY = "resild/committed"
-
     def __init__(self, store: Any) -> None:
         self.store = store
 
     def __call__(self, rec: dict[str, Any]) -> None:
         if rec.get("event") == "failure_detected":
-            self.store.set(self.KEY, str(int(rec.get("committed_step") or 0)))
+            self.store.set(COMMITTED_KEY, str(int(rec.get("committed_step") or 0)))
 
 
 def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str, Path, float], Any] | None = None,

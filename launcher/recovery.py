@@ -18,11 +18,12 @@ from typing import Any
 
 import torch
 
-from resild.membership import Membership
-
 from .group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort
 from .replicas import ReplicaMap, plan_replay
 from .replay import P2PTransport, Received
+
+
+COMMITTED_KEY = "resild/committed"  # store key: newest step the controller saw committed at a failure
 
 
 class Reformed(Exception):
@@ -94,7 +95,7 @@ class Recovery:
 
             threading.Thread(target=reap, name="resild-reaper", daemon=True).start()
 
-    def form(self, m: Membership, groups: list[StableGroup]) -> float:
+    def form(self, epoch: int, groups: list[StableGroup]) -> float:
         """Build this epoch's backends for `groups`, in parallel (gloo's full-mesh
         connect blocks until every member arrives). Returns seconds taken."""
         t0 = time.monotonic()
@@ -103,12 +104,12 @@ class Recovery:
         for g in groups:
             def build(g: StableGroup = g) -> None:
                 try:
-                    out[g.name] = self.factory.build(m.epoch, g)
+                    out[g.name] = self.factory.build(epoch, g)
                 except Exception as e:  # noqa: BLE001 - reported below as a failed epoch
                     out[g.name] = e
                 with self.intr.cond:
                     self.intr.cond.notify_all()
-            th = threading.Thread(target=build, name=f"resild-form-e{m.epoch}-{g.name}", daemon=True)
+            th = threading.Thread(target=build, name=f"resild-form-e{epoch}-{g.name}", daemon=True)
             th.start()
             threads.append(th)
         token = self.intr.begin_wait()
@@ -120,7 +121,7 @@ class Recovery:
             raise Reformed(self.intr.error or "interrupted")  # abandoned: the threads fail on their own
         errors = [f"{k}: {v}" for k, v in out.items() if isinstance(v, Exception)]
         if errors:
-            self.intr.fail(f"forming epoch {m.epoch}: {'; '.join(errors)}")
+            self.intr.fail(f"forming epoch {epoch}: {'; '.join(errors)}")
             raise Reformed(self.intr.error or "")
         for g in groups:
             g.set_backend(out[g.name])

@@ -42,7 +42,7 @@ from resild.protocol import MsgType
 from .agent_link import AgentLink, agent_endpoint
 from .control import FENCED_EXIT, ControlLink, keys_from_env
 from .group import GroupFactory, Interrupts, StableGroup, install_default, register
-from .recovery import Recovery, Reformed
+from .recovery import COMMITTED_KEY, Recovery, Reformed
 from .replay import describe
 from .replicas import NoReplica, ReplicaMap
 from .trainstate import TrainState
@@ -102,7 +102,7 @@ class Job:
         self._store = store
         self.rank, self.world_size, self.epoch = 0, 1, 1
         self._make_world(store)
-        self.rec.form(_SoloMembership(), [self.group])
+        self.rec.form(1, [self.group])
 
     def _init_controlled(self, controller: str) -> None:
         self.link = ControlLink(controller, keys_from_env(), self.node, self.local_rank, self.intr,
@@ -139,7 +139,7 @@ class Job:
         if self.epoch > 1:  # a spare taking over: building the model may take a while, and that is no hang
             self._progress("join")
         self._make_world(self._store)
-        self._form_until_stable(m, only=[self.group])
+        self._form_until_stable(only=[self.group])
 
     def _make_world(self, store: Any) -> None:
         self.group = StableGroup("world", list(range(self.world_size)), self.rank, self.intr)
@@ -167,7 +167,7 @@ class Job:
             g.allow = self.group.allow
             register(g, self._store)
             self.rec.groups[g.name] = g
-        self._form_until_stable(None, only=[rep, shard])
+        self._form_until_stable(only=[rep, shard])
         self._mesh_replicas = lambda w: ReplicaMap.hsdp(w, S)
         self._mesh = DeviceMesh.from_group([rep, shard], device_type or self.device.type,
                                            mesh=torch.arange(W).view(R, S), mesh_dim_names=("replicate", "shard"))
@@ -241,9 +241,9 @@ class Job:
             raise ResilienceError(f"collective failed ({why}) and no new membership came within the notice timeout")
 
     # ---- recovery -------------------------------------------------------------------
-    def _form_until_stable(self, m: Any, only: list[StableGroup]) -> None:
+    def _form_until_stable(self, only: list[StableGroup]) -> None:
         try:
-            self.rec.form(m or _EpochOnly(self.epoch), only)
+            self.rec.form(self.epoch, only)
         except Reformed:
             self._recover()
 
@@ -270,7 +270,7 @@ class Job:
                 continue
             t0 = time.monotonic()
             try:
-                formed_s = self.rec.form(m, list(self.rec.groups.values()))
+                formed_s = self.rec.form(m.epoch, list(self.rec.groups.values()))
                 if self.rank == 0:
                     self._event("group_reformed", seconds=round(formed_s, 4), world_size=self.world_size)
                 if self.state is not None:
@@ -326,10 +326,9 @@ class Job:
     def _floor(self) -> int:
         """The newest step the controller knew committed at the last failure (the
         runner publishes it in the store): below it, every replica of the state is gone."""
-        key = "resild/committed"
-        if self.solo or self.epoch <= 1 or not self._store.check([key]):
+        if self.solo or self.epoch <= 1 or not self._store.check([COMMITTED_KEY]):
             return 0
-        return int(self._store.get(key))
+        return int(self._store.get(COMMITTED_KEY))
 
     def _replica_map(self) -> ReplicaMap:
         make = self._replicas or self._mesh_replicas or ReplicaMap.data_parallel
@@ -461,16 +460,6 @@ def _hooks_sync(model: torch.nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-class _EpochOnly:
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
-
-
-class _SoloMembership(_EpochOnly):
-    def __init__(self) -> None:
-        super().__init__(1)
 
 
 def init(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
