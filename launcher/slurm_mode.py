@@ -8,6 +8,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -131,6 +132,53 @@ def warn_if_allocation_dies_with_a_node(job_id: str, env: Mapping[str, str], out
     return survives
 
 
+# ---- the default run directory -------------------------------------------------------------------
+# `.resild/job-<id>` was reused when job ids start again (a new cluster, or slurmctld's state and id
+# counter wiped) and by a requeued job, mixing journals. The default name is
+#   <cluster>-job-<id>-r<restarts>-<start time>
+# The start time of this run is what makes it unique: the restart count alone repeats after an id
+# reset (a fresh job 42 has Restarts=0 again), and SubmitTime is reset by a requeue anyway. The
+# restart count is there for the operator: r1 is the first requeue of the job.
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_SHOW_START = re.compile(r"\bStartTime=(\d{4})-(\d\d)-(\d\d)T(\d\d):(\d\d):(\d\d)\b")
+_CONFIG_CLUSTER = re.compile(r"^ClusterName\s*=\s*(\S+)", flags=re.M)
+
+
+def _safe(part: str) -> str:
+    return _UNSAFE.sub("_", part).strip("._") or "x"
+
+
+def cluster_name(env: Mapping[str, str], run: Callable[[list[str]], str | None] = _run_quiet) -> str:
+    """SLURM_CLUSTER_NAME (set in every job since 17.x), else `scontrol show config`, else "cluster"."""
+    name = env.get("SLURM_CLUSTER_NAME")
+    if not name:
+        m = _CONFIG_CLUSTER.search(run(["scontrol", "show", "config"]) or "")
+        name = m.group(1) if m else "cluster"
+    return _safe(name)
+
+
+def job_start_stamp(job_id: str, env: Mapping[str, str], run: Callable[[list[str]], str | None] = _run_quiet,
+                    now: Callable[[], float] = time.time) -> str:
+    """This run's start as YYYYmmddTHHMMSS (local time, as `scontrol show job` prints StartTime):
+    SLURM_JOB_START_TIME (epoch, Slurm 23.02+), else StartTime=, else now (resil-run's own start)."""
+    raw = env.get("SLURM_JOB_START_TIME", "")
+    if raw.isdigit():
+        return time.strftime("%Y%m%dT%H%M%S", time.localtime(int(raw)))
+    m = _SHOW_START.search(run(["scontrol", "show", "job", job_id]) or "")
+    if m:
+        return "{}{}{}T{}{}{}".format(*m.groups())
+    return time.strftime("%Y%m%dT%H%M%S", time.localtime(now()))
+
+
+def default_run_dir_name(job_id: str, env: Mapping[str, str],
+                         run: Callable[[list[str]], str | None] = _run_quiet,
+                         now: Callable[[], float] = time.time) -> str:
+    """`<cluster>-job-<id>-r<restarts>-<start>`, unique per cluster, job and run of the job."""
+    restarts = env.get("SLURM_RESTART_COUNT", "0") or "0"
+    return (f"{cluster_name(env, run)}-job-{_safe(job_id)}-r{_safe(restarts)}-"
+            f"{job_start_stamp(job_id, env, run, now)}")
+
+
 def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...], events: Path | None,
               hang_timeout_s: float, heartbeat_timeout_s: float, run_dir: Path | None, as_json: bool,
               cmd: list[str], requeue_on_exhaustion: bool = False, status: bool = True,
@@ -165,7 +213,8 @@ def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tu
     # The controller and store must be reachable from every node: bind on all
     # interfaces, advertise this host (override with RESILD_CONTROLLER_HOST).
     host = os.environ.get("RESILD_CONTROLLER_HOST") or socket.getfqdn()
-    rd = run_dir or Path.cwd() / ".resild" / f"job-{alloc.job_id}"
+    rd = run_dir or Path.cwd() / ".resild" / default_run_dir_name(alloc.job_id, os.environ)
+    print(f"resil-run: run dir {rd}", file=sys.stderr, flush=True)
 
     def make_backend(endpoint: str, keys_dir: Path, heartbeat_s: float) -> SlurmBackend:
         node_cmd = [sys.executable, "-m", "launcher.node", "--controller", endpoint, "--keys", str(keys_dir),

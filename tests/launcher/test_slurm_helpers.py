@@ -205,3 +205,55 @@ def test_drain_timeout_and_missing_binary(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(slurm.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError("scontrol")))
     with pytest.raises(SlurmError, match="could not run"):
         slurm.drain("node1", "x")
+
+
+# -- the default run directory of resil-run under Slurm (launcher/slurm_mode.py) -----------------
+SHOW_JOB = "JobId=42 JobName=x\n   SubmitTime=2026-11-30T13:54:43 EligibleTime=2026-11-30T13:56:44\n" \
+           "   StartTime=2026-11-30T13:56:44 EndTime=Unknown Deadline=N/A\n"
+
+
+def _runner(show_job: str | None = SHOW_JOB, config: str | None = "ClusterName             = fromconfig\n"):
+    calls: list[list[str]] = []
+
+    def run(argv: list[str]) -> str | None:
+        calls.append(argv)
+        return show_job if argv[:3] == ["scontrol", "show", "job"] else config
+    return run, calls
+
+
+def test_run_dir_name_has_cluster_job_restarts_and_start_time() -> None:
+    from launcher.slurm_mode import default_run_dir_name
+    run, calls = _runner()
+    env = {**BATCH_ENV, "SLURM_CLUSTER_NAME": "resildlab"}
+    assert default_run_dir_name("42", env, run) == "resildlab-job-42-r0-20261130T135644"
+    assert calls == [["scontrol", "show", "job", "42"]]  # the cluster name came from the env
+    env["SLURM_RESTART_COUNT"] = "3"
+    assert default_run_dir_name("42", env, run) == "resildlab-job-42-r3-20261130T135644"
+
+
+def test_run_dir_name_differs_for_a_reused_job_id_and_a_requeue() -> None:
+    from launcher.slurm_mode import default_run_dir_name
+    env = {**BATCH_ENV, "SLURM_CLUSTER_NAME": "c"}
+    first = default_run_dir_name("42", env, _runner()[0])
+    later = default_run_dir_name("42", env, _runner(SHOW_JOB.replace("StartTime=2026-11-30T13:56:44",
+                                                                      "StartTime=2026-12-01T08:00:00"))[0])
+    requeued = default_run_dir_name("42", {**env, "SLURM_RESTART_COUNT": "1"}, _runner()[0])
+    other_cluster = default_run_dir_name("42", {**env, "SLURM_CLUSTER_NAME": "d"}, _runner()[0])
+    assert len({first, later, requeued, other_cluster}) == 4
+
+
+def test_run_dir_name_fallbacks() -> None:
+    from launcher.slurm_mode import default_run_dir_name
+    now = 1_700_000_000.0
+    stamp = __import__("time").strftime("%Y%m%dT%H%M%S", __import__("time").localtime(now))
+    # no SLURM_CLUSTER_NAME: scontrol show config
+    run, calls = _runner()
+    assert default_run_dir_name("7", BATCH_ENV, run).startswith("fromconfig-job-7-r0-")
+    assert ["scontrol", "show", "config"] in calls
+    # no scontrol at all: "cluster" and resil-run's own start time
+    assert default_run_dir_name("7", BATCH_ENV, lambda argv: None, now=lambda: now) == f"cluster-job-7-r0-{stamp}"
+    # newer Slurm gives the start time in the environment: no scontrol call needed
+    run, calls = _runner(show_job=None)
+    env = {**BATCH_ENV, "SLURM_CLUSTER_NAME": "a/b c", "SLURM_JOB_START_TIME": str(int(now))}
+    assert default_run_dir_name("7", env, run) == f"a_b_c-job-7-r0-{stamp}"
+    assert calls == []

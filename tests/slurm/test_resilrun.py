@@ -7,6 +7,7 @@ Node failures are real: every process in the node's namespace is killed
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -23,11 +24,14 @@ STEPS = 150
 
 class Job:
     def __init__(self, lab: SlurmLab, tmp: Path, nodes: int = 3, spares: int = 1, extra: str = "",
-                 steps: int = STEPS) -> None:
+                 steps: int = STEPS, run_dir: bool = True, train: str = "") -> None:
         self.lab, self.tmp = lab, tmp
         tmp.mkdir(parents=True, exist_ok=True)
         script = tmp / "job.sh"
         py = sys.executable
+        # without --run-dir resil-run makes its default under the current directory: tmp, not the repo
+        where, rd = (REPO, f"--run-dir {tmp}/run") if run_dir else (tmp, "")
+        train = train or f"{py} {REPO}/examples/train.py"
         script.write_text(f"""#!/bin/bash
 #SBATCH -N {nodes}
 #SBATCH --exclusive
@@ -36,10 +40,10 @@ class Job:
 #SBATCH -t 5
 #SBATCH -o {tmp}/slurm.out
 export RESILD_CONTROLLER_HOST=127.0.0.1
-cd {REPO}
+cd {where}
 {py} -m launcher.cli --spares {spares} --nproc-per-node 1 --heartbeat-timeout 1.5 \\
-  --events {tmp}/events.jsonl --run-dir {tmp}/run --json {extra} \\
-  -- {py} examples/train.py --steps {steps} --save {tmp}/final.pt > {tmp}/summary.json
+  --events {tmp}/events.jsonl {rd} --json {extra} \\
+  -- {train} --steps {steps} --save {tmp}/final.pt > {tmp}/summary.json
 rc=$?
 echo $rc > {tmp}/rc
 exit $rc
@@ -201,3 +205,15 @@ def test_requeue_on_exhaustion_puts_the_reason_in_the_comment(lab: SlurmLab, tmp
     lab.run(["scancel", job.jid], check=False)  # do not let the requeued job run again
     assert "Restarts=1" in info and f"Comment=resild: no spare left: {victim} failed" in info, \
         (info, (tmp_path / "slurm.out").read_text()[-2000:])
+
+
+def test_default_run_dir_is_unique_per_cluster_job_and_run(lab: SlurmLab, tmp_path: Path) -> None:
+    job = Job(lab, tmp_path, nodes=2, spares=0, steps=20, run_dir=False)
+    assert job.wait() == 0, (tmp_path / "slurm.out").read_text()[-3000:]
+    out = (tmp_path / "slurm.out").read_text()
+    (line,) = [x for x in out.splitlines() if x.startswith("resil-run: run dir ")]
+    rd = Path(line.removeprefix("resil-run: run dir "))
+    start = re.search(r"\bStartTime=(\S+)", lab.run(["scontrol", "show", "job", job.jid]).stdout).group(1)
+    stamp = start.replace("-", "").replace(":", "")
+    assert rd == tmp_path / ".resild" / f"resildlab-job-{job.jid}-r0-{stamp}", (rd, start)
+    assert (rd / "journal.jsonl").exists()
