@@ -62,6 +62,10 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
 @click.option("--start-timeout", "start_timeout_s", type=click.FloatRange(min=1.0, max=86400.0), default=300.0,
               show_default=True, callback=lambda ctx, param, v: v if v == v else _nan(param),  # NaN passes FloatRange
               help="Seconds for every active node's workers to start and register before the job fails.")
+@click.option("--controller-timeout", "controller_timeout_s", type=click.FloatRange(min=0.5, max=3600.0), default=5.0,
+              show_default=True, callback=lambda ctx, param, v: v if v == v else _nan(param),
+              help="Seconds without a word from the controller after which node processes stop their workers "
+                   "and exit (code 75): a dead or frozen controller leaves nothing behind.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).")
 @click.option("--requeue-on-exhaustion", is_flag=True,
@@ -73,7 +77,7 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...],
          events: Path | None, hang_timeout_s: float, heartbeat_timeout_s: float, start_timeout_s: float,
-         run_dir: Path | None, requeue_on_exhaustion: bool, as_json: bool, quiet: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
+         controller_timeout_s: float, run_dir: Path | None, requeue_on_exhaustion: bool, as_json: bool, quiet: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="resil-run: %(message)s")
     if events is not None:
         try:
@@ -86,7 +90,7 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
                            hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
                            run_dir=run_dir, as_json=as_json, cmd=list(cmd),
                            requeue_on_exhaustion=requeue_on_exhaustion, status=not quiet,
-                           start_timeout_s=start_timeout_s))
+                           start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s))
     n = nodes or 3
     if spares >= n:
         raise click.UsageError(f"--spares {spares} leaves no active node out of --nodes {n}")
@@ -100,7 +104,7 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
     spec = JobSpec(active=names[: n - spares], spares=names[n - spares:], nproc_per_node=nproc_per_node,
                    cmd=list(cmd), faults=faults, events_path=events, run_dir=rd,
                    hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                   start_timeout_s=start_timeout_s)
+                   start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s)
     code = run_job(spec, as_json=as_json, status=not quiet)
     sys.exit(code)
 

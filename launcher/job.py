@@ -36,6 +36,7 @@ class JobSpec:
     bind_host: str = "127.0.0.1"   # the address peers use to reach the controller and the store
     bind_any: bool = False         # listen on every interface (cluster mode)
     start_timeout_s: float = 300.0  # every active node's workers registered within this, or the job fails
+    controller_timeout_s: float = 5.0  # node processes exit when no controller spoke for this long
 
 
 def _fake_nvml(spec: JobSpec) -> Path | None:
@@ -94,12 +95,14 @@ def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str
                            policy=PolicyConfig(heartbeat_timeout_s=spec.heartbeat_timeout_s,
                                                hang_timeout_s=spec.hang_timeout_s),
                            store_addr=f"{spec.bind_host}:{store.port}", start_timeout_s=spec.start_timeout_s,
+                           controller_timeout_s=spec.controller_timeout_s,
                            worker=worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s))
     ctl = Controller(cfg, spec.active, spec.spares, spec.nproc_per_node, keys, events,
                      Journal(spec.run_dir / "journal.jsonl", events=events), None, spec.faults)
     endpoint = f"tcp://{spec.bind_host}:{ctl.endpoint.rsplit(':', 1)[1]}"
     if backend_factory is None:
-        backend = LocalCluster(nodes, spec.nproc_per_node, spec.cmd, spec.run_dir, _fake_nvml(spec))
+        backend = LocalCluster(nodes, spec.nproc_per_node, spec.cmd, spec.run_dir, _fake_nvml(spec),
+                               controller_timeout_s=spec.controller_timeout_s)
         backend.start(endpoint, keys.path, spec.heartbeat_s)
     else:
         backend = backend_factory(endpoint, keys.path, spec.heartbeat_s)

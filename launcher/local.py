@@ -24,7 +24,8 @@ log = logging.getLogger("resild.local")
 
 class LocalCluster(Backend):
     def __init__(self, nodes: list[str], nproc: int, cmd: list[str], run_dir: Path,
-                 fake_nvml_dir: Path | None = None, gpus_per_node: int = 0) -> None:
+                 fake_nvml_dir: Path | None = None, gpus_per_node: int = 0, controller_timeout_s: float = 0.0) -> None:
+        self.controller_timeout_s = controller_timeout_s
         self.nodes, self.nproc, self.cmd, self.run_dir = nodes, nproc, cmd, run_dir
         self.fake_nvml_dir = fake_nvml_dir
         self.gpus_per_node = gpus_per_node
@@ -39,7 +40,8 @@ class LocalCluster(Backend):
         node_keys = {n: add_node_key(KeyDir(keys_dir), n).path for n in self.nodes} if keys_dir else {}
         for node in self.nodes:
             args = [sys.executable, "-m", "launcher.node", "--node", node, "--controller", controller,
-                    "--nproc", str(self.nproc), "--heartbeat-s", str(heartbeat_s)]
+                    "--nproc", str(self.nproc), "--heartbeat-s", str(heartbeat_s),
+                    "--controller-timeout", str(self.controller_timeout_s)]
             env = dict(os.environ)
             env.pop("RESILD_KEYS", None)   # never inherit another key directory
             if keys_dir is not None:

@@ -33,6 +33,11 @@ from .relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
 
 log = logging.getLogger("resild.node")
 
+# Exit codes of the node process (its workers die with it): FENCED_EXIT when the
+# controller fenced this node, CONTROLLER_LOST_EXIT when the lease ran out.
+FENCED_EXIT = 3
+CONTROLLER_LOST_EXIT = 75  # EX_TEMPFAIL: the job may be requeued or resumed
+
 
 @dataclass
 class Worker:
@@ -43,9 +48,16 @@ class Worker:
 
 class NodeProcess:
     def __init__(self, node: str, controller: str, keys: KeyDir | None, nproc: int, cmd: list[str],
-                 heartbeat_s: float = 0.25, nvml_control: Path | None = None, probe_interval_s: float = 1.0) -> None:
+                 heartbeat_s: float = 0.25, nvml_control: Path | None = None, probe_interval_s: float = 1.0,
+                 controller_timeout_s: float = 0.0) -> None:
         self.node, self.nproc, self.cmd = node, nproc, cmd
         self.heartbeat_s = heartbeat_s
+        self.controller = controller
+        # The lease: with no word from the controller this long, stop the workers and exit,
+        # so a dead (or frozen) controller never leaves processes behind. 0: never.
+        self.controller_timeout_s = controller_timeout_s
+        self.lease_interval_s = 0.0
+        self.last_word_s = time.monotonic()
         self.ctx = zmq.Context()
         self.ch = connect(self.ctx, controller, keys, sender=f"{node}/node")
         self.env = dict(os.environ, RESILD_CONTROLLER=controller, RESILD_NODE=node, RESILD_NPROC=str(nproc))
@@ -151,6 +163,8 @@ class NodeProcess:
                     next_probe = now + self.probe_interval_s
                 if self.commits.due(now):
                     self._report_commits(now)
+                if self._lease_expired(now):
+                    break
                 wake = min(next_hb, self.commits.next_due_s() or next_hb)
                 timeout_ms = max(1, int((wake - time.monotonic()) * 1000))
                 for fd, _ in poller.poll(timeout_ms):
@@ -245,14 +259,35 @@ class NodeProcess:
         self.ch.send(MsgType.HEALTH, {"node": self.node, "verdict": verdict.value, "reasons": reasons,
                                       "detector": "nvml-poll"})
 
+    def _lease_expired(self, now: float) -> bool:
+        if self.controller_timeout_s <= 0:
+            return False
+        # Never sooner than 3 lease intervals: at scale the controller leases less often.
+        timeout_s = max(self.controller_timeout_s, 3 * self.lease_interval_s)
+        silent_s = now - self.last_word_s
+        if silent_s <= timeout_s:
+            return False
+        print(f"resild node {self.node}: no word from the controller at {self.controller} for {silent_s:.1f}s "
+              f"(--controller-timeout {timeout_s:g}s): stopping {len(self.workers)} worker(s), "
+              f"exit {CONTROLLER_LOST_EXIT}", file=sys.stderr, flush=True)
+        self._kill_workers()
+        self.exit_code = CONTROLLER_LOST_EXIT
+        return True
+
     def _drain_socket(self) -> None:
         while (got := self.ch.recv(0)) is not None:
             _, msg = got
+            self.last_word_s = time.monotonic()  # any message renews the lease
             if msg.type == MsgType.FENCE:
                 log.warning("%s fenced: %s", self.node, msg.body.get("reason"))
                 self._kill_workers()
-                self.exit_code = 3
+                self.exit_code = FENCED_EXIT
                 return
+            if msg.type == MsgType.LEASE:
+                interval_s = msg.body.get("interval_s")
+                if isinstance(interval_s, (int, float)) and 0 < interval_s <= 3600:
+                    self.lease_interval_s = float(interval_s)
+                continue
             if msg.type == MsgType.SHUTDOWN:
                 if self.shutting_down_until is None:
                     # Success: workers may still be saving their final state, give them
@@ -298,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, required=True)
     p.add_argument("--heartbeat-s", type=float, default=0.25)
     p.add_argument("--nvml-control", type=Path)
+    p.add_argument("--controller-timeout", type=float, default=0.0,
+                   help="exit (code 75) after this many seconds without a word from the controller; 0: never")
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -308,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[{a.node}] %(message)s")
     die_with_parent()
     keys = KeyDir(Path(a.keys)) if a.keys else None
-    return NodeProcess(a.node, a.controller, keys, a.nproc, cmd, a.heartbeat_s, a.nvml_control).run()
+    return NodeProcess(a.node, a.controller, keys, a.nproc, cmd, a.heartbeat_s, a.nvml_control,
+                       controller_timeout_s=a.controller_timeout).run()
 
 
 if __name__ == "__main__":

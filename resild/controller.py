@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import socket
 import time
 from statistics import median
@@ -29,8 +30,8 @@ from .events import EventLog
 from .faults import Fault, Injector
 from .journal import Journal
 from .membership import ClusterView, Membership, NodeRole, NodeView, RankProgress
-from .policy import (Action, Decision, PolicyConfig, check_done, check_timeouts, on_node_failure,
-                     on_worker_exception)
+from .policy import (Action, Decision, PolicyConfig, check_done, check_heartbeats, check_timeouts,
+                     on_node_failure, on_worker_exception)
 from .protocol import MAX_FRAME_BYTES, Message, MsgType, encode
 from .transport import KeyDir, Server
 
@@ -53,6 +54,10 @@ class ControllerConfig:
     resync_s: float = 1.0  # a node still reporting an old epoch this long after a send gets its view again
     shutdown_timeout_s: float = 600.0  # at success: time for workers to finish (final save)
     store_addr: str = ""
+    # Node processes exit when they hear nothing from a controller this long (the lease);
+    # leases go out every quarter of it. 0: no leases (node processes then never give up).
+    controller_timeout_s: float = 5.0
+    term: int = 1  # rises with every leader (standby controllers); nodes follow the highest
     worker: dict[str, Any] = field(default_factory=dict)  # runtime settings handed to workers
 
 
@@ -103,6 +108,9 @@ class Controller:
         self._started = time.monotonic()
         self._awaiting_full_strength: int | None = None  # epoch whose first commit we wait for
         self._commit_times: list[tuple[int, float]] = []  # (step, t) each time the job's step advanced
+        # Leases: at scale as rare as heartbeats may be (one frame per node per interval).
+        self.lease_interval_s = max(cfg.controller_timeout_s / 4, self.heartbeat_floor_s)
+        self._next_lease_s = 0.0
 
     # ---- main loop -------------------------------------------------------
     def run(self) -> JobResult:
@@ -133,10 +141,15 @@ class Controller:
         return self.result
 
     def _tick(self, now: float) -> None:
+        if self.cfg.controller_timeout_s > 0 and now >= self._next_lease_s:
+            self._send_leases()
+            self._next_lease_s = now + self.lease_interval_s
         for node, rc in self.backend.exited_nodes():
             self._decide(on_node_failure(self.view, node, f"node process exited with code {rc}", "process-exit"), now)
         if self.view.membership is None:
-            if now - self._started > self.cfg.start_timeout_s:
+            # Start-up: a node lost now is replaced by a spare in the first epoch.
+            self._decide(check_heartbeats(now, self.view, self.cfg.policy), now)
+            if self.result is None and now - self._started > self.cfg.start_timeout_s:
                 missing = [n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and v.workers_ready < v.nproc]
                 self.result = JobResult(1, f"start timed out after {self.cfg.start_timeout_s:.0f}s waiting for {', '.join(missing)}")
             return
@@ -191,6 +204,8 @@ class Controller:
         self.events.emit("node_registered", node=node.node_id, role=node.role.value, pid=b.get("pid"))
         if self.heartbeat_floor_s > 0:  # the heartbeat interval this job size allows (heartbeat_budget_per_s)
             self.ch.send(MsgType.WELCOME, {"heartbeat_s": self.heartbeat_floor_s}, to=ident)
+        if self.cfg.controller_timeout_s > 0:
+            self._send_raw(ident, self._lease_frame())
         m = self.view.membership
         if m is not None and node.node_id in m.node_ranks:  # a (re)started node process
             self._send_view(node, ident, now)
@@ -227,7 +242,7 @@ class Controller:
             return
         how = f"signal {-rc}" if isinstance(rc, int) and rc < 0 else f"code {rc}"
         cause = f"worker {b.get('local_rank')} (pid {b.get('pid')}) exited with {how}"
-        self._decide(on_node_failure(self.view, node.node_id, cause, "process-exit"), now)
+        self._decide(on_node_failure(self.view, node.node_id, cause, "process-exit", worker_fault=True), now)
 
     def _on_health(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         node.health = str(b.get("verdict", "unknown"))
@@ -344,7 +359,19 @@ class Controller:
             self.events.emit("failure_detected", node=d.node, cause=d.reason, detector=d.detector,
                              committed_step=self.max_step)
             self._fence(d.node, d.reason)
-        if d.action == Action.REPLACE_NODE:
+        if d.action == Action.REPLACE_NODE and d.membership is None:
+            # Before the first epoch: the spare takes the failed node's place in it.
+            assert d.spare
+            self.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
+            self._initial = self._initial.replace(d.node, d.spare, next_epoch=False)
+            self._unregistered = sum(max(0, self.view.nodes[n].nproc - self.view.nodes[n].workers_ready)
+                                     for n in self._initial.node_ranks)
+            self.events.emit("spare_assigned", spare=d.spare, failed=d.node, epoch=self._initial.epoch,
+                             ranks=list(self._initial.node_ranks[d.spare]), spares_left=len(self.view.spares()),
+                             before_start=True)
+            if self._unregistered <= 0:
+                self._apply_membership(self._initial, now)
+        elif d.action == Action.REPLACE_NODE:
             assert d.spare and d.membership
             self.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
             self.events.emit("spare_assigned", spare=d.spare, failed=d.node, epoch=d.membership.epoch,
@@ -440,6 +467,19 @@ class Controller:
             self.ch.sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
         except zmq.Again:
             log.debug("send dropped: peer queue full")  # membership: the node's heartbeat asks again
+
+    def _lease_frame(self) -> bytes:
+        body = {"term": self.cfg.term, "interval_s": round(self.lease_interval_s, 3), "store": self.cfg.store_addr,
+                "pid": os.getpid(), "host": socket.gethostname()}
+        return self._frame(MsgType.LEASE, json.dumps(body, separators=(",", ":")).encode(), ttl_s=60.0)
+
+    def _send_leases(self) -> None:
+        """One frame, encoded once per interval, to every node process still in the job."""
+        frame = b""
+        for node_id, ident in self.node_ident.items():
+            if self.view.nodes[node_id].role in (NodeRole.ACTIVE, NodeRole.SPARE):
+                frame = frame or self._lease_frame()
+                self._send_raw(ident, frame)
 
     def _fire_faults(self, now: float) -> None:
         epoch = self.view.membership.epoch if self.view.membership else 0

@@ -87,14 +87,15 @@ class Membership:
         """The next epoch with the same layout: re-form without replacing anyone."""
         return Membership(self.epoch + 1, self.world_size, dict(self.node_ranks))
 
-    def replace(self, failed: str, spare: str) -> Membership:
-        """The next epoch: `spare` takes exactly the ranks `failed` held."""
+    def replace(self, failed: str, spare: str, *, next_epoch: bool = True) -> Membership:
+        """The next epoch: `spare` takes exactly the ranks `failed` held. Before the
+        first epoch was announced (`next_epoch=False`) the layout changes in place."""
         if failed not in self.node_ranks:
             raise KeyError(f"{failed} holds no ranks in epoch {self.epoch}")
         if spare in self.node_ranks:
             raise ValueError(f"{spare} already holds ranks in epoch {self.epoch}")
         layout = {(spare if n == failed else n): r for n, r in self.node_ranks.items()}
-        return Membership(self.epoch + 1, self.world_size, layout)
+        return Membership(self.epoch + int(next_epoch), self.world_size, layout)
 
     # ---- deltas: what changed from the previous epoch ------------------------
     def delta_from(self, prev: Membership) -> dict[str, Any] | None:

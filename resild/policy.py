@@ -41,24 +41,38 @@ class PolicyConfig:
     join_timeout_s: float = 300.0  # a spare building its model and receiving state ("join") is not hung
 
 
-def pick_spare(view: ClusterView) -> NodeView | None:
-    """Prefer a spare whose workers are all warm; else any registered spare."""
+def pick_spare(view: ClusterView, *, starting: bool = False) -> NodeView | None:
+    """Prefer a spare whose workers are all warm; else any registered spare. Before the
+    first epoch (`starting`) a spare still starting up will do: it has time to register."""
     spares = [n for n in view.spares() if n.registered]
     warm = [n for n in spares if n.workers_ready >= n.nproc]
-    return (warm or spares or [None])[0]
+    late = [n for n in view.spares() if starting and not n.registered]
+    return (warm or spares or late or [None])[0]
 
 
-def on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str) -> Decision:
+def on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str, *,
+                    worker_fault: bool = False) -> Decision:
+    """`worker_fault`: the training command itself failed (a worker exited or raised),
+    as opposed to the node (its node process died, went silent, or its GPU failed)."""
     node = view.nodes.get(node_id)
     if node is None or node.role in (NodeRole.FENCED, NodeRole.DONE):
         return NOTHING  # already handled (several detectors often see one fault)
     if node.role == NodeRole.SPARE:
         return Decision(Action.DROP_SPARE, f"spare {node_id} failed: {cause}", node=node_id, detector=detector)
     if view.membership is None:
-        # Before the first epoch this is almost always the command itself (bad path,
-        # import error, bad argument): replacing nodes would repeat it.
-        return Decision(Action.FAIL_JOB, f"{node_id} failed before the job started: {cause}",
-                        node=node_id, detector=detector)
+        if worker_fault:
+            # A worker failing before the first epoch is almost always the command itself
+            # (bad path, import error, bad argument): replacing nodes would repeat it.
+            return Decision(Action.FAIL_JOB, f"{node_id} failed before the job started: {cause}",
+                            node=node_id, detector=detector)
+        # The node itself was lost during start-up (where large jobs lose most nodes): a
+        # spare takes its place in the first epoch; nothing to replay yet.
+        spare = pick_spare(view, starting=True)
+        if spare is None:
+            return Decision(Action.FAIL_JOB, f"no spare left: {node_id} failed before the job started ({cause})",
+                            node=node_id, detector=detector)
+        return Decision(Action.REPLACE_NODE, f"{node_id} failed before the job started: {cause}", node=node_id,
+                        spare=spare.node_id, detector=detector)
     spare = pick_spare(view)
     if spare is None:
         return Decision(Action.FAIL_JOB, f"no spare left: {node_id} failed ({cause})", node=node_id, detector=detector)
@@ -74,7 +88,7 @@ def on_worker_exception(view: ClusterView, node_id: str, error: str, cause: str)
         return Decision(Action.FAIL_JOB, f"the same exception recurred on {node_id} after a node replacement; "
                                          f"this looks like a bug in the training script, not a fault: {error}",
                         node=node_id, detector="exception")
-    return on_node_failure(view, node_id, cause, "exception")
+    return on_node_failure(view, node_id, cause, "exception", worker_fault=True)
 
 
 def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
@@ -104,13 +118,21 @@ def check_timeouts(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision
     d = check_probe(now, view, cfg)
     if d.action != Action.NONE:
         return d
+    d = check_heartbeats(now, view, cfg)
+    if d.action != Action.NONE:
+        return d
+    return check_hang(now, view, cfg)
+
+
+def check_heartbeats(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
+    """A registered node silent for heartbeat_timeout_s is lost (start-up included)."""
     for node in view.by_heartbeat():  # oldest first: stop at the first live one
         if node.registered and node.role in (NodeRole.ACTIVE, NodeRole.SPARE):
             silent_s = now - node.last_heartbeat_s
             if silent_s > cfg.heartbeat_timeout_s:
                 return on_node_failure(view, node.node_id, f"no heartbeat for {silent_s:.1f}s", "heartbeat")
             break
-    return check_hang(now, view, cfg)
+    return NOTHING
 
 
 def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:

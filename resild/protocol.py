@@ -49,6 +49,10 @@ class MsgType(str, Enum):
     PING = "ping"  # "answer with a heartbeat now": a liveness probe after a collective error
     MEMBERSHIP_DELTA = "membership_delta"  # to a node process holding the previous epoch: {epoch, base, moves}
     RELAY_HELLO = "relay_hello"  # worker -> its node process's relay: send me the current membership
+    LEASE = "lease"  # controller -> node processes, every lease interval: "I am (still) your controller"
+    # local client -> node daemon (its unix socket): answered with HEALTH at once, then a
+    # HEALTH push on every change of the published verdict (and a keepalive now and then)
+    SUBSCRIBE_HEALTH = "subscribe_health"
     # either way
     STATUS = "status"
     STATUS_REPLY = "status_reply"
@@ -284,6 +288,19 @@ class Inject(Body):
 
 
 @dataclass(frozen=True)
+class Lease(Body):
+    """The leader's word to node processes. `term` rises with every new leader (a node
+    follows the highest term it has heard); `store` is that leader's rendezvous store;
+    `interval_s` how often leases come (a node gives up after its controller timeout,
+    and never sooner than 3 intervals)."""
+    term: int | None = _f("int", required=True)
+    interval_s: float | None = _f("float", hi=3600.0)
+    store: str | None = _f("str", max_len=NODE)
+    pid: int | None = _f("int", lo=1, hi=PID)
+    host: str | None = _f("str", max_len=NODE)
+
+
+@dataclass(frozen=True)
 class ErrorBody(Body):
     code: str | None = _f("str", max_len=64)
     detail: str | None = _f("str", max_len=MAX_FRAME_BYTES)
@@ -294,7 +311,7 @@ BODY_TYPES: dict[MsgType, type[Body]] = {
     MsgType.HEALTH: Health, MsgType.REGISTER_WORKER: RegisterWorker, MsgType.PROGRESS: Progress,
     MsgType.EVENT: Event, MsgType.DONE: Done, MsgType.FAILED: Failed, MsgType.FATAL: Fatal,
     MsgType.WELCOME: Welcome, MsgType.MEMBERSHIP: MembershipBody, MsgType.FENCE: Fence,
-    MsgType.SHUTDOWN: Shutdown, MsgType.INJECT: Inject, MsgType.ERROR: ErrorBody,
+    MsgType.SHUTDOWN: Shutdown, MsgType.INJECT: Inject, MsgType.ERROR: ErrorBody, MsgType.LEASE: Lease,
 }  # PING, STATUS, STATUS_REPLY and types without a class: generic checks only
 
 

@@ -154,8 +154,20 @@ def test_a_rank_that_hangs_after_others_finished_is_blamed() -> None:
 def test_no_membership_yet_means_the_command_failed_not_the_node() -> None:
     v = view()
     v.membership = None
-    d = on_node_failure(v, "a", "worker 0 exited with code 2", "process-exit")
+    d = on_node_failure(v, "a", "worker 0 exited with code 2", "process-exit", worker_fault=True)
     assert d.action == Action.FAIL_JOB and "before the job started" in d.reason
+
+
+def test_a_node_lost_before_the_first_epoch_is_replaced_in_place() -> None:
+    v = view()
+    v.membership = None
+    d = on_node_failure(v, "a", "node process exited with code -9", "process-exit")
+    assert d.action == Action.REPLACE_NODE and d.membership is None and d.spare is not None
+    assert "before the job started" in d.reason
+    for s in v.spares():
+        s.set_role(NodeRole.FENCED, "gone")
+    d = on_node_failure(v, "a", "no heartbeat for 3.0s", "heartbeat")
+    assert d.action == Action.FAIL_JOB and d.reason.startswith("no spare left")
 
 
 def test_probe_judges_only_the_nodes_it_pinged() -> None:
