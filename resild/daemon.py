@@ -12,12 +12,20 @@ Local socket (AF_UNIX stream at <status_socket>, transport.UnixServer: length-
 prefixed protocol.Message frames; the peer's uid/pid come from the kernel):
   STATUS -> STATUS_REPLY {node, verdict, reasons, probes, gpus, processes, ...}
   REGISTER_WORKER {pid, name} / PROGRESS {pid, step} -> STATUS_REPLY {ok: true}
+  SUBSCRIBE_HEALTH -> HEALTH {node, verdict, reasons, detector, push_interval_s} at once,
+      then a HEALTH push on the same connection each time the published verdict or its
+      reasons change (the moment the controller is told), and every push_interval_s as a
+      keepalive, so a subscriber can tell a silent daemon from a quiet node. The job's node
+      process subscribes (launcher/health_source.py): one health source per node.
 Who may do what: the socket is 0660 in group `status_group` (config; world-
 accessible with a warning when that group does not exist). Anyone connected may
 ask for STATUS; a non-root peer may register and report progress only for its
 own processes (same real uid), never for another user's or pid 1. Names are
 bounded and sanitized, watched processes capped, and a reply never exceeds the
-frame limit, so no client can make `resild status` fail for the others.
+frame limit, so no client can make `resild status` fail for the others. Anyone who
+may ask for STATUS may subscribe; subscribers are capped (in all and per uid), and
+one that does not read its pushes is dropped (backlog or stall bound) instead of
+ever blocking the loop.
 """
 from __future__ import annotations
 
@@ -53,6 +61,11 @@ MAX_WATCHED_PER_UID = 256
 EXITED_KEEP_S = 600.0       # an exited process stays visible in `resild status` this long
 MAX_REASONS, MAX_REASON_CHARS = 64, 1024
 NOFILE_WANTED = 65536       # systemd's LimitNOFILE= sets it too; this covers a manual start
+MAX_SUBSCRIBERS = 64        # health subscriptions at once (one per job node process is the norm)
+MAX_SUBSCRIBERS_PER_UID = 16
+PUSH_INTERVAL_S = 5.0       # keepalive push: a subscriber calls the daemon gone after ~3 of these
+MAX_PUSH_BACKLOG_BYTES = 1 << 20   # queued for one subscriber beyond the kernel's buffer: dropped
+PUSH_STALL_S = 15.0         # a subscriber whose queue has not drained for this long is dropped
 
 
 def _printable(text: str, limit: int) -> str:
@@ -174,6 +187,85 @@ def health_key(verdict: Verdict, reasons: list[str]) -> tuple[str, tuple[str, ..
     return verdict.value, tuple(sorted(reasons))
 
 
+class PushServer(UnixServer):
+    """UnixServer plus server pushes for health subscriptions.
+
+    The request handler calls `subscribe_serving()` to turn the connection whose request
+    it is answering into a subscriber: it stays open past idle_timeout_s and gets every
+    `push()`. A push only appends to the connection's buffer and tries one non-blocking
+    send (the poll loop flushes the rest), so it never blocks; a subscriber whose queue
+    exceeds `max_backlog_bytes`, or has not drained for `stall_s`, is closed."""
+
+    def __init__(self, *args: Any, max_subscribers: int = MAX_SUBSCRIBERS,
+                 max_subscribers_per_uid: int = MAX_SUBSCRIBERS_PER_UID,
+                 max_backlog_bytes: int = MAX_PUSH_BACKLOG_BYTES, stall_s: float = PUSH_STALL_S,
+                 **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.max_subscribers, self.max_subscribers_per_uid = max_subscribers, max_subscribers_per_uid
+        self.max_backlog_bytes, self.stall_s = max_backlog_bytes, stall_s
+        self.subscribers: dict[int, float | None] = {}   # fd -> since when its queue is backed up
+        self.dropped_subscribers = 0
+        self._serving: Any = None    # the connection whose request the handler is answering
+
+    def _serve(self, c: Any) -> None:
+        self._serving = c
+        try:
+            super()._serve(c)
+        finally:
+            self._serving = None
+
+    def subscribe_serving(self) -> None:
+        """From the handler: the current connection becomes a subscriber (ProtocolError if full)."""
+        c = self._serving
+        if c is None:
+            raise ProtocolError("unexpected", "subscribe over the status socket")
+        fd = c.sock.fileno()
+        if fd in self.subscribers:
+            return
+        same_uid = sum(1 for f in self.subscribers if f in self.conns and self.conns[f].peer.uid == c.peer.uid)
+        if len(self.subscribers) >= self.max_subscribers or (
+                c.peer.uid != 0 and same_uid >= self.max_subscribers_per_uid):
+            raise ProtocolError("too_many", f"{len(self.subscribers)} health subscribers already")
+        self.subscribers[fd] = None
+
+    def push(self, frame: bytes) -> None:
+        data = len(frame).to_bytes(4, "big") + frame    # transport's length prefix (!I)
+        for fd in list(self.subscribers):
+            c = self.conns.get(fd)
+            if c is None:
+                self.subscribers.pop(fd, None)
+                continue
+            if len(c.outbuf) + len(data) > self.max_backlog_bytes:
+                self._drop(c, f"{len(c.outbuf)} bytes not read")
+                continue
+            c.outbuf += data
+            self._flush(c)
+
+    def reap_idle(self, now: float) -> None:
+        for fd, since in list(self.subscribers.items()):
+            c = self.conns.get(fd)
+            if c is None:
+                self.subscribers.pop(fd, None)
+                continue
+            c.last_s = now    # a subscriber is quiet by design: never reaped as idle
+            if not c.outbuf:
+                self.subscribers[fd] = None
+            elif since is None:
+                self.subscribers[fd] = now
+            elif now - since > self.stall_s:
+                self._drop(c, f"its pushes not read for {now - since:.0f}s")
+        super().reap_idle(now)
+
+    def _drop(self, c: Any, why: str) -> None:
+        self.dropped_subscribers += 1
+        log.warning("local socket: dropping health subscriber uid %d pid %d: %s", c.peer.uid, c.peer.pid, why)
+        self._close(c)
+
+    def _close(self, c: Any) -> None:
+        self.subscribers.pop(c.sock.fileno(), None)
+        super()._close(c)
+
+
 class Agent:
     def __init__(self, cfg: Config, probes: list[Probe] | None = None,
                  ctx: zmq.Context | None = None) -> None:
@@ -188,7 +280,9 @@ class Agent:
         self._lock = threading.Lock()
         self.snap = Snapshot()
         self.procs: dict[int, Watched] = {}
-        self._rep: UnixServer | None = None
+        self._rep: PushServer | None = None
+        self._push_seq = Sequencer(f"{cfg.node}/agent")
+        self._last_push_mono = 0.0
         self._ctl = None
         self._started_mono = time.monotonic()
         self._last_hb_mono: float | None = None
@@ -231,7 +325,7 @@ class Agent:
         if path is not None and self._rep is not None:
             Path(path).unlink(missing_ok=True)
 
-    def _bind_status(self) -> UnixServer:
+    def _bind_status(self) -> PushServer:
         ep = self.cfg.status_endpoint
         p = unix_path(ep)
         if p is None:
@@ -254,7 +348,7 @@ class Agent:
                             self.cfg.status_group, self.cfg.status_group)
         else:
             mode = 0o666
-        return UnixServer(str(path), self._handle_local, mode=mode, gid=gid)
+        return PushServer(str(path), self._handle_local, mode=mode, gid=gid)
 
     # -- probing (prober thread) -------------------------------------------------------
     def _on_health_event(self, ev: HealthEvent) -> None:   # NVML / kmsg threads
@@ -323,9 +417,10 @@ class Agent:
                     "node verdict %s: %s", snap.verdict.value, "; ".join(snap.reasons) or "ok")
             self._write_state()
             if self._ctl is not None:
-                self._ctl.send(MsgType.HEALTH, {"node": self.cfg.node, "verdict": snap.verdict.value,
-                                                "reasons": _bounded_reasons(snap.reasons),
-                                                "detector": "resild-agent"})
+                self._ctl.send(MsgType.HEALTH, self._health_body(snap))
+            self._push_health(snap, now)   # subscribers hear it at the same moment
+        elif self._rep is not None and self._rep.subscribers and now - self._last_push_mono >= PUSH_INTERVAL_S:
+            self._push_health(snap, now)   # keepalive: the same verdict again
         if self._ctl is not None and (self._last_hb_mono is None
                                       or now - self._last_hb_mono >= self.cfg.heartbeat_s):
             self._ctl.send(MsgType.HEARTBEAT, {"node": self.cfg.node, "health": snap.verdict.value,
@@ -333,6 +428,17 @@ class Agent:
             self._last_hb_mono = now
         if self._last_hb_mono is not None:
             self.metrics.heartbeat_age.labels(self.cfg.node).set(now - self._last_hb_mono)
+
+    def _health_body(self, snap: Snapshot) -> dict[str, Any]:
+        return {"node": self.cfg.node, "verdict": snap.verdict.value,
+                "reasons": _bounded_reasons(snap.reasons), "detector": "resild-agent"}
+
+    def _push_health(self, snap: Snapshot, now: float) -> None:
+        self._last_push_mono = now
+        if self._rep is None or not self._rep.subscribers:
+            return
+        body = {**self._health_body(snap), "push_interval_s": PUSH_INTERVAL_S}
+        self._rep.push(encode(self._push_seq.make(MsgType.HEALTH, body)))
 
     def _from_controller(self) -> None:
         assert self._ctl is not None
@@ -363,7 +469,9 @@ class Agent:
         seq = Sequencer(f"{self.cfg.node}/agent")
         try:
             msg = decode(frame)
-            reply = seq.make(MsgType.STATUS_REPLY, self._answer(msg, peer))
+            body = self._answer(msg, peer)
+            # A subscription is answered with the verdict itself, in the shape of its pushes.
+            reply = seq.make(MsgType.HEALTH if msg.type is MsgType.SUBSCRIBE_HEALTH else MsgType.STATUS_REPLY, body)
         except ProtocolError as e:
             reply = seq.make(MsgType.ERROR, {"code": e.code, "detail": e.detail[:1024]})
         except Exception as e:  # noqa: BLE001 - every request gets an answer, the loop goes on
@@ -384,6 +492,13 @@ class Agent:
         uid = 0 if peer is None else peer.uid
         if msg.type is MsgType.STATUS:
             return self.status()
+        if msg.type is MsgType.SUBSCRIBE_HEALTH:   # whoever may ask for STATUS may subscribe
+            if self._rep is None:
+                raise ProtocolError("unexpected", "subscribe over the status socket")
+            self._rep.subscribe_serving()
+            with self._lock:
+                snap = self.snap
+            return {**self._health_body(snap), "push_interval_s": PUSH_INTERVAL_S}
         if msg.type is MsgType.REGISTER_WORKER:
             pid = _int(b.get("pid"), "pid")
             try:

@@ -458,3 +458,123 @@ def test_unit_runs_unprivileged_with_a_file_limit() -> None:
     assert svc["User"] == "resild" and svc["CapabilityBoundingSet"] == "CAP_SYSLOG"
     assert int(svc["LimitNOFILE"]) >= 4096
     assert "g resild" in (REPO / "systemd" / "resild.sysusers.conf").read_text()
+
+
+# -- health subscriptions: one health source per node (issue 10) --------------------------
+
+def _subscribe(path: str, timeout_s: float = 3.0) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    s.connect(path)
+    frame = encode(Sequencer("sub").make(MsgType.SUBSCRIBE_HEALTH))
+    s.sendall(struct.pack("!I", len(frame)) + frame)
+    return s
+
+
+def _next_frame(s: socket.socket, timeout_s: float = 3.0):
+    deadline = time.monotonic() + timeout_s
+
+    def exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            s.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = s.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("closed")
+            buf += chunk
+        return buf
+    return decode(exact(struct.unpack("!I", exact(4))[0]))
+
+
+@pytest.mark.timeout(60)
+def test_daemon_pushes_a_verdict_change_to_a_subscriber(tmp_path: Path, fake_nvml_dir: Path) -> None:
+    ctl = tmp_path / "nvml.ctl"
+    ctl.write_text("gpus 2\n")
+    (tmp_path / "kmsg").write_text("")
+    conf = tmp_path / "resild.toml"
+    conf.write_text(f'node = "gpu-n1"\nkmsg_path = "{tmp_path}/kmsg"\nstate_dir = "{tmp_path}"\n'
+                    f'status_socket = "{tmp_path}/status.sock"\nstatus_group = ""\nprobe_interval_s = 30\n')
+    env = fake_nvml_env(fake_nvml_dir, ctl)
+    env.pop("NOTIFY_SOCKET", None)
+    daemon = subprocess.Popen([*RESILD, "daemon", "--config", str(conf)], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 15
+        while local_request(f"ipc://{tmp_path}/status.sock", MsgType.STATUS, timeout_s=0.5) is None:
+            assert daemon.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        with _subscribe(str(tmp_path / "status.sock")) as sub:
+            first = _next_frame(sub)
+            assert first.type is MsgType.HEALTH and first.body["verdict"] == "healthy"
+            assert first.body["node"] == "gpu-n1" and first.body["push_interval_s"] > 0
+            with open(ctl, "a") as f:
+                f.write("event 1 xid 79\n")
+            t0 = time.monotonic()
+            push = _next_frame(sub, timeout_s=3.0)   # pushed, not asked for
+            assert time.monotonic() - t0 < 2.0
+            assert push.type is MsgType.HEALTH and push.body["verdict"] == "failed"
+            assert any("Xid 79" in r for r in push.body["reasons"])
+    finally:
+        daemon.terminate()
+        out, _ = daemon.communicate(timeout=10)
+    assert daemon.returncode == 0 and "Traceback" not in out, out
+
+
+class Chatty:
+    """A probe whose every verdict comes with ~64 KiB of reasons: a few pushes fill a
+    socket buffer."""
+    name = "chatty"
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def check(self) -> ProbeResult:
+        v = Verdict.FAILED if self.n % 2 else Verdict.DEGRADED
+        return ProbeResult(v, [f"change {self.n} reason {i} " + "x" * 1000 for i in range(64)])
+
+
+@pytest.mark.timeout(60)
+def test_a_subscriber_that_stops_reading_does_not_stall_the_daemon(public_dir: Path) -> None:
+    cfg = Config(node="n1", probe_interval_s=30, state_dir=str(public_dir),
+                 status_socket=str(public_dir / "p.sock"), status_group="")
+    probe = Chatty()
+    a = Agent(cfg, probes=[probe], ctx=zmq.Context())
+    a.start()
+    t = threading.Thread(target=a.run, daemon=True)
+    t.start()
+    assert a._rep is not None
+    a._rep.max_backlog_bytes = 256 << 10
+    a._rep.stall_s = 1.0
+    stuck = _subscribe(cfg.status_socket)
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # and never reads again
+    good = _subscribe(cfg.status_socket)
+    try:
+        assert _next_frame(good).body["reasons"][0].startswith("change 0 ")
+        for n in range(1, 16):
+            probe.n = n
+            a._trigger.set()   # what a probe's event does
+            seen = _next_frame(good)
+            while not seen.body["reasons"][0].startswith(f"change {n} "):   # skip keepalives
+                seen = _next_frame(good)
+            t0 = time.monotonic()
+            _alive(a)
+            assert time.monotonic() - t0 < 0.5
+        deadline = time.monotonic() + 5
+        while a._rep.dropped_subscribers == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert a._rep.dropped_subscribers == 1 and len(a._rep.subscribers) == 1   # only the stuck one
+        stuck.settimeout(3.0)
+        with pytest.raises(ConnectionError):
+            while True:   # what was queued, then the end: the daemon closed it
+                _next_frame(stuck)
+        # Subscriptions are capped: the next one past the cap is refused with a reason.
+        a._rep.max_subscribers = 1
+        with _subscribe(cfg.status_socket) as extra:
+            refused = _next_frame(extra)
+            assert refused.type is MsgType.ERROR and refused.body["code"] == "too_many"
+    finally:
+        stuck.close()
+        good.close()
+        a.close()
+        t.join(2)
+        a.ctx.term()
