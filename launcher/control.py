@@ -22,7 +22,7 @@ import zmq
 
 from resild.membership import Membership
 from resild.protocol import MsgType
-from resild.transport import KeyDir, connect
+from resild.transport import ControllerSet, KeyDir
 
 from .group import Interrupts
 
@@ -50,6 +50,10 @@ class ControlLink:
         self.inject_exception = False
         self.shutdown: dict | None = None
         self.wait_report_s = 1.0
+        self.leader_changes = 0
+        # Told again to a new leader (standby takeover): who we are, and that we are done.
+        self._repeat: dict[MsgType, dict] = {}
+        self._ch: ControllerSet | None = None
         self._thread = threading.Thread(target=self._run, name="resild-control", daemon=True)
 
     def start(self) -> ControlLink:
@@ -58,6 +62,8 @@ class ControlLink:
 
     # ---- called from any thread ------------------------------------------------
     def send(self, mtype: MsgType, **body: Any) -> None:
+        if mtype in (MsgType.REGISTER_WORKER, MsgType.DONE):
+            self._repeat[mtype] = {"node": self.node, **body}
         self._out.put((mtype, {"node": self.node, **body}))
         os.write(self._wake_w, b"x")
 
@@ -90,13 +96,15 @@ class ControlLink:
 
     # ---- the thread ------------------------------------------------------------
     def _run(self) -> None:
-        ch = connect(self.ctx, self.controller, self._keys, sender=f"{self.node}/w{self.local_rank}/{os.getpid()}")
+        ch = self._ch = ControllerSet(self.ctx, self.controller.split(","), self._keys,
+                                      sender=f"{self.node}/w{self.local_rank}/{os.getpid()}")
         relay = None
         if os.environ.get("RESILD_RELAY"):
             from .relay import RelayClient  # the node process relays membership and aggregates progress
             relay = RelayClient(os.environ["RESILD_RELAY"], f"{self.node}/w{self.local_rank}")
         poller = zmq.Poller()
-        poller.register(ch.sock, zmq.POLLIN)
+        for sock in ch.socks:
+            poller.register(sock, zmq.POLLIN)
         if relay is not None:
             poller.register(relay.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
@@ -112,20 +120,22 @@ class ControlLink:
                         os.read(self._wake_r, 4096)
                     except BlockingIOError:
                         pass
-                for sock_, src in ((ch.sock, ch), (relay.sock if relay else None, relay)):
-                    while sock_ is not None and ready.get(sock_):
-                        got = src.recv(0)
-                        if got is None:
-                            break
-                        msg = got[1] if isinstance(got, tuple) else got
-                        self._on_message(msg)
+                for i, sock_ in enumerate(ch.socks):
+                    if ready.get(sock_):
+                        while (msg := ch.recv(i)) is not None:
+                            self._on_message(msg)
+                while relay is not None and ready.get(relay.sock):
+                    msg = relay.recv(0)
+                    if msg is None:
+                        break
+                    self._on_message(msg)
                 reported = self._report_wait(reported)
         except Exception:  # the link must never take the trainer down silently
             log.exception("control link failed")
             self.intr.fail("control link failed")
         finally:
             self._flush(ch, relay)
-            ch.sock.close(linger=1000)
+            ch.close(linger_ms=1000)
             if relay is not None:
                 relay.close()
             self._stopped.set()
@@ -157,6 +167,13 @@ class ControlLink:
         t = msg.type
         if t == MsgType.FENCE:
             os._exit(FENCED_EXIT)  # a fenced rank must never take part again
+        if t == MsgType.LEASE:  # from our node process: a new controller leads
+            ch = self._ch
+            if ch is not None and ch.follow(int(msg.body.get("term", 0)), int(msg.body.get("leader", 0))):
+                self.leader_changes += 1
+                for mtype, body in self._repeat.items():  # register again (its WELCOME names its store)
+                    self._out.put((mtype, body))
+            return
         with self.intr.cond:
             if t == MsgType.WELCOME:
                 self.welcome = msg.body

@@ -26,7 +26,7 @@ from pathlib import Path
 import zmq
 
 from resild.protocol import Message, MsgType
-from resild.transport import KeyDir, connect
+from resild.transport import ControllerSet, KeyDir
 
 from .procutil import die_with_parent
 from .relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
@@ -59,7 +59,9 @@ class NodeProcess:
         self.lease_interval_s = 0.0
         self.last_word_s = time.monotonic()
         self.ctx = zmq.Context()
-        self.ch = connect(self.ctx, controller, keys, sender=f"{node}/node")
+        # One link per controller replica (comma-separated endpoints); sends go to the leader.
+        self.ch = ControllerSet(self.ctx, controller.split(","), keys, sender=f"{node}/node")
+        self.exited: list[dict] = []  # worker exits so far: told again to a new leader
         self.env = dict(os.environ, RESILD_CONTROLLER=controller, RESILD_NODE=node, RESILD_NPROC=str(nproc))
         # NCCL: on a communicator error abort it but keep the process (the controller's
         # notice, not torch's watchdog, decides what happens next).
@@ -80,22 +82,15 @@ class NodeProcess:
         self.relay: RelayServer | None = None
         self._relayed_sent: list[int] | None = None  # the relayed set the controller last heard
 
-    # ---- health probe (GPU) -------------------------------------------------
+    # ---- health: the node daemon's verdict, or the same probes in-process -----
     def _start_probe(self) -> None:
-        try:
-            from resild.health.nvml_probe import NvmlProbe, NvmlUnavailable
-        except ImportError:
-            return
-        try:
-            probe = NvmlProbe(on_event=self._on_health_event)
-            probe.start()
-        except NvmlUnavailable as e:
-            log.info("%s: no GPU probe (%s)", self.node, e)
-            return
-        self.probe = probe
+        # self.probe is the node's one health source (launcher/health_source.py).
+        from .health_source import open_health_source
+        self.probe = open_health_source(self.node, self._on_health_event, self.nvml_control,
+                                        interval_s=self.probe_interval_s)
 
-    def _on_health_event(self, ev) -> None:  # probe thread
-        self.health_q.put({"verdict": ev.verdict.value, "reasons": [ev.reason], "detector": f"nvml-{ev.kind}"})
+    def _on_health_event(self, body: dict) -> None:  # health source thread: {verdict, reasons, detector}
+        self.health_q.put(body)
         os.write(self._wake_w, b"x")
 
     # ---- workers ---------------------------------------------------------
@@ -132,7 +127,7 @@ class NodeProcess:
     def run(self) -> int:
         self.relay = RelayServer(self.ctx, self.node)
         self.env[RELAY_ENV] = self.relay.endpoint
-        self.ch.send(MsgType.REGISTER_NODE, {"node": self.node, "pid": os.getpid(), "nproc": self.nproc})
+        self._register()
         self._start_probe()
         try:
             for lr in range(self.nproc):
@@ -141,12 +136,13 @@ class NodeProcess:
             # A bad command is the user's mistake, the same on every node: stop the job.
             why = f"{self.node}: cannot start the worker command {self.cmd[0]!r}: {e.strerror}"
             self.ch.send(MsgType.FATAL, {"node": self.node, "error": why})
-            self.ch.sock.close(linger=2000)
+            self.ch.close(linger_ms=2000)
             log.error("%s", why)
             self._kill_workers()
             return 2
         poller = zmq.Poller()
-        poller.register(self.ch.sock, zmq.POLLIN)
+        for sock in self.ch.socks:
+            poller.register(sock, zmq.POLLIN)
         poller.register(self.relay.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         for w in self.workers.values():
@@ -168,8 +164,8 @@ class NodeProcess:
                 wake = min(next_hb, self.commits.next_due_s() or next_hb)
                 timeout_ms = max(1, int((wake - time.monotonic()) * 1000))
                 for fd, _ in poller.poll(timeout_ms):
-                    if fd is self.ch.sock:
-                        self._drain_socket()
+                    if (index := self.ch.index_of(fd)) is not None:
+                        self._drain_socket(index)
                     elif fd is self.relay.sock:
                         self._drain_relay()
                     elif fd == self._wake_r:
@@ -203,7 +199,23 @@ class NodeProcess:
             self._relayed_sent = relayed
         if resync:
             body["resync"] = True
-        self.ch.send(MsgType.HEARTBEAT, body, ttl_s=5)
+        self.ch.send_all(MsgType.HEARTBEAT, body, ttl_s=5)  # a standby taking over hears every node at once
+
+    def _register(self) -> None:
+        self.ch.send_all(MsgType.REGISTER_NODE, {"node": self.node, "pid": os.getpid(), "nproc": self.nproc})
+
+    def _new_leader(self, lease: dict) -> None:
+        """A new (or restarted) controller leads: tell it who we are, what we hold and
+        what it missed (workers that exited), and point our workers at it."""
+        log.warning("%s: controller leader is now %s (term %s, pid %s on %s)", self.node, self.ch.leader_endpoint,
+                    lease.get("term"), lease.get("pid"), lease.get("host"))
+        self._register()
+        self._relayed_sent = None  # the new leader learns which ranks we relay
+        self._heartbeat()
+        for body in self.exited:
+            self.ch.send(MsgType.WORKER_EXIT, body)
+        if self.relay is not None:
+            self.relay.broadcast(MsgType.LEASE, lease)
 
     def _on_membership(self, msg: Message) -> None:
         if msg.type == MsgType.MEMBERSHIP:
@@ -254,10 +266,9 @@ class NodeProcess:
             self.ch.send(MsgType.PROGRESS, {"node": self.node, **body})
 
     def _poll_probe(self) -> None:
-        from resild.health.verdict import node_verdict
-        verdict, reasons = node_verdict(self.probe.poll())
-        self.ch.send(MsgType.HEALTH, {"node": self.node, "verdict": verdict.value, "reasons": reasons,
-                                      "detector": "nvml-poll"})
+        body = self.probe.poll()
+        if body is not None:  # None: no daemon and no probe applies here (e.g. no NVML)
+            self.ch.send(MsgType.HEALTH, {"node": self.node, **body})
 
     def _lease_expired(self, now: float) -> bool:
         if self.controller_timeout_s <= 0:
@@ -267,17 +278,20 @@ class NodeProcess:
         silent_s = now - self.last_word_s
         if silent_s <= timeout_s:
             return False
-        print(f"resild node {self.node}: no word from the controller at {self.controller} for {silent_s:.1f}s "
+        print(f"resild node {self.node}: no word from the controller at {self.ch.leader_endpoint} for {silent_s:.1f}s "
               f"(--controller-timeout {timeout_s:g}s): stopping {len(self.workers)} worker(s), "
               f"exit {CONTROLLER_LOST_EXIT}", file=sys.stderr, flush=True)
         self._kill_workers()
         self.exit_code = CONTROLLER_LOST_EXIT
         return True
 
-    def _drain_socket(self) -> None:
-        while (got := self.ch.recv(0)) is not None:
-            _, msg = got
-            self.last_word_s = time.monotonic()  # any message renews the lease
+    def _drain_socket(self, index: int) -> None:
+        while (msg := self.ch.recv(index)) is not None:
+            if msg.type == MsgType.LEASE and self.ch.follow(int(msg.body.get("term", 0)), int(msg.body.get("leader", index))):
+                self._new_leader(msg.body)
+            if index != self.ch.leader:
+                continue  # an older term's leader: not ours any more
+            self.last_word_s = time.monotonic()  # any word from the leader renews the lease
             if msg.type == MsgType.FENCE:
                 log.warning("%s fenced: %s", self.node, msg.body.get("reason"))
                 self._kill_workers()
@@ -318,8 +332,9 @@ class NodeProcess:
                 os.close(fd)
                 if self.relay is not None:
                     self.relay.forget(w.local_rank)
-                self.ch.send(MsgType.WORKER_EXIT, {"node": self.node, "local_rank": w.local_rank,
-                                                   "pid": w.proc.pid, "returncode": rc})
+                body = {"node": self.node, "local_rank": w.local_rank, "pid": w.proc.pid, "returncode": rc}
+                self.exited.append(body)
+                self.ch.send(MsgType.WORKER_EXIT, body)
                 return
 
 

@@ -147,7 +147,9 @@ class Job:
         install_default(self.group, store)
 
     def _store_client(self) -> Any:
-        host, port = self.cfg["store"].rsplit(":", 1)
+        # The newest welcome's store: a standby controller that takes over brings its own.
+        addr = str((self.link.welcome or {}).get("store") or self.cfg["store"]) if self.link else self.cfg["store"]
+        host, port = addr.rsplit(":", 1)
         return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
                              timeout=timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
 
@@ -326,9 +328,12 @@ class Job:
     def _floor(self) -> int:
         """The newest step the controller knew committed at the last failure (the
         runner publishes it in the store): below it, every replica of the state is gone."""
-        if self.solo or self.epoch <= 1 or not self._store.check([COMMITTED_KEY]):
+        if self.solo or self.epoch <= 1:
             return 0
-        return int(self._store.get(COMMITTED_KEY))
+        store = self._store_client()  # the current leader's store (it moves with the leader)
+        if not store.check([COMMITTED_KEY]):
+            return 0
+        return int(store.get(COMMITTED_KEY))
 
     def _replica_map(self) -> ReplicaMap:
         make = self._replicas or self._mesh_replicas or ReplicaMap.data_parallel

@@ -21,7 +21,7 @@ import socket
 import time
 from statistics import median
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -58,6 +58,7 @@ class ControllerConfig:
     # leases go out every quarter of it. 0: no leases (node processes then never give up).
     controller_timeout_s: float = 5.0
     term: int = 1  # rises with every leader (standby controllers); nodes follow the highest
+    leader_index: int = 0  # this controller's place in the endpoint list node processes hold
     worker: dict[str, Any] = field(default_factory=dict)  # runtime settings handed to workers
 
 
@@ -71,7 +72,8 @@ class Controller:
     def __init__(self, cfg: ControllerConfig, active: list[str], spares: list[str], nproc_per_node: int,
                  keys: KeyDir | None, events: EventLog, journal: Journal | None = None,
                  backend: Backend | None = None, faults: list[Fault] | None = None,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None, server: Server | None = None,
+                 leadership: Callable[[], bool] | None = None) -> None:
         self.nproc = nproc_per_node
         n_nodes = len(active) + len(spares)
         self.heartbeat_floor_s = n_nodes / cfg.heartbeat_budget_per_s if cfg.heartbeat_budget_per_s > 0 else 0.0
@@ -84,7 +86,11 @@ class Controller:
         self.backend = backend or Backend()
         self.injector = Injector(faults or [])
         self.ctx = ctx or zmq.Context.instance()
-        self.server = Server(self.ctx, cfg.bind, keys)
+        self.server = server or Server(self.ctx, cfg.bind, keys)
+        # A standby replica's view of whether it still leads: checked every tick; a deposed
+        # leader stops at once and says nothing more to anyone (the new leader speaks).
+        self.leadership = leadership
+        self.deposed = False
         self.endpoint = self.server.endpoint
         self.ch = self.server.channel
         nodes = {n: NodeView(n, NodeRole.ACTIVE, nproc_per_node) for n in active}
@@ -134,6 +140,10 @@ class Controller:
                 # Timeouts are checked once per tick, not after every message: at 10k
                 # messages/s the checks would cost more than the messages.
                 if self.result is None and now >= next_tick:
+                    if self.leadership is not None and not self.leadership():
+                        log.error("no longer the leader: stopping (the new leader takes over)")
+                        self.deposed = True
+                        break
                     self._tick(now)
                     next_tick = now + self.cfg.tick_s
         finally:
@@ -270,7 +280,7 @@ class Controller:
             if lr not in node.relayed:  # a relayed worker gets it from its node on its hello
                 self._send_raw(ident, self._frame(MsgType.MEMBERSHIP, self._full_json))
         elif m is None and self._unregistered <= 0:
-            self._apply_membership(self._initial, now)
+            self._start(now)
 
     def _on_progress(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         if "commits" in b:
@@ -354,7 +364,8 @@ class Controller:
         if d.action == Action.NONE:
             return
         self.journal.append({"t_wall": time.time(), "action": d.action.value, "reason": d.reason, "node": d.node,
-                             "spare": d.spare, "membership": d.membership.to_dict() if d.membership else None})
+                             "spare": d.spare, "membership": d.membership.to_dict() if d.membership else None,
+                             "committed_step": self.max_step})
         if d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node:
             self.events.emit("failure_detected", node=d.node, cause=d.reason, detector=d.detector,
                              committed_step=self.max_step)
@@ -370,7 +381,7 @@ class Controller:
                              ranks=list(self._initial.node_ranks[d.spare]), spares_left=len(self.view.spares()),
                              before_start=True)
             if self._unregistered <= 0:
-                self._apply_membership(self._initial, now)
+                self._start(now)
         elif d.action == Action.REPLACE_NODE:
             assert d.spare and d.membership
             self.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
@@ -401,6 +412,55 @@ class Controller:
         self.backend.fence(node_id, reason)
         self.backend.drain(node_id, reason)
         self.events.emit("node_fenced", node=node_id, reason=reason)
+
+    def _start(self, now: float) -> None:
+        """Every active worker registered: the first epoch, journaled like any decision."""
+        self.journal.append({"t_wall": time.time(), "action": "start", "reason": "every active worker registered",
+                             "membership": self._initial.to_dict()})
+        self._apply_membership(self._initial, now)
+
+    def restore(self, records: list[dict[str, Any]], now: float) -> None:
+        """Take over from a journal (a standby's replicated copy, or a restarted
+        controller's file): roles, fenced nodes, epoch and the faults already fired.
+        Everything else comes back from the nodes, which re-register with a new leader
+        (they follow the highest lease term) and heartbeat within their interval: a
+        node that does not is lost like any silent node."""
+        for rec in records:
+            action, node, spare = rec.get("action"), rec.get("node"), rec.get("spare")
+            mem = rec.get("membership")
+            if action == "fault_fired":
+                self.injector.pending = [f for f in self.injector.pending if str(f) != rec.get("spec")]
+                continue
+            if action in ("replace_node", "drop_spare", "fail_job") and node in self.view.nodes:
+                if self.view.nodes[node].role in (NodeRole.ACTIVE, NodeRole.SPARE):
+                    self.view.nodes[node].set_role(NodeRole.FENCED, str(rec.get("reason", "")))
+            if action == "replace_node" and spare in self.view.nodes:
+                if self.view.nodes[spare].role == NodeRole.SPARE:
+                    self.view.nodes[spare].set_role(NodeRole.ACTIVE)
+                if mem is None:  # a start-up replacement
+                    self._initial = self._initial.replace(node, spare, next_epoch=False)
+            if mem is not None and action in ("start", "replace_node", "reform"):
+                self.view.membership = Membership.from_dict(mem)
+            self.max_step = max(self.max_step, int(rec.get("committed_step") or 0))
+            if action in ("fail_job", "finish"):
+                self.result = JobResult(0 if action == "finish" else 1, str(rec.get("reason", "")))
+        m = self.view.membership
+        for n in self.view.nodes.values():
+            if n.role in (NodeRole.ACTIVE, NodeRole.SPARE):
+                n.registered = True  # known from before: silent from now on means lost
+                self.view.beat(n.node_id, now)
+                # Node processes connect to every replica under this identity: the first
+                # lease reaches them before they speak to us.
+                self.node_ident[n.node_id] = f"{n.node_id}/node".encode()
+        self._next_lease_s = 0.0
+        self._unregistered = sum(self.view.nodes[n].nproc for n in self._initial.node_ranks)
+        if m is not None:
+            self._full_json = json.dumps(m.to_dict(), separators=(",", ":")).encode()
+            self.view.epoch_started_s = now
+            self._awaiting_full_strength = m.epoch
+        self.events.emit("controller_restored", records=len(records), epoch=m.epoch if m else 0,
+                         fenced=sorted(n.node_id for n in self.view.nodes.values() if n.role == NodeRole.FENCED),
+                         spares=[n.node_id for n in self.view.spares()], committed_step=self.max_step)
 
     def _apply_membership(self, m: Membership, now: float) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -469,8 +529,8 @@ class Controller:
             log.debug("send dropped: peer queue full")  # membership: the node's heartbeat asks again
 
     def _lease_frame(self) -> bytes:
-        body = {"term": self.cfg.term, "interval_s": round(self.lease_interval_s, 3), "store": self.cfg.store_addr,
-                "pid": os.getpid(), "host": socket.gethostname()}
+        body = {"term": self.cfg.term, "leader": self.cfg.leader_index, "interval_s": round(self.lease_interval_s, 3),
+                "store": self.cfg.store_addr, "pid": os.getpid(), "host": socket.gethostname()}
         return self._frame(MsgType.LEASE, json.dumps(body, separators=(",", ":")).encode(), ttl_s=60.0)
 
     def _send_leases(self) -> None:
@@ -484,6 +544,7 @@ class Controller:
     def _fire_faults(self, now: float) -> None:
         epoch = self.view.membership.epoch if self.view.membership else 0
         for f in self.injector.due(self.max_step, now, epoch):
+            self.journal.append({"t_wall": time.time(), "action": "fault_fired", "spec": str(f)})  # fired once, ever
             self.events.emit("fault_injected", kind=f.kind, node=f.node, step=self.max_step, spec=str(f))
             if f.kind == "exception":
                 ident = self.worker_ident.get((f.node, f.local_rank))
@@ -495,6 +556,10 @@ class Controller:
             self.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": f.local_rank, "xid": f.xid}, to=ident)
 
     def _finish(self) -> None:
+        if self.deposed:
+            self.server.close()
+            self.journal.close()
+            return
         if self.result is None:  # interrupted (Ctrl-C) or crashed: stop everything
             self.result = JobResult(130, "interrupted")
         for node_id, ident in self.node_ident.items():

@@ -294,6 +294,7 @@ class Lease(Body):
     `interval_s` how often leases come (a node gives up after its controller timeout,
     and never sooner than 3 intervals)."""
     term: int | None = _f("int", required=True)
+    leader: int | None = _f("int", hi=64)  # the leader's place in the controller endpoint list
     interval_s: float | None = _f("float", hi=3600.0)
     store: str | None = _f("str", max_len=NODE)
     pid: int | None = _f("int", lo=1, hi=PID)
