@@ -66,6 +66,9 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
               show_default=True, callback=lambda ctx, param, v: v if v == v else _nan(param),
               help="Seconds without a word from the controller after which node processes stop their workers "
                    "and exit (code 75): a dead or frozen controller leaves nothing behind.")
+@click.option("--controllers", type=click.IntRange(min=1, max=7), default=1, show_default=True,
+              help="Controller replicas. 1: one controller inside resil-run. 3 (or 5): a Raft replica set "
+                   "(separate processes); the job survives the loss of any minority of them, the leader's included.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).")
 @click.option("--requeue-on-exhaustion", is_flag=True,
@@ -77,13 +80,18 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
 def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...],
          events: Path | None, hang_timeout_s: float, heartbeat_timeout_s: float, start_timeout_s: float,
-         controller_timeout_s: float, run_dir: Path | None, requeue_on_exhaustion: bool, as_json: bool, quiet: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
+         controller_timeout_s: float, controllers: int, run_dir: Path | None, requeue_on_exhaustion: bool, as_json: bool, quiet: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="resil-run: %(message)s")
     if events is not None:
         try:
             events.open("a").close()
         except OSError as e:
             raise click.UsageError(f"cannot write --events {events}: {e.strerror}") from None
+    if controllers > 1 and not local:
+        raise click.UsageError("--controllers > 1 runs with --local only in this version (under Slurm the "
+                               "controller runs in the batch script: see the README on batch host loss)")
+    if controllers == 2:
+        raise click.UsageError("--controllers 2 survives no loss (Raft needs a majority): use 3")
     if not local:
         from .slurm_mode import run_slurm  # imported lazily: local mode needs no Slurm
         sys.exit(run_slurm(nodes=nodes, spares=spares, nproc_per_node=nproc_per_node, inject=inject, events=events,
@@ -105,6 +113,9 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
                    cmd=list(cmd), faults=faults, events_path=events, run_dir=rd,
                    hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
                    start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s)
+    if controllers > 1:
+        from .standby import run_replicated
+        sys.exit(run_replicated(spec, controllers, as_json=as_json))
     code = run_job(spec, as_json=as_json, status=not quiet)
     sys.exit(code)
 

@@ -17,7 +17,7 @@ from resild.policy import PolicyConfig
 from resild.transport import generate_keys, store_listen_fd
 
 from .local import LocalCluster
-from .recovery import COMMITTED_KEY
+from resild.store import CommittedFloor
 from .report import StatusLine, format_table, summarize
 
 
@@ -60,19 +60,6 @@ def worker_timeouts(hang_timeout_s: float, heartbeat_timeout_s: float) -> dict[s
     collective_s = max(60.0, 3 * hang_timeout_s)
     return {"wait_report_s": min(1.0, hang_timeout_s / 4), "collective_timeout_s": collective_s,
             "notice_timeout_s": collective_s + 2 * hang_timeout_s + heartbeat_timeout_s + 60.0}
-
-
-class CommittedFloor:
-    """Publishes, in the rendezvous store, the newest step the controller knew to be
-    committed when it decided a failure. A recovery that finds no rank at that step
-    has lost every replica of the state: it must stop, not restart from step 0."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-
-    def __call__(self, rec: dict[str, Any]) -> None:
-        if rec.get("event") == "failure_detected":
-            self.store.set(COMMITTED_KEY, str(int(rec.get("committed_step") or 0)))
 
 
 def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str, Path, float], Any] | None = None,

@@ -192,7 +192,7 @@ class NodeProcess:
 
     # ---- relay: membership down, progress up ----------------------------------
     def _heartbeat(self, resync: bool = False) -> None:
-        body: dict = {"node": self.node, "epoch": self.layout.epoch}
+        body: dict = {"node": self.node, "epoch": self.layout.epoch, "pid": os.getpid()}
         relayed = sorted(self.relay.workers) if self.relay is not None else []
         if relayed != self._relayed_sent:  # only on change: the controller keeps it
             body["relayed"] = relayed

@@ -23,7 +23,7 @@ from .replicas import ReplicaMap, plan_replay
 from .replay import P2PTransport, Received
 
 
-COMMITTED_KEY = "resild/committed"  # store key: newest step the controller saw committed at a failure
+from resild.store import COMMITTED_KEY  # noqa: F401 (the runtime reads it from here)
 
 
 class Reformed(Exception):

@@ -91,6 +91,7 @@ class Controller:
         # leader stops at once and says nothing more to anyone (the new leader speaks).
         self.leadership = leadership
         self.deposed = False
+        self.restored = False
         self.endpoint = self.server.endpoint
         self.ch = self.server.channel
         nodes = {n: NodeView(n, NodeRole.ACTIVE, nproc_per_node) for n in active}
@@ -120,8 +121,9 @@ class Controller:
 
     # ---- main loop -------------------------------------------------------
     def run(self) -> JobResult:
-        self.events.emit("job_started", endpoint=self.endpoint, nodes=list(self.view.nodes),
-                         controller_host=socket.gethostname())
+        if not self.restored:  # a standby taking over continues the job, it does not start it
+            self.events.emit("job_started", endpoint=self.endpoint, nodes=list(self.view.nodes),
+                             controller_host=socket.gethostname())
         next_tick = 0.0
         try:
             while self.result is None:
@@ -228,6 +230,8 @@ class Controller:
         self.node_ident[node.node_id] = ident
         self.view.beat(node.node_id, now)
         node.registered = True
+        if node.host_pid is None and isinstance(b.get("pid"), int):
+            node.host_pid = b["pid"]  # a standby that took over never saw the registration
         if "health" in b:
             node.health = str(b["health"])
         self._node_state(node, b)
@@ -425,6 +429,7 @@ class Controller:
         Everything else comes back from the nodes, which re-register with a new leader
         (they follow the highest lease term) and heartbeat within their interval: a
         node that does not is lost like any silent node."""
+        self.restored = True
         for rec in records:
             action, node, spare = rec.get("action"), rec.get("node"), rec.get("spare")
             mem = rec.get("membership")

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from .conftest import REPO, STEPS, TRAIN, RunResult, _marked, assert_bitwise_equal
+from .conftest import REPO, STEPS, TRAIN, RunResult, _marked, assert_bitwise_equal, run_job
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -130,3 +130,34 @@ def test_a_node_lost_during_start_up_is_replaced_by_a_spare(tmp_path: Path, refe
     (m,) = [e for e in r.events if e["event"] == "membership"]  # one epoch: the job started at full strength
     assert m["epoch"] == 1 and set(m["layout"]) == {"local-node1", "local-node2"}
     assert_bitwise_equal(reference.final, r.final)
+
+
+def test_killing_the_leader_controller_loses_nothing(tmp_path: Path) -> None:
+    # Three controller replicas (Raft). The leader is SIGKILLed mid-job; a standby takes
+    # over from the replicated journal, and it is the one that handles the node fault
+    # injected later: the job ends bitwise identical, no committed step lost.
+    steps = 1500  # ~3 ms steps: long enough that the takeover happens mid-job
+    ref = run_job(tmp_path / "ref", steps=steps)
+    assert ref.rc == 0, ref.stderr[-2000:]
+    job = LiveJob(tmp_path / "hurt", "--controllers", "3", "--inject", "kill:node1@1200", steps=steps)
+    try:
+        first = job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=90)
+        job.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 20, timeout_s=90)
+        os.kill(first["pid"], signal.SIGKILL)
+        t_kill = time.monotonic()
+        second = job.wait_event(lambda e: e["event"] == "controller_leader" and e["pid"] != first["pid"])
+        r = job.finish()
+    finally:
+        job.cleanup()
+    assert r.rc == 0, r.stderr[-3000:]
+    assert second["term"] > first["term"] and second["restored"] >= 1
+    assert second["t_mono"] - t_kill < 3.0, second["t_mono"] - t_kill
+    fs = r.summary["failures"]
+    assert len(fs) == 1 and fs[0]["steps_lost"] == 0, fs
+    (sa,) = [e for e in r.events if e["event"] == "spare_assigned"]
+    assert sa["t_mono"] > second["t_mono"]  # decided by the new leader
+    assert r.final["step"] == ref.final["step"] == steps
+    assert all(torch.equal(v, r.final["model"][k]) for k, v in ref.final["model"].items())
+    # No worker restarted: the survivors registered again with the new leader, same pids.
+    pids = {e["pid"] for e in r.events if e["event"] == "worker_registered"}
+    assert len(pids) == 3, pids

@@ -1,0 +1,119 @@
+"""resil-run --controllers N (N >= 2): the controller as a Raft replica set.
+
+resil-run starts N controller replicas (`python -m resild.replica`, separate
+processes, each with its own endpoint, rendezvous store and journal copy) and the
+node processes, which hold every replica's endpoint and follow the leader. Then it
+only waits: the job's verdict is the leader's (`result.json` in the run directory),
+and if every replica is gone the node processes end on their lease.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from resild.replica import RESULT_FILE, raft_secret
+from resild.transport import generate_keys
+
+from .job import JobSpec, _fake_nvml, worker_timeouts
+from .local import LocalCluster
+from .procutil import die_with_parent
+from .report import format_table, summarize
+
+
+def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _events(path: Path) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a replica killed mid-line
+    return out
+
+
+def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False) -> int:
+    rd = spec.run_dir
+    rd.mkdir(parents=True, exist_ok=True)
+    (rd / RESULT_FILE).unlink(missing_ok=True)
+    keys = generate_keys(rd / "keys")
+    raft_secret(keys.path)
+    ports = _free_ports(2 * n_controllers)
+    events_path = spec.events_path or rd / "events.jsonl"
+    cfg = {
+        "active": spec.active, "spares": spec.spares, "nproc": spec.nproc_per_node,
+        "endpoints": [f"tcp://{spec.bind_host}:{p}" for p in ports[:n_controllers]],
+        "raft": [f"{spec.bind_host}:{p}" for p in ports[n_controllers:]],
+        "keys": str(keys.path), "events": str(events_path), "run_dir": str(rd),
+        "faults": [str(f) for f in spec.faults],
+        "controller": {"policy": {"heartbeat_timeout_s": spec.heartbeat_timeout_s, "hang_timeout_s": spec.hang_timeout_s},
+                       "worker": worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s),
+                       "start_timeout_s": spec.start_timeout_s, "controller_timeout_s": spec.controller_timeout_s},
+    }
+    spec_file = rd / "controllers.json"
+    spec_file.write_text(json.dumps(cfg, indent=2))
+    replicas = [subprocess.Popen([sys.executable, "-m", "resild.replica", "--spec", str(spec_file), "--index", str(i)],
+                                 start_new_session=True, preexec_fn=die_with_parent)
+                for i in range(n_controllers)]
+    nodes = LocalCluster(spec.active + spec.spares, spec.nproc_per_node, spec.cmd, rd, _fake_nvml(spec),
+                         controller_timeout_s=spec.controller_timeout_s)
+    try:
+        # Nodes start once a leader is there: their lease runs from their start.
+        deadline, t0 = time.monotonic() + 120.0, time.time() - 1.0
+        while not any(e["event"] == "controller_leader" and e["t_wall"] > t0 for e in _events(events_path)):
+            if time.monotonic() > deadline or all(r.poll() is not None for r in replicas):
+                print("resil-run: the controller replicas elected no leader within 120s", file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        nodes.start(",".join(cfg["endpoints"]), keys.path, spec.heartbeat_s)
+        # The leader decides; we wait for every node process to end (SHUTDOWN, fencing,
+        # or their lease when no replica is left).
+        while any(p.poll() is None for p in nodes.procs.values()):
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        print("resil-run: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        deadline = time.monotonic() + 5.0
+        while not (rd / RESULT_FILE).exists() and any(r.poll() is None for r in replicas) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the leader writes its verdict after the nodes it shut down are gone
+        for r in replicas:
+            if r.poll() is None:
+                os.killpg(r.pid, signal.SIGKILL)
+            r.wait()
+        nodes.shutdown(0.0)
+    try:
+        result = json.loads((rd / RESULT_FILE).read_text())
+        code, reason = int(result["exit_code"]), str(result["reason"])
+    except (OSError, ValueError, KeyError):
+        code, reason = 1, f"every controller replica was lost ({n_controllers}); the node processes ended on their lease"
+    records = _events(events_path)
+    failures, job = summarize(records)
+    if as_json:
+        print(json.dumps({"exit_code": code, "reason": reason, "job": job, "controllers": n_controllers,
+                          "leaders": [{k: e.get(k) for k in ("pid", "term", "index", "restored")}
+                                      for e in records if e["event"] == "controller_leader"],
+                          "failures": [f.__dict__ for f in failures]}, indent=2))
+    else:
+        print(format_table(failures, job), file=sys.stderr)
+    if code != 0:
+        print(f"resil-run: job failed: {reason}", file=sys.stderr)
+    return code

@@ -1,0 +1,239 @@
+"""Standby controllers: N replicas of the controller, one leading, the journal
+replicated by Raft (pysyncobj), so losing the leader's host loses no decision.
+
+    python -m resild.replica --spec RUN_DIR/controllers.json --index I
+
+Every replica binds its ROUTER endpoint and its own rendezvous store at start. A
+standby drains its socket (node processes heartbeat every replica, so the socket
+is warm) and acts on nothing. The replica Raft elects leads: it first commits a
+`leader` record (so every earlier record is applied here too), rebuilds the
+controller's state from the replicated journal (`Controller.restore`), and leases
+every node with a higher term; nodes and workers follow the highest term, register
+again and get this replica's store. A leader that loses its Raft leadership stops
+at its next tick without a word (the new leader speaks for the job).
+
+The spec (JSON, written by resil-run): active, spares, nproc, endpoints (ROUTER,
+one per replica), raft (host:port, one per replica), keys, events, run_dir,
+faults, and the controller's settings (policy, worker, start_timeout_s,
+controller_timeout_s).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+from pysyncobj import SyncObj, SyncObjConf, replicated
+from pysyncobj.syncobj import SyncObjException
+
+from .backend import Backend
+from .controller import Controller, ControllerConfig
+from .events import EventLog
+from .faults import parse_fault
+from .journal import Journal
+from .policy import PolicyConfig
+from .store import CommittedFloor
+from .transport import KeyDir, Server, store_listen_fd
+
+log = logging.getLogger("resild.replica")
+
+RESULT_FILE = "result.json"  # the leader's verdict on the job, for resil-run
+
+
+def raft_conf(password: str) -> SyncObjConf:
+    # Elections within ~0.3-0.6 s of the leader's silence: well inside the nodes' lease
+    # (--controller-timeout, 5 s by default) and close to the heartbeat timeout.
+    # pysyncobj frames are pickles: the password (a per-job secret, 0600 in the keys
+    # directory) makes every frame Fernet-encrypted and authenticated, so a peer without
+    # the secret is refused before anything is unpickled.
+    return SyncObjConf(raftMinTimeout=0.3, raftMaxTimeout=0.6, appendEntriesPeriod=0.05,
+                       connectionRetryTime=0.3, connectionTimeout=1.0, dynamicMembershipChange=False,
+                       commandsWaitLeader=True, password=password)
+
+
+def raft_secret(keys_dir: Path) -> str:
+    """The replica set's shared secret, made once per job (0600)."""
+    path = keys_dir / "raft.secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex())
+    return path.read_text().strip()
+
+
+class RaftLog(SyncObj):
+    """The replicated journal: an append-only list of decision records. Each replica
+    also keeps its applied copy in its own JSON-lines file (for `resild report` and
+    for a restart from disk)."""
+
+    def __init__(self, self_addr: str, partners: list[str], path: Path, password: str) -> None:
+        super().__init__(self_addr, partners, raft_conf(password))
+        self.records: list[dict[str, Any]] = []
+        self._file = Journal(path)
+
+    @replicated
+    def _apply(self, record: dict[str, Any]) -> int:
+        self.records.append(record)
+        self._file.append(record)
+        return len(self.records)
+
+
+class RaftJournal(Journal):
+    """The controller's Journal, written through Raft: `append` is true once a majority
+    of the replicas holds the record."""
+
+    def __init__(self, raft: RaftLog, timeout_s: float = 2.0) -> None:
+        super().__init__(None)
+        self.raft, self.timeout_s = raft, timeout_s
+
+    def append(self, record: dict[str, Any]) -> bool:
+        try:
+            self.raft._apply(record, sync=True, timeout=self.timeout_s)
+        except SyncObjException as e:
+            self._failed(RuntimeError(f"raft: {e.errorCode}"), record)
+            return False
+        return True
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "replicated": True}
+
+
+class ProcessNodes(Backend):
+    """Node processes on this host that are not our children (resil-run started them;
+    each leads its own process group): fence = kill the group, exits seen through
+    pidfds. Pids come from the nodes' registrations and heartbeats."""
+
+    def __init__(self, pid_of: Callable[[str], int | None], nodes: list[str]) -> None:
+        self.pid_of, self.nodes = pid_of, nodes
+        self._fds: dict[str, int] = {}
+        self._done: set[str] = set()
+
+    def fence(self, node: str, reason: str) -> None:
+        self._done.add(node)
+        pid = self.pid_of(node)
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def exited_nodes(self) -> list[tuple[str, int]]:
+        out = []
+        for node in self.nodes:
+            if node in self._done or node in self._fds or not (pid := self.pid_of(node)):
+                continue
+            try:
+                self._fds[node] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._done.add(node)
+                out.append((node, -1))
+        if self._fds:
+            ready, _, _ = select.select(list(self._fds.values()), [], [], 0)
+            for node, fd in list(self._fds.items()):
+                if fd in ready and node not in self._done:
+                    self._done.add(node)
+                    os.close(self._fds.pop(node))
+                    out.append((node, -1))  # not our child: no exit status to read
+        return out
+
+    def shutdown(self, timeout_s: float) -> None:
+        self._done.update(self.nodes)  # resil-run waits for and reaps the node processes
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def serve(spec: dict[str, Any], index: int) -> int:
+    import torch.distributed as dist  # the store; imported here: --help stays fast
+
+    run_dir = Path(spec["run_dir"])
+    keys = KeyDir(Path(spec["keys"])) if spec.get("keys") else None
+    ctx = zmq.Context()
+    endpoint = spec["endpoints"][index]
+    server = Server(ctx, "tcp://*:" + endpoint.rsplit(":", 1)[1] if spec.get("bind_any") else endpoint, keys)
+    host = endpoint.split("//", 1)[1].rsplit(":", 1)[0]
+    fd, port = store_listen_fd(host, cluster=bool(spec.get("bind_any")))
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+    peers = list(spec["raft"])
+    raft = RaftLog(peers[index], [p for i, p in enumerate(peers) if i != index], run_dir / f"journal-{index}.jsonl",
+                   raft_secret(Path(spec["keys"])))
+    log.info("replica %d: standing by (%s, raft %s)", index, endpoint, peers[index])
+    while True:
+        server.channel.recv(0.05)  # standby: keep the socket drained, act on nothing
+        if raft._isLeader():
+            try:
+                raft._apply({"action": "leader", "index": index, "pid": os.getpid(), "t_wall": time.time()},
+                            sync=True, timeout=2.0)
+                break
+            except SyncObjException as e:
+                log.warning("replica %d: elected but could not commit: %s", index, e.errorCode)
+    t_elected = time.monotonic()
+    term = int(raft._getTerm())
+    records = [r for r in raft.records if r.get("action") != "leader"]
+    events = EventLog(Path(spec["events"]))
+    floor = CommittedFloor(store)
+    events.listeners.append(floor)
+    c = spec["controller"]
+    cfg = ControllerConfig(bind=endpoint, policy=PolicyConfig(**c["policy"]), store_addr=f"{host}:{store.port}",
+                           start_timeout_s=float(c["start_timeout_s"]),
+                           controller_timeout_s=float(c["controller_timeout_s"]), worker=dict(c["worker"]),
+                           term=term, leader_index=index)
+    nodes = list(spec["active"]) + list(spec["spares"])
+    ctl = Controller(cfg, list(spec["active"]), list(spec["spares"]), int(spec["nproc"]), keys, events,
+                     RaftJournal(raft), None, [parse_fault(f) for f in spec.get("faults", [])], ctx=ctx,
+                     server=server, leadership=raft._isLeader)
+    ctl.backend = ProcessNodes(lambda n: ctl.view.nodes[n].host_pid, nodes)
+    if records:
+        ctl.restore(records, time.monotonic())
+        if ctl.max_step:
+            floor.publish(ctl.max_step)
+    events.emit("controller_leader", pid=os.getpid(), host=socket.gethostname(), term=term, index=index,
+                endpoint=endpoint, restored=len(records), elected_s=round(time.monotonic() - t_elected, 4))
+    if ctl.result is not None:  # the job had ended when the old leader died: say so again
+        result = ctl.result
+        ctl._finish()
+    else:
+        result = ctl.run()
+    events.close()
+    if ctl.deposed:
+        return 1
+    tmp = run_dir / f".{RESULT_FILE}.{index}"
+    tmp.write_text(json.dumps({"exit_code": result.exit_code, "reason": result.reason}))
+    os.replace(tmp, run_dir / RESULT_FILE)
+    raft.destroy()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m resild.replica", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", required=True, type=Path, help="the replica set's JSON spec (written by resil-run)")
+    p.add_argument("--index", required=True, type=int, help="this replica's place in the spec's lists")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"[controller {a.index}] %(message)s")
+    try:
+        spec = json.loads(a.spec.read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"cannot read --spec {a.spec}: {e}")
+    if not 0 <= a.index < len(spec.get("endpoints", [])):
+        p.error(f"--index {a.index} is not a replica of {a.spec}")
+    _die_with_parent()
+    return serve(spec, a.index)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""What the controller keeps in the job's rendezvous store (torch's TCPStore, hosted
+by the controller, or by each standby replica: the store moves with the leader)."""
+from __future__ import annotations
+
+from typing import Any
+
+COMMITTED_KEY = "resild/committed"  # newest step the controller saw committed at a failure
+
+
+class CommittedFloor:
+    """An event listener: publishes, in the rendezvous store, the newest step the
+    controller knew to be committed when it decided a failure. A recovery that finds
+    no rank at that step has lost every replica of the state: it must stop, not
+    restart from step 0."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def __call__(self, rec: dict[str, Any]) -> None:
+        if rec.get("event") == "failure_detected":
+            self.publish(int(rec.get("committed_step") or 0))
+
+    def publish(self, step: int) -> None:
+        self.store.set(COMMITTED_KEY, str(step))
