@@ -271,8 +271,8 @@ class NodeProcess:
             self.ch.send(MsgType.HEALTH, {"node": self.node, **body})
 
     def _lease_expired(self, now: float) -> bool:
-        if self.controller_timeout_s <= 0:
-            return False
+        if self.controller_timeout_s <= 0 or self.shutting_down_until is not None:
+            return False  # told to shut down: the controller is gone on purpose, workers finish
         # Never sooner than 3 lease intervals: at scale the controller leases less often.
         timeout_s = max(self.controller_timeout_s, 3 * self.lease_interval_s)
         silent_s = now - self.last_word_s
