@@ -7,7 +7,9 @@ Node failures are real: every process in the node's namespace is killed
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from resild.slurm import expand_nodelist
 from tests.slurmlab.fixture import SlurmLab
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
@@ -24,7 +27,8 @@ STEPS = 150
 
 class Job:
     def __init__(self, lab: SlurmLab, tmp: Path, nodes: int = 3, spares: int = 1, extra: str = "",
-                 steps: int = STEPS, run_dir: bool = True, train: str = "") -> None:
+                 steps: int = STEPS, run_dir: bool = True, train: str = "", requeue: bool = True,
+                 minutes: int = 5, node_logs: bool = False, after: str = "") -> None:
         self.lab, self.tmp = lab, tmp
         tmp.mkdir(parents=True, exist_ok=True)
         script = tmp / "job.sh"
@@ -32,20 +36,25 @@ class Job:
         # without --run-dir resil-run makes its default under the current directory: tmp, not the repo
         where, rd = (REPO, f"--run-dir {tmp}/run") if run_dir else (tmp, "")
         train = train or f"{py} {REPO}/examples/train.py"
+        # node_logs: each node's srun output straight to tmp/step-<node>.out, written by that node's
+        # slurmstepd, so it survives the batch host (where srun runs)
+        logs = f"export SLURM_STDOUTMODE={tmp}/step-%N.out" if node_logs else ""
         script.write_text(f"""#!/bin/bash
 #SBATCH -N {nodes}
 #SBATCH --exclusive
 #SBATCH --no-kill
-#SBATCH --requeue
-#SBATCH -t 5
+#SBATCH {"--requeue" if requeue else "--no-requeue"}
+#SBATCH -t {minutes}
 #SBATCH -o {tmp}/slurm.out
 export RESILD_CONTROLLER_HOST=127.0.0.1
+{logs}
 cd {where}
 {py} -m launcher.cli --spares {spares} --nproc-per-node 1 --heartbeat-timeout 1.5 \\
   --events {tmp}/events.jsonl {rd} --json {extra} \\
   -- {train} --steps {steps} --save {tmp}/final.pt > {tmp}/summary.json
 rc=$?
 echo $rc > {tmp}/rc
+{after}
 exit $rc
 """)
         self.jid = lab.run(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
@@ -100,6 +109,9 @@ exit $rc
 @pytest.fixture
 def lab(slurm_lab: SlurmLab):
     yield slurm_lab
+    # a test that failed half-way may leave its job running (tests here run one at a time)
+    for jid in slurm_lab.run(["squeue", "-h", "-o", "%i"]).stdout.split():
+        slurm_lab.run(["scancel", jid], check=False)
     for node in slurm_lab.nodes:  # leave every node usable for the next test
         slurm_lab.restore(node)
 
@@ -217,3 +229,148 @@ def test_default_run_dir_is_unique_per_cluster_job_and_run(lab: SlurmLab, tmp_pa
     stamp = start.replace("-", "").replace(":", "")
     assert rd == tmp_path / ".resild" / f"resildlab-job-{job.jid}-r0-{stamp}", (rd, start)
     assert (rd / "journal.jsonl").exists()
+
+
+# ---- losing the batch host (the embedded controller) -------------------------------------------------
+CONTROLLER_TIMEOUT_S = 5.0  # resil-run's default --controller-timeout
+MARGIN_S = 3.0
+_JOB_PROC = re.compile(r"launcher\.(node|cli)|train\.py|slow_train")
+
+
+def job_procs(lab: SlurmLab, node: str, tmp: Path) -> list[tuple[int, str]]:
+    """This job's processes (resil-run, srun, node processes, workers) in a node's namespace:
+    their command lines name the job's tmp dir (--events, --keys, --save)."""
+    out = []
+    for p in lab.pids(node):
+        try:
+            cl = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if str(tmp) in cl and _JOB_PROC.search(cl):
+            out.append((p, cl[:120]))
+    return out
+
+
+def wait_no_job_procs(lab: SlurmLab, nodes: list[str], tmp: Path, t0: float, limit_s: float) -> float:
+    while True:
+        left = {n: job_procs(lab, n, tmp) for n in nodes}
+        now = time.monotonic()
+        if not any(left.values()):
+            return now - t0
+        if now - t0 > limit_s:
+            raise AssertionError(f"job processes still alive {now - t0:.1f}s after the fault: {left}")
+        time.sleep(0.1)
+
+
+def show_job(lab: SlurmLab, jid: str) -> dict[str, str]:
+    out = lab.run(["scontrol", "show", "job", "-o", jid]).stdout
+    return dict(re.findall(r"\b(JobState|Reason|Restarts|NodeList|BatchHost|Requeue)=(\S+)", out))
+
+
+def wait_job(lab: SlurmLab, jid: str, pred, timeout_s: float, what: str) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = show_job(lab, jid)
+        if pred(info):
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {jid}: {what} not seen in {timeout_s}s: {info}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("requeue", [True, False], ids=["requeue", "no_requeue"])
+def test_batch_host_crash_orphans_the_job(lab: SlurmLab, tmp_path: Path, requeue: bool) -> None:
+    """Slurm 22.05, --no-kill: a crashed batch host is cut out of the job like any other node,
+    the job stays RUNNING without its batch script (no NODE_FAIL, no requeue, --requeue or not)
+    until the time limit or an operator's scancel/requeue. Slurm kills no step task on the other
+    nodes: the controller lease does, within --controller-timeout."""
+    job = Job(lab, tmp_path, steps=100_000, requeue=requeue, minutes=5 if requeue else 1, node_logs=True)
+    started = job.wait_event(lambda e: e["event"] == "job_started")
+    host = started["controller_host"]
+    others = [n for n in started["nodes"] if n != host]
+    job.wait_event(lambda e: e["event"] == "full_strength_step")
+    assert all(job_procs(lab, n, tmp_path) for n in others)
+    lab.crash(host)
+    t0 = time.monotonic()  # node.sh kills at the end of its (slow) scan
+    gone_s = wait_no_job_procs(lab, others, tmp_path, t0, CONTROLLER_TIMEOUT_S + MARGIN_S)
+    for n in others:  # ended by the lease (exit 75), not by Slurm
+        assert "no word from the controller" in (tmp_path / f"step-{n}.out").read_text(), n
+
+    # Slurm notices the node (SlurmdTimeout 5 s here), cuts it out of the job, keeps BatchHost.
+    info = wait_job(lab, job.jid, lambda i: host not in expand_nodelist(i["NodeList"]), 30,
+                    f"{host} removed from the job")
+    removed_s = time.monotonic() - t0
+    assert (info["JobState"], info["BatchHost"], info["Restarts"]) == ("RUNNING", host, "0"), info
+    assert lab.node_state(host).startswith("down")
+    time.sleep(2.0)
+    assert show_job(lab, job.jid)["JobState"] == "RUNNING"
+    if requeue:
+        lab.restore(host)  # the batch host coming back does not end the job either
+        time.sleep(2.0)
+        assert show_job(lab, job.jid)["JobState"] == "RUNNING"
+        lab.run(["scontrol", "requeue", job.jid])  # what an operator (or a watchdog) must do
+        info = wait_job(lab, job.jid, lambda i: i["Restarts"] == "1" and i["JobState"] == "PENDING", 15,
+                        "requeued")
+        lab.run(["scancel", job.jid], check=False)
+        end = "requeued by scontrol requeue"
+    else:
+        res = lab.run(["scontrol", "requeue", job.jid], check=False)
+        assert res.returncode != 0, res  # not requeueable: only scancel or the time limit end it
+        info = wait_job(lab, job.jid, lambda i: i["JobState"] == "TIMEOUT", 120, "TIMEOUT")
+        assert info["Reason"] == "TimeLimit", info
+        end = f"TIMEOUT after {time.monotonic() - t0:.0f}s ({res.stderr.strip()})"
+    assert not (tmp_path / "rc").exists()  # the batch script never got past resil-run
+    print(f"\nbatch host crash: node processes gone after {gone_s:.1f}s (lease), {host} cut out of the job "
+          f"after {removed_s:.1f}s, job {end}")
+
+
+@pytest.mark.timeout(120)
+def test_controller_killed_node_processes_exit_on_the_lease(lab: SlurmLab, tmp_path: Path) -> None:
+    """SIGKILL resil-run (the controller) on the batch host. The batch script lives on (it sleeps
+    after resil-run, as a script copying results would), so Slurm ends nothing: the lease alone
+    must stop every node process and worker, on every node, spare included."""
+    job = Job(lab, tmp_path, steps=100_000, node_logs=True, after="sleep 60")
+    started = job.wait_event(lambda e: e["event"] == "job_started")
+    host, nodes = started["controller_host"], started["nodes"]
+    job.wait_event(lambda e: e["event"] == "full_strength_step")
+    assert all(job_procs(lab, n, tmp_path) for n in nodes), {n: job_procs(lab, n, tmp_path) for n in nodes}
+    (controller,) = [p for p, cl in job_procs(lab, host, tmp_path) if "launcher.cli" in cl]
+    os.kill(controller, signal.SIGKILL)
+    t0 = time.monotonic()
+    gone_s = wait_no_job_procs(lab, nodes, tmp_path, t0, CONTROLLER_TIMEOUT_S + MARGIN_S)
+    assert job.wait(10) == 128 + signal.SIGKILL
+    for n in nodes:
+        out = (tmp_path / f"step-{n}.out").read_text()
+        assert "no word from the controller" in out and "exit 75" in out, (n, out[-1000:])
+    assert show_job(lab, job.jid)["JobState"] == "RUNNING"  # the script still sleeps: Slurm did nothing
+    lab.run(["scancel", job.jid], check=False)
+    print(f"\ncontroller SIGKILLed: every node process and worker gone after {gone_s:.1f}s")
+
+
+@pytest.mark.timeout(120)
+def test_node_crash_before_the_first_step_is_replaced_by_the_spare(lab: SlurmLab, tmp_path: Path) -> None:
+    # workers start 4 s late, so the node dies after it registered and before the first epoch
+    slow = tmp_path / "slow_train.sh"
+    slow.write_text(f"#!/bin/bash\nsleep 4\nexec {sys.executable} {REPO}/examples/train.py \"$@\"\n")
+    slow.chmod(0o755)
+    job = Job(lab, tmp_path, train=str(slow), steps=60)
+    host = job.wait_event(lambda e: e["event"] == "job_started")["controller_host"]
+    roles: dict[str, str] = {}
+    deadline = time.monotonic() + 60
+    while len(roles) < 3 and time.monotonic() < deadline:
+        roles = {e["node"]: e["role"] for e in job.events() if e["event"] == "node_registered"}
+        time.sleep(0.05)
+    victim = next(n for n, r in sorted(roles.items()) if r == "active" and n != host)
+    (spare,) = [n for n, r in roles.items() if r == "spare"]
+    assert not any(e["event"] in ("membership", "worker_registered") for e in job.events())
+    lab.crash(victim)
+    assigned = job.wait_event(lambda e: e["event"] == "spare_assigned")
+    assert job.wait() == 0, (tmp_path / "slurm.out").read_text()[-3000:]
+    first = job.wait_event(lambda e: e["event"] == "membership")
+    assert set(first["layout"]) == {host, spare}, first  # the first epoch already runs on the spare
+    assert all(len(ranks) == 1 for ranks in first["layout"].values())
+    assert job.final()["step"] == 60
+    (f,) = job.summary()["failures"]
+    assert f["node"] == victim, f
+    print(f"\nstart-up crash of {victim}: {assigned}")
