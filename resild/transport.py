@@ -361,7 +361,8 @@ class ControllerSet:
         restarted one) that must be told who we are again."""
         if term <= self.term or not 0 <= leader < len(self.chans):
             return False
-        new = self.term > 0 or self.leader != leader
+        # The first leader heard our registration (sent to every replica): nothing to repeat.
+        new = self.term > 0 or (self.leader is not None and self.leader != leader)
         self.term, self.leader = term, leader
         return new
 
