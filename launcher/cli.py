@@ -68,7 +68,8 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
                    "and exit (code 75): a dead or frozen controller leaves nothing behind.")
 @click.option("--controllers", type=click.IntRange(min=1, max=7), default=1, show_default=True,
               help="Controller replicas. 1: one controller inside resil-run. 3 (or 5): a Raft replica set "
-                   "(separate processes); the job survives the loss of any minority of them, the leader's included.")
+                   "(separate processes; under Slurm on the allocation's first nodes, the batch host included); "
+                   "the job survives the loss of any minority of them, the leader's and the batch host's included.")
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).")
 @click.option("--requeue-on-exhaustion", is_flag=True,
@@ -87,9 +88,6 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
             events.open("a").close()
         except OSError as e:
             raise click.UsageError(f"cannot write --events {events}: {e.strerror}") from None
-    if controllers > 1 and not local:
-        raise click.UsageError("--controllers > 1 runs with --local only in this version (under Slurm the "
-                               "controller runs in the batch script: see the README on batch host loss)")
     if controllers == 2:
         raise click.UsageError("--controllers 2 survives no loss (Raft needs a majority): use 3")
     if not local:
@@ -98,7 +96,8 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
                            hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
                            run_dir=run_dir, as_json=as_json, cmd=list(cmd),
                            requeue_on_exhaustion=requeue_on_exhaustion, status=not quiet,
-                           start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s))
+                           start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s,
+                           controllers=controllers))
     n = nodes or 3
     if spares >= n:
         raise click.UsageError(f"--spares {spares} leaves no active node out of --nodes {n}")

@@ -182,7 +182,7 @@ def default_run_dir_name(job_id: str, env: Mapping[str, str],
 def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...], events: Path | None,
               hang_timeout_s: float, heartbeat_timeout_s: float, run_dir: Path | None, as_json: bool,
               cmd: list[str], requeue_on_exhaustion: bool = False, status: bool = True,
-              start_timeout_s: float = 300.0, controller_timeout_s: float = 5.0) -> int:
+              start_timeout_s: float = 300.0, controller_timeout_s: float = 5.0, controllers: int = 1) -> int:
     try:
         alloc = slurm.allocation_from_env(os.environ)
     except slurm.SlurmEnvError as e:
@@ -216,16 +216,21 @@ def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tu
     rd = run_dir or Path.cwd() / ".resild" / default_run_dir_name(alloc.job_id, os.environ)
     print(f"resil-run: run dir {rd}", file=sys.stderr, flush=True)
 
+    def node_cmd(endpoint: str, keys_dir: Path, heartbeat_s: float) -> list[str]:
+        return [sys.executable, "-m", "launcher.node", "--controller", endpoint, "--keys", str(keys_dir),
+                "--nproc", str(nproc_per_node), "--heartbeat-s", str(heartbeat_s),
+                "--controller-timeout", str(controller_timeout_s), "--", *cmd]
+
     def make_backend(endpoint: str, keys_dir: Path, heartbeat_s: float) -> SlurmBackend:
-        node_cmd = [sys.executable, "-m", "launcher.node", "--controller", endpoint, "--keys", str(keys_dir),
-                    "--nproc", str(nproc_per_node), "--heartbeat-s", str(heartbeat_s),
-                    "--controller-timeout", str(controller_timeout_s), "--", *cmd]
-        return SlurmBackend(alloc, all_nodes, node_cmd)
+        return SlurmBackend(alloc, all_nodes, node_cmd(endpoint, keys_dir, heartbeat_s))
 
     spec = JobSpec(active=active, spares=spare_nodes, nproc_per_node=nproc_per_node, cmd=cmd, run_dir=rd,
                    faults=faults, events_path=events, hang_timeout_s=hang_timeout_s,
                    heartbeat_timeout_s=heartbeat_timeout_s, bind_host=host, bind_any=True,
                    start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s)
+    if controllers > 1:
+        from .standby import run_replicated
+        return run_replicated(spec, controllers, as_json=as_json, slurm_job=alloc, node_cmd=node_cmd)
     code, reason = run_job(spec, as_json=as_json, backend_factory=make_backend, return_reason=True,
                            status=status)
     if code != 0 and requeue_on_exhaustion and reason.startswith("no spare left"):

@@ -16,8 +16,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
-from resild.replica import RESULT_FILE, raft_secret
+from resild.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.transport import generate_keys
 
 from .job import JobSpec, _fake_nvml, worker_timeouts
@@ -50,32 +51,51 @@ def _events(path: Path) -> list[dict]:
     return out
 
 
-def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False) -> int:
+def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
+                   slurm_job: Any = None, node_cmd: Callable[[str, Path, float], list[str]] | None = None) -> int:
+    """`slurm_job` (an Allocation) and `node_cmd(endpoints, keys_dir, heartbeat_s)` under
+    Slurm: the replicas run on the allocation's first N nodes (one srun step), the node
+    processes as usual; otherwise every process runs on this machine."""
     rd = spec.run_dir
     rd.mkdir(parents=True, exist_ok=True)
-    (rd / RESULT_FILE).unlink(missing_ok=True)
+    for stale in [rd / RESULT_FILE, *rd.glob("replica-*.json")]:
+        stale.unlink(missing_ok=True)
     keys = generate_keys(rd / "keys")
     raft_secret(keys.path)
-    ports = _free_ports(2 * n_controllers)
     events_path = spec.events_path or rd / "events.jsonl"
-    cfg = {
+    nodes_all = spec.active + spec.spares
+    cfg: dict[str, Any] = {
         "active": spec.active, "spares": spec.spares, "nproc": spec.nproc_per_node,
-        "endpoints": [f"tcp://{spec.bind_host}:{p}" for p in ports[:n_controllers]],
-        "raft": [f"{spec.bind_host}:{p}" for p in ports[n_controllers:]],
         "keys": str(keys.path), "events": str(events_path), "run_dir": str(rd),
         "faults": [str(f) for f in spec.faults],
         "controller": {"policy": {"heartbeat_timeout_s": spec.heartbeat_timeout_s, "hang_timeout_s": spec.hang_timeout_s},
                        "worker": worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s),
                        "start_timeout_s": spec.start_timeout_s, "controller_timeout_s": spec.controller_timeout_s},
     }
+    if slurm_job is not None:
+        if len(nodes_all) < n_controllers:
+            print(f"resil-run: --controllers {n_controllers} needs as many nodes; the job has {len(nodes_all)}",
+                  file=sys.stderr)
+            return 2
+        cfg["hosts"] = nodes_all[:n_controllers]  # the batch host and the next ones: a majority survives any one
+    else:
+        ports = _free_ports(2 * n_controllers)
+        cfg["endpoints"] = [f"tcp://{spec.bind_host}:{p}" for p in ports[:n_controllers]]
+        cfg["raft"] = [f"{spec.bind_host}:{p}" for p in ports[n_controllers:]]
     spec_file = rd / "controllers.json"
     spec_file.write_text(json.dumps(cfg, indent=2))
-    replicas = [subprocess.Popen([sys.executable, "-m", "resild.replica", "--spec", str(spec_file), "--index", str(i)],
-                                 start_new_session=True, preexec_fn=die_with_parent)
-                for i in range(n_controllers)]
-    nodes = LocalCluster(spec.active + spec.spares, spec.nproc_per_node, spec.cmd, rd, _fake_nvml(spec),
-                         controller_timeout_s=spec.controller_timeout_s)
+    replica_cmd = [sys.executable, "-m", "resild.replica", "--spec", str(spec_file)]
+    if slurm_job is not None:
+        from resild import slurm
+        replicas = [subprocess.Popen(slurm.srun_node_launcher_cmd(slurm_job, cfg["hosts"], replica_cmd),
+                                     start_new_session=True)]
+    else:
+        replicas = [subprocess.Popen([*replica_cmd, "--index", str(i)], start_new_session=True,
+                                     preexec_fn=die_with_parent) for i in range(n_controllers)]
+    alive = rd / RUNNER_ALIVE
+    backend: Any = None
     try:
+        endpoints = cfg.get("endpoints") or wait_for_replicas(rd, n_controllers, 120.0)[0]
         # Nodes start once a leader is there: their lease runs from their start.
         deadline, t0 = time.monotonic() + 120.0, time.time() - 1.0
         while not any(e["event"] == "controller_leader" and e["t_wall"] > t0 for e in _events(events_path)):
@@ -83,23 +103,45 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False) -> 
                 print("resil-run: the controller replicas elected no leader within 120s", file=sys.stderr)
                 return 1
             time.sleep(0.05)
-        nodes.start(",".join(cfg["endpoints"]), keys.path, spec.heartbeat_s)
+        if slurm_job is not None:
+            from .slurm_backend import SlurmBackend
+            assert node_cmd is not None
+            backend = SlurmBackend(slurm_job, nodes_all, node_cmd(",".join(endpoints), keys.path, spec.heartbeat_s),
+                                   drain_nodes=False)  # the leader drains
+            backend.start()
+            running = lambda: backend.proc.poll() is None  # noqa: E731
+        else:
+            backend = LocalCluster(nodes_all, spec.nproc_per_node, spec.cmd, rd, _fake_nvml(spec),
+                                   controller_timeout_s=spec.controller_timeout_s)
+            backend.start(",".join(endpoints), keys.path, spec.heartbeat_s)
+            running = lambda: any(p.poll() is None for p in backend.procs.values())  # noqa: E731
         # The leader decides; we wait for every node process to end (SHUTDOWN, fencing,
-        # or their lease when no replica is left).
-        while any(p.poll() is None for p in nodes.procs.values()):
-            time.sleep(0.1)
+        # or their lease when no replica is left), telling the leader we are still here.
+        while running():
+            alive.touch()
+            time.sleep(0.5)
     except KeyboardInterrupt:
         print("resil-run: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:
+        print(f"resil-run: {e}", file=sys.stderr)
+        return 1
     finally:
         deadline = time.monotonic() + 5.0
         while not (rd / RESULT_FILE).exists() and any(r.poll() is None for r in replicas) and time.monotonic() < deadline:
+            alive.touch()
             time.sleep(0.05)  # the leader writes its verdict after the nodes it shut down are gone
+        alive.touch()
         for r in replicas:
             if r.poll() is None:
+                os.killpg(r.pid, signal.SIGTERM if slurm_job is not None else signal.SIGKILL)
+            try:
+                r.wait(15.0)
+            except subprocess.TimeoutExpired:
                 os.killpg(r.pid, signal.SIGKILL)
-            r.wait()
-        nodes.shutdown(0.0)
+                r.wait()
+        if backend is not None:
+            backend.shutdown(0.0)
     try:
         result = json.loads((rd / RESULT_FILE).read_text())
         code, reason = int(result["exit_code"]), str(result["reason"])
@@ -109,7 +151,7 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False) -> 
     failures, job = summarize(records)
     if as_json:
         print(json.dumps({"exit_code": code, "reason": reason, "job": job, "controllers": n_controllers,
-                          "leaders": [{k: e.get(k) for k in ("pid", "term", "index", "restored")}
+                          "leaders": [{k: e.get(k) for k in ("pid", "host", "term", "index", "restored")}
                                       for e in records if e["event"] == "controller_leader"],
                           "failures": [f.__dict__ for f in failures]}, indent=2))
     else:

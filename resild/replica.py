@@ -27,7 +27,9 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -36,6 +38,7 @@ import zmq
 from pysyncobj import SyncObj, SyncObjConf, replicated
 from pysyncobj.syncobj import SyncObjException
 
+from . import slurm
 from .backend import Backend
 from .controller import Controller, ControllerConfig
 from .events import EventLog
@@ -48,6 +51,7 @@ from .transport import KeyDir, Server, store_listen_fd
 log = logging.getLogger("resild.replica")
 
 RESULT_FILE = "result.json"  # the leader's verdict on the job, for resil-run
+RUNNER_ALIVE = "runner.alive"  # resil-run touches it while it waits (Slurm: its host may die)
 
 
 def raft_conf(password: str) -> SyncObjConf:
@@ -150,6 +154,82 @@ class ProcessNodes(Backend):
         self._done.update(self.nodes)  # resil-run waits for and reaps the node processes
 
 
+class SlurmDrain(Backend):
+    """A leader on any node of the allocation: fencing is logical (FENCE to the node
+    process), a failed node is drained in Slurm off the loop. Node deaths are found by
+    heartbeats and probes (the node step's srun belongs to resil-run, not to us)."""
+
+    def __init__(self) -> None:
+        self.drained: dict[str, str] = {}
+
+    def drain(self, node: str, reason: str) -> None:
+        def run() -> None:
+            try:
+                slurm.drain(node, reason)
+                self.drained[node] = reason
+            except slurm.SlurmError as e:
+                log.error("could not drain %s: %s", node, e)
+        threading.Thread(target=run, name=f"drain-{node}", daemon=True).start()
+
+
+def discover(spec: dict[str, Any], index: int, run_dir: Path, timeout_s: float = 120.0) -> tuple[list[str], list[str]]:
+    """Under Slurm every replica picks its own ports on its own host and publishes them
+    in the (shared) run directory; all replicas and resil-run wait for the full set."""
+    host = os.environ.get("RESILD_CONTROLLER_HOST") or socket.getfqdn()
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("", 0))
+        b.bind(("", 0))
+        mine = {"endpoint": f"tcp://{host}:{a.getsockname()[1]}", "raft": f"{host}:{b.getsockname()[1]}"}
+    tmp = run_dir / f".replica-{index}.json.tmp"
+    tmp.write_text(json.dumps(mine))
+    os.replace(tmp, run_dir / f"replica-{index}.json")
+    return wait_for_replicas(run_dir, len(spec["hosts"]), timeout_s)
+
+
+def wait_for_replicas(run_dir: Path, n: int, timeout_s: float) -> tuple[list[str], list[str]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            got = [json.loads((run_dir / f"replica-{i}.json").read_text()) for i in range(n)]
+            return [g["endpoint"] for g in got], [g["raft"] for g in got]
+        except (OSError, ValueError, KeyError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"controller replicas did not all start within {timeout_s:.0f}s "
+                                   f"(see {run_dir}/replica-*.json)") from None
+            time.sleep(0.1)
+
+
+def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
+    """The job is over but resil-run (the batch script) is gone with its host: Slurm would
+    hold the allocation until the time limit. End it: requeue a failed job (the reason
+    in its comment), cancel a finished one."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    alive = run_dir / RUNNER_ALIVE
+    deadline = time.monotonic() + stale_s
+    while time.monotonic() < deadline:  # resil-run touches it every second while it waits
+        try:
+            if time.time() - alive.stat().st_mtime < stale_s / 2:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    if not job_id:
+        return
+    what = "finished" if result.exit_code == 0 else "failed"
+    print(f"resild controller: the job {what} ({result.reason}) but resil-run is gone (batch host lost?): "
+          f"{'cancelling' if result.exit_code == 0 else 'requeuing'} job {job_id}", file=sys.stderr, flush=True)
+    try:
+        if result.exit_code != 0:
+            slurm.requeue(job_id, f"{result.reason} (batch host lost)")
+            return
+    except slurm.SlurmError as e:
+        log.error("requeue failed: %s; cancelling", e)
+    try:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=10.0)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("scancel %s failed: %s", job_id, e)
+
+
 def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -163,12 +243,16 @@ def serve(spec: dict[str, Any], index: int) -> int:
     run_dir = Path(spec["run_dir"])
     keys = KeyDir(Path(spec["keys"])) if spec.get("keys") else None
     ctx = zmq.Context()
-    endpoint = spec["endpoints"][index]
-    server = Server(ctx, "tcp://*:" + endpoint.rsplit(":", 1)[1] if spec.get("bind_any") else endpoint, keys)
+    if spec.get("hosts"):  # Slurm: ports chosen here, published in the run directory
+        endpoints, peers = discover(spec, index, run_dir)
+    else:
+        endpoints, peers = list(spec["endpoints"]), list(spec["raft"])
+    endpoint = endpoints[index]
+    cluster = bool(spec.get("hosts"))
+    server = Server(ctx, "tcp://*:" + endpoint.rsplit(":", 1)[1] if cluster else endpoint, keys)
     host = endpoint.split("//", 1)[1].rsplit(":", 1)[0]
-    fd, port = store_listen_fd(host, cluster=bool(spec.get("bind_any")))
+    fd, port = store_listen_fd(host, cluster=cluster)
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
-    peers = list(spec["raft"])
     raft = RaftLog(peers[index], [p for i, p in enumerate(peers) if i != index], run_dir / f"journal-{index}.jsonl",
                    raft_secret(Path(spec["keys"])))
     log.info("replica %d: standing by (%s, raft %s)", index, endpoint, peers[index])
@@ -196,7 +280,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
     ctl = Controller(cfg, list(spec["active"]), list(spec["spares"]), int(spec["nproc"]), keys, events,
                      RaftJournal(raft), None, [parse_fault(f) for f in spec.get("faults", [])], ctx=ctx,
                      server=server, leadership=raft._isLeader)
-    ctl.backend = ProcessNodes(lambda n: ctl.view.nodes[n].host_pid, nodes)
+    ctl.backend = SlurmDrain() if cluster else ProcessNodes(lambda n: ctl.view.nodes[n].host_pid, nodes)
     if records:
         ctl.restore(records, time.monotonic())
         if ctl.max_step:
@@ -214,6 +298,8 @@ def serve(spec: dict[str, Any], index: int) -> int:
     tmp = run_dir / f".{RESULT_FILE}.{index}"
     tmp.write_text(json.dumps({"exit_code": result.exit_code, "reason": result.reason}))
     os.replace(tmp, run_dir / RESULT_FILE)
+    if cluster:
+        end_orphaned_job(run_dir, result)
     raft.destroy()
     return 0
 
@@ -222,15 +308,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m resild.replica", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--spec", required=True, type=Path, help="the replica set's JSON spec (written by resil-run)")
-    p.add_argument("--index", required=True, type=int, help="this replica's place in the spec's lists")
+    p.add_argument("--index", type=int,
+                   help="this replica's place in the spec's lists (default under Slurm: $SLURMD_NODENAME's "
+                        "place in the spec's hosts)")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=f"[controller {a.index}] %(message)s")
     try:
         spec = json.loads(a.spec.read_text())
     except (OSError, ValueError) as e:
         p.error(f"cannot read --spec {a.spec}: {e}")
-    if not 0 <= a.index < len(spec.get("endpoints", [])):
+    if a.index is None and spec.get("hosts"):
+        node = os.environ.get("SLURMD_NODENAME", "")
+        a.index = spec["hosts"].index(node) if node in spec["hosts"] else None
+    n = len(spec.get("hosts") or spec.get("endpoints") or [])
+    if a.index is None or not 0 <= a.index < n:
         p.error(f"--index {a.index} is not a replica of {a.spec}")
+    logging.basicConfig(level=logging.WARNING, format=f"[controller {a.index}] %(message)s")
     _die_with_parent()
     return serve(spec, a.index)
 
