@@ -9,6 +9,12 @@ their commits are aggregated into one report per node. Its heartbeats carry the
 epoch it holds, so the controller sends its view again if it missed an epoch.
 
     python -m launcher.node --node NODE --controller tcp://HOST:PORT --keys DIR --nproc N -- CMD...
+
+With --controller-timeout T, no word from the controller for T seconds (the lease) stops the
+workers and exits 75. In a Slurm job step (srun) it first releases the allocation, which Slurm
+would otherwise hold until the time limit when the batch host dies (launcher/lease.py):
+RESILD_ON_CONTROLLER_LOST=requeue (default: scontrol requeue with the reason in the job's
+comment, else scancel when the job is not requeueable), cancel (scancel) or none.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import zmq
 from resild.protocol import Message, MsgType
 from resild.transport import ControllerSet, KeyDir
 
+from . import lease
 from .procutil import die_with_parent
 from .relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
 
@@ -278,10 +285,23 @@ class NodeProcess:
         silent_s = now - self.last_word_s
         if silent_s <= timeout_s:
             return False
-        print(f"resild node {self.node}: no word from the controller at {self.ch.leader_endpoint} for {silent_s:.1f}s "
-              f"(--controller-timeout {timeout_s:g}s): stopping {len(self.workers)} worker(s), "
-              f"exit {CONTROLLER_LOST_EXIT}", file=sys.stderr, flush=True)
+        endpoint = self.ch.leader_endpoint
         self._kill_workers()
+        # Under Slurm, release the allocation (launcher/lease.py): a lost controller is usually a
+        # dead batch host, and Slurm would hold the job's other nodes until its time limit.
+        released = ""
+        job_id = lease.slurm_job_id(os.environ, self.node)
+        if job_id is not None:
+            mode, note = lease.mode_from_env(os.environ)
+            # the requeue/scancel makes slurmstepd TERM this step: finish and say what happened first
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            released = "; " + lease.release_job(
+                job_id, f"controller lost (no word from {endpoint} for {silent_s:.1f}s; batch host down?)", mode)
+            if note:
+                released += f" ({note})"
+        print(f"resild node {self.node}: no word from the controller at {endpoint} for {silent_s:.1f}s "
+              f"(--controller-timeout {timeout_s:g}s): stopped {len(self.workers)} worker(s){released}; "
+              f"exit {CONTROLLER_LOST_EXIT}", file=sys.stderr, flush=True)
         self.exit_code = CONTROLLER_LOST_EXIT
         return True
 

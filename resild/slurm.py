@@ -20,6 +20,8 @@ __all__ = [
     "SlurmEnvError",
     "SlurmError",
     "allocation_from_env",
+    "cancel",
+    "cancel_cmd",
     "compress_nodelist",
     "drain",
     "drain_cmd",
@@ -286,3 +288,25 @@ def requeue(
     """
     for cmd in requeue_cmd(job_id, comment):
         _run(cmd, timeout_s, env)
+
+
+def cancel_cmd(job_id: str | int, only_running: bool = True) -> list[str]:
+    """`scancel [--state=RUNNING] <jobid>`. With only_running, a job that is pending or being
+    requeued (COMPLETING on its way back to PENDING) is left alone: a plain scancel of a job
+    being requeued cancels the requeue (measured on Slurm 22.05)."""
+    jid = str(job_id)
+    if not _JOB_ID_RE.match(jid):
+        raise ValueError(f"invalid job id {job_id!r}")
+    return ["scancel", "--state=RUNNING", jid] if only_running else ["scancel", jid]
+
+
+def cancel(
+    job_id: str | int,
+    only_running: bool = True,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+) -> None:
+    """Cancel the job (see cancel_cmd). Raises SlurmError.
+
+    scancel exits 0, silently, for a job already gone or not in the state asked for."""
+    _run(cancel_cmd(job_id, only_running), timeout_s, env)

@@ -257,3 +257,124 @@ def test_run_dir_name_fallbacks() -> None:
     env = {**BATCH_ENV, "SLURM_CLUSTER_NAME": "a/b c", "SLURM_JOB_START_TIME": str(int(now))}
     assert default_run_dir_name("7", env, run) == f"a_b_c-job-7-r0-{stamp}"
     assert calls == []
+
+
+# -- releasing the allocation when the controller lease runs out (launcher/lease.py) -----------------
+def _err(stderr: str, rc: int | None = 1) -> SlurmError:
+    return SlurmError(f"scontrol requeue 42 failed (exit {rc}): {stderr}", ["scontrol", "requeue", "42"], rc, stderr)
+
+
+@pytest.mark.parametrize(
+    "err, decision",
+    [
+        (None, "requeued"),
+        # texts measured on the Slurm 22.05 lab
+        (_err("Requested operation is presently disabled for job 42"), "cancel"),
+        (_err("Job is pending execution for job 42"), "already_requeued"),  # another node requeued it first
+        (_err("slurm_update error: Job has already finished"), "gone"),
+        (_err("Invalid job id specified for job 42"), "gone"),
+        (SlurmError("scontrol requeue 42 timed out after 10s", ["scontrol"], None), "cancel"),
+        (SlurmError("scontrol update ... could not run: [Errno 2] No such file", ["scontrol"], None), "cancel"),
+        (_err("Access/permission denied for job 42"), "cancel"),
+    ],
+)
+def test_after_requeue_decision(err: SlurmError | None, decision: str) -> None:
+    from launcher.lease import after_requeue
+    assert after_requeue(err) == decision
+
+
+class _FakeSlurm:
+    """Stands in for slurm.requeue / slurm.cancel: records calls, raises what it is told."""
+
+    def __init__(self, requeue_err: SlurmError | None = None, cancel_err: SlurmError | None = None) -> None:
+        self.calls: list[tuple] = []
+        self.requeue_err, self.cancel_err = requeue_err, cancel_err
+
+    def requeue(self, job_id: str, comment: str, timeout_s: float) -> None:
+        self.calls.append(("requeue", job_id, comment, timeout_s))
+        if self.requeue_err is not None:
+            raise self.requeue_err
+
+    def cancel(self, job_id: str, timeout_s: float) -> None:
+        self.calls.append(("cancel", job_id, timeout_s))
+        if self.cancel_err is not None:
+            raise self.cancel_err
+
+    def release(self, mode: str = "requeue") -> str:
+        from launcher.lease import release_job
+        return release_job("42", "controller lost (x)", mode, requeue=self.requeue, cancel=self.cancel, timeout_s=7)
+
+
+def test_release_requeues_and_does_not_cancel() -> None:
+    f = _FakeSlurm()
+    assert f.release() == "requeued Slurm job 42"
+    assert f.calls == [("requeue", "42", "controller lost (x)", 7)]
+
+
+def test_release_not_requeueable_cancels_and_says_so() -> None:
+    f = _FakeSlurm(_err("Requested operation is presently disabled for job 42"))
+    assert f.release() == ("could not requeue Slurm job 42 (Requested operation is presently disabled for job 42): "
+                           "cancelled it")
+    assert [c[0] for c in f.calls] == ["requeue", "cancel"] and f.calls[1][2] == 7
+
+
+def test_release_by_the_second_node_is_quiet_and_cancels_nothing() -> None:
+    f = _FakeSlurm(_err("Job is pending execution for job 42"))
+    assert f.release() == "Slurm job 42 already requeued"
+    assert [c[0] for c in f.calls] == ["requeue"]
+    f = _FakeSlurm(_err("Invalid job id specified for job 42"))
+    assert f.release() == "Slurm job 42 already ended"
+    assert [c[0] for c in f.calls] == ["requeue"]
+
+
+def test_release_modes_and_a_failing_scancel() -> None:
+    f = _FakeSlurm()
+    assert f.release("cancel") == "cancelled Slurm job 42" and [c[0] for c in f.calls] == ["cancel"]
+    f = _FakeSlurm()
+    assert f.release("none") == "left Slurm job 42 alone (RESILD_ON_CONTROLLER_LOST=none)" and f.calls == []
+    f = _FakeSlurm(SlurmError("scontrol requeue 42 timed out after 7s", ["scontrol"], None),
+                   _err("scancel: error: Kill job error on job id 42: Access/permission denied"))
+    out = f.release()
+    assert out.startswith("could not requeue Slurm job 42 (scontrol requeue 42 timed out after 7s): scancel 42 failed")
+    assert "\n" not in out
+
+
+def test_release_through_scontrol_and_scancel_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real slurm.requeue / slurm.cancel underneath: comment, requeue, then scancel --state=RUNNING
+    (a plain scancel would cancel a requeue another node process just made), each with the timeout."""
+    from launcher.lease import release_job
+    seen: list[tuple[list[str], object]] = []
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        seen.append((cmd, kw["timeout"]))
+        if cmd[:2] == ["scontrol", "requeue"]:
+            return subprocess.CompletedProcess(cmd, 1, "", "Requested operation is presently disabled for job 42\n")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(slurm.subprocess, "run", fake_run)
+    out = release_job("42", "controller lost (no word from tcp://10.0.0.1:5555 for 5.0s; batch host down?)",
+                      timeout_s=4)
+    assert out.endswith("cancelled it")
+    assert seen == [
+        (["scontrol", "update", "JobId=42",
+          "Comment=resild: controller lost (no word from tcp://10.0.0.1:5555 for 5.0s; batch host down?)"], 4),
+        (["scontrol", "requeue", "42"], 4),
+        (["scancel", "--state=RUNNING", "42"], 4),
+    ]  # fmt: skip
+    assert slurm.cancel_cmd(7, only_running=False) == ["scancel", "7"]
+    with pytest.raises(ValueError, match="invalid job id"):
+        slurm.cancel_cmd("7;8")
+
+
+def test_release_only_in_a_slurm_step_on_its_own_node() -> None:
+    from launcher.lease import mode_from_env, slurm_job_id
+    step = {**BATCH_ENV, "SLURMD_NODENAME": "node3", "SLURM_STEP_ID": "0"}
+    assert slurm_job_id(step, "node3") == "42"
+    assert slurm_job_id(BATCH_ENV, "node1") is None  # no step: not started by srun
+    assert slurm_job_id(step, "local-node0") is None  # resil-run --local inside an srun step
+    assert slurm_job_id({"PATH": "/bin"}, "node3") is None
+    assert mode_from_env({}) == ("requeue", "")
+    assert mode_from_env({"RESILD_ON_CONTROLLER_LOST": " Cancel "}) == ("cancel", "")
+    assert mode_from_env({"RESILD_ON_CONTROLLER_LOST": "none"}) == ("none", "")
+    mode, note = mode_from_env({"RESILD_ON_CONTROLLER_LOST": "kill"})
+    assert mode == "requeue" and "unknown" in note
