@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from resild.slurm import SlurmError, drain, requeue
+from resild.slurm import SlurmError, drain, expand_nodelist, requeue
 from tests.slurmlab.fixture import SlurmLab
 
 # first test also pays for bringing the lab up (and, on a fresh machine, apt-get install)
@@ -157,3 +158,88 @@ def test_no_kill_step_survives_node_crash(slurm_lab: SlurmLab, tmp_path: Path) -
         out, _ = step.communicate(timeout=20)
         slurm_lab.restore("node4")
     assert slurm_lab.node_state("node4") == "idle", out
+
+
+def _job_fields(lab: SlurmLab, jid: str) -> dict[str, str]:
+    out = lab.run(["scontrol", "show", "job", "-o", jid]).stdout
+    return dict(re.findall(r"\b(JobState|Reason|Restarts|NodeList|BatchHost)=(\S+)", out))
+
+
+def _wait_job(lab: SlurmLab, jid: str, pred: Callable[[dict[str, str]], bool], timeout: float,
+              what: str) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while not pred(info := _job_fields(lab, jid)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {jid}: {what} not seen in {timeout}s: {info}")
+        time.sleep(0.2)
+    return info
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("requeue", [True, False], ids=["requeue", "no_requeue"])
+def test_batch_host_crash_leaves_the_job_running(slurm_lab: SlurmLab, tmp_path: Path, requeue: bool) -> None:
+    """Slurm 22.05 alone (what launcher/lease.py works around, docs/slurm-batch-host.md): with
+    --no-kill a crashed batch host is cut out of the job like any other node. The job stays
+    RUNNING without its batch script (no NODE_FAIL, no requeue, --requeue or not), even once the
+    host is back, and Slurm kills no task of the step on the other nodes. Only `scontrol requeue`
+    (a --requeue job), scancel or the time limit end it."""
+    lab = slurm_lab
+    script = tmp_path / "job.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH -N3
+#SBATCH --no-kill
+#SBATCH {"--requeue" if requeue else "--no-requeue"}
+#SBATCH -t {5 if requeue else 1}
+#SBATCH -o {tmp_path}/out
+srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 bash -c 'sleep 300; : {tmp_path}'
+""")
+
+    def tasks(node: str) -> list[int]:  # this job's step tasks on a node: bash -c '...; : tmp'
+        out = []
+        for p in lab.pids(node):
+            try:
+                cl = Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if str(tmp_path) in cl and "sleep 300" in cl:
+                out.append(p)
+        return out
+
+    jid = lab.run(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+    nodes: list[str] = []
+    try:
+        info = _wait_job(lab, jid, lambda i: i.get("JobState") == "RUNNING", 30, "RUNNING")
+        nodes, host = expand_nodelist(info["NodeList"]), info["BatchHost"]
+        others = [n for n in nodes if n != host]
+        _wait_for(lambda: all(tasks(n) for n in nodes), 30, "the step's tasks on every node")
+        lab.crash(host)
+        t0 = time.monotonic()
+        info = _wait_job(lab, jid, lambda i: host not in expand_nodelist(i["NodeList"]), 30,
+                         f"{host} cut out of the job")
+        cut_s = time.monotonic() - t0
+        assert (info["JobState"], info["Reason"], info["BatchHost"], info["Restarts"]) == \
+            ("RUNNING", "None", host, "0"), info
+        assert lab.node_state(host).startswith("down")
+        time.sleep(2.0)
+        assert _job_fields(lab, jid)["JobState"] == "RUNNING"
+        assert all(tasks(n) for n in others)  # Slurm killed nothing on the other nodes
+        if requeue:
+            lab.restore(host)  # back in service: the job still runs without its batch script
+            time.sleep(2.0)
+            assert _job_fields(lab, jid)["JobState"] == "RUNNING" and all(tasks(n) for n in others)
+            lab.run(["scontrol", "requeue", jid])
+            info = _wait_job(lab, jid, lambda i: i["JobState"] == "PENDING" and i["Restarts"] == "1", 15,
+                             "requeued")
+            end = f"PENDING (Reason={info['Reason']}) after scontrol requeue"
+        else:
+            res = lab.run(["scontrol", "requeue", jid], check=False)
+            assert res.returncode != 0 and "presently disabled" in res.stderr, res
+            info = _wait_job(lab, jid, lambda i: i["JobState"] == "TIMEOUT", 150, "TIMEOUT")
+            assert info["Reason"] == "TimeLimit", info
+            end = f"TIMEOUT {time.monotonic() - t0:.0f}s after the crash (time limit 1 min)"
+        _wait_for(lambda: not any(tasks(n) for n in others), 20, "the step's tasks to end")
+        print(f"\nbatch host {host} crashed: cut out of job {jid} after {cut_s:.1f}s, still RUNNING; {end}")
+    finally:
+        lab.run(["scancel", jid], check=False)
+        for n in nodes:
+            lab.restore(n)

@@ -41,7 +41,7 @@ case $act in
     unshare --uts --mount --propagation private sh -c \
       "mount --bind '$LAB/etc/hosts' /etc/hosts && hostname $node && exec slurmd -N $node" ||
       { echo "slurmd $node failed to start" >&2; exit 1; }
-    for k in $(seq 100); do [ -s "$RUN/slurmd-$node.pid" ] && break; sleep 0.05; done
+    for k in $(seq 300); do [ -s "$RUN/slurmd-$node.pid" ] && break; sleep 0.05; done  # 15 s: slow under load
     p=$(slurmd_pid)
     [ -n "$p" ] || { echo "slurmd $node wrote no pid file" >&2; exit 1; }
     readlink "/proc/$p/ns/uts" >> "$RUN/$node.uts"
