@@ -39,6 +39,10 @@ class PolicyConfig:
     hang_timeout_s: float = 30.0
     probe_timeout_s: float = 0.5  # a pinged node process must answer within this
     join_timeout_s: float = 300.0  # a spare building its model and receiving state ("join") is not hung
+    # Before the first epoch a node is lost after this much silence (at least the heartbeat
+    # timeout): start-up (imports, thousands of registrations) can starve a node process
+    # for seconds, and nothing is waiting on it yet.
+    start_heartbeat_timeout_s: float = 15.0
 
 
 def pick_spare(view: ClusterView, *, starting: bool = False) -> NodeView | None:
@@ -125,11 +129,15 @@ def check_timeouts(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision
 
 
 def check_heartbeats(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
-    """A registered node silent for heartbeat_timeout_s is lost (start-up included)."""
+    """A registered node silent for heartbeat_timeout_s is lost (before the first epoch:
+    start_heartbeat_timeout_s, if longer)."""
+    timeout_s = cfg.heartbeat_timeout_s
+    if view.membership is None:
+        timeout_s = max(timeout_s, cfg.start_heartbeat_timeout_s)
     for node in view.by_heartbeat():  # oldest first: stop at the first live one
         if node.registered and node.role in (NodeRole.ACTIVE, NodeRole.SPARE):
             silent_s = now - node.last_heartbeat_s
-            if silent_s > cfg.heartbeat_timeout_s:
+            if silent_s > timeout_s:
                 return on_node_failure(view, node.node_id, f"no heartbeat for {silent_s:.1f}s", "heartbeat")
             break
     return NOTHING

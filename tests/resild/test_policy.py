@@ -187,3 +187,15 @@ def test_transient_collective_failure_reforms_with_the_same_layout() -> None:
     assert d.action == Action.REFORM and d.membership == Membership(2, 4, {"a": (0, 1), "b": (2, 3)})
     v.membership = d.membership  # a replacement (or re-form) already happened: nothing more to do
     assert check_timeouts(100.6, v, CFG).action == Action.NONE
+
+
+def test_start_up_silence_is_judged_with_the_longer_start_timeout() -> None:
+    from resild.policy import check_heartbeats
+    v = view(now=100.0)
+    v.membership = None
+    v.beat("a", 90.0)  # silent 10 s: past the heartbeat timeout, within the start-up one
+    for n in ("b", "s0"):
+        v.beat(n, 100.0)
+    assert check_heartbeats(100.0, v, CFG).action == Action.NONE
+    d = check_heartbeats(106.0, v, CFG)
+    assert d.action == Action.REPLACE_NODE and d.node == "a" and d.membership is None
