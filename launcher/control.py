@@ -64,6 +64,13 @@ class ControlLink:
     def send(self, mtype: MsgType, **body: Any) -> None:
         if mtype in (MsgType.REGISTER_WORKER, MsgType.DONE):
             self._repeat[mtype] = {"node": self.node, **body}
+        elif mtype == MsgType.PROGRESS and body.get("state") != "commit":
+            # A rank blocked (or joining) when the leader changes must say so again, or the
+            # new leader's hang detector would blame it; anything else clears that.
+            if body.get("state") in ("wait", "collective_failed", "join"):
+                self._repeat[mtype] = {"node": self.node, **body}
+            else:
+                self._repeat.pop(mtype, None)
         self._out.put((mtype, {"node": self.node, **body}))
         os.write(self._wake_w, b"x")
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,19 +24,6 @@ from .job import JobSpec, _fake_nvml, worker_timeouts
 from .local import LocalCluster
 from .procutil import die_with_parent
 from .report import format_table, summarize
-
-
-def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _events(path: Path) -> list[dict]:
@@ -78,10 +64,8 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
                   file=sys.stderr)
             return 2
         cfg["hosts"] = nodes_all[:n_controllers]  # the batch host and the next ones: a majority survives any one
-    else:
-        ports = _free_ports(2 * n_controllers)
-        cfg["endpoints"] = [f"tcp://{spec.bind_host}:{p}" for p in ports[:n_controllers]]
-        cfg["raft"] = [f"{spec.bind_host}:{p}" for p in ports[n_controllers:]]
+    else:  # each replica binds its own port and publishes it (never a port nobody listens on)
+        cfg["replicas"], cfg["advertise"] = n_controllers, spec.bind_host
     spec_file = rd / "controllers.json"
     spec_file.write_text(json.dumps(cfg, indent=2))
     replica_cmd = [sys.executable, "-m", "resild.replica", "--spec", str(spec_file)]
@@ -95,7 +79,7 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
     alive = rd / RUNNER_ALIVE
     backend: Any = None
     try:
-        endpoints = cfg.get("endpoints") or wait_for_replicas(rd, n_controllers, 120.0)[0]
+        endpoints = wait_for_replicas(rd, n_controllers, 120.0)[0]
         # Nodes start once a leader is there: their lease runs from their start.
         deadline, t0 = time.monotonic() + 120.0, time.time() - 1.0
         while not any(e["event"] == "controller_leader" and e["t_wall"] > t0 for e in _events(events_path)):

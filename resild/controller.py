@@ -53,6 +53,7 @@ class ControllerConfig:
     heartbeat_budget_per_s: float = 2000.0
     resync_s: float = 1.0  # a node still reporting an old epoch this long after a send gets its view again
     shutdown_timeout_s: float = 600.0  # at success: time for workers to finish (final save)
+    wait_nodes_gone_s: float = 0.0  # > 0: at the end, wait until no node process has heartbeat for this long
     store_addr: str = ""
     # Node processes exit when they hear nothing from a controller this long (the lease);
     # leases go out every quarter of it. 0: no leases (node processes then never give up).
@@ -463,7 +464,8 @@ class Controller:
         self._unregistered = sum(self.view.nodes[n].nproc for n in self._initial.node_ranks)
         if m is not None:
             self._full_json = json.dumps(m.to_dict(), separators=(",", ":")).encode()
-            self.view.epoch_started_s = now
+            # The hang clock starts at the takeover: ranks blocked then report again.
+            self.view.epoch_started_s = self.view.last_commit_s = now
             self._awaiting_full_strength = m.epoch
         self.events.emit("controller_restored", records=len(records), epoch=m.epoch if m else 0,
                          fenced=sorted(n.node_id for n in self.view.nodes.values() if n.role == NodeRole.FENCED),
@@ -577,9 +579,20 @@ class Controller:
             if node.role != NodeRole.FENCED and lr not in node.relayed:  # relayed ones hear it from their node
                 self.ch.send(MsgType.SHUTDOWN, {"reason": self.result.reason, "exit_code": self.result.exit_code},
                              to=ident)
+        if self.cfg.wait_nodes_gone_s > 0:
+            self._wait_nodes_gone(self.cfg.shutdown_timeout_s if self.result.exit_code == 0 else 10.0)
         self.backend.shutdown(self.cfg.shutdown_timeout_s if self.result.exit_code == 0 else 0.0)
         self.server.close()
         self.journal.close()
+
+    def _wait_nodes_gone(self, timeout_s: float) -> None:
+        """Without a backend that sees node processes (a standby leader under Slurm), the
+        job is over once they stop heartbeating: their workers may still be saving."""
+        t0 = last = time.monotonic()
+        while (now := time.monotonic()) - t0 < timeout_s and now - last < self.cfg.wait_nodes_gone_s:
+            got = self.ch.recv(0.1)
+            if got is not None and got[1].type == MsgType.HEARTBEAT and got[1].sender.endswith("/node"):
+                last = time.monotonic()
 
     def status(self) -> dict[str, Any]:
         m = self.view.membership

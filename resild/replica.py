@@ -60,9 +60,15 @@ def raft_conf(password: str) -> SyncObjConf:
     # pysyncobj frames are pickles: the password (a per-job secret, 0600 in the keys
     # directory) makes every frame Fernet-encrypted and authenticated, so a peer without
     # the secret is refused before anything is unpickled.
+    states = {0: "follower", 1: "candidate", 2: "leader"}
+
+    def changed(old: int, new: int) -> None:  # pysyncobj's thread: one line per Raft role change
+        print(f"resild controller replica (pid {os.getpid()}): raft {states.get(old, old)} -> "
+              f"{states.get(new, new)} at t_mono {time.monotonic():.3f}", file=sys.stderr, flush=True)
+
     return SyncObjConf(raftMinTimeout=0.3, raftMaxTimeout=0.6, appendEntriesPeriod=0.05,
                        connectionRetryTime=0.3, connectionTimeout=1.0, dynamicMembershipChange=False,
-                       commandsWaitLeader=True, password=password)
+                       commandsWaitLeader=True, password=password, onStateChanged=changed)
 
 
 def raft_secret(keys_dir: Path) -> str:
@@ -172,18 +178,24 @@ class SlurmDrain(Backend):
         threading.Thread(target=run, name=f"drain-{node}", daemon=True).start()
 
 
-def discover(spec: dict[str, Any], index: int, run_dir: Path, timeout_s: float = 120.0) -> tuple[list[str], list[str]]:
+def discover(spec: dict[str, Any], index: int, run_dir: Path, router_port: int,
+             timeout_s: float = 120.0) -> tuple[list[str], list[str]]:
     """Under Slurm every replica picks its own ports on its own host and publishes them
-    in the (shared) run directory; all replicas and resil-run wait for the full set."""
-    host = os.environ.get("RESILD_CONTROLLER_HOST") or socket.getfqdn()
-    with socket.socket() as a, socket.socket() as b:
-        a.bind(("", 0))
-        b.bind(("", 0))
-        mine = {"endpoint": f"tcp://{host}:{a.getsockname()[1]}", "raft": f"{host}:{b.getsockname()[1]}"}
+    in the (shared) run directory; all replicas and resil-run wait for the full set.
+    The ROUTER is bound before its port is published: a peer connecting to a port
+    nobody listens on yet can end up connected to itself (TCP self-connect) for good."""
+    host = spec.get("advertise") or os.environ.get("RESILD_CONTROLLER_HOST") or socket.getfqdn()
+    with socket.socket() as b:
+        b.bind(("", 0))  # Raft's port: pysyncobj binds it itself (and retries)
+        mine = {"endpoint": f"tcp://{host}:{router_port}", "raft": f"{host}:{b.getsockname()[1]}"}
     tmp = run_dir / f".replica-{index}.json.tmp"
     tmp.write_text(json.dumps(mine))
     os.replace(tmp, run_dir / f"replica-{index}.json")
-    return wait_for_replicas(run_dir, len(spec["hosts"]), timeout_s)
+    return wait_for_replicas(run_dir, replica_count(spec), timeout_s)
+
+
+def replica_count(spec: dict[str, Any]) -> int:
+    return len(spec.get("hosts") or []) or int(spec.get("replicas") or 0)
 
 
 def wait_for_replicas(run_dir: Path, n: int, timeout_s: float) -> tuple[list[str], list[str]]:
@@ -243,13 +255,14 @@ def serve(spec: dict[str, Any], index: int) -> int:
     run_dir = Path(spec["run_dir"])
     keys = KeyDir(Path(spec["keys"])) if spec.get("keys") else None
     ctx = zmq.Context()
-    if spec.get("hosts"):  # Slurm: ports chosen here, published in the run directory
-        endpoints, peers = discover(spec, index, run_dir)
+    cluster = bool(spec.get("hosts"))
+    if "endpoints" not in spec:  # ports chosen here, published in the run directory
+        server = Server(ctx, f"tcp://{'*' if cluster else spec.get('advertise', '127.0.0.1')}:0", keys)
+        endpoints, peers = discover(spec, index, run_dir, int(server.endpoint.rsplit(":", 1)[1]))
     else:
         endpoints, peers = list(spec["endpoints"]), list(spec["raft"])
+        server = Server(ctx, endpoints[index], keys)
     endpoint = endpoints[index]
-    cluster = bool(spec.get("hosts"))
-    server = Server(ctx, "tcp://*:" + endpoint.rsplit(":", 1)[1] if cluster else endpoint, keys)
     host = endpoint.split("//", 1)[1].rsplit(":", 1)[0]
     fd, port = store_listen_fd(host, cluster=cluster)
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
@@ -275,7 +288,10 @@ def serve(spec: dict[str, Any], index: int) -> int:
     cfg = ControllerConfig(bind=endpoint, policy=PolicyConfig(**c["policy"]), store_addr=f"{host}:{store.port}",
                            start_timeout_s=float(c["start_timeout_s"]),
                            controller_timeout_s=float(c["controller_timeout_s"]), worker=dict(c["worker"]),
-                           term=term, leader_index=index)
+                           term=term, leader_index=index,
+                           # Under Slurm nothing else tells us the node processes are gone
+                           # (their workers may still be saving) before we end the allocation.
+                           wait_nodes_gone_s=2.0 if cluster else 0.0)
     nodes = list(spec["active"]) + list(spec["spares"])
     ctl = Controller(cfg, list(spec["active"]), list(spec["spares"]), int(spec["nproc"]), keys, events,
                      RaftJournal(raft), None, [parse_fault(f) for f in spec.get("faults", [])], ctx=ctx,
@@ -319,10 +335,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.index is None and spec.get("hosts"):
         node = os.environ.get("SLURMD_NODENAME", "")
         a.index = spec["hosts"].index(node) if node in spec["hosts"] else None
-    n = len(spec.get("hosts") or spec.get("endpoints") or [])
+    n = replica_count(spec) or len(spec.get("endpoints") or [])
     if a.index is None or not 0 <= a.index < n:
         p.error(f"--index {a.index} is not a replica of {a.spec}")
-    logging.basicConfig(level=logging.WARNING, format=f"[controller {a.index}] %(message)s")
+    if spec.get("hosts"):
+        # Under Slurm our stderr goes to srun on the batch host, which may be the host that
+        # dies: keep the replica's own log in the (shared) run directory.
+        log_file = open(Path(spec["run_dir"]) / f"replica-{a.index}.log", "a", buffering=1)
+        os.dup2(log_file.fileno(), 2)
+        sys.stderr = log_file
+    logging.basicConfig(level=logging.INFO if os.environ.get("RESILD_DEBUG") else logging.WARNING,
+                        format=f"[controller {a.index}] %(asctime)s %(message)s")
     _die_with_parent()
     return serve(spec, a.index)
 

