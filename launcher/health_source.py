@@ -333,10 +333,30 @@ class InProcessHealth(HealthSource):
             if not self._stop.is_set():
                 self._check(self.detector if ev is None else _event_detector(ev))
 
+    EVENT_GRACE_S = 0.2
+
     def _check(self, detector: str) -> None:
+        body = self._run_probes(detector)
+        if detector == self.detector and self._changes(body) and self._trigger.wait(self.EVENT_GRACE_S):
+            # A periodic check can see a fault (an Xid recorded by the NVML thread) a moment
+            # before that thread reports it: the event names it, not the poll.
+            self._trigger.clear()
+            with self._lock:
+                ev, self._event = self._event, None
+            if ev is not None:
+                body = self._run_probes(_event_detector(ev))
+        self._publish(body)
+
+    def _run_probes(self, detector: str) -> HealthBody:
         outcomes = {r.name: r.run() for r in self._runners}
         verdict, reasons = aggregate({n: o.result for n, o in outcomes.items()})
-        self._publish(_body(verdict.value, reasons, detector))
+        return _body(verdict.value, reasons, detector)
+
+    def _changes(self, body: HealthBody) -> bool:
+        with self._lock:
+            old = self._latest
+        # The first check (at start) publishes at once: nothing to wait for yet.
+        return old is not None and (old["verdict"], sorted(old["reasons"])) != (body["verdict"], sorted(body["reasons"]))
 
 
 # -- the factory ----------------------------------------------------------------------
