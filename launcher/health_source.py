@@ -54,8 +54,8 @@ from typing import Any
 from resild.config import Config, ConfigError, load_config
 from resild.health.model import HealthEvent
 from resild.probes import GpuProbe, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
-from resild.protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Sequencer, decode, encode
-from resild.transport import unix_path
+from resild.protocol import Message, MsgType, ProtocolError, Sequencer
+from resild.transport import read_frame, send_frame, unix_path
 
 log = logging.getLogger("resild.health_source")
 
@@ -117,28 +117,6 @@ class HealthSource:
 
 # -- the node daemon's verdict -------------------------------------------------------
 
-def _recv_exact(s: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the daemon sent nothing in time")
-        s.settimeout(left)
-        chunk = s.recv(min(n - len(buf), 1 << 16))
-        if not chunk:
-            raise ConnectionError("the daemon closed the connection")
-        buf += chunk
-    return bytes(buf)
-
-
-def _read_frame(s: socket.socket, timeout_s: float) -> Message:
-    deadline = time.monotonic() + timeout_s
-    n = int.from_bytes(_recv_exact(s, 4, deadline), "big")
-    if n > MAX_FRAME_BYTES:
-        raise ProtocolError("too_large", f"frame of {n} bytes")
-    return decode(_recv_exact(s, n, deadline))
-
-
 class DaemonHealth(HealthSource):
     """Subscribes to the node daemon's verdict (SUBSCRIBE_HEALTH) and forwards its pushes.
 
@@ -180,9 +158,8 @@ class DaemonHealth(HealthSource):
         try:
             s.settimeout(self.timeout_s)
             s.connect(self.path)
-            frame = encode(self._seq.make(MsgType.SUBSCRIBE_HEALTH))
-            s.sendall(len(frame).to_bytes(4, "big") + frame)
-            msg = _read_frame(s, self.timeout_s)
+            send_frame(s, self._seq.make(MsgType.SUBSCRIBE_HEALTH))
+            msg = read_frame(s, time.monotonic() + self.timeout_s)
             if msg.type is not MsgType.HEALTH:
                 raise ProtocolError(str(msg.body.get("code", "unexpected")),
                                     f"the daemon answered {msg.type.value}: {msg.body.get('detail', '')}")
@@ -223,7 +200,7 @@ class DaemonHealth(HealthSource):
                     backoff_s = min(2 * backoff_s, RECONNECT_MAX_S)
                     continue
             try:
-                msg = _read_frame(sock, silence_s)
+                msg = read_frame(sock, time.monotonic() + silence_s)
             except (OSError, ProtocolError) as e:   # TimeoutError is an OSError
                 sock.close()
                 sock = None

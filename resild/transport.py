@@ -417,13 +417,25 @@ def local_request(endpoint: str, mtype: MsgType, body: dict | None = None,
             s.settimeout(max(0.001, timeout_s))
             s.connect(path)
             s.sendall(_LEN.pack(len(frame)) + frame)
-            n = _LEN.unpack(_recv_exact(s, _LEN.size, deadline))[0]
-            if n > MAX_FRAME_BYTES:
-                raise ProtocolError("too_large", f"reply of {n} bytes")
-            return decode(_recv_exact(s, n, deadline))
+            return read_frame(s, deadline)
     except (OSError, ProtocolError, ValueError) as e:
         log.debug("request to %s failed: %s", endpoint, e)
         return None
+
+
+def send_frame(s: socket.socket, msg: Message) -> None:
+    """One length-prefixed frame on the daemon's unix socket (blocking)."""
+    frame = encode(msg)
+    s.sendall(_LEN.pack(len(frame)) + frame)
+
+
+def read_frame(s: socket.socket, deadline: float) -> Message:
+    """One length-prefixed frame from the daemon's unix socket, by `deadline` (monotonic).
+    Raises TimeoutError/ConnectionError (OSError) or ProtocolError."""
+    n = _LEN.unpack(_recv_exact(s, _LEN.size, deadline))[0]
+    if n > MAX_FRAME_BYTES:
+        raise ProtocolError("too_large", f"frame of {n} bytes")
+    return decode(_recv_exact(s, n, deadline))
 
 
 def _recv_exact(s: socket.socket, n: int, deadline: float) -> bytes:
