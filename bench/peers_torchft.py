@@ -46,6 +46,8 @@ import sys
 import time
 from pathlib import Path
 
+from resild.events import read_events
+
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
 
@@ -189,14 +191,7 @@ def run_torchft(profile: str, groups: int, ppn: int, steps: int, kill_at: int, w
 
 
 def _read(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-    return sorted(out, key=lambda e: e["t_wall"])
+    return sorted(read_events(path), key=lambda e: e["t_wall"])
 
 
 def analyze_torchft(events: list[dict], groups: int) -> dict:

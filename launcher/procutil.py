@@ -1,19 +1,9 @@
 """Small process helpers: parent-death signal, exit-status text."""
 from __future__ import annotations
 
-import ctypes
 import signal
 
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to signal us when our parent dies, so nothing is orphaned
-    if resil-run or a node process is killed. Linux only; a no-op elsewhere."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    except OSError:
-        pass
+from resild.procutil import die_with_parent  # noqa: F401 (launcher's processes use it from here)
 
 
 def describe_exit(returncode: int) -> str:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from resild.events import read_events
 from resild.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.transport import generate_keys
 
@@ -24,17 +25,6 @@ from .job import JobSpec, _fake_nvml, worker_timeouts
 from .local import LocalCluster
 from .procutil import die_with_parent
 from .report import format_table, summarize
-
-
-def _events(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # a replica killed mid-line
-    return out
 
 
 def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
@@ -82,7 +72,7 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
         endpoints = wait_for_replicas(rd, n_controllers, 120.0)[0]
         # Nodes start once a leader is there: their lease runs from their start.
         deadline, t0 = time.monotonic() + 120.0, time.time() - 1.0
-        while not any(e["event"] == "controller_leader" and e["t_wall"] > t0 for e in _events(events_path)):
+        while not any(e["event"] == "controller_leader" and e["t_wall"] > t0 for e in read_events(events_path)):
             if time.monotonic() > deadline or all(r.poll() is not None for r in replicas):
                 print("resil-run: the controller replicas elected no leader within 120s", file=sys.stderr)
                 return 1
@@ -131,7 +121,7 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
         code, reason = int(result["exit_code"]), str(result["reason"])
     except (OSError, ValueError, KeyError):
         code, reason = 1, f"every controller replica was lost ({n_controllers}); the node processes ended on their lease"
-    records = _events(events_path)
+    records = read_events(events_path)
     failures, job = summarize(records)
     if as_json:
         print(json.dumps({"exit_code": code, "reason": reason, "job": job, "controllers": n_controllers,

@@ -66,3 +66,22 @@ class EventLog:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The events of a log that may still be written to (or whose writer was killed
+    mid-line): what parses, in file order. `resild.goodput.load_events` is the strict
+    reader for finished logs."""
+    out: list[dict[str, Any]] = []
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out

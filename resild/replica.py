@@ -20,7 +20,6 @@ controller_timeout_s).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ from .events import EventLog
 from .faults import parse_fault
 from .journal import Journal
 from .policy import PolicyConfig
+from .procutil import die_with_parent
 from .store import CommittedFloor
 from .transport import KeyDir, Server, store_listen_fd
 
@@ -242,13 +242,6 @@ def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
         log.error("scancel %s failed: %s", job_id, e)
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def serve(spec: dict[str, Any], index: int) -> int:
     import torch.distributed as dist  # the store; imported here: --help stays fast
 
@@ -346,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr = log_file
     logging.basicConfig(level=logging.INFO if os.environ.get("RESILD_DEBUG") else logging.WARNING,
                         format=f"[controller {a.index}] %(asctime)s %(message)s")
-    _die_with_parent()
+    die_with_parent()
     return serve(spec, a.index)
 
 

@@ -233,7 +233,7 @@ def test_default_run_dir_is_unique_per_cluster_job_and_run(lab: SlurmLab, tmp_pa
 # ---- losing the batch host (the embedded controller) -------------------------------------------------
 CONTROLLER_TIMEOUT_S = 5.0  # resil-run's default --controller-timeout
 MARGIN_S = 3.0
-_JOB_PROC = re.compile(r"launcher\.(node|cli)|train\.py|slow_train")
+_JOB_PROC = re.compile(r"launcher\.(node|cli)|resild\.replica|train\.py|slow_train")
 
 
 def job_procs(lab: SlurmLab, node: str, tmp: Path) -> list[tuple[int, str]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 
 from tests.slurmlab.fixture import SlurmLab
 
-from .test_resilrun import STEPS, Job, lab, reference, show_job, wait_job  # noqa: F401 (fixtures)
+from .test_resilrun import STEPS, Job, job_procs, lab, reference, show_job, wait_job  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300),
               # Opt-in until it is reliable: it passed 7 of 11 lab runs in the session that wrote
@@ -28,21 +27,6 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300),
               # after the crash, not even the replicas' Raft). See the README's known limits.
               pytest.mark.skipif(os.environ.get("RESILD_SLURM_STANDBY") != "1",
                                  reason="flaky on the lab (see README known limits); RESILD_SLURM_STANDBY=1 runs it")]
-_PROC = re.compile(r"launcher\.(node|cli)|resild\.replica|train\.py")
-
-
-def procs(lab: SlurmLab, node: str, tmp: Path) -> list[str]:  # noqa: F811
-    out = []
-    for p in lab.pids(node):
-        try:
-            cl = Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if str(tmp) in cl and _PROC.search(cl):
-            out.append(cl[:100])
-    return out
-
-
 def test_batch_host_crash_under_standby_controllers(lab: SlurmLab, tmp_path: Path, reference: dict) -> None:  # noqa: F811
     job = Job(lab, tmp_path, nodes=4, spares=2, extra="--controllers 3 --controller-timeout 15", node_logs=True)
     first = job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=120)
@@ -72,8 +56,8 @@ def test_batch_host_crash_under_standby_controllers(lab: SlurmLab, tmp_path: Pat
         assert leaders[-1]["term"] > first["term"] and leaders[-1]["restored"] >= 1
 
     deadline = time.monotonic() + 20
-    while any(procs(lab, n, tmp_path) for n in others) and time.monotonic() < deadline:
+    while any(job_procs(lab, n, tmp_path) for n in others) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(procs(lab, n, tmp_path) for n in others), {n: procs(lab, n, tmp_path) for n in others}
+    assert not any(job_procs(lab, n, tmp_path) for n in others), {n: job_procs(lab, n, tmp_path) for n in others}
     print(f"\nbatch host {host} crashed; leader moved: {moved}; spare {sa['spare']} took its ranks; "
           f"job ended as {info['JobState']} {ended_s:.1f}s after the crash")
