@@ -243,3 +243,35 @@ srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 bash -c 'sleep 300; : {t
         lab.run(["scancel", jid], check=False)
         for n in nodes:
             lab.restore(n)
+
+
+def _uts(lab: SlurmLab, node: str) -> list[str]:
+    return (lab.lab / "run" / f"{node}.uts").read_text().split()
+
+
+def test_a_crash_kills_only_its_node_when_namespace_numbers_are_reused(slurm_lab: SlurmLab) -> None:
+    """The kernel hands a freed UTS namespace's number to the next one created. Crash two nodes and
+    restart first the one whose namespace number was higher: it usually gets the other's old number.
+    Crashing the other must still leave it alone (node.sh once kept dead numbers per node, and a
+    crash of the batch host also killed a restarted neighbour's slurmd and tasks)."""
+    a, b = "node3", "node4"
+    ns = {n: _uts(slurm_lab, n)[-1] for n in (a, b)}
+    first, second = sorted((a, b), key=lambda n: ns[n], reverse=True)
+    try:
+        slurm_lab.crash(a)
+        slurm_lab.crash(b)
+        slurm_lab.start(first)
+        slurm_lab.start(second)
+        lists = {n: _uts(slurm_lab, n) for n in slurm_lab.nodes}
+        for n, own in lists.items():
+            others = {x for m, v in lists.items() if m != n for x in v}
+            assert not set(own) & others, lists  # a live namespace belongs to one node
+        survivor = slurm_lab.pids(first)
+        assert survivor
+        slurm_lab.crash(second)
+        assert slurm_lab.pids(second) == []
+        assert set(survivor) <= set(slurm_lab.pids(first)), (ns, lists)
+    finally:
+        slurm_lab.restore(a)
+        slurm_lab.restore(b)
+    assert slurm_lab.node_state(a) == slurm_lab.node_state(b) == "idle"

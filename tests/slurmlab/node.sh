@@ -6,7 +6,9 @@
 #   start  : (re)start slurmd for the node in a fresh UTS+mount namespace
 #   pids   : list the node's live processes
 # A node's processes are found by UTS namespace (recorded in $LAB/run/nodeX.uts by start),
-# never by name, so nothing outside the lab is touched.
+# never by name, so nothing outside the lab is touched. The kernel reuses a freed namespace's
+# inode number at once, so start drops dead namespaces from every node's list before it claims
+# the new one: otherwise crashing node1 would also kill a node restarted into node1's old number.
 set -u
 LAB=${LAB:-/tmp/resild-slurm-lab}; RUN=$LAB/run
 export SLURM_CONF=$LAB/etc/slurm.conf
@@ -21,6 +23,17 @@ members() {
     ns=$(readlink "/proc/$p/ns/uts" 2>/dev/null) || continue
     [ "$ns" != "$HOST_UTS" ] && grep -qxF "$ns" <<<"$nsl" && alive "$p" && echo "$p"
   done
+}
+claim_ns() { # $1: the uts namespace of this node's new slurmd; under a lock (starts may overlap)
+  local live f
+  exec 9>"$RUN/uts.lock"; flock 9
+  live=$(for p in /proc/[0-9]*; do readlink "$p/ns/uts" 2>/dev/null; done | sort -u)
+  for f in "$RUN"/node*.uts; do
+    [ -e "$f" ] || continue
+    { grep -vxF "$1" "$f" | grep -xF -f <(echo "$live") || true; } > "$f.tmp" && mv "$f.tmp" "$f"
+  done
+  echo "$1" >> "$RUN/$node.uts"
+  flock -u 9
 }
 slurmd_pid() { # live slurmd pid of this node, if any
   local p; p=$(cat "$RUN/slurmd-$node.pid" 2>/dev/null) || return 0
@@ -44,7 +57,7 @@ case $act in
     for k in $(seq 300); do [ -s "$RUN/slurmd-$node.pid" ] && break; sleep 0.05; done  # 15 s: slow under load
     p=$(slurmd_pid)
     [ -n "$p" ] || { echo "slurmd $node wrote no pid file" >&2; exit 1; }
-    readlink "/proc/$p/ns/uts" >> "$RUN/$node.uts"
+    claim_ns "$(readlink "/proc/$p/ns/uts")"
     echo "started $node slurmd $p" ;;
   *) echo "unknown action $act" >&2; exit 2 ;;
 esac
