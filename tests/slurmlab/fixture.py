@@ -87,9 +87,9 @@ class SlurmLab:
         return res.stdout
 
     # -- failure injection ----------------------------------------------------------------
-    def crash(self, node: str) -> None:
-        """SIGKILL slurmd, slurmstepd and the tasks of `node`."""
-        self._node_sh("crash", node)
+    def crash(self, node: str) -> str:
+        """SIGKILL slurmd, slurmstepd and the tasks of `node`; returns node.sh's line (the pids)."""
+        return self._node_sh("crash", node)
 
     def freeze(self, node: str) -> None:
         """SIGSTOP every process of `node` (a hung node)."""

@@ -42,7 +42,12 @@ slurmd_pid() { # live slurmd pid of this node, if any
 }
 case $act in
   pids)   members | tr '\n' ' '; echo ;;
-  crash)  p=$(members); [ -n "$p" ] && kill -KILL $p; echo "crashed $node:" $p ;;
+  crash)  # all at once, like a host losing power: stop every process (again for any forked
+          # meanwhile), then kill. One by one, a survivor acts on a sibling's death: srun's helper
+          # process had slurmstepd kill the step's tasks on the other nodes.
+          p=""; for k in 1 2 3 4 5; do n=$(members | grep -vxF -f <(printf '%s\n' $p 0) || true)
+            [ -z "$n" ] && break; kill -STOP $n 2>/dev/null; p="$p $n"; done
+          [ -n "$p" ] && kill -KILL $p 2>/dev/null; echo "crashed $node:" $p ;;
   freeze) p=$(members); [ -n "$p" ] && kill -STOP $p; echo "froze $node:" $p ;;
   thaw)   p=$(members); [ -n "$p" ] && kill -CONT $p; echo "thawed $node:" $p ;;
   stop)   p=$(slurmd_pid); [ -n "$p" ] && kill -TERM "$p"; echo "stopped slurmd $node:" $p ;;
