@@ -10,7 +10,6 @@ the allocation itself (resil-run died with the batch host).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -21,12 +20,11 @@ from tests.slurmlab.fixture import SlurmLab
 
 from .test_resilrun import STEPS, Job, job_procs, lab, reference, show_job, wait_job  # noqa: F401 (fixtures)
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300),
-              # Opt-in until it is reliable: it passed 7 of 11 lab runs in the session that wrote
-              # it (failures: no node reached the new leader; nothing on the other nodes acted
-              # after the crash, not even the replicas' Raft). See the README's known limits.
-              pytest.mark.skipif(os.environ.get("RESILD_SLURM_STANDBY") != "1",
-                                 reason="flaky on the lab (see README known limits); RESILD_SLURM_STANDBY=1 runs it")]
+# It was flaky (7 of 11) until the lab's crash was fixed (tests/slurmlab/node.sh: namespace
+# numbers reused across nodes; processes killed one by one): 10 of 10 since.
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+
+
 def test_batch_host_crash_under_standby_controllers(lab: SlurmLab, tmp_path: Path, reference: dict) -> None:  # noqa: F811
     job = Job(lab, tmp_path, nodes=4, spares=2, extra="--controllers 3 --controller-timeout 15", node_logs=True)
     first = job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=120)
