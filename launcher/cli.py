@@ -114,7 +114,7 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
                    start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s)
     if controllers > 1:
         from .standby import run_replicated
-        sys.exit(run_replicated(spec, controllers, as_json=as_json))
+        sys.exit(run_replicated(spec, controllers, as_json=as_json, status=not quiet))
     code = run_job(spec, as_json=as_json, status=not quiet)
     sys.exit(code)
 

@@ -112,6 +112,7 @@ class StatusLine:
         self.awaiting_epoch: int | None = None
         self.layout: set[str] = set()
         self.workers = 0
+        self.leader: int | None = None  # the leading controller replica (--controllers N)
         self._fault_t: float | None = None
         self._prev: tuple[float, int, int] | None = None  # (t, step, epoch) of the last progress point
         self._last_print = float("-inf")
@@ -174,6 +175,14 @@ class StatusLine:
             self.step = int(e.get("step", self.step))
             self._line(f"back at full strength at step {self.step}" + (f", {took:.2f}s after the fault" if took else ""),
                        t, permanent=True)
+        elif name == "controller_leader":
+            where = f"pid {e.get('pid')} on {e.get('host')}, term {e.get('term')}"
+            if self.leader is None:
+                self._line(f"controller replica {e.get('index')} leads ({where})", t, permanent=True)
+            else:
+                self._line(f"controller replica {self.leader} lost; replica {e.get('index')} leads now ({where}, "
+                           f"{e.get('restored')} journal records restored)", t, permanent=True)
+            self.leader = e.get("index")
         elif name == "job_failed":
             self._line(f"job failed: {e.get('reason')}", t, permanent=True)
 

@@ -230,7 +230,8 @@ def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tu
                    start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s)
     if controllers > 1:
         from .standby import run_replicated
-        return run_replicated(spec, controllers, as_json=as_json, slurm_job=alloc, node_cmd=node_cmd)
+        return run_replicated(spec, controllers, as_json=as_json, slurm_job=alloc, node_cmd=node_cmd,
+                              status=status)
     code, reason = run_job(spec, as_json=as_json, backend_factory=make_backend, return_reason=True,
                            status=status)
     if code != 0 and requeue_on_exhaustion and reason.startswith("no spare left"):

@@ -17,18 +17,19 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from resild.events import read_events
+from resild.events import EventTail, read_events
 from resild.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.transport import generate_keys
 
 from .job import JobSpec, _fake_nvml, worker_timeouts
 from .local import LocalCluster
 from .procutil import die_with_parent
-from .report import format_table, summarize
+from .report import StatusLine, format_table, summarize
 
 
 def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
-                   slurm_job: Any = None, node_cmd: Callable[[str, Path, float], list[str]] | None = None) -> int:
+                   slurm_job: Any = None, node_cmd: Callable[[str, Path, float], list[str]] | None = None,
+                   status: bool = True) -> int:
     """`slurm_job` (an Allocation) and `node_cmd(endpoints, keys_dir, heartbeat_s)` under
     Slurm: the replicas run on the allocation's first N nodes (one srun step), the node
     processes as usual; otherwise every process runs on this machine."""
@@ -39,6 +40,7 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
     keys = generate_keys(rd / "keys")
     raft_secret(keys.path)
     events_path = spec.events_path or rd / "events.jsonl"
+    tail = EventTail(events_path, from_end=True)  # before any replica runs; an --events file may hold older jobs
     nodes_all = spec.active + spec.spares
     cfg: dict[str, Any] = {
         "active": spec.active, "spares": spec.spares, "nproc": spec.nproc_per_node,
@@ -68,13 +70,27 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
                                      preexec_fn=die_with_parent) for i in range(n_controllers)]
     alive = rd / RUNNER_ALIVE
     backend: Any = None
+    # The live status line, as with one controller, from the leaders' event file (several
+    # processes, maybe hosts, write it): wall time orders it across them.
+    live = StatusLine(sys.stderr) if status else None
+
+    def follow() -> bool:
+        """Feed the status line; True once this job has a leader."""
+        led = False
+        for e in tail.poll():
+            led = led or e.get("event") == "controller_leader"
+            if live is not None and isinstance(e.get("t_wall"), (int, float)):
+                live({**e, "t_log": e["t_wall"]})
+        return led
+
     try:
         endpoints = wait_for_replicas(rd, n_controllers, 120.0)[0]
         # Nodes start once a leader is there: their lease runs from their start.
-        deadline, t0 = time.monotonic() + 120.0, time.time() - 1.0
-        while not any(e["event"] == "controller_leader" and e["t_wall"] > t0 for e in read_events(events_path)):
+        deadline = time.monotonic() + 120.0
+        while not follow():
             if time.monotonic() > deadline or all(r.poll() is not None for r in replicas):
-                print("resil-run: the controller replicas elected no leader within 120s", file=sys.stderr)
+                print(f"resil-run: the controller replicas elected no leader within 120s (logs: {rd}/replica-*.log)",
+                      file=sys.stderr)
                 return 1
             time.sleep(0.05)
         if slurm_job is not None:
@@ -93,7 +109,8 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
         # or their lease when no replica is left), telling the leader we are still here.
         while running():
             alive.touch()
-            time.sleep(0.5)
+            follow()
+            time.sleep(0.25)
     except KeyboardInterrupt:
         print("resil-run: interrupted", file=sys.stderr)
         return 130
@@ -116,6 +133,9 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
                 r.wait()
         if backend is not None:
             backend.shutdown(0.0)
+        follow()
+        if live is not None:
+            live.close()
     try:
         result = json.loads((rd / RESULT_FILE).read_text())
         code, reason = int(result["exit_code"]), str(result["reason"])

@@ -85,3 +85,42 @@ def read_events(path: Path) -> list[dict[str, Any]]:
         if isinstance(rec, dict):
             out.append(rec)
     return out
+
+
+class EventTail:
+    """The records appended to an event file since the last poll: complete lines only (a
+    line being written waits for its newline), each byte read once, so following a week-long
+    log costs what was added. A missing file is empty; a file that shrank is read again."""
+
+    def __init__(self, path: Path, from_end: bool = False) -> None:
+        """from_end: only what is appended from now on."""
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+        if from_end:
+            try:
+                self._offset = path.stat().st_size
+            except OSError:
+                pass
+
+    def poll(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(0, 2)
+                if f.tell() < self._offset:  # truncated or replaced: start over
+                    self._offset, self._partial = 0, b""
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return []
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        out: list[dict[str, Any]] = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out

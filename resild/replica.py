@@ -54,6 +54,9 @@ RESULT_FILE = "result.json"  # the leader's verdict on the job, for resil-run
 RUNNER_ALIVE = "runner.alive"  # resil-run touches it while it waits (Slurm: its host may die)
 
 
+APPEND_PERIOD_S = 0.05  # the Raft leader's append (and heartbeat) period
+
+
 def raft_conf(password: str) -> SyncObjConf:
     # Elections within ~0.3-0.6 s of the leader's silence: well inside the nodes' lease
     # (--controller-timeout, 5 s by default) and close to the heartbeat timeout.
@@ -66,7 +69,7 @@ def raft_conf(password: str) -> SyncObjConf:
         print(f"resild controller replica (pid {os.getpid()}): raft {states.get(old, old)} -> "
               f"{states.get(new, new)} at t_mono {time.monotonic():.3f}", file=sys.stderr, flush=True)
 
-    return SyncObjConf(raftMinTimeout=0.3, raftMaxTimeout=0.6, appendEntriesPeriod=0.05,
+    return SyncObjConf(raftMinTimeout=0.3, raftMaxTimeout=0.6, appendEntriesPeriod=APPEND_PERIOD_S,
                        connectionRetryTime=0.3, connectionTimeout=1.0, dynamicMembershipChange=False,
                        commandsWaitLeader=True, password=password, onStateChanged=changed)
 
@@ -96,6 +99,15 @@ class RaftLog(SyncObj):
         self.records.append(record)
         self._file.append(record)
         return len(self.records)
+
+
+CLOSED = "closed"  # the leader's last record: the job is over and its verdict written
+
+
+def _closed(records: list[dict[str, Any]]) -> bool:
+    # Not only the last record: a standby elected as the leader went learns of the commit
+    # with its own `leader` record, which lands after it.
+    return any(r.get("action") == CLOSED for r in reversed(records))
 
 
 class RaftJournal(Journal):
@@ -264,6 +276,9 @@ def serve(spec: dict[str, Any], index: int) -> int:
     log.info("replica %d: standing by (%s, raft %s)", index, endpoint, peers[index])
     while True:
         server.channel.recv(0.05)  # standby: keep the socket drained, act on nothing
+        if _closed(raft.records):  # the leader finished the job and stood down: nothing to take over
+            raft.destroy()
+            return 0
         if raft._isLeader():
             try:
                 raft._apply({"action": "leader", "index": index, "pid": os.getpid(), "t_wall": time.time()},
@@ -273,7 +288,10 @@ def serve(spec: dict[str, Any], index: int) -> int:
                 log.warning("replica %d: elected but could not commit: %s", index, e.errorCode)
     t_elected = time.monotonic()
     term = int(raft._getTerm())
-    records = [r for r in raft.records if r.get("action") != "leader"]
+    if _closed(raft.records):  # elected as the old leader stood down: the job is over
+        raft.destroy()
+        return 0
+    records = [r for r in raft.records if r.get("action") not in ("leader", CLOSED)]
     events = EventLog(Path(spec["events"]))
     floor = CommittedFloor(store)
     events.listeners.append(floor)
@@ -309,6 +327,14 @@ def serve(spec: dict[str, Any], index: int) -> int:
     os.replace(tmp, run_dir / RESULT_FILE)
     if cluster:
         end_orphaned_job(run_dir, result)
+    # Tell the standbys the job is over, or they elect one of themselves the moment we go
+    # (which would say the verdict again, late). Not committed (we die first): they take over,
+    # which is right, since nodes might still need the SHUTDOWN.
+    try:
+        raft._apply({"action": CLOSED, "index": index, "t_wall": time.time()}, sync=True, timeout=2.0)
+        time.sleep(4 * APPEND_PERIOD_S)  # followers learn the commit from our next append
+    except SyncObjException as e:
+        log.warning("replica %d: could not tell the standbys the job is over: %s", index, e.errorCode)
     raft.destroy()
     return 0
 
@@ -331,12 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     n = replica_count(spec) or len(spec.get("endpoints") or [])
     if a.index is None or not 0 <= a.index < n:
         p.error(f"--index {a.index} is not a replica of {a.spec}")
-    if spec.get("hosts"):
-        # Under Slurm our stderr goes to srun on the batch host, which may be the host that
-        # dies: keep the replica's own log in the (shared) run directory.
-        log_file = open(Path(spec["run_dir"]) / f"replica-{a.index}.log", "a", buffering=1)
-        os.dup2(log_file.fileno(), 2)
-        sys.stderr = log_file
+    # Our own log in the (shared) run directory: under Slurm our stderr goes to srun on the
+    # batch host, which may be the host that dies; resil-run's terminal shows the leader
+    # changes from the event file, not every Raft role change.
+    log_file = open(Path(spec["run_dir"]) / f"replica-{a.index}.log", "a", buffering=1)
+    os.dup2(log_file.fileno(), 2)
+    sys.stderr = log_file
     logging.basicConfig(level=logging.INFO if os.environ.get("RESILD_DEBUG") else logging.WARNING,
                         format=f"[controller {a.index}] %(asctime)s %(message)s")
     die_with_parent()

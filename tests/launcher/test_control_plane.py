@@ -26,12 +26,12 @@ class LiveJob:
     """resil-run started in the background, so a test can act on it while it runs."""
 
     def __init__(self, tmp: Path, *args: str, nodes: int = 3, spares: int = 1, steps: int = STEPS,
-                 script: Path = TRAIN) -> None:
+                 script: Path = TRAIN, quiet: bool = True) -> None:
         self.mark = uuid.uuid4().hex
         tmp.mkdir(parents=True, exist_ok=True)
         self.ev, self.save = tmp / "events.jsonl", tmp / "final.pt"
         cmd = [sys.executable, "-m", "launcher.cli", "--local", "--nodes", str(nodes), "--spares", str(spares),
-               "--events", str(self.ev), "--run-dir", str(tmp / "run"), "--json", "-q", *args,
+               "--events", str(self.ev), "--run-dir", str(tmp / "run"), "--json", *(["-q"] if quiet else []), *args,
                "--", sys.executable, str(script), "--steps", str(steps), "--save", str(self.save)]
         env = dict(os.environ, RESILD_TEST_MARK=self.mark, PYTHONUNBUFFERED="1")
         self.err = open(tmp / "stderr.txt", "w+")
@@ -139,7 +139,7 @@ def test_killing_the_leader_controller_loses_nothing(tmp_path: Path) -> None:
     steps = 300  # ~25 ms steps here: the takeover (~1 s) ends long before the fault at 250
     ref = run_job(tmp_path / "ref", steps=steps)
     assert ref.rc == 0, ref.stderr[-2000:]
-    job = LiveJob(tmp_path / "hurt", "--controllers", "3", "--inject", "kill:node1@250", steps=steps)
+    job = LiveJob(tmp_path / "hurt", "--controllers", "3", "--inject", "kill:node1@250", steps=steps, quiet=False)
     try:
         first = job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=90)
         job.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 20, timeout_s=90)
@@ -158,6 +158,12 @@ def test_killing_the_leader_controller_loses_nothing(tmp_path: Path) -> None:
     assert sa["t_mono"] > second["t_mono"]  # decided by the new leader
     assert r.final["step"] == ref.final["step"] == steps
     assert all(torch.equal(v, r.final["model"][k]) for k, v in ref.final["model"].items())
+    # The old leader's death made one new leader; the job's end made none (the last leader
+    # stands the standbys down), and the summary's step time is the reference's, not skew.
+    assert [e["pid"] for e in r.events if e["event"] == "controller_leader"] == [first["pid"], second["pid"]]
+    assert f"controller replica {first['index']} lost; replica {second['index']} leads now" in r.stderr, r.stderr[-2000:]
+    assert "back at full strength" in r.stderr and "raft" not in r.stderr  # Raft's chatter is in the replica logs
+    assert 0.5 < r.summary["job"]["step_s"] / ref.summary["job"]["step_s"] < 2.0, (r.summary, ref.summary)
     # No worker restarted: the survivors registered again with the new leader, same pids.
     pids = {e["pid"] for e in r.events if e["event"] == "worker_registered"}
     assert len(pids) == 3, pids

@@ -39,6 +39,21 @@ def feed(line: StatusLine, clock: Clock, events: list[dict]) -> None:
         line(e)
 
 
+
+def test_a_new_controller_leader_is_shown() -> None:
+    out, clock = io.StringIO(), Clock()
+    line = StatusLine(out, tty=False, clock=clock)
+    feed(line, clock, [
+        ev("controller_leader", 0.0, index=0, pid=11, host="n1", term=1, restored=0),
+        ev("job_started", 0.1, nodes=["a", "b"]),
+        ev("controller_leader", 9.0, index=2, pid=13, host="n3", term=3, restored=7),
+    ])
+    assert out.getvalue().splitlines() == [
+        "resil-run: controller replica 0 leads (pid 11 on n1, term 1)",
+        "resil-run: [    8.9s] controller replica 0 lost; replica 2 leads now (pid 13 on n3, term 3, "
+        "7 journal records restored)",
+    ]
+
 JOB = [
     ev("job_started", 0.0, nodes=["a", "b", "c", "d"]),
     ev("worker_registered", 10.0, node="a", local_rank=0),
