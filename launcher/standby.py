@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import deque
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from resild.events import EventTail, read_events
+from resild.events import EventTail
 from resild.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.transport import generate_keys
 
@@ -72,15 +73,25 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
     backend: Any = None
     # The live status line, as with one controller, from the leaders' event file (several
     # processes, maybe hosts, write it): wall time orders it across them.
-    live = StatusLine(sys.stderr) if status else None
+    live: StatusLine | None = StatusLine(sys.stderr) if status else None
+    # This job's events for the summary (an --events file may hold older jobs): all but
+    # `progress`, of which the latest (weeks of 2/s would fill memory), as EventLog keeps them.
+    seen: list[dict[str, Any]] = []
+    progress: deque[dict[str, Any]] = deque(maxlen=20_000)
 
     def follow() -> bool:
-        """Feed the status line; True once this job has a leader."""
+        """Feed the status line and the summary; True once this job has a leader."""
+        nonlocal live
         led = False
         for e in tail.poll():
             led = led or e.get("event") == "controller_leader"
+            (progress if e.get("event") == "progress" else seen).append(e)
             if live is not None and isinstance(e.get("t_wall"), (int, float)):
-                live({**e, "t_log": e["t_wall"]})
+                try:
+                    live({**e, "t_log": e["t_wall"]})
+                except Exception as err:  # a display bug must never take the job down
+                    print(f"resil-run: live status stopped: {err!r}", file=sys.stderr)
+                    live = None
         return led
 
     try:
@@ -141,7 +152,7 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
         code, reason = int(result["exit_code"]), str(result["reason"])
     except (OSError, ValueError, KeyError):
         code, reason = 1, f"every controller replica was lost ({n_controllers}); the node processes ended on their lease"
-    records = read_events(events_path)
+    records = seen + list(progress)
     failures, job = summarize(records)
     if as_json:
         print(json.dumps({"exit_code": code, "reason": reason, "job": job, "controllers": n_controllers,

@@ -38,12 +38,12 @@ from .transport import KeyDir, Server
 log = logging.getLogger("resild.controller")
 
 
-def median_step_s(commit_times: list[tuple[int, float, int]]) -> float | None:
-    """The median step time from (step, t, rank) points, one per advance of the job's step.
-    Only one rank's consecutive steps count: step s from one node's report and s+1 from
+def median_step_s(commit_times: list[tuple[int, float, str | None]]) -> float | None:
+    """The median step time from (step, t, node) points, one per advance of the job's step.
+    Only one node's consecutive steps count: step s from one node's report and s+1 from
     another's a few ms later is reporting skew, not a step (seen: 4.5 ms for 16 ms steps)."""
-    times = [t2 - t1 for (s1, t1, r1), (s2, t2, r2) in zip(commit_times, commit_times[1:])
-             if s2 == s1 + 1 and r1 == r2]
+    times = [t2 - t1 for (s1, t1, n1), (s2, t2, n2) in zip(commit_times, commit_times[1:])
+             if s2 == s1 + 1 and n1 == n2]
     return median(times) if times else None
 
 
@@ -124,8 +124,8 @@ class Controller:
         self.result: JobResult | None = None
         self._started = time.monotonic()
         self._awaiting_full_strength: int | None = None  # epoch whose first commit we wait for
-        # (step, t, rank) each time the job's step advanced
-        self._commit_times: list[tuple[int, float, int]] = []
+        # (step, t, node) each time the job's step advanced
+        self._commit_times: list[tuple[int, float, str | None]] = []
         # Leases: one frame per node per interval. At scale (heartbeat budget) they get rarer
         # still, 4 heartbeat intervals apart, and nodes wait 3 intervals before giving up
         # (12 s at 2,000 nodes): a lease costs the controller a send per node.
@@ -342,7 +342,7 @@ class Controller:
             self.view.last_commit_s = now
             if step > self.max_step:
                 self.max_step = step
-                self._commit_times.append((step, now, rank))
+                self._commit_times.append((step, now, m.node_of(rank)))
                 self.events.progress(step, epoch)  # throttled: step-vs-time line, live status
             if self._awaiting_full_strength == epoch and committed:
                 self._awaiting_full_strength = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections import deque
 from pathlib import Path
@@ -88,35 +89,40 @@ def read_events(path: Path) -> list[dict[str, Any]]:
 
 
 class EventTail:
-    """The records appended to an event file since the last poll: complete lines only (a
-    line being written waits for its newline), each byte read once, so following a week-long
-    log costs what was added. A missing file is empty; a file that shrank is read again."""
+    """The records appended to an event file since the last poll: complete lines only, each
+    line once, so following a week-long log costs what was added. A line still being written
+    (no newline yet) or not yet visible (NUL bytes: a shared filesystem may show the new size
+    before the data) is read again at the next poll. A missing file is empty; a file that
+    shrank or was replaced is read from its start."""
 
     def __init__(self, path: Path, from_end: bool = False) -> None:
         """from_end: only what is appended from now on."""
         self.path = path
-        self._offset = 0
-        self._partial = b""
+        self._offset = 0  # end of the last line handed out
+        self._file_id: tuple[int, int] | None = None
         if from_end:
             try:
-                self._offset = path.stat().st_size
+                st = path.stat()
+                self._offset, self._file_id = st.st_size, (st.st_dev, st.st_ino)
             except OSError:
                 pass
 
     def poll(self) -> list[dict[str, Any]]:
         try:
             with open(self.path, "rb") as f:
-                f.seek(0, 2)
-                if f.tell() < self._offset:  # truncated or replaced: start over
-                    self._offset, self._partial = 0, b""
+                st = os.fstat(f.fileno())
+                if (st.st_dev, st.st_ino) != self._file_id or st.st_size < self._offset:
+                    self._offset, self._file_id = 0, (st.st_dev, st.st_ino)
                 f.seek(self._offset)
                 data = f.read()
         except OSError:
             return []
-        self._offset += len(data)
-        *lines, self._partial = (self._partial + data).split(b"\n")
         out: list[dict[str, Any]] = []
+        *lines, _partial = data.split(b"\n")
         for line in lines:
+            if b"\0" in line:
+                break  # not written yet as far as we can see: from here again next time
+            self._offset += len(line) + 1
             try:
                 rec = json.loads(line)
             except ValueError:

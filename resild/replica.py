@@ -289,6 +289,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
     t_elected = time.monotonic()
     term = int(raft._getTerm())
     if _closed(raft.records):  # elected as the old leader stood down: the job is over
+        time.sleep(4 * APPEND_PERIOD_S)  # the last standby learns of `closed` from our appends
         raft.destroy()
         return 0
     records = [r for r in raft.records if r.get("action") not in ("leader", CLOSED)]

@@ -167,3 +167,18 @@ def test_killing_the_leader_controller_loses_nothing(tmp_path: Path) -> None:
     # No worker restarted: the survivors registered again with the new leader, same pids.
     pids = {e["pid"] for e in r.events if e["event"] == "worker_registered"}
     assert len(pids) == 3, pids
+
+
+def test_the_last_leader_stands_the_standbys_down(tmp_path: Path) -> None:
+    # Without `closed` the two standbys elect a leader for the finished job the moment the
+    # last leader exits (it said the verdict again, late, and skewed the summary).
+    job = LiveJob(tmp_path, "--controllers", "3", steps=40)
+    try:
+        r = job.finish()
+    finally:
+        job.cleanup()
+    assert r.rc == 0, r.stderr[-3000:]
+    assert len([e for e in r.events if e["event"] == "controller_leader"]) == 1, r.events[-5:]
+    for i in range(3):
+        last = json.loads((tmp_path / "run" / f"journal-{i}.jsonl").read_text().splitlines()[-1])
+        assert last["action"] == "closed", (i, last)

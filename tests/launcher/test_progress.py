@@ -39,7 +39,6 @@ def feed(line: StatusLine, clock: Clock, events: list[dict]) -> None:
         line(e)
 
 
-
 def test_a_new_controller_leader_is_shown() -> None:
     out, clock = io.StringIO(), Clock()
     line = StatusLine(out, tty=False, clock=clock)
@@ -53,6 +52,7 @@ def test_a_new_controller_leader_is_shown() -> None:
         "resil-run: [    8.9s] controller replica 0 lost; replica 2 leads now (pid 13 on n3, term 3, "
         "7 journal records restored)",
     ]
+
 
 JOB = [
     ev("job_started", 0.0, nodes=["a", "b", "c", "d"]),

@@ -62,7 +62,8 @@ case $act in
     for k in $(seq 300); do [ -s "$RUN/slurmd-$node.pid" ] && break; sleep 0.05; done  # 15 s: slow under load
     p=$(slurmd_pid)
     [ -n "$p" ] || { echo "slurmd $node wrote no pid file" >&2; exit 1; }
-    claim_ns "$(readlink "/proc/$p/ns/uts")"
+    ns=$(readlink "/proc/$p/ns/uts") || { echo "slurmd $node ($p) has no uts namespace" >&2; exit 1; }
+    claim_ns "$ns"
     echo "started $node slurmd $p" ;;
   *) echo "unknown action $act" >&2; exit 2 ;;
 esac
