@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from resild.events import EventTail
+from resild.events import RECENT_PROGRESS, EventTail
 from resild.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.transport import generate_keys
 
@@ -77,7 +77,7 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
     # This job's events for the summary (an --events file may hold older jobs): all but
     # `progress`, of which the latest (weeks of 2/s would fill memory), as EventLog keeps them.
     seen: list[dict[str, Any]] = []
-    progress: deque[dict[str, Any]] = deque(maxlen=20_000)
+    progress: deque[dict[str, Any]] = deque(maxlen=RECENT_PROGRESS)
 
     def follow() -> bool:
         """Feed the status line and the summary; True once this job has a leader."""

@@ -21,12 +21,13 @@ Listener = Callable[[dict[str, Any]], None]
 # `progress` events are throttled: enough points to draw committed step against wall
 # time and to show steps/s live, without one line per step (100k ranks x 10 steps/s).
 PROGRESS_INTERVAL_S = 0.5
+RECENT_PROGRESS = 20_000  # progress events kept in memory: hours of step rate, bounded
 
 
 class EventLog:
     def __init__(self, path: Path | None = None, progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
         self.records: list[dict[str, Any]] = []
-        self.recent_progress: deque[dict[str, Any]] = deque(maxlen=20_000)  # hours of step rate, bounded
+        self.recent_progress: deque[dict[str, Any]] = deque(maxlen=RECENT_PROGRESS)
         self.listeners: list[Listener] = []
         self.progress_interval_s = progress_interval_s
         self._last_progress: float | None = None
@@ -79,13 +80,18 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     except OSError:
         return out
     for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
+        if (rec := _record(line)) is not None:
             out.append(rec)
     return out
+
+
+def _record(line: str | bytes) -> dict[str, Any] | None:
+    """One line's event, or None for a line that is not one (torn, foreign, not JSON)."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    return rec if isinstance(rec, dict) else None
 
 
 class EventTail:
@@ -123,10 +129,6 @@ class EventTail:
             if b"\0" in line:
                 break  # not written yet as far as we can see: from here again next time
             self._offset += len(line) + 1
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
+            if (rec := _record(line)) is not None:
                 out.append(rec)
         return out
