@@ -59,7 +59,7 @@ class Job:
     def __init__(self, d: Path, a: argparse.Namespace, controllers: int) -> None:
         d.mkdir(parents=True, exist_ok=True)
         self.mark, self.ev = uuid.uuid4().hex, d / "events.jsonl"
-        cmd = [sys.executable, "-m", "launcher.cli", "--local", "--nodes", "3", "--spares", "1",
+        cmd = [sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", "3", "--spares", "1",
                "--controllers", str(controllers), "--heartbeat-timeout", str(a.heartbeat_timeout),
                "--controller-timeout", str(a.controller_timeout), "--events", str(self.ev),
                "--run-dir", str(d / "run"), "--json", "-q",

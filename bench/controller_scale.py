@@ -11,7 +11,7 @@ own identity), and speak the node's protocol: REGISTER_NODE, one REGISTER_WORKER
 per local rank (sent over the node's connection: the same handler and message
 count as a worker's own connection, without 16k more TCP connections on a
 2-core machine), HEARTBEAT every --heartbeat-s, and one aggregated commit
-report per node per step (what launcher/relay.py sends). A simulated node holds
+report per node per step (what launcher/node/relay.py sends). A simulated node holds
 the epoch it was sent (its view or a delta; a delta that does not apply makes it
 ask for its view again, as a node process does).
 
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import zmq  # noqa: E402
 
-from resild.protocol import MsgType, Sequencer, encode  # noqa: E402
+from resild.wire.protocol import MsgType, Sequencer, encode  # noqa: E402
 
 NODES_PER_GENERATOR = 1000
 
@@ -63,7 +63,7 @@ def _raise_fd_limit() -> None:
 
 
 def _keys_for(keys_dir: str, node: str) -> Any:
-    from resild.transport import KeyDir
+    from resild.wire.transport import KeyDir
     keys = KeyDir(Path(keys_dir))
     # Per-node keys where the transport has them (each node's key may speak only for it).
     return keys.node(node) if hasattr(keys, "node") and (keys.path / "nodes" / node).exists() else keys
@@ -73,12 +73,12 @@ def _keys_for(keys_dir: str, node: str) -> Any:
 
 def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     _raise_fd_limit()
-    from resild.backend import Backend
-    from resild.controller import Controller, ControllerConfig, JobResult
-    from resild.events import EventLog
-    from resild.journal import Journal
-    from resild.policy import PolicyConfig
-    from resild.transport import KeyDir
+    from resild.controller.backend import Backend
+    from resild.controller.loop import Controller, ControllerConfig, JobResult
+    from resild.events.log import EventLog
+    from resild.controller.journal import Journal
+    from resild.controller.policy import PolicyConfig
+    from resild.wire.transport import KeyDir
 
     class TimedJournal(Journal):  # the decision includes its fsync: report it apart
         fsync_s: list[float] = []
@@ -133,7 +133,7 @@ class SimNode:
 def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str, int], keys_dir: str,
                    endpoint: str, hb_s: float, steps_per_s: float, conn: Any) -> None:
     _raise_fd_limit()
-    from resild.transport import connect
+    from resild.wire.transport import connect
     ctx = zmq.Context(io_threads=1)
     ctx.MAX_SOCKETS = 4 * len(nodes) + 64
     sims: dict[str, SimNode] = {}
@@ -257,7 +257,7 @@ def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str,
 def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
     """Node process holding epoch E gets a delta -> all its P workers hold E+1 (the layout
     decoded and validated by each): the real RelayServer and RelayClients over ipc."""
-    from launcher.relay import LayoutTracker, RelayClient, RelayServer, wait_for
+    from launcher.node.relay import LayoutTracker, RelayClient, RelayServer, wait_for
     from resild.membership import Membership
     ctx = zmq.Context()
     tmp = tempfile.mkdtemp(prefix="resild-bench-")
@@ -294,7 +294,7 @@ def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
 
 def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: float, steady_s: float,
             heartbeat_budget: float, heartbeat_timeout_s: float) -> dict[str, Any]:
-    from resild.transport import generate_keys
+    from resild.wire.transport import generate_keys
     mp_ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp(prefix="resild-scale-"))
     active = [f"n{i:05d}" for i in range(n_nodes)]

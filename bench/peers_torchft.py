@@ -46,7 +46,7 @@ import sys
 import time
 from pathlib import Path
 
-from resild.events import read_events
+from resild.events.log import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()

@@ -9,7 +9,7 @@ committed ``--kill-at`` steps. With ``--runs N`` the two sides alternate
 
 resild side::
 
-    python -m launcher.cli --local --nodes NPROC/PPN+1 --spares 1 --nproc-per-node PPN \\
+    python -m launcher.run.cli --local --nodes NPROC/PPN+1 --spares 1 --nproc-per-node PPN \\
         --events FILE --json --inject kill:node1@KILL_AT -- python examples/train.py --steps STEPS
 
 Its phases, from the event file (``t_mono`` is CLOCK_MONOTONIC, comparable across the
@@ -118,7 +118,7 @@ def resild_command(nproc: int, ppn: int, steps: int, kill_at: int, events: Path,
         raise ValueError(f"--nproc {nproc} is not a multiple of --nproc-per-node {ppn}")
     active = nproc // ppn
     node = "node1" if active >= 2 else "node0"
-    cmd = [python, "-m", "launcher.cli", "--local", "--nodes", str(active + spares), "--spares", str(spares),
+    cmd = [python, "-m", "launcher.run.cli", "--local", "--nodes", str(active + spares), "--spares", str(spares),
            "--nproc-per-node", str(ppn), "--events", str(events), "--json",
            "--inject", f"{fault}:{node}@{kill_at}"]
     if hang_timeout_s is not None:

@@ -107,7 +107,7 @@ def resild_cmd(model: str, nproc: int, ppn: int, spares: int, steps: int, times:
                python: str = sys.executable) -> list[str]:
     if nproc % ppn:
         raise ValueError(f"{nproc} ranks are not a multiple of {ppn} per node")
-    cmd = [python, "-m", "launcher.cli", "--local", "--nodes", str(nproc // ppn + spares), "--spares", str(spares),
+    cmd = [python, "-m", "launcher.run.cli", "--local", "--nodes", str(nproc // ppn + spares), "--spares", str(spares),
            "--nproc-per-node", str(ppn), "--json", "-q", "--run-dir", str(run_dir), "--events", str(events)]
     for spec in inject:
         cmd += ["--inject", spec]

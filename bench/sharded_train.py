@@ -15,7 +15,7 @@ Models, data and loops are those of the examples:
   on the first three), ``clip_grad_norm_``.
 - ``--model hsdp``: FSDP2 ``fully_shard`` per Linear and on the root over a 2-D mesh
   (replicate x shard, shard = world size / 2), AdamW, CosineAnnealingLR, clipping, a
-  ``StatefulDataLoader`` over a ``DistributedSampler`` (``launcher.data.ResumableLoader``, a
+  ``StatefulDataLoader`` over a ``DistributedSampler`` (``launcher.worker.data.ResumableLoader``, a
   plain data cursor with no resild runtime in it, in both modes).
 
 The only differences between the modes are the resild lines: ``launcher.init()``, the job's
@@ -47,7 +47,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import launcher  # resild (imports nothing more until launcher.init)
-from launcher.data import ResumableLoader  # a data cursor only (torch + torchdata)
+from launcher.worker.data import ResumableLoader  # a data cursor only (torch + torchdata)
 
 # Everything is imported before launcher.init(), as in the examples: a spare taking
 # over pays only for what follows init (mesh, model, fully_shard, optimizer, attach).

@@ -171,7 +171,7 @@ def run_resild(lab, work: Path, steps: int, kill_after_s: float, heartbeat_timeo
 #SBATCH -o {out}
 export RESILD_CONTROLLER_HOST=127.0.0.1
 cd {REPO}
-{py} -m launcher.cli --spares 1 --nproc-per-node 1 --heartbeat-timeout {heartbeat_timeout} \\
+{py} -m launcher.run.cli --spares 1 --nproc-per-node 1 --heartbeat-timeout {heartbeat_timeout} \\
   --events {events_path} --run-dir {work}/run --json \\
   -- {py} examples/train.py --steps {steps} --save {work}/final.pt > {work}/summary.json
 rc=$?

@@ -125,7 +125,7 @@ def run_one(work: Path, sched: Schedule | None, steps: int, timeout_s: float,
     save = work / "final.pt"
     nodes, spares = (sched.nodes, sched.spares) if sched else (ACTIVE + 1, 1)
     inject = [a for f in (sched.faults if sched else []) for a in ("--inject", f)]
-    cmd = [sys.executable, "-m", "launcher.cli", "--local", "--nodes", str(nodes), "--spares", str(spares),
+    cmd = [sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", str(nodes), "--spares", str(spares),
            "--nproc-per-node", "1", "--events", str(work / "events.jsonl"), "--run-dir", str(work / "run"),
            "--json", "-q", "--hang-timeout", str(hang_timeout_s), *inject,
            "--", sys.executable, str(TRAIN), "--steps", str(steps), "--save", str(save)]

@@ -22,7 +22,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import launcher  # resild
-from launcher.data import ResumableLoader  # resild: a data cursor it can rewind and replay
+from launcher.worker.data import ResumableLoader  # resild: a data cursor it can rewind and replay
 
 warnings.filterwarnings("ignore", message=".*set_vital.*")
 

@@ -12,9 +12,9 @@ __all__ = ["init", "Job", "ReplicaMap", "ResilienceError"]
 
 def __getattr__(name: str) -> Any:
     if name in ("init", "Job", "ResilienceError"):
-        from . import runtime
+        import launcher.worker.runtime as runtime
         return getattr(runtime, name)
     if name == "ReplicaMap":
-        from .replicas import ReplicaMap
+        from launcher.worker.replica_map import ReplicaMap
         return ReplicaMap
     raise AttributeError(name)

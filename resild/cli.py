@@ -14,9 +14,9 @@ from typing import Any, NoReturn
 
 import click
 
-from resild.config import ConfigError, load_config
+from resild.daemon.config import ConfigError, load_config
 from resild.health.model import Verdict
-from resild.protocol import MsgType
+from resild.wire.protocol import MsgType
 
 EXIT_NO_ANSWER = 3
 
@@ -73,7 +73,7 @@ def daemon(config_path: str | None, probes: str | None, verbose: bool, **overrid
       resild daemon --config /etc/resild/resild.toml
       resild daemon --probes gpu,kmsg,diskspace --status-socket /tmp/resild.sock
     """
-    from resild.daemon import Agent
+    from resild.daemon.agent import Agent
 
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -118,7 +118,7 @@ def status(config_path: str | None, status_socket: str | None, timeout_s: float 
       resild status            # table: node verdict, GPUs, watched processes
       resild status --json | jq .gpus
     """
-    from resild.daemon import local_request
+    from resild.daemon.agent import local_request
 
     cfg = _config(config_path, status_socket=status_socket, status_timeout_s=timeout_s)
     reply = local_request(cfg.status_endpoint, MsgType.STATUS, timeout_s=cfg.status_timeout_s)
@@ -197,7 +197,7 @@ def check(config_path: str | None, probes: str | None, drain: bool, drain_on: st
       HealthCheckProgram=/usr/local/bin/resild-check   # a script: exec resild check --drain
       HealthCheckInterval=300
     """
-    from resild.probes import (ProbeRunner, aggregate, build_probes, fault_summary, run_all,
+    from resild.health.probes import (ProbeRunner, aggregate, build_probes, fault_summary, run_all,
                                start_probes, stop_probes)
 
     cfg = _config(config_path, probes=probes.split(",") if probes else None)
@@ -251,7 +251,7 @@ def cluster(controller: str, keys_dir: str | None, timeout_s: float, as_json: bo
     """
     import zmq
 
-    from resild.transport import KeyDir, connect
+    from resild.wire.transport import KeyDir, connect
 
     keys = KeyDir(Path(keys_dir)) if keys_dir else None
     ctx = zmq.Context()
@@ -314,7 +314,7 @@ def report(events_file: Path, as_json: bool, plot_path: Path | None, job_index: 
       resild report run.jsonl --plot run.html       # one self-contained page to share
       resild report run.jsonl --json | jq .goodput
     """
-    from resild.goodput import EventFileError, analyze, format_breakdown, load_events
+    from resild.report.goodput import EventFileError, analyze, format_breakdown, load_events
 
     suffix = plot_path.suffix.lower() if plot_path else ""
     if plot_path is not None and suffix not in (".png", ".html", ".htm"):
@@ -324,7 +324,7 @@ def report(events_file: Path, as_json: bool, plot_path: Path | None, job_index: 
     except EventFileError as e:
         _fail(str(e), 2)
     if plot_path is not None:
-        from resild.plot import write_plot
+        from resild.report.plot import write_plot
         try:
             write_plot(b, plot_path, title=events_file.name)
         except OSError as e:
@@ -349,7 +349,7 @@ def keys(directory: str, force: bool) -> None:
     Example:
       resild keys /etc/resild/keys   # then copy it to every node and the controller host
     """
-    from resild.transport import generate_keys
+    from resild.wire.transport import generate_keys
 
     path = Path(directory)
     if (path / "server.key_secret").exists() and not force:

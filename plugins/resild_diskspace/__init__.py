@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from resild.health.model import Verdict, worst
-from resild.probes import ProbeResult
+from resild.health.probes import ProbeResult
 
 DEFAULT_PATHS = ("/", "/tmp", "/dev/shm")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from resild.health.model import Verdict, worst
-from resild.probes import ProbeResult
+from resild.health.probes import ProbeResult
 
 DEFAULT_ROOT = "/sys/class/infiniband"
 _COMING_UP = {"INIT", "ARMED"}

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from resild.config import Config
+from resild.daemon.config import Config
 from resild.health.model import Verdict
-from resild.probes import build_probes
+from resild.health.probes import build_probes
 from resild_diskspace import DiskspaceProbe, Thresholds, Usage, judge_usage, make_probe
 
 GiB = 2**30

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from resild.config import Config
+from resild.daemon.config import Config
 from resild.health.model import Verdict
-from resild.probes import ProbeRunner, build_probes
+from resild.health.probes import ProbeRunner, build_probes
 from resild_infiniband import InfinibandProbe, make_probe
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resild.faults import KINDS, Fault, FaultSpecError, parse_fault
+from resild.controller.faults import KINDS, Fault, FaultSpecError, parse_fault
 from resild.health.kmsg import KmsgXid, parse_xid_line, pci_bus_key
 
 pytestmark = pytest.mark.timeout(120)

@@ -178,7 +178,7 @@ def _wait_job(lab: SlurmLab, jid: str, pred: Callable[[dict[str, str]], bool], t
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("requeue", [True, False], ids=["requeue", "no_requeue"])
 def test_batch_host_crash_leaves_the_job_running(slurm_lab: SlurmLab, tmp_path: Path, requeue: bool) -> None:
-    """Slurm 22.05 alone (what launcher/lease.py works around, docs/slurm-batch-host.md): with
+    """Slurm 22.05 alone (what launcher/node/lease.py works around, docs/slurm-batch-host.md): with
     --no-kill a crashed batch host is cut out of the job like any other node. The job stays
     RUNNING without its batch script (no NODE_FAIL, no requeue, --requeue or not), even once the
     host is back, and Slurm kills no task of the step on the other nodes. Only `scontrol requeue`

@@ -48,7 +48,7 @@ class Job:
 export RESILD_CONTROLLER_HOST=127.0.0.1
 {logs}
 cd {where}
-{py} -m launcher.cli --spares {spares} --nproc-per-node 1 --heartbeat-timeout 1.5 \\
+{py} -m launcher.run.cli --spares {spares} --nproc-per-node 1 --heartbeat-timeout 1.5 \\
   --events {tmp}/events.jsonl {rd} --json {extra} \\
   -- {train} --steps {steps} --save {tmp}/final.pt > {tmp}/summary.json
 rc=$?
@@ -294,7 +294,7 @@ def test_batch_host_crash_releases_the_job(lab: SlurmLab, tmp_path: Path, requeu
     """Slurm 22.05, --no-kill: a crashed batch host is cut out of the job like any other node, and
     Slurm would leave the job RUNNING without its batch script (no NODE_FAIL, no requeue, --requeue
     or not) until the time limit. The node processes' controller lease stops them within
-    --controller-timeout, and they release the allocation (launcher/lease.py): scontrol requeue
+    --controller-timeout, and they release the allocation (launcher/node/lease.py): scontrol requeue
     with the reason in the comment, or, when the job is not requeueable, scancel."""
     job = Job(lab, tmp_path, steps=100_000, requeue=requeue, minutes=5 if requeue else 2, node_logs=True)
     started = job.wait_event(lambda e: e["event"] == "job_started")
@@ -349,7 +349,7 @@ def test_controller_killed_node_processes_exit_on_the_lease(lab: SlurmLab, tmp_p
     host, nodes = started["controller_host"], started["nodes"]
     job.wait_event(lambda e: e["event"] == "full_strength_step")
     assert all(job_procs(lab, n, tmp_path) for n in nodes), {n: job_procs(lab, n, tmp_path) for n in nodes}
-    (controller,) = [p for p, cl in job_procs(lab, host, tmp_path) if "launcher.cli" in cl]
+    (controller,) = [p for p, cl in job_procs(lab, host, tmp_path) if "launcher.run.cli" in cl]
     os.kill(controller, signal.SIGKILL)
     t0 = time.monotonic()
     gone_s = wait_no_job_procs(lab, nodes, tmp_path, t0, CONTROLLER_TIMEOUT_S + MARGIN_S)

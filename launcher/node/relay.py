@@ -1,0 +1,220 @@
+"""The node-local relay between a node process and its workers.
+
+The controller sends ONE membership message per node (a few-byte delta when the
+node holds the previous epoch, the node's view otherwise: its own ranks and the
+world size); the node process resolves it to a layout (never a delta) and hands
+it to its local workers over an ipc:// socket in a private directory (0700). Workers send their PROGRESS here: commits
+are aggregated into one report per node (per node commit, at most one per
+COMMIT_REPORT_S); every other state ("wait", "compute", "collective_failed", ...)
+goes on at once, so the hang detector still sees each rank's state and can name
+the culprit.
+
+    worker: RelayClient(os.environ["RESILD_RELAY"], sender)  --RELAY_HELLO-->  node: RelayServer
+            <-- MEMBERSHIP (a layout, never a delta; again on every hello) --
+
+Everything other than PROGRESS (REGISTER_WORKER, EVENT, DONE, FAILED, FATAL) goes
+from the worker to the controller directly, as without a relay.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from resild.membership import DeltaMismatch, Membership
+from resild.wire.protocol import Message, MsgType
+from resild.wire.transport import Channel
+
+log = logging.getLogger("resild.relay")
+
+RELAY_ENV = "RESILD_RELAY"
+COMMIT_REPORT_S = 0.1  # at most one aggregated commit report per node this often
+
+
+# ---- pure parts (unit-tested without sockets) ------------------------------------------
+
+@dataclass
+class LayoutTracker:
+    """The membership a node process holds (its view, or a full layout), kept current
+    from the layouts and deltas the controller sends."""
+
+    membership: Membership | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch if self.membership is not None else 0
+
+    def on_layout(self, body: dict[str, Any]) -> bool:
+        """A layout (MEMBERSHIP); True when it is newer than what we hold."""
+        m = Membership.from_dict(body)
+        if m.epoch <= self.epoch:
+            return False
+        self.membership = m
+        return True
+
+    def on_delta(self, body: dict[str, Any]) -> bool | None:
+        """A delta; True when applied, False when old news, None when it does not apply
+        to what we hold (a missed epoch): ask the controller for the layout."""
+        if int(body["epoch"]) <= self.epoch:
+            return False
+        if self.membership is None:
+            return None
+        try:
+            self.membership = self.membership.apply_delta(body)
+        except DeltaMismatch as e:
+            log.warning("membership delta not applicable: %s", e)
+            return None
+        return True
+
+
+@dataclass
+class CommitAggregator:
+    """Per-rank commits in, one report per node out: when every local rank has committed
+    (a node commit), or `interval_s` after the first pending commit if some rank lags,
+    and never more often than every `interval_s`. A commit of a newer epoch is reported
+    as soon as the interval allows (the controller times recoveries by it)."""
+
+    interval_s: float = COMMIT_REPORT_S
+    expected: int = 1  # local ranks in the current membership
+    _epoch: int = 0
+    _pending: dict[int, int] = field(default_factory=dict)  # rank -> committed step
+    _first_s: float = 0.0
+    _last_sent_s: float = -1e9
+    _last_epoch: int = 0
+
+    def add(self, rank: int, epoch: int, step: int, now: float) -> None:
+        if epoch < self._epoch:
+            return  # a late commit of an epoch already superseded
+        if epoch > self._epoch:
+            self._pending.clear()
+            self._epoch = epoch
+        if not self._pending:
+            self._first_s = now
+        self._pending[rank] = step
+
+    def due(self, now: float) -> bool:
+        if not self._pending or now - self._last_sent_s < self.interval_s:
+            return False
+        return (len(self._pending) >= self.expected or self._epoch != self._last_epoch
+                or now - self._first_s >= self.interval_s)
+
+    def next_due_s(self) -> float | None:
+        """When due() may next turn true (for the caller's poll timeout); None if nothing pending."""
+        if not self._pending:
+            return None
+        t = self._last_sent_s + self.interval_s
+        if len(self._pending) < self.expected and self._epoch == self._last_epoch:
+            t = max(t, self._first_s + self.interval_s)
+        return t
+
+    def take(self, now: float) -> dict[str, Any] | None:
+        """The report body part {"epoch", "commits": {rank: step}} (ignores due()); None if empty."""
+        if not self._pending:
+            return None
+        body = {"epoch": self._epoch, "state": "commit", "commits": {str(r): s for r, s in self._pending.items()}}
+        self._pending = {}
+        self._last_sent_s, self._last_epoch = now, self._epoch
+        return body
+
+
+# ---- node side -----------------------------------------------------------------------
+
+class RelayServer:
+    """The node process's end: a ROUTER on ipc:// in a private directory."""
+
+    def __init__(self, ctx: zmq.Context, node: str, run_dir: str | None = None) -> None:
+        self.node = node
+        self._dir = tempfile.mkdtemp(prefix="resild-relay-", dir=run_dir)  # 0700: only this user connects
+        self.endpoint = f"ipc://{self._dir}/relay.sock"
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.bind(self.endpoint)
+        os.chmod(f"{self._dir}/relay.sock", 0o600)
+        self.ch = Channel(sock, f"{node}/relay", router=True)
+        self.sock = sock
+        self.workers: dict[int, bytes] = {}  # local rank -> routing id of its RelayClient
+        self._layout: dict[str, Any] | None = None
+
+    def set_membership(self, m: Membership) -> None:
+        """A new epoch: every connected worker gets the layout."""
+        self._layout = m.to_dict()
+        for ident in self.workers.values():
+            self.ch.send(MsgType.MEMBERSHIP, self._layout, to=ident, ttl_s=600)
+
+    def broadcast(self, mtype: MsgType, body: dict[str, Any]) -> None:
+        for ident in self.workers.values():
+            self.ch.send(mtype, body, to=ident)
+
+    def recv(self) -> tuple[bytes, Message] | None:
+        """One pending worker message (non-blocking); a hello is answered here and returned too."""
+        got = self.ch.recv(0)
+        if got is None:
+            return None
+        ident, msg = got
+        assert ident is not None
+        if msg.type == MsgType.RELAY_HELLO:
+            lr = msg.body.get("local_rank")
+            if isinstance(lr, int) and not isinstance(lr, bool) and lr >= 0:
+                self.workers[lr] = ident
+            if self._layout is not None:  # joined late, or missed epochs: the current layout
+                self.ch.send(MsgType.MEMBERSHIP, self._layout, to=ident, ttl_s=600)
+        return ident, msg
+
+    def forget(self, local_rank: int) -> None:
+        self.workers.pop(local_rank, None)
+
+    def close(self) -> None:
+        self.ch.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# ---- worker side ---------------------------------------------------------------------
+
+class RelayClient:
+    """The worker's end. `sock` can sit in the worker's zmq.Poller; `recv(0)` never blocks.
+
+    Messages received are MEMBERSHIP (a layout for Membership.from_dict, never a
+    delta: the node's view, which names this node's ranks and the world size; a
+    worker needs `rank_of(node, local_rank)`, `world_size` and `epoch`) and SHUTDOWN. On connect it says hello, and the node answers with the current
+    membership, so a worker that starts (or reconnects) late is never behind."""
+
+    def __init__(self, endpoint: str, sender: str, local_rank: int | None = None,
+                 ctx: zmq.Context | None = None) -> None:
+        if local_rank is None:
+            local_rank = int(os.environ.get("RESILD_LOCAL_RANK", "-1"))
+        self.node = os.environ.get("RESILD_NODE", sender.split("/", 1)[0])
+        sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt_string(zmq.IDENTITY, sender)
+        sock.connect(endpoint)
+        self.sock = sock
+        self.ch = Channel(sock, sender, router=False)
+        self.ch.send(MsgType.RELAY_HELLO, {"node": self.node, "local_rank": local_rank, "pid": os.getpid()})
+
+    def recv(self, timeout_s: float) -> Message | None:
+        got = self.ch.recv(timeout_s)
+        return got[1] if got is not None else None
+
+    def send(self, mtype: MsgType, body: dict[str, Any]) -> None:
+        self.ch.send(mtype, body)
+
+    def close(self) -> None:
+        if not self.sock.closed:
+            self.sock.close(linger=500)  # let a last report out
+
+
+def wait_for(client: RelayClient, mtype: MsgType, timeout_s: float) -> Message | None:
+    """Receive until a message of `mtype` arrives (tests and simple callers)."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        msg = client.recv(left)
+        if msg is not None and msg.type == mtype:
+            return msg
+    return None

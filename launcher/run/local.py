@@ -1,0 +1,89 @@
+"""Embedded local cluster: one node process per simulated node on this machine.
+
+Each node process leads its own process group, so fencing a node is one
+killpg; each may get its own fault-injecting NVML stand-in (a control file
+that the node's GPU probe reads through the real nvidia-ml-py binding).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from resild.controller.backend import Backend
+from resild.wire.transport import KeyDir, add_node_key
+
+from launcher.procutil import die_with_parent
+
+log = logging.getLogger("resild.local")
+
+
+class LocalCluster(Backend):
+    def __init__(self, nodes: list[str], nproc: int, cmd: list[str], run_dir: Path,
+                 fake_nvml_dir: Path | None = None, gpus_per_node: int = 0, controller_timeout_s: float = 0.0) -> None:
+        self.controller_timeout_s = controller_timeout_s
+        self.nodes, self.nproc, self.cmd, self.run_dir = nodes, nproc, cmd, run_dir
+        self.fake_nvml_dir = fake_nvml_dir
+        self.gpus_per_node = gpus_per_node
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._expected_exit: set[str] = set()
+        self._reported: set[str] = set()
+
+    def start(self, controller: str, keys_dir: Path | None, heartbeat_s: float) -> None:
+        # One key pair per node, all made before any node starts: each node process (and
+        # its workers, through RESILD_KEYS) gets a directory with only its own secret key,
+        # and the controller knows the node by that key (ZAP User-Id), not by what it says.
+        node_keys = {n: add_node_key(KeyDir(keys_dir), n).path for n in self.nodes} if keys_dir else {}
+        for node in self.nodes:
+            args = [sys.executable, "-m", "launcher.node", "--node", node, "--controller", controller,
+                    "--nproc", str(self.nproc), "--heartbeat-s", str(heartbeat_s),
+                    "--controller-timeout", str(self.controller_timeout_s)]
+            env = dict(os.environ)
+            env.pop("RESILD_KEYS", None)   # never inherit another key directory
+            if keys_dir is not None:
+                args += ["--keys", str(node_keys[node])]
+            if self.fake_nvml_dir is not None:
+                control = self.run_dir / f"nvml-{node}.ctl"
+                control.write_text(f"gpus {max(1, self.gpus_per_node)}\n")
+                args += ["--nvml-control", str(control)]
+                env["LD_LIBRARY_PATH"] = f"{self.fake_nvml_dir}:{env.get('LD_LIBRARY_PATH', '')}"
+                env["FAKE_NVML_CONTROL"] = str(control)
+            self.procs[node] = subprocess.Popen(args + ["--"] + self.cmd, env=env, start_new_session=True,
+                                                preexec_fn=die_with_parent)
+
+    def fence(self, node: str, reason: str) -> None:
+        self._expected_exit.add(node)
+        p = self.procs.get(node)
+        if p is not None and p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # node process and every worker it started
+            except ProcessLookupError:
+                pass
+
+    def exited_nodes(self) -> list[tuple[str, int]]:
+        out = []
+        for node, p in self.procs.items():
+            rc = p.poll()
+            if rc is not None and node not in self._expected_exit and node not in self._reported:
+                self._reported.add(node)
+                out.append((node, rc))
+        return out
+
+    def shutdown(self, timeout_s: float) -> None:
+        self._expected_exit.update(self.procs)
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs.values():
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # also reaps stopped or stray workers
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()

@@ -1,0 +1,166 @@
+"""resil-run --controllers N (N >= 2): the controller as a Raft replica set.
+
+resil-run starts N controller replicas (`python -m resild.controller.replica`, separate
+processes, each with its own endpoint, rendezvous store and journal copy) and the
+node processes, which hold every replica's endpoint and follow the leader. Then it
+only waits: the job's verdict is the leader's (`result.json` in the run directory),
+and if every replica is gone the node processes end on their lease.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import deque
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from resild.events.log import RECENT_PROGRESS, EventTail
+from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
+from resild.wire.transport import generate_keys
+
+from launcher.run.job import JobSpec, _fake_nvml, worker_timeouts
+from launcher.run.local import LocalCluster
+from launcher.procutil import die_with_parent
+from launcher.run.status import StatusLine, format_table, summarize
+
+
+def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
+                   slurm_job: Any = None, node_cmd: Callable[[str, Path, float], list[str]] | None = None,
+                   status: bool = True) -> int:
+    """`slurm_job` (an Allocation) and `node_cmd(endpoints, keys_dir, heartbeat_s)` under
+    Slurm: the replicas run on the allocation's first N nodes (one srun step), the node
+    processes as usual; otherwise every process runs on this machine."""
+    rd = spec.run_dir
+    rd.mkdir(parents=True, exist_ok=True)
+    for stale in [rd / RESULT_FILE, *rd.glob("replica-*.json")]:
+        stale.unlink(missing_ok=True)
+    keys = generate_keys(rd / "keys")
+    raft_secret(keys.path)
+    events_path = spec.events_path or rd / "events.jsonl"
+    tail = EventTail(events_path, from_end=True)  # before any replica runs; an --events file may hold older jobs
+    nodes_all = spec.active + spec.spares
+    cfg: dict[str, Any] = {
+        "active": spec.active, "spares": spec.spares, "nproc": spec.nproc_per_node,
+        "keys": str(keys.path), "events": str(events_path), "run_dir": str(rd),
+        "faults": [str(f) for f in spec.faults],
+        "controller": {"policy": {"heartbeat_timeout_s": spec.heartbeat_timeout_s, "hang_timeout_s": spec.hang_timeout_s},
+                       "worker": worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s),
+                       "start_timeout_s": spec.start_timeout_s, "controller_timeout_s": spec.controller_timeout_s},
+    }
+    if slurm_job is not None:
+        if len(nodes_all) < n_controllers:
+            print(f"resil-run: --controllers {n_controllers} needs as many nodes; the job has {len(nodes_all)}",
+                  file=sys.stderr)
+            return 2
+        cfg["hosts"] = nodes_all[:n_controllers]  # the batch host and the next ones: a majority survives any one
+    else:  # each replica binds its own port and publishes it (never a port nobody listens on)
+        cfg["replicas"], cfg["advertise"] = n_controllers, spec.bind_host
+    spec_file = rd / "controllers.json"
+    spec_file.write_text(json.dumps(cfg, indent=2))
+    replica_cmd = [sys.executable, "-m", "resild.controller.replica", "--spec", str(spec_file)]
+    if slurm_job is not None:
+        from resild import slurm
+        replicas = [subprocess.Popen(slurm.srun_node_launcher_cmd(slurm_job, cfg["hosts"], replica_cmd),
+                                     start_new_session=True)]
+    else:
+        replicas = [subprocess.Popen([*replica_cmd, "--index", str(i)], start_new_session=True,
+                                     preexec_fn=die_with_parent) for i in range(n_controllers)]
+    alive = rd / RUNNER_ALIVE
+    backend: Any = None
+    # The live status line, as with one controller, from the leaders' event file (several
+    # processes, maybe hosts, write it): wall time orders it across them.
+    live: StatusLine | None = StatusLine(sys.stderr) if status else None
+    # This job's events for the summary (an --events file may hold older jobs): all but
+    # `progress`, of which the latest (weeks of 2/s would fill memory), as EventLog keeps them.
+    seen: list[dict[str, Any]] = []
+    progress: deque[dict[str, Any]] = deque(maxlen=RECENT_PROGRESS)
+
+    def follow() -> bool:
+        """Feed the status line and the summary; True once this job has a leader."""
+        nonlocal live
+        led = False
+        for e in tail.poll():
+            led = led or e.get("event") == "controller_leader"
+            (progress if e.get("event") == "progress" else seen).append(e)
+            if live is not None and isinstance(e.get("t_wall"), (int, float)):
+                try:
+                    live({**e, "t_log": e["t_wall"]})
+                except Exception as err:  # a display bug must never take the job down
+                    print(f"resil-run: live status stopped: {err!r}", file=sys.stderr)
+                    live = None
+        return led
+
+    try:
+        endpoints = wait_for_replicas(rd, n_controllers, 120.0)[0]
+        # Nodes start once a leader is there: their lease runs from their start.
+        deadline = time.monotonic() + 120.0
+        while not follow():
+            if time.monotonic() > deadline or all(r.poll() is not None for r in replicas):
+                print(f"resil-run: the controller replicas elected no leader within 120s (logs: {rd}/replica-*.log)",
+                      file=sys.stderr)
+                return 1
+            time.sleep(0.05)
+        if slurm_job is not None:
+            from launcher.run.slurm_backend import SlurmBackend
+            assert node_cmd is not None
+            backend = SlurmBackend(slurm_job, nodes_all, node_cmd(",".join(endpoints), keys.path, spec.heartbeat_s),
+                                   drain_nodes=False)  # the leader drains
+            backend.start()
+            running = lambda: backend.proc.poll() is None  # noqa: E731
+        else:
+            backend = LocalCluster(nodes_all, spec.nproc_per_node, spec.cmd, rd, _fake_nvml(spec),
+                                   controller_timeout_s=spec.controller_timeout_s)
+            backend.start(",".join(endpoints), keys.path, spec.heartbeat_s)
+            running = lambda: any(p.poll() is None for p in backend.procs.values())  # noqa: E731
+        # The leader decides; we wait for every node process to end (SHUTDOWN, fencing,
+        # or their lease when no replica is left), telling the leader we are still here.
+        while running():
+            alive.touch()
+            follow()
+            time.sleep(0.25)
+    except KeyboardInterrupt:
+        print("resil-run: interrupted", file=sys.stderr)
+        return 130
+    except RuntimeError as e:
+        print(f"resil-run: {e}", file=sys.stderr)
+        return 1
+    finally:
+        deadline = time.monotonic() + 5.0
+        while not (rd / RESULT_FILE).exists() and any(r.poll() is None for r in replicas) and time.monotonic() < deadline:
+            alive.touch()
+            time.sleep(0.05)  # the leader writes its verdict after the nodes it shut down are gone
+        alive.touch()
+        for r in replicas:
+            if r.poll() is None:
+                os.killpg(r.pid, signal.SIGTERM if slurm_job is not None else signal.SIGKILL)
+            try:
+                r.wait(15.0)
+            except subprocess.TimeoutExpired:
+                os.killpg(r.pid, signal.SIGKILL)
+                r.wait()
+        if backend is not None:
+            backend.shutdown(0.0)
+        follow()
+        if live is not None:
+            live.close()
+    try:
+        result = json.loads((rd / RESULT_FILE).read_text())
+        code, reason = int(result["exit_code"]), str(result["reason"])
+    except (OSError, ValueError, KeyError):
+        code, reason = 1, f"every controller replica was lost ({n_controllers}); the node processes ended on their lease"
+    records = seen + list(progress)
+    failures, job = summarize(records)
+    if as_json:
+        print(json.dumps({"exit_code": code, "reason": reason, "job": job, "controllers": n_controllers,
+                          "leaders": [{k: e.get(k) for k in ("pid", "host", "term", "index", "restored")}
+                                      for e in records if e["event"] == "controller_leader"],
+                          "failures": [f.__dict__ for f in failures]}, indent=2))
+    else:
+        print(format_table(failures, job), file=sys.stderr)
+    if code != 0:
+        print(f"resil-run: job failed: {reason}", file=sys.stderr)
+    return code

@@ -1,0 +1,215 @@
+"""The end-of-run summary, computed from the event stream alone."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, TextIO
+
+from resild.report.goodput import step_time
+
+
+@dataclass
+class FailureSummary:
+    node: str
+    cause: str
+    detector: str
+    fault: str | None
+    detect_s: float | None
+    recovery_s: float | None
+    steps_lost: int | None
+    bytes_replayed: int
+    replay_s: float | None
+
+
+def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[str, Any]]:
+    out: list[FailureSummary] = []
+    last_fault: dict[str, dict] = {}
+    for i, e in enumerate(events):
+        if e["event"] == "fault_injected":
+            last_fault[e["node"]] = e
+        if e["event"] != "failure_detected":
+            continue
+        fault = last_fault.pop(e["node"], None)
+        t0 = fault["t_mono"] if fault else e["t_mono"]
+        later = events[i + 1:]
+        assigned = next((x for x in later if x["event"] == "spare_assigned" and x["failed"] == e["node"]), None)
+        full = resumed = None
+        replayed: list[dict] = []
+        if assigned is not None:
+            ep = assigned["epoch"]
+            full = next((x for x in later if x["event"] == "full_strength_step" and x["epoch"] >= ep), None)
+            resumed = next((x for x in later if x["event"] == "resumed" and x.get("epoch", 0) >= ep), None)
+            replayed = [x for x in later if x["event"] == "state_replayed" and x.get("epoch") == ep]
+        out.append(FailureSummary(
+            node=e["node"], cause=e["cause"], detector=e.get("detector", ""),
+            fault=fault["spec"] if fault else None,
+            detect_s=(e["t_mono"] - fault["t_mono"]) if fault else None,
+            recovery_s=(full["t_mono"] - t0) if full else None,
+            # Negative would mean the survivors committed more steps before the notice (a GPU
+            # fault leaves processes running): nothing lost either way.
+            steps_lost=max(0, e["committed_step"] - resumed["step"]) if resumed else None,
+            bytes_replayed=sum(int(x["bytes"]) for x in replayed),
+            replay_s=max((float(x["seconds"]) for x in replayed), default=None)))
+    job: dict[str, Any] = {}
+    fin = next((e for e in events if e["event"] == "job_finished"), None)
+    # The controller's median sees only the slow steps when commits are reported per node every
+    # 100 ms; progress events give a second estimate (resild.report.goodput.step_time takes the smaller).
+    step_s = step_time(events, fin) if fin is not None else None
+    if fin is not None and step_s:
+        train_s = fin["train_s"]
+        job = {"steps": fin["step"], "step_s": step_s, "train_s": train_s,
+               "goodput": min(1.0, fin["step"] * step_s / train_s) if train_s > 0 else None}
+    return out, job
+
+
+def _fmt(v: float | None, unit: str = "s") -> str:
+    return "-" if v is None else f"{v:.3f}{unit}"
+
+
+def format_table(failures: list[FailureSummary], job: dict[str, Any]) -> str:
+    lines = []
+    if failures:
+        lines.append(f"{'#':>2} {'node':<13} {'fault':<22} {'detector':<13} {'detect':>8} {'recovery':>9} "
+                     f"{'lost':>4} {'replayed':>10}  cause")
+        for i, f in enumerate(failures, 1):
+            mb = f"{f.bytes_replayed / 1e6:.1f}MB" if f.bytes_replayed else "-"
+            lines.append(f"{i:>2} {f.node:<13} {(f.fault or '-'):<22} {f.detector:<13} {_fmt(f.detect_s):>8} "
+                         f"{_fmt(f.recovery_s):>9} {('-' if f.steps_lost is None else f.steps_lost):>4} {mb:>10}  {f.cause}")
+    else:
+        lines.append("no failures")
+    if job:
+        gp = job.get("goodput")
+        lines.append(f"steps {job['steps']}, median step {job['step_s'] * 1000:.1f}ms, training wall {job['train_s']:.2f}s, "
+                     f"goodput {'-' if gp is None else f'{gp * 100:.1f}%'}")
+    return "\n".join(lines)
+
+
+# ---- live status: one line while the job runs, driven by the event stream -----------------------
+class StatusLine:
+    """An EventLog listener that keeps a person watching a long job informed.
+
+    It prints at once on what matters (training started, a failure, back at full strength,
+    spares used up) and otherwise at most every `every_s` while steps advance. On a terminal
+    the periodic line is rewritten in place; in a log file (Slurm output) each is its own
+    line. It writes only to `out` (stderr): stdout stays clean for --json.
+    """
+
+    def __init__(self, out: TextIO, every_s: float = 5.0, tty: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.out = out
+        self.every_s = every_s
+        self.tty = out.isatty() if tty is None else tty
+        self.clock = clock
+        self.t0: float | None = None
+        self.step = 0
+        self.epoch = 0
+        self.rate: float | None = None
+        self.spares: int | None = None
+        self.spares0: int | None = None
+        self.nodes: list[str] = []
+        self.last_failure: str | None = None
+        self.recovering_since: float | None = None
+        self.awaiting_epoch: int | None = None
+        self.layout: set[str] = set()
+        self.workers = 0
+        self.leader: int | None = None  # the leading controller replica (--controllers N)
+        self._fault_t: float | None = None
+        self._prev: tuple[float, int, int] | None = None  # (t, step, epoch) of the last progress point
+        self._last_print = float("-inf")
+        self._partial = False  # a rewritable line is on screen
+
+    # -- the listener ---------------------------------------------------------------
+    def __call__(self, e: dict[str, Any]) -> None:
+        name = e.get("event")
+        t = float(e.get("t_log", e.get("t_mono", self.clock())))
+        if name == "job_started":
+            self.t0, self.nodes = t, list(e.get("nodes") or [])
+        elif name == "worker_registered" and self.epoch == 0:
+            self.workers += 1  # start-up can take minutes at scale: show it moving
+            if self.clock() - self._last_print >= self.every_s:
+                self._line(f"starting: {self.workers} workers ready on {len(self.nodes)} nodes", t,
+                           permanent=not self.tty)
+        elif name == "membership":
+            layout = e.get("layout") or {}
+            self.layout = set(layout)
+            first = self.epoch == 0
+            self.epoch = int(e.get("epoch", self.epoch))
+            if first:
+                self.spares = self.spares0 = max(0, len(self.nodes) - len(layout))
+                self._line(f"training started: {len(layout)} nodes, {sum(len(r) for r in layout.values())} ranks, "
+                           f"{self.spares} hot spares", t, permanent=True)
+        elif name == "progress":
+            step, epoch = int(e["step"]), int(e.get("epoch", self.epoch))
+            if self._prev is not None and epoch == self._prev[2] and t > self._prev[0] and step > self._prev[1]:
+                self.rate = (step - self._prev[1]) / (t - self._prev[0])
+            self._prev = (t, step, epoch)
+            self.step, self.epoch = step, epoch
+            if self.clock() - self._last_print >= self.every_s:
+                self._line(self.status(), t, permanent=not self.tty)
+        elif name == "failure_detected":
+            node = e.get("node")
+            if node not in self.layout:  # a hot spare failed: training goes on
+                self.spares = max(0, (self.spares or 0) - 1)
+                self._line(f"hot spare {node} lost: {e.get('cause')}; {self.spares} spare(s) left", t, permanent=True)
+                return
+            self.step = int(e.get("committed_step", self.step))
+            self.last_failure = f"{node} ({e.get('detector')})"
+            fault_t, self._fault_t = self._fault_t, None
+            self.recovering_since = fault_t if fault_t is not None and fault_t <= t else t
+            self._line(f"failure: {e.get('cause')} [{e.get('detector')}] at step {self.step}", t, permanent=True)
+        elif name == "fault_injected":
+            self._fault_t = t  # the recovery clock starts at the fault when we know it
+        elif name == "spare_assigned":
+            self.spares = int(e.get("spares_left", self.spares or 0))
+            self.awaiting_epoch = int(e["epoch"])
+            self._line(f"{e.get('spare')} takes over {e.get('failed')}'s ranks (epoch {e['epoch']}), "
+                       f"{self.spares} spare(s) left", t, permanent=True)
+        elif name == "reform":
+            self.awaiting_epoch = int(e["epoch"])
+        elif name == "full_strength_step" and self.awaiting_epoch is not None \
+                and int(e.get("epoch", 0)) >= self.awaiting_epoch:
+            took = None if self.recovering_since is None else t - self.recovering_since
+            self.last_failure = f"{self.last_failure or 're-form'} recovered in {took:.2f}s" if took is not None \
+                else self.last_failure
+            self.awaiting_epoch = self.recovering_since = None
+            self.step = int(e.get("step", self.step))
+            self._line(f"back at full strength at step {self.step}" + (f", {took:.2f}s after the fault" if took else ""),
+                       t, permanent=True)
+        elif name == "controller_leader":
+            where = f"pid {e.get('pid')} on {e.get('host')}, term {e.get('term')}"
+            if self.leader is None:
+                self._line(f"controller replica {e.get('index')} leads ({where})", t, permanent=True)
+            else:
+                self._line(f"controller replica {self.leader} lost; replica {e.get('index')} leads now ({where}, "
+                           f"{e.get('restored')} journal records restored)", t, permanent=True)
+            self.leader = e.get("index")
+        elif name == "job_failed":
+            self._line(f"job failed: {e.get('reason')}", t, permanent=True)
+
+    def status(self) -> str:
+        rate = "-" if self.rate is None else f"{self.rate:.1f}"
+        spares = "-" if self.spares is None else f"{self.spares}/{self.spares0}"
+        s = f"step {self.step} ({rate} steps/s), epoch {self.epoch}, spares {spares}"
+        if self.recovering_since is not None:
+            s += f", recovering from {self.last_failure}"
+        elif self.last_failure:
+            s += f", last failure: {self.last_failure}"
+        return s
+
+    def _line(self, text: str, t: float, permanent: bool) -> None:
+        elapsed = "" if self.t0 is None else f"[{t - self.t0:7.1f}s] "
+        line = f"resil-run: {elapsed}{text}"
+        if self.tty:
+            self.out.write("\r\x1b[K" + line + ("\n" if permanent else ""))
+            self._partial = not permanent
+        else:
+            self.out.write(line + "\n")
+        self.out.flush()
+        self._last_print = self.clock()
+
+    def close(self) -> None:
+        """End a rewritable line so that what follows starts on its own line."""
+        if self._partial:
+            self.out.write("\n")
+            self.out.flush()
+            self._partial = False

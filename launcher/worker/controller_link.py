@@ -1,0 +1,207 @@
+"""The worker's link to the controller: one background thread owns the sockets.
+
+It turns controller messages into state the training thread reads at its own
+points (a newer membership, a fault to inject, the end of the job) and never
+raises from inside a handler. A newer epoch latches an error on `Interrupts`,
+which releases every collective wait at once, including waits inside C++ (DDP's
+reducer waits on our futures). It also tells the controller when this rank has
+been blocked in a collective for a while, so the hang detector blames the rank
+that is *not* waiting.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from resild.membership import Membership
+from resild.wire.protocol import MsgType
+from resild.wire.transport import ControllerSet, KeyDir
+
+from launcher.worker.stable_group import Interrupts
+
+log = logging.getLogger("resild.control")
+
+FENCED_EXIT = 3
+
+
+class ControlLink:
+    def __init__(self, controller: str, keys: KeyDir | None, node: str, local_rank: int, intr: Interrupts,
+                 status: Callable[[], tuple[int, int, int]]) -> None:
+        self.controller, self.node, self.local_rank = controller, node, local_rank
+        self.intr, self._status = intr, status
+        self.ctx = zmq.Context()
+        self._keys = keys
+        self._out: queue.Queue[tuple[MsgType, dict]] = queue.Queue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._stop = threading.Event()
+        self._stopped = threading.Event()
+        # Read by the training thread; written only here, under intr.cond.
+        self.welcome: dict | None = None
+        self.pending: Membership | None = None   # newest membership not yet taken
+        self.epoch = 0                           # the epoch the training thread works in
+        self.inject_exception = False
+        self.shutdown: dict | None = None
+        self.wait_report_s = 1.0
+        self.leader_changes = 0
+        # Told again to a new leader (standby takeover): who we are, and that we are done.
+        self._repeat: dict[MsgType, dict] = {}
+        self._ch: ControllerSet | None = None
+        self._thread = threading.Thread(target=self._run, name="resild-control", daemon=True)
+
+    def start(self) -> ControlLink:
+        self._thread.start()
+        return self
+
+    # ---- called from any thread ------------------------------------------------
+    def send(self, mtype: MsgType, **body: Any) -> None:
+        if mtype in (MsgType.REGISTER_WORKER, MsgType.DONE):
+            self._repeat[mtype] = {"node": self.node, **body}
+        elif mtype == MsgType.PROGRESS and body.get("state") != "commit":
+            # A rank blocked (or joining) when the leader changes must say so again, or the
+            # new leader's hang detector would blame it; anything else clears that.
+            if body.get("state") in ("wait", "collective_failed", "join"):
+                self._repeat[mtype] = {"node": self.node, **body}
+            else:
+                self._repeat.pop(mtype, None)
+        self._out.put((mtype, {"node": self.node, **body}))
+        os.write(self._wake_w, b"x")
+
+    def take(self) -> Membership | None:
+        with self.intr.cond:
+            m, self.pending = self.pending, None
+            if m is not None:
+                self.epoch = m.epoch
+            return m
+
+    def newer_epoch(self) -> bool:
+        p = self.pending
+        return p is not None and p.epoch > self.epoch
+
+    def wait(self, pred: Callable[[], bool], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        with self.intr.cond:
+            while not pred():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.intr.cond.wait(min(left, 0.5))
+            return True
+
+    def close(self, flush_s: float = 1.0) -> None:
+        """Stop the thread after sending what is queued (a FAILED report must leave)."""
+        self._stop.set()
+        os.write(self._wake_w, b"x")
+        self._stopped.wait(flush_s + 1.0)
+
+    # ---- the thread ------------------------------------------------------------
+    def _run(self) -> None:
+        ch = self._ch = ControllerSet(self.ctx, self.controller.split(","), self._keys,
+                                      sender=f"{self.node}/w{self.local_rank}/{os.getpid()}")
+        relay = None
+        if os.environ.get("RESILD_RELAY"):
+            from launcher.node.relay import RelayClient  # the node process relays membership and aggregates progress
+            relay = RelayClient(os.environ["RESILD_RELAY"], f"{self.node}/w{self.local_rank}")
+        poller = zmq.Poller()
+        for sock in ch.socks:
+            poller.register(sock, zmq.POLLIN)
+        if relay is not None:
+            poller.register(relay.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        reported = False
+        try:
+            while True:
+                self._flush(ch, relay)
+                if self._stop.is_set():
+                    break
+                ready = dict(poller.poll(50))
+                if ready.get(self._wake_r):
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                for i, sock_ in enumerate(ch.socks):
+                    if ready.get(sock_):
+                        while (msg := ch.recv(i)) is not None:
+                            self._on_message(msg)
+                while relay is not None and ready.get(relay.sock):
+                    msg = relay.recv(0)
+                    if msg is None:
+                        break
+                    self._on_message(msg)
+                reported = self._report_wait(reported)
+        except Exception:  # the link must never take the trainer down silently
+            log.exception("control link failed")
+            self.intr.fail("control link failed")
+        finally:
+            self._flush(ch, relay)
+            ch.close(linger_ms=1000)
+            if relay is not None:
+                relay.close()
+            self._stopped.set()
+
+    def _flush(self, ch: Any, relay: Any) -> None:
+        while True:
+            try:
+                mtype, body = self._out.get_nowait()
+            except queue.Empty:
+                return
+            if mtype == MsgType.PROGRESS and relay is not None:
+                relay.send(mtype, body)
+            else:
+                ch.send(mtype, body)
+
+    def _report_wait(self, reported: bool) -> bool:
+        blocked_s = self.intr.oldest_in_flight_s(time.monotonic())
+        if not reported and blocked_s > self.wait_report_s:
+            rank, epoch, step = self._status()
+            self.send(MsgType.PROGRESS, rank=rank, epoch=epoch, step=step, state="wait")
+            return True
+        if reported and blocked_s == 0.0:
+            rank, epoch, step = self._status()
+            self.send(MsgType.PROGRESS, rank=rank, epoch=epoch, step=step, state="compute")
+            return False
+        return reported
+
+    def _on_message(self, msg: Any) -> None:
+        t = msg.type
+        if t == MsgType.FENCE:
+            os._exit(FENCED_EXIT)  # a fenced rank must never take part again
+        if t == MsgType.LEASE:  # from our node process: a new controller leads
+            ch = self._ch
+            if ch is not None and ch.follow(int(msg.body.get("term", 0)), int(msg.body.get("leader", 0))):
+                self.leader_changes += 1
+                for mtype, body in self._repeat.items():  # register again (its WELCOME names its store)
+                    self._out.put((mtype, body))
+            return
+        with self.intr.cond:
+            if t == MsgType.WELCOME:
+                self.welcome = msg.body
+                self.wait_report_s = float(msg.body.get("wait_report_s", 1.0))
+            elif t == MsgType.MEMBERSHIP:
+                m = Membership.from_dict(msg.body)
+                newest = max(self.epoch, self.pending.epoch if self.pending else 0)
+                if m.epoch > newest:
+                    self.pending = m
+            elif t == MsgType.INJECT and msg.body.get("kind") == "exception":
+                self.inject_exception = True
+            elif t == MsgType.SHUTDOWN:
+                self.shutdown = msg.body
+            elif t == MsgType.ERROR:
+                log.error("controller error: %s", msg.body)
+            self.intr.cond.notify_all()
+        if t == MsgType.MEMBERSHIP and self.pending is not None and self.pending.epoch > self.epoch > 0:
+            self.intr.fail(f"epoch {self.pending.epoch} announced")  # release every wait of the old epoch
+        if t == MsgType.SHUTDOWN and int(msg.body.get("exit_code", 1)) != 0:
+            self.intr.fail("job stopped by the controller")
+
+
+def keys_from_env() -> KeyDir | None:
+    return KeyDir(Path(os.environ["RESILD_KEYS"])) if os.environ.get("RESILD_KEYS") else None

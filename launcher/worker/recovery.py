@@ -1,0 +1,141 @@
+"""The recovery sequence, one epoch at a time:
+
+  take the new membership -> abort and park the old backends -> form the new
+  backends for every group (fresh store prefix) -> agree on the newest committed
+  step -> prepared ranks roll forward -> replay state from replicas -> rewind.
+
+A newer epoch at any point restarts the sequence; a collective failure with no
+notice yet asks the controller for one. Every rank computes the same plan from
+the same agreed vector, so a plan that cannot be carried out (every replica of
+a shard lost) fails on every rank alike.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort
+from launcher.worker.replica_map import ReplicaMap, plan_replay
+from launcher.worker.state_transport import P2PTransport, Received
+
+
+from resild.wire.store import COMMITTED_KEY  # noqa: F401 (the runtime reads it from here)
+
+
+class Reformed(Exception):
+    """A newer epoch was announced, or the current one failed: start again."""
+
+
+@dataclass
+class Agreement:
+    target: int
+    rollers: list[int]        # ranks one step behind that hold this step's synced gradients
+    found_inf: int            # the committed step's GradScaler verdict, for the rollers
+    steps: list[int]          # every rank's step once the rollers have rolled forward
+
+
+def agree(rows: list[list[int]], floor: int = 0) -> Agreement:
+    """rows[r] = (step, prepared, found_inf): found_inf is the GradScaler verdict of
+    r's last commit, or, for a prepared rank, its local verdict on the step it voted
+    for (-1 unknown). `floor`: the newest step the controller saw committed. Pure.
+
+    The newest step held wins. Ranks that voted for the step after it roll forward
+    when someone committed that step, which the controller may know although the
+    rank that committed it is gone."""
+    top = max(r[0] for r in rows)
+    target = top
+    if floor == top + 1 and any(r[0] == top and r[1] == 1 for r in rows):
+        target = floor
+    rollers = [i for i, r in enumerate(rows) if r[0] == target - 1 and r[1] == 1]
+    committed = [r[2] for r in rows if r[0] == target and r[1] == 0 and r[2] >= 0]
+    found = committed[0] if committed else int(any(rows[i][2] > 0 for i in rollers))
+    steps = [target if i in rollers else r[0] for i, r in enumerate(rows)]
+    return Agreement(target, rollers, found, steps)
+
+
+class Recovery:
+    """Owns the epoch's backends for every StableGroup of this rank."""
+
+    def __init__(self, intr: Interrupts, factory: GroupFactory, device: torch.device, bury_s: float) -> None:
+        self.intr, self.factory, self.device, self.bury_s = intr, factory, device, bury_s
+        self.groups: dict[str, StableGroup] = {}
+        self.epoch = 0
+        self._graveyard: list[Any] = []
+
+    # ---- waiting ----------------------------------------------------------------
+    def wait(self, work: Any, p2p: bool = False) -> None:
+        """Wait on a backend work while watching the epoch: a latched error raises."""
+        mw = work if isinstance(work, ManagedWork) else ManagedWork(work, None, self.intr, p2p)
+        mw.wait()
+        if self.intr.error is not None:
+            raise Reformed(self.intr.error)
+
+    # ---- forming ------------------------------------------------------------------
+    def retire(self) -> None:
+        """Abort the old backends and keep them alive off the hot path: freeing a
+        gloo group whose threads are blocked on a dead peer can deadlock."""
+        old = [g._inner for g in self.groups.values() if g._inner is not None]
+        for g in self.groups.values():
+            g.set_backend(None)
+        for inner in old:
+            abort(inner)
+        if old:
+            self._graveyard.append(old)
+
+            def reap() -> None:
+                time.sleep(self.bury_s)
+                try:
+                    self._graveyard.remove(old)
+                except ValueError:
+                    pass
+
+            threading.Thread(target=reap, name="resild-reaper", daemon=True).start()
+
+    def form(self, epoch: int, groups: list[StableGroup]) -> float:
+        """Build this epoch's backends for `groups`, in parallel (gloo's full-mesh
+        connect blocks until every member arrives). Returns seconds taken."""
+        t0 = time.monotonic()
+        out: dict[str, Any] = {}
+        threads = []
+        for g in groups:
+            def build(g: StableGroup = g) -> None:
+                try:
+                    out[g.name] = self.factory.build(epoch, g)
+                except Exception as e:  # noqa: BLE001 - reported below as a failed epoch
+                    out[g.name] = e
+                with self.intr.cond:
+                    self.intr.cond.notify_all()
+            th = threading.Thread(target=build, name=f"resild-form-e{epoch}-{g.name}", daemon=True)
+            th.start()
+            threads.append(th)
+        token = self.intr.begin_wait()
+        try:
+            formed = self.intr.wait_until(lambda: len(out) == len(groups))
+        finally:
+            self.intr._done(token)
+        if not formed:
+            raise Reformed(self.intr.error or "interrupted")  # abandoned: the threads fail on their own
+        errors = [f"{k}: {v}" for k, v in out.items() if isinstance(v, Exception)]
+        if errors:
+            self.intr.fail(f"forming epoch {epoch}: {'; '.join(errors)}")
+            raise Reformed(self.intr.error or "")
+        for g in groups:
+            g.set_backend(out[g.name])
+        return time.monotonic() - t0
+
+    # ---- agreeing and replaying -------------------------------------------------
+    def agree(self, rank: int, world: int, row: tuple[int, int, int], floor: int = 0) -> Agreement:
+        rows = torch.zeros(world, 3, dtype=torch.int64, device=self.device)
+        rows[rank] = torch.tensor(row, dtype=torch.int64)
+        self.wait(self.groups["world"]._inner.allreduce([rows]))
+        return agree(rows.cpu().tolist(), floor)
+
+    def replay(self, steps: list[int], replicas: ReplicaMap, rank: int, max_sources: int,
+               snapshot: Any) -> tuple[int, Received | None]:
+        target, plan = plan_replay(steps, replicas, max_sources)
+        transport = P2PTransport(self.groups["world"]._inner, self.device, lambda w: self.wait(w, p2p=True))
+        return target, transport.exchange(plan, rank, snapshot)

@@ -1,0 +1,479 @@
+"""The library inside the training process: `launcher.init` and the `Job` facade.
+
+A plain data-parallel loop needs four lines (examples/train.py):
+
+    job = launcher.init(model, optimizer, scheduler=sched)
+    for step in job.steps(total):
+        ...forward/backward...
+        job.commit()
+
+Sharded and wrapped models (FSDP2/HSDP, DDP) join first, build on the job's
+stable group or mesh, then attach (examples/train_hsdp.py):
+
+    job = launcher.init()                      # a spare waits here
+    mesh = job.hsdp_mesh(shard_size=4)         # DeviceMesh over resild's groups
+    fully_shard(model, mesh=mesh); opt = AdamW(model.parameters())
+    job.attach(model, opt, scheduler=sched, scaler=scaler, extra=loader)
+    for step in job.steps(total):
+        ...forward/backward (hooks sync gradients)...
+        job.sync()                             # optional: plain loops all-reduce here
+        scaler.unscale_(opt); clip_grad_norm_(model.parameters(), 1.0)
+        job.commit()                           # vote; optimizer/scaler/scheduler step
+
+The optimizer steps only if every rank of the epoch completed this step's
+gradient sync (the commit vote). The parts: `control` (the controller link),
+`group` (the stable process group and backend factory), `recovery` (the
+sequence), `replay` (the state transport), `trainstate` (what is replayed).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from resild.wire.protocol import MsgType
+
+from launcher.worker.agent_link import AgentLink, agent_endpoint
+from launcher.worker.controller_link import FENCED_EXIT, ControlLink, keys_from_env
+from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
+from launcher.worker.recovery import COMMITTED_KEY, Recovery, Reformed
+from launcher.worker.state_transport import describe
+from launcher.worker.replica_map import NoReplica, ReplicaMap
+from launcher.worker.train_state import TrainState
+
+log = logging.getLogger("resild.runtime")
+
+Replicas = Callable[[int], ReplicaMap]
+
+
+class ResilienceError(RuntimeError):
+    pass
+
+
+class Job:
+    """Handle returned by `launcher.init`. `rank`, `world_size`, `step`, `epoch` are current values."""
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: Any = None, extra: Any = None, replicas: Replicas | None = None, *,
+                 scaler: Any = None) -> None:
+        self.step, self.rank, self.world_size, self.epoch = 0, 0, 1, 0
+        self.state: TrainState | None = None
+        self._replicas: Replicas | None = replicas
+        self._mesh_replicas: Replicas | None = None
+        self._aux: dict[str, Any] = {}
+        self._prepared_aux: dict[str, Any] | None = None
+        self._prepared = False          # this step's gradients are synced; waiting on the vote
+        self._last_found_inf = -1
+        self._prepared_found = 0
+        self._commits = 0
+        self._step_commits: int | None = None  # commits in the current iteration of steps()
+        self._yielded = 0
+        self._synced_at = -1
+        self._finishing = False
+        self._mesh: Any = None
+        self.intr = Interrupts()
+        controller = os.environ.get("RESILD_CONTROLLER")
+        self.solo = controller is None
+        self.node = os.environ.get("RESILD_NODE", "solo")
+        self.local_rank = int(os.environ.get("RESILD_LOCAL_RANK", "0"))
+        if self.solo:
+            self._init_solo()
+        else:
+            self._init_controlled(controller)
+        if model is not None:
+            if optimizer is None:
+                raise ResilienceError("launcher.init(model, optimizer, ...): the optimizer is required with a model")
+            self.attach(model, optimizer, scheduler, scaler=scaler, extra=extra, replicas=replicas)
+
+    # ---- joining ----------------------------------------------------------------------
+    def _init_solo(self) -> None:
+        self.cfg: dict[str, Any] = {}
+        self.backend = "gloo"
+        self.device = torch.device("cpu")
+        store = dist.HashStore()
+        self.rec = Recovery(self.intr, GroupFactory("gloo", lambda: store, 60.0), self.device, 0.0)
+        self.link = None
+        self._store = store
+        self.rank, self.world_size, self.epoch = 0, 1, 1
+        self._make_world(store)
+        self.rec.form(1, [self.group])
+
+    def _init_controlled(self, controller: str) -> None:
+        self.link = ControlLink(controller, keys_from_env(), self.node, self.local_rank, self.intr,
+                                lambda: (self.rank, self.epoch, self.step)).start()
+        self.link.send(MsgType.REGISTER_WORKER, local_rank=self.local_rank, pid=os.getpid())
+        if not self.link.wait(lambda: self.link.welcome is not None, 120.0):
+            raise ResilienceError(f"no welcome from the controller within 120s ({controller})")
+        self.cfg = dict(self.link.welcome or {})
+        self.backend = os.environ.get("RESILD_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        timeout_s = float(self.cfg.get("collective_timeout_s", 60))
+        self._store = self._store_client()
+        factory = GroupFactory(self.backend, self._store_client, timeout_s, os.environ.get("RESILD_GLOO_HOST"))
+        self.rec = Recovery(self.intr, factory, self.device, timeout_s + 5.0)
+        self._install_excepthook()
+        ep = agent_endpoint()
+        self._agent = AgentLink(ep, f"{self.node}/rank{self.local_rank}", lambda: self.step).start() if ep else None
+        # A spare waits here, warm (torch imported, CUDA context up), until it is given ranks.
+        if not self.link.wait(lambda: self.link.pending is not None or self.link.shutdown is not None, 0.5):
+            _prewarm()
+        while True:
+            self.link.wait(lambda: self.link.pending is not None or self.link.shutdown is not None, 3600.0)
+            self._check_shutdown(waiting_spare=True)
+            if self.link.pending is not None:
+                m = self.link.pending
+                if m.rank_of(self.node, self.local_rank) is not None:
+                    break
+                self.link.take()  # an epoch that does not include this spare: keep waiting
+        m = self.link.take()
+        assert m is not None
+        self.rank, self.world_size, self.epoch = m.rank_of(self.node, self.local_rank), m.world_size, m.epoch
+        if self.epoch > 1:  # a spare taking over: building the model may take a while, and that is no hang
+            self._progress("join")
+        self._make_world(self._store)
+        self._form_until_stable(only=[self.group])
+
+    def _make_world(self, store: Any) -> None:
+        self.group = StableGroup("world", list(range(self.world_size)), self.rank, self.intr)
+        self.rec.groups["world"] = self.group
+        install_default(self.group, store)
+
+    def _store_client(self) -> Any:
+        # The newest welcome's store: a standby controller that takes over brings its own.
+        addr = str((self.link.welcome or {}).get("store") or self.cfg["store"]) if self.link else self.cfg["store"]
+        host, port = addr.rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
+
+    def hsdp_mesh(self, shard_size: int, device_type: str | None = None) -> Any:
+        """A 2-D DeviceMesh ("replicate", "shard") over resild's stable groups: shard
+        inside groups of `shard_size` consecutive ranks, replicate across them.
+        Pass it to `fully_shard(..., mesh=...)`; the replica map follows from it."""
+        from torch.distributed.device_mesh import DeviceMesh
+        S, W = int(shard_size), self.world_size
+        if S <= 0 or W % S:
+            raise ResilienceError(f"hsdp_mesh: world size {W} is not a multiple of shard_size {shard_size}")
+        R = W // S
+        r, s = divmod(self.rank, S)
+        rep = StableGroup(f"resild-replicate-{s}", [s + i * S for i in range(R)], self.rank, self.intr)
+        shard = StableGroup(f"resild-shard-{r}", [r * S + j for j in range(S)], self.rank, self.intr)
+        for g in (rep, shard):
+            g.allow = self.group.allow
+            register(g, self._store)
+            self.rec.groups[g.name] = g
+        self._form_until_stable(only=[rep, shard])
+        self._mesh_replicas = lambda w: ReplicaMap.hsdp(w, S)
+        self._mesh = DeviceMesh.from_group([rep, shard], device_type or self.device.type,
+                                           mesh=torch.arange(W).view(R, S), mesh_dim_names=("replicate", "shard"))
+        return self._mesh
+
+    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
+               scaler: Any = None, extra: Any = None, replicas: Replicas | None = None) -> Job:
+        """Hand resild the training state. On a spare this is where the failed rank's
+        state arrives from a replica; at the job's start the ranks agree on step 0."""
+        if self.state is not None:
+            raise ResilienceError("job.attach() was already called")
+        self.state = TrainState(model, optimizer, scheduler, scaler, extra, self.device)
+        if replicas is not None:
+            self._replicas = replicas
+        self._aux = self.state.capture_aux()
+        for g in self.rec.groups.values():
+            g.allow = True
+        if not self.solo:
+            try:
+                self._join()
+            except Reformed:
+                self._recover()
+        return self
+
+    # ---- messages and failures -----------------------------------------------------
+    def _install_excepthook(self) -> None:
+        # Interpreter teardown with torch loaded takes ~1-2 s; report the failure first.
+        prev = sys.excepthook
+
+        def hook(tp: type, value: BaseException, tb: Any) -> None:
+            try:
+                if self.link is not None:
+                    self.link.send(MsgType.FAILED, local_rank=self.local_rank, pid=os.getpid(),
+                                   error=f"{tp.__name__}: {value}"[:1000])
+                    self.link.close(flush_s=1.0)
+            except Exception:
+                pass  # best effort; the exit is seen by the node process anyway
+            finally:
+                prev(tp, value, tb)
+
+        sys.excepthook = hook
+
+    def _check_shutdown(self, waiting_spare: bool = False) -> None:
+        s = self.link.shutdown if self.link is not None else None
+        if s is None:
+            return
+        if int(s.get("exit_code", 1)) != 0:
+            raise SystemExit(f"resild: job stopped by the controller: {s.get('reason')}")
+        if waiting_spare:
+            raise SystemExit(0)  # the job is complete and this spare was never needed
+
+    def _event(self, name: str, **fields: Any) -> None:
+        if self.link is not None:
+            self.link.send(MsgType.EVENT, name=name, fields={"rank": self.rank, "epoch": self.epoch,
+                                                             "t_mono": time.monotonic(), **fields})
+
+    def _progress(self, state: str, **extra: Any) -> None:
+        if self.link is not None:
+            self.link.send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state=state, **extra)
+
+    def _await_notice(self, why: str) -> None:
+        """A collective failed with no new membership yet: only the controller knows.
+        The report makes it probe every node at once instead of waiting for heartbeats."""
+        self._progress("collective_failed", error=why[:300])
+        link = self.link
+        assert link is not None
+        ok = link.wait(lambda: link.newer_epoch() or link.shutdown is not None,
+                       float(self.cfg.get("notice_timeout_s", 120)))
+        self._check_shutdown()
+        if not ok:
+            raise ResilienceError(f"collective failed ({why}) and no new membership came within the notice timeout")
+
+    # ---- recovery -------------------------------------------------------------------
+    def _form_until_stable(self, only: list[StableGroup]) -> None:
+        try:
+            self.rec.form(self.epoch, only)
+        except Reformed:
+            self._recover()
+
+    def _recover(self) -> None:
+        """Run the recovery sequence until one epoch completes it."""
+        link = self.link
+        assert link is not None
+        while True:
+            self._check_shutdown()
+            if not link.newer_epoch():
+                self._await_notice(self.intr.error or "collective failed")
+            m = link.take()
+            assert m is not None
+            rank = m.rank_of(self.node, self.local_rank)
+            if rank is None:
+                os._exit(FENCED_EXIT)  # not in the new membership: we were fenced
+            if rank != self.rank or m.world_size != self.world_size:
+                raise ResilienceError(f"membership epoch {m.epoch} moved rank {self.rank} to {rank}: "
+                                      "resild replaces failed nodes one for one, it never renumbers survivors")
+            self.epoch = m.epoch
+            self.rec.retire()
+            self.intr.clear()
+            if link.newer_epoch():
+                continue
+            t0 = time.monotonic()
+            try:
+                formed_s = self.rec.form(m.epoch, list(self.rec.groups.values()))
+                if self.rank == 0:
+                    self._event("group_reformed", seconds=round(formed_s, 4), world_size=self.world_size)
+                if self.state is not None:
+                    self._join(t0)
+                return
+            except Reformed:
+                continue
+
+    def _join(self, t0: float | None = None) -> None:
+        """Agree on the newest committed step; roll forward or receive state."""
+        assert self.state is not None
+        t0 = t0 or time.monotonic()
+        floor = self._floor()
+        row = (self.step, 1, self._prepared_found) if self._prepared else (self.step, 0, self._last_found_inf)
+        ag = self.rec.agree(self.rank, self.world_size, row, floor)
+        if self.rank in ag.rollers:
+            # Every rank voted for this step and some committed it: our gradients are
+            # the committed ones, so finish the step here instead of receiving it.
+            self.state.apply_step(ag.found_inf)
+            self.step += 1
+            self._aux = self._prepared_aux or self._aux
+            self._last_found_inf = ag.found_inf
+        self._prepared = False
+        self._synced_at = -1  # the agreed step is computed afresh
+        try:
+            if ag.target < floor:
+                raise NoReplica(f"every rank holding committed step {floor} was lost (the newest state left is step "
+                                f"{ag.target}): checkpointless recovery is impossible; restart from a disk checkpoint")
+            target, got = self.rec.replay(ag.steps, self._replica_map(), self.rank, int(self.cfg.get("replay_sources", 2)),
+                                          lambda: (self.state.snapshot(self.step), self._aux))
+        except (NoReplica, ValueError) as e:
+            # Every rank computes the same plan, so every rank lands here: stop the job.
+            if self.link is not None:
+                self.link.send(MsgType.FATAL, error=str(e))
+                self.link.close(flush_s=1.0)
+            raise ResilienceError(str(e)) from None
+        if got is not None:
+            self.step = self.state.restore(got.state, got.aux)
+            self._aux = self.state.capture_aux()
+            self._last_found_inf = -1
+            self.state.reset_hooks(got.aux.get("ddp_buckets"))
+            print(f"resild: rank {self.rank} replayed {describe(got)}", file=sys.stderr, flush=True)
+            self._event("state_replayed", bytes=got.nbytes, seconds=round(got.seconds, 4), step=target,
+                        sources=got.sources, mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1))
+        else:
+            self.state.rewind_aux(self._aux)
+            self.state.reset_hooks(self._aux.get("ddp_buckets"))
+        if self.epoch > 1:
+            self._progress("joined")
+        if self.rank == 0 and self.epoch > 1:
+            self._event("resumed", step=target, seconds=round(time.monotonic() - t0, 4))
+
+    def _floor(self) -> int:
+        """The newest step the controller knew committed at the last failure (the
+        runner publishes it in the store): below it, every replica of the state is gone."""
+        if self.solo or self.epoch <= 1:
+            return 0
+        store = self._store_client()  # the current leader's store (it moves with the leader)
+        if not store.check([COMMITTED_KEY]):
+            return 0
+        return int(store.get(COMMITTED_KEY))
+
+    def _replica_map(self) -> ReplicaMap:
+        make = self._replicas or self._mesh_replicas or ReplicaMap.data_parallel
+        rm = make(self.world_size)
+        rm.validate(self.world_size)
+        return rm
+
+    # ---- the training loop ------------------------------------------------------------
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the step to compute until `total` steps are committed; after a
+        recovery the next step yielded is the agreed committed step."""
+        if self.state is None:
+            raise ResilienceError("call job.attach(model, optimizer, ...) before job.steps()")
+        while True:
+            while self.step < total:
+                before = self._commits
+                self._step_commits, self._yielded = 0, self.step
+                yield self.step
+                self._step_commits = None
+                if self._commits == before:
+                    raise ResilienceError("call job.commit() once per step inside `for step in job.steps(...)`")
+            if self.solo or self._finish():
+                return
+
+    def _finish(self) -> bool:
+        """Report done, then stay available as a replica until the controller
+        says the whole job is done (a late failure may still need our state)."""
+        link = self.link
+        assert link is not None
+        self._finishing = True
+        link.send(MsgType.DONE, rank=self.rank, epoch=self.epoch, step=self.step, pid=os.getpid())
+        ok = link.wait(lambda: link.shutdown is not None or link.newer_epoch(),
+                       float(self.cfg.get("notice_timeout_s", 120)))
+        if link.shutdown is not None:
+            self._check_shutdown()
+            return True
+        if not ok:
+            raise ResilienceError("finished, but the controller never confirmed the end of the job")
+        self._finishing = False
+        self._recover()
+        return False
+
+    def sync(self) -> None:
+        """Make this step's gradients identical across replicas. DDP and FSDP2 do it
+        in their backward hooks (then this only checks they completed); a plain
+        model's gradients are averaged here in one flat all-reduce. Idempotent."""
+        if self._synced_at == self.step or self.solo:
+            return
+        self._synced_at = self.step
+        assert self.state is not None
+        if self.intr.error is not None or (self.link is not None and self.link.newer_epoch()):
+            return
+        if _hooks_sync(self.state.model):
+            return
+        params = [p for p in self.state.model.parameters() if p.requires_grad]
+        if not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        self.group.allreduce([flat]).wait()
+        if self.intr.error is not None:
+            return
+        flat.div_(self.world_size)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+
+    def commit(self) -> bool:
+        """Vote, then step optimizer, GradScaler and scheduler only if every rank of
+        the epoch completed this step's gradient sync. Returns False if the step
+        was abandoned (a recovery ran; the loop resumes at the agreed step)."""
+        if self.state is None:
+            raise ResilienceError("call job.attach(model, optimizer, ...) before job.commit()")
+        if self._step_commits is not None:
+            if self._step_commits:
+                raise ResilienceError(f"job.commit() called twice in step {self._yielded}: exactly one commit per step")
+            self._step_commits = 1
+        self._commits += 1
+        if self.solo:
+            self.state.apply_step(self.state.local_found_inf())
+            self.step += 1
+            return True
+        assert self.link is not None
+        if self.link.inject_exception:
+            raise RuntimeError("resild fault injection: exception raised in the training step")
+        self.sync()
+        found = self.state.local_found_inf()
+        if self.intr.error is None and not self.link.newer_epoch():
+            self._prepared, self._prepared_aux, self._prepared_found = True, self.state.capture_aux(), found
+            vote = torch.tensor([found], dtype=torch.int64, device=self.device)
+            self.group.allreduce([vote]).wait()
+            if self.intr.error is None:
+                # The vote completed, so every rank synced this step: commit.
+                self._last_found_inf = int(vote.item() > 0)
+                self.state.apply_step(self._last_found_inf)
+                self.step += 1
+                self._prepared = False
+                self._aux = self._prepared_aux
+                self._progress("commit")
+                return True
+        self._recover()
+        return False
+
+    def close(self) -> None:
+        if self.link is not None:
+            if self._agent is not None:
+                self._agent.stop()
+            self.link.close()
+
+
+def _prewarm() -> None:
+    """Probably a spare: pay torch's lazy imports now rather than after taking over
+    (FSDP2's first fully_shard imports torch._dynamo: ~200 modules, 0.5 s here)."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # a warm-up only
+        pass
+
+
+def _hooks_sync(model: torch.nn.Module) -> bool:
+    """Does the model's backward already synchronise gradients (DDP, FSDP2)?"""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def init(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+         scheduler: Any = None, *, extra: Any = None, replicas: Replicas | None = None, scaler: Any = None) -> Job:
+    """Join the job (or, run without resil-run, train alone). A spare blocks here,
+    warm, until the controller gives it a failed node's ranks. With a model and
+    optimizer the job is attached at once (plain data parallelism)."""
+    try:
+        return Job(model, optimizer, scheduler, extra, replicas, scaler=scaler)
+    except ResilienceError as e:
+        print(f"resild: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,179 @@
+"""Decisions, as pure functions of (now, view): no I/O, no clock reads.
+
+The controller executes and journals what these return; tests drive them
+with a fake clock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from resild.membership import ClusterView, Membership, NodeRole, NodeView
+
+
+class Action(str, Enum):
+    NONE = "none"
+    REPLACE_NODE = "replace_node"   # fence `node`, give its ranks to `spare`
+    REFORM = "reform"               # same layout, new epoch: a transient collective failure
+    DROP_SPARE = "drop_spare"       # a spare failed: fence it, no epoch change
+    FAIL_JOB = "fail_job"
+    FINISH = "finish"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str
+    node: str | None = None
+    spare: str | None = None
+    membership: Membership | None = None
+    detector: str = ""
+
+
+NOTHING = Decision(Action.NONE, "")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    heartbeat_timeout_s: float = 2.0
+    hang_timeout_s: float = 30.0
+    probe_timeout_s: float = 0.5  # a pinged node process must answer within this
+    join_timeout_s: float = 300.0  # a spare building its model and receiving state ("join") is not hung
+    # Before the first epoch a node is lost after this much silence (at least the heartbeat
+    # timeout): start-up (imports, thousands of registrations) can starve a node process
+    # for seconds, and nothing is waiting on it yet.
+    start_heartbeat_timeout_s: float = 15.0
+
+
+def pick_spare(view: ClusterView, *, starting: bool = False) -> NodeView | None:
+    """Prefer a spare whose workers are all warm; else any registered spare. Before the
+    first epoch (`starting`) a spare still starting up will do: it has time to register."""
+    spares = [n for n in view.spares() if n.registered]
+    warm = [n for n in spares if n.workers_ready >= n.nproc]
+    late = [n for n in view.spares() if starting and not n.registered]
+    return (warm or spares or late or [None])[0]
+
+
+def on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str, *,
+                    worker_fault: bool = False) -> Decision:
+    """`worker_fault`: the training command itself failed (a worker exited or raised),
+    as opposed to the node (its node process died, went silent, or its GPU failed)."""
+    node = view.nodes.get(node_id)
+    if node is None or node.role in (NodeRole.FENCED, NodeRole.DONE):
+        return NOTHING  # already handled (several detectors often see one fault)
+    if node.role == NodeRole.SPARE:
+        return Decision(Action.DROP_SPARE, f"spare {node_id} failed: {cause}", node=node_id, detector=detector)
+    if view.membership is None:
+        if worker_fault:
+            # A worker failing before the first epoch is almost always the command itself
+            # (bad path, import error, bad argument): replacing nodes would repeat it.
+            return Decision(Action.FAIL_JOB, f"{node_id} failed before the job started: {cause}",
+                            node=node_id, detector=detector)
+        # The node itself was lost during start-up (where large jobs lose most nodes): a
+        # spare takes its place in the first epoch; nothing to replay yet.
+        spare = pick_spare(view, starting=True)
+        if spare is None:
+            return Decision(Action.FAIL_JOB, f"no spare left: {node_id} failed before the job started ({cause})",
+                            node=node_id, detector=detector)
+        return Decision(Action.REPLACE_NODE, f"{node_id} failed before the job started: {cause}", node=node_id,
+                        spare=spare.node_id, detector=detector)
+    spare = pick_spare(view)
+    if spare is None:
+        return Decision(Action.FAIL_JOB, f"no spare left: {node_id} failed ({cause})", node=node_id, detector=detector)
+    return Decision(Action.REPLACE_NODE, f"{node_id} failed: {cause}", node=node_id, spare=spare.node_id,
+                    membership=view.membership.replace(node_id, spare.node_id), detector=detector)
+
+
+def on_worker_exception(view: ClusterView, node_id: str, error: str, cause: str) -> Decision:
+    """A worker raised. The first time it is treated like a node fault (a bad GPU
+    often surfaces as an exception); the same error again, on another node, is a
+    bug in the training script: replacing nodes would only burn the spares."""
+    if error and error in view.exceptions_seen:
+        return Decision(Action.FAIL_JOB, f"the same exception recurred on {node_id} after a node replacement; "
+                                         f"this looks like a bug in the training script, not a fault: {error}",
+                        node=node_id, detector="exception")
+    return on_node_failure(view, node_id, cause, "exception", worker_fault=True)
+
+
+def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
+    """A rank saw a collective fail (a peer's socket reset): every active node was
+    pinged at `probe_sent_s`. One that has not answered within probe_timeout_s is
+    dead; this beats waiting for the heartbeat timeout by a second or more."""
+    sent = view.probe_sent_s
+    if sent is None or now - sent < cfg.probe_timeout_s:
+        return NOTHING
+    for node_id in sorted(view.probe_targets):
+        node = view.nodes[node_id]
+        if node.role == NodeRole.ACTIVE and node.last_heartbeat_s < sent:
+            return on_node_failure(view, node_id, f"no answer to a liveness probe within "
+                                                  f"{cfg.probe_timeout_s:.1f}s after a collective failed", "probe")
+    m = view.membership
+    if m is not None and m.epoch == view.probe_epoch:
+        # Everyone is alive and nobody was replaced meanwhile: the failure was transient
+        # (a reset connection). Re-form, or the ranks would wait for a notice forever.
+        return Decision(Action.REFORM, f"a collective failed in epoch {m.epoch} but every node answered "
+                                       "the liveness probe: re-forming the group", membership=m.bump(),
+                        detector="probe")
+    return NOTHING
+
+
+def check_timeouts(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
+    """Probe answers first, then heartbeat loss (a dead node explains a stall), then hangs."""
+    d = check_probe(now, view, cfg)
+    if d.action != Action.NONE:
+        return d
+    d = check_heartbeats(now, view, cfg)
+    if d.action != Action.NONE:
+        return d
+    return check_hang(now, view, cfg)
+
+
+def check_heartbeats(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
+    """A registered node silent for heartbeat_timeout_s is lost (before the first epoch:
+    start_heartbeat_timeout_s, if longer)."""
+    timeout_s = cfg.heartbeat_timeout_s
+    if view.membership is None:
+        timeout_s = max(timeout_s, cfg.start_heartbeat_timeout_s)
+    for node in view.by_heartbeat():  # oldest first: stop at the first live one
+        if node.registered and node.role in (NodeRole.ACTIVE, NodeRole.SPARE):
+            silent_s = now - node.last_heartbeat_s
+            if silent_s > timeout_s:
+                return on_node_failure(view, node.node_id, f"no heartbeat for {silent_s:.1f}s", "heartbeat")
+            break
+    return NOTHING
+
+
+def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
+    """A stalled job: nobody committed for hang_timeout_s. The culprits are the
+    ranks NOT blocked in a collective (they are what the others wait for)."""
+    m = view.membership
+    if m is None or view.last_commit_s == 0.0:
+        return NOTHING  # start-up (imports, model build, first formation): the start timeout governs it
+    since = max(view.last_commit_s, view.epoch_started_s, view.first_done_s or 0.0)
+    stalled_s = now - since
+    if stalled_s <= cfg.hang_timeout_s:
+        return NOTHING
+    joining = False
+    for rank in range(m.world_size):
+        if rank in view.done_ranks:
+            continue  # finished: waiting for the others is all it does
+        p = view.progress.get(rank)
+        if p is not None and p.epoch == m.epoch and p.state == "join" and now - p.t_s <= cfg.join_timeout_s:
+            joining = True  # a spare building its model for the failed ranks: the others wait for it
+            continue
+        if p is None or p.epoch != m.epoch or p.state not in ("wait", "collective_failed"):
+            node = m.node_of(rank)
+            assert node is not None
+            last = "never reported" if p is None else f"last step {p.step}, state {p.state}"
+            return on_node_failure(view, node, f"hang: rank {rank} made no progress for {stalled_s:.1f}s ({last})", "hang")
+    if stalled_s > 2 * cfg.hang_timeout_s and not joining:
+        return Decision(Action.FAIL_JOB, f"job stalled {stalled_s:.1f}s with every rank waiting in a collective; "
+                                         "no culprit to replace")
+    return NOTHING
+
+
+def check_done(view: ClusterView) -> Decision:
+    m = view.membership
+    if m is not None and len(view.done_ranks) == m.world_size:
+        return Decision(Action.FINISH, f"all {m.world_size} ranks finished")
+    return NOTHING

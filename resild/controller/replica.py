@@ -1,0 +1,374 @@
+"""Standby controllers: N replicas of the controller, one leading, the journal
+replicated by Raft (pysyncobj), so losing the leader's host loses no decision.
+
+    python -m resild.controller.replica --spec RUN_DIR/controllers.json --index I
+
+Every replica binds its ROUTER endpoint and its own rendezvous store at start. A
+standby drains its socket (node processes heartbeat every replica, so the socket
+is warm) and acts on nothing. The replica Raft elects leads: it first commits a
+`leader` record (so every earlier record is applied here too), rebuilds the
+controller's state from the replicated journal (`Controller.restore`), and leases
+every node with a higher term; nodes and workers follow the highest term, register
+again and get this replica's store. A leader that loses its Raft leadership stops
+at its next tick without a word (the new leader speaks for the job).
+
+The spec (JSON, written by resil-run): active, spares, nproc, endpoints (ROUTER,
+one per replica), raft (host:port, one per replica), keys, events, run_dir,
+faults, and the controller's settings (policy, worker, start_timeout_s,
+controller_timeout_s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+from pysyncobj import SyncObj, SyncObjConf, replicated
+from pysyncobj.syncobj import SyncObjException
+
+import resild.slurm as slurm
+from resild.controller.backend import Backend
+from resild.controller.loop import Controller, ControllerConfig
+from resild.events.log import EventLog
+from resild.controller.faults import parse_fault
+from resild.controller.journal import Journal
+from resild.controller.policy import PolicyConfig
+from resild.procutil import die_with_parent
+from resild.wire.store import CommittedFloor
+from resild.wire.transport import KeyDir, Server, store_listen_fd
+
+log = logging.getLogger("resild.replica")
+
+RESULT_FILE = "result.json"  # the leader's verdict on the job, for resil-run
+RUNNER_ALIVE = "runner.alive"  # resil-run touches it while it waits (Slurm: its host may die)
+
+
+APPEND_PERIOD_S = 0.05  # the Raft leader's append (and heartbeat) period
+
+
+def raft_conf(password: str) -> SyncObjConf:
+    # Elections within ~0.3-0.6 s of the leader's silence: well inside the nodes' lease
+    # (--controller-timeout, 5 s by default) and close to the heartbeat timeout.
+    # pysyncobj frames are pickles: the password (a per-job secret, 0600 in the keys
+    # directory) makes every frame Fernet-encrypted and authenticated, so a peer without
+    # the secret is refused before anything is unpickled.
+    states = {0: "follower", 1: "candidate", 2: "leader"}
+
+    def changed(old: int, new: int) -> None:  # pysyncobj's thread: one line per Raft role change
+        print(f"resild controller replica (pid {os.getpid()}): raft {states.get(old, old)} -> "
+              f"{states.get(new, new)} at t_mono {time.monotonic():.3f}", file=sys.stderr, flush=True)
+
+    return SyncObjConf(raftMinTimeout=0.3, raftMaxTimeout=0.6, appendEntriesPeriod=APPEND_PERIOD_S,
+                       connectionRetryTime=0.3, connectionTimeout=1.0, dynamicMembershipChange=False,
+                       commandsWaitLeader=True, password=password, onStateChanged=changed)
+
+
+def raft_secret(keys_dir: Path) -> str:
+    """The replica set's shared secret, made once per job (0600)."""
+    path = keys_dir / "raft.secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex())
+    return path.read_text().strip()
+
+
+class RaftLog(SyncObj):
+    """The replicated journal: an append-only list of decision records. Each replica
+    also keeps its applied copy in its own JSON-lines file (for `resild report` and
+    for a restart from disk)."""
+
+    def __init__(self, self_addr: str, partners: list[str], path: Path, password: str) -> None:
+        super().__init__(self_addr, partners, raft_conf(password))
+        self.records: list[dict[str, Any]] = []
+        self._file = Journal(path)
+
+    @replicated
+    def _apply(self, record: dict[str, Any]) -> int:
+        self.records.append(record)
+        self._file.append(record)
+        return len(self.records)
+
+
+CLOSED = "closed"  # the leader's last record: the job is over and its verdict written
+
+
+def _closed(records: list[dict[str, Any]]) -> bool:
+    # Not only the last record: a standby elected as the leader went learns of the commit
+    # with its own `leader` record, which lands after it.
+    return any(r.get("action") == CLOSED for r in reversed(records))
+
+
+class RaftJournal(Journal):
+    """The controller's Journal, written through Raft: `append` is true once a majority
+    of the replicas holds the record."""
+
+    def __init__(self, raft: RaftLog, timeout_s: float = 2.0) -> None:
+        super().__init__(None)
+        self.raft, self.timeout_s = raft, timeout_s
+
+    def append(self, record: dict[str, Any]) -> bool:
+        try:
+            self.raft._apply(record, sync=True, timeout=self.timeout_s)
+        except SyncObjException as e:
+            self._failed(RuntimeError(f"raft: {e.errorCode}"), record)
+            return False
+        return True
+
+    def status(self) -> dict[str, Any]:
+        return {**super().status(), "replicated": True}
+
+
+class ProcessNodes(Backend):
+    """Node processes on this host that are not our children (resil-run started them;
+    each leads its own process group): fence = kill the group, exits seen through
+    pidfds. Pids come from the nodes' registrations and heartbeats."""
+
+    def __init__(self, pid_of: Callable[[str], int | None], nodes: list[str]) -> None:
+        self.pid_of, self.nodes = pid_of, nodes
+        self._fds: dict[str, int] = {}
+        self._done: set[str] = set()
+
+    def fence(self, node: str, reason: str) -> None:
+        self._done.add(node)
+        pid = self.pid_of(node)
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def exited_nodes(self) -> list[tuple[str, int]]:
+        out = []
+        for node in self.nodes:
+            if node in self._done or node in self._fds or not (pid := self.pid_of(node)):
+                continue
+            try:
+                self._fds[node] = os.pidfd_open(pid)
+            except ProcessLookupError:
+                self._done.add(node)
+                out.append((node, -1))
+        if self._fds:
+            ready, _, _ = select.select(list(self._fds.values()), [], [], 0)
+            for node, fd in list(self._fds.items()):
+                if fd in ready and node not in self._done:
+                    self._done.add(node)
+                    os.close(self._fds.pop(node))
+                    out.append((node, -1))  # not our child: no exit status to read
+        return out
+
+    def shutdown(self, timeout_s: float) -> None:
+        self._done.update(self.nodes)  # resil-run waits for and reaps the node processes
+
+
+class SlurmDrain(Backend):
+    """A leader on any node of the allocation: fencing is logical (FENCE to the node
+    process), a failed node is drained in Slurm off the loop. Node deaths are found by
+    heartbeats and probes (the node step's srun belongs to resil-run, not to us)."""
+
+    def __init__(self) -> None:
+        self.drained: dict[str, str] = {}
+
+    def drain(self, node: str, reason: str) -> None:
+        def run() -> None:
+            try:
+                slurm.drain(node, reason)
+                self.drained[node] = reason
+            except slurm.SlurmError as e:
+                log.error("could not drain %s: %s", node, e)
+        threading.Thread(target=run, name=f"drain-{node}", daemon=True).start()
+
+
+def discover(spec: dict[str, Any], index: int, run_dir: Path, router_port: int,
+             timeout_s: float = 120.0) -> tuple[list[str], list[str]]:
+    """Under Slurm every replica picks its own ports on its own host and publishes them
+    in the (shared) run directory; all replicas and resil-run wait for the full set.
+    The ROUTER is bound before its port is published: a peer connecting to a port
+    nobody listens on yet can end up connected to itself (TCP self-connect) for good."""
+    host = spec.get("advertise") or os.environ.get("RESILD_CONTROLLER_HOST") or socket.getfqdn()
+    with socket.socket() as b:
+        b.bind(("", 0))  # Raft's port: pysyncobj binds it itself (and retries)
+        mine = {"endpoint": f"tcp://{host}:{router_port}", "raft": f"{host}:{b.getsockname()[1]}"}
+    tmp = run_dir / f".replica-{index}.json.tmp"
+    tmp.write_text(json.dumps(mine))
+    os.replace(tmp, run_dir / f"replica-{index}.json")
+    return wait_for_replicas(run_dir, replica_count(spec), timeout_s)
+
+
+def replica_count(spec: dict[str, Any]) -> int:
+    return len(spec.get("hosts") or []) or int(spec.get("replicas") or 0)
+
+
+def wait_for_replicas(run_dir: Path, n: int, timeout_s: float) -> tuple[list[str], list[str]]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            got = [json.loads((run_dir / f"replica-{i}.json").read_text()) for i in range(n)]
+            return [g["endpoint"] for g in got], [g["raft"] for g in got]
+        except (OSError, ValueError, KeyError):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"controller replicas did not all start within {timeout_s:.0f}s "
+                                   f"(see {run_dir}/replica-*.json)") from None
+            time.sleep(0.1)
+
+
+def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
+    """The job is over but resil-run (the batch script) is gone with its host: Slurm would
+    hold the allocation until the time limit. End it: requeue a failed job (the reason
+    in its comment), cancel a finished one."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    alive = run_dir / RUNNER_ALIVE
+    deadline = time.monotonic() + stale_s
+    while time.monotonic() < deadline:  # resil-run touches it every second while it waits
+        try:
+            if time.time() - alive.stat().st_mtime < stale_s / 2:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    if not job_id:
+        return
+    what = "finished" if result.exit_code == 0 else "failed"
+    print(f"resild controller: the job {what} ({result.reason}) but resil-run is gone (batch host lost?): "
+          f"{'cancelling' if result.exit_code == 0 else 'requeuing'} job {job_id}", file=sys.stderr, flush=True)
+    try:
+        if result.exit_code != 0:
+            slurm.requeue(job_id, f"{result.reason} (batch host lost)")
+            return
+    except slurm.SlurmError as e:
+        log.error("requeue failed: %s; cancelling", e)
+    try:
+        subprocess.run(["scancel", job_id], capture_output=True, timeout=10.0)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("scancel %s failed: %s", job_id, e)
+
+
+def serve(spec: dict[str, Any], index: int) -> int:
+    import torch.distributed as dist  # the store; imported here: --help stays fast
+
+    run_dir = Path(spec["run_dir"])
+    keys = KeyDir(Path(spec["keys"])) if spec.get("keys") else None
+    ctx = zmq.Context()
+    cluster = bool(spec.get("hosts"))
+    if "endpoints" not in spec:  # ports chosen here, published in the run directory
+        server = Server(ctx, f"tcp://{'*' if cluster else spec.get('advertise', '127.0.0.1')}:0", keys)
+        endpoints, peers = discover(spec, index, run_dir, int(server.endpoint.rsplit(":", 1)[1]))
+    else:
+        endpoints, peers = list(spec["endpoints"]), list(spec["raft"])
+        server = Server(ctx, endpoints[index], keys)
+    endpoint = endpoints[index]
+    host = endpoint.split("//", 1)[1].rsplit(":", 1)[0]
+    fd, port = store_listen_fd(host, cluster=cluster)
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+    raft = RaftLog(peers[index], [p for i, p in enumerate(peers) if i != index], run_dir / f"journal-{index}.jsonl",
+                   raft_secret(Path(spec["keys"])))
+    log.info("replica %d: standing by (%s, raft %s)", index, endpoint, peers[index])
+    while True:
+        server.channel.recv(0.05)  # standby: keep the socket drained, act on nothing
+        if _closed(raft.records):  # the leader finished the job and stood down: nothing to take over
+            raft.destroy()
+            return 0
+        if raft._isLeader():
+            try:
+                raft._apply({"action": "leader", "index": index, "pid": os.getpid(), "t_wall": time.time()},
+                            sync=True, timeout=2.0)
+                break
+            except SyncObjException as e:
+                log.warning("replica %d: elected but could not commit: %s", index, e.errorCode)
+    t_elected = time.monotonic()
+    term = int(raft._getTerm())
+    if _closed(raft.records):  # elected as the old leader stood down: the job is over
+        time.sleep(4 * APPEND_PERIOD_S)  # the last standby learns of `closed` from our appends
+        raft.destroy()
+        return 0
+    records = [r for r in raft.records if r.get("action") not in ("leader", CLOSED)]
+    events = EventLog(Path(spec["events"]))
+    floor = CommittedFloor(store)
+    events.listeners.append(floor)
+    c = spec["controller"]
+    cfg = ControllerConfig(bind=endpoint, policy=PolicyConfig(**c["policy"]), store_addr=f"{host}:{store.port}",
+                           start_timeout_s=float(c["start_timeout_s"]),
+                           controller_timeout_s=float(c["controller_timeout_s"]), worker=dict(c["worker"]),
+                           term=term, leader_index=index,
+                           # Under Slurm nothing else tells us the node processes are gone
+                           # (their workers may still be saving) before we end the allocation.
+                           wait_nodes_gone_s=2.0 if cluster else 0.0)
+    nodes = list(spec["active"]) + list(spec["spares"])
+    ctl = Controller(cfg, list(spec["active"]), list(spec["spares"]), int(spec["nproc"]), keys, events,
+                     RaftJournal(raft), None, [parse_fault(f) for f in spec.get("faults", [])], ctx=ctx,
+                     server=server, leadership=raft._isLeader)
+    ctl.backend = SlurmDrain() if cluster else ProcessNodes(lambda n: ctl.view.nodes[n].host_pid, nodes)
+    if records:
+        ctl.restore(records, time.monotonic())
+        if ctl.max_step:
+            floor.publish(ctl.max_step)
+    events.emit("controller_leader", pid=os.getpid(), host=socket.gethostname(), term=term, index=index,
+                endpoint=endpoint, restored=len(records), elected_s=round(time.monotonic() - t_elected, 4))
+    if ctl.result is not None:  # the job had ended when the old leader died: say so again
+        result = ctl.result
+        ctl._finish()
+    else:
+        result = ctl.run()
+    events.close()
+    if ctl.deposed:
+        return 1
+    tmp = run_dir / f".{RESULT_FILE}.{index}"
+    tmp.write_text(json.dumps({"exit_code": result.exit_code, "reason": result.reason}))
+    os.replace(tmp, run_dir / RESULT_FILE)
+    if cluster:
+        end_orphaned_job(run_dir, result)
+    # Tell the standbys the job is over, or they elect one of themselves the moment we go
+    # (which would say the verdict again, late). Not committed (we die first): they take over,
+    # which is right, since nodes might still need the SHUTDOWN.
+    try:
+        raft._apply({"action": CLOSED, "index": index, "t_wall": time.time()}, sync=True, timeout=2.0)
+        time.sleep(4 * APPEND_PERIOD_S)  # followers learn the commit from our next append
+    except SyncObjException as e:
+        log.warning("replica %d: could not tell the standbys the job is over: %s", index, e.errorCode)
+    raft.destroy()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m resild.controller.replica", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", required=True, type=Path, help="the replica set's JSON spec (written by resil-run)")
+    p.add_argument("--index", type=int,
+                   help="this replica's place in the spec's lists (default under Slurm: $SLURMD_NODENAME's "
+                        "place in the spec's hosts)")
+    a = p.parse_args(argv)
+    try:
+        spec = json.loads(a.spec.read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"cannot read --spec {a.spec}: {e}")
+    if a.index is None and spec.get("hosts"):
+        node = os.environ.get("SLURMD_NODENAME", "")
+        a.index = spec["hosts"].index(node) if node in spec["hosts"] else None
+    n = replica_count(spec) or len(spec.get("endpoints") or [])
+    if a.index is None or not 0 <= a.index < n:
+        p.error(f"--index {a.index} is not a replica of {a.spec}")
+    # Our own log in the (shared) run directory: under Slurm our stderr goes to srun on the
+    # batch host, which may be the host that dies; resil-run's terminal shows the leader
+    # changes from the event file, not every Raft role change.
+    log_file = open(Path(spec["run_dir"]) / f"replica-{a.index}.log", "a", buffering=1)
+    os.dup2(log_file.fileno(), 2)
+    sys.stderr = log_file
+    logging.basicConfig(level=logging.INFO if os.environ.get("RESILD_DEBUG") else logging.WARNING,
+                        format=f"[controller {a.index}] %(asctime)s %(message)s")
+    die_with_parent()
+    return serve(spec, a.index)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Helpers for end-to-end runs of resil-run as a real process tree."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+TRAIN = REPO / "examples" / "train.py"
+STEPS = 60
+
+
+@dataclass
+class RunResult:
+    rc: int
+    stdout: str
+    stderr: str
+    events: list[dict]
+    summary: dict | None
+    final: dict | None
+
+
+def _marked(mark: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("RESILD_TEST_MARK") == mark:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return out
+
+
+def run_job(tmp: Path, *args: str, nodes: int = 3, spares: int = 1, nproc: int = 1, steps: int = STEPS,
+            timeout_s: float = 150.0, script: Path = TRAIN) -> RunResult:
+    """Run resil-run, then assert that it left no process behind."""
+    mark = uuid.uuid4().hex
+    tmp.mkdir(parents=True, exist_ok=True)
+    ev, save = tmp / "events.jsonl", tmp / "final.pt"
+    cmd = [sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", str(nodes), "--spares", str(spares),
+           "--nproc-per-node", str(nproc), "--events", str(ev), "--run-dir", str(tmp / "run"), "--json", *args,
+           "--", sys.executable, str(script), "--steps", str(steps), "--save", str(save)]
+    env = dict(os.environ, RESILD_TEST_MARK=mark, PYTHONUNBUFFERED="1")
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    deadline = time.monotonic() + 5.0
+    while (left := _marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for proc in left:
+        proc.kill()
+    assert not left, f"orphan processes after resil-run: {[(q.pid, q.name()) for q in left]}"
+    events = [json.loads(line) for line in ev.read_text().splitlines()] if ev.exists() else []
+    try:
+        summary = json.loads(p.stdout)
+    except ValueError:
+        summary = None
+    final = torch.load(save) if save.exists() else None
+    return RunResult(p.returncode, p.stdout, p.stderr, events, summary, final)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    """A failure-free run with the same seed and world size (2 active nodes x 1 rank)."""
+    r = run_job(tmp_path_factory.mktemp("reference"))
+    assert r.rc == 0, r.stderr
+    return r
+
+
+def assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"] == STEPS
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), f"model tensor {k} differs"
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), f"optimizer state {i}.{k} differs"
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]

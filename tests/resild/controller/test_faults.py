@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+import pytest
+
+from resild.controller.faults import Fault, FaultSpecError, Injector, parse_fault
+
+
+@pytest.mark.parametrize("spec,expect", [
+    ("kill:node1@40", Fault("kill", "node1", 40)),
+    ("xid79:node2@120", Fault("xid79", "node2", 120)),
+    ("hang:local-node0@200+0.5", Fault("hang", "local-node0", 200, 0.5)),
+    ("kill:node2@e2", Fault("kill", "node2", 0, epoch=2)),
+])
+def test_parse(spec: str, expect: Fault) -> None:
+    assert parse_fault(spec) == expect
+
+
+@pytest.mark.parametrize("spec", ["kill:node1", "boom:node1@3", "kill@3", "kill:node1@-1", ""])
+def test_parse_rejects_with_an_example(spec: str) -> None:
+    with pytest.raises(FaultSpecError, match="kill:node1@40|unknown fault kind"):
+        parse_fault(spec)
+
+
+def test_xid_number() -> None:
+    assert parse_fault("xid48:n@1").xid == 48 and parse_fault("kill:n@1").xid is None
+
+
+def test_injector_fires_once_after_step_and_delay() -> None:
+    inj = Injector([Fault("kill", "a", 10), Fault("hang", "b", 10, delay_s=1.0)])
+    assert inj.due(9, now=0.0) == []
+    assert [f.kind for f in inj.due(10, now=5.0)] == ["kill"]
+    assert inj.due(11, now=5.5) == []
+    assert [f.kind for f in inj.due(12, now=6.0)] == ["hang"]
+    assert inj.due(13, now=9.0) == []
+
+
+def test_epoch_trigger_fires_when_the_epoch_is_announced() -> None:
+    inj = Injector([Fault("kill", "s", 0, epoch=2)])
+    assert inj.due(50, now=0.0, epoch=1) == []
+    assert [f.node for f in inj.due(50, now=0.0, epoch=2)] == ["s"]

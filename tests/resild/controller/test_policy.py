@@ -1,0 +1,201 @@
+"""Pure policy tests: an injected clock, no sockets, no processes."""
+from __future__ import annotations
+
+import pytest
+
+from resild.membership import ClusterView, IllegalTransition, Membership, NodeRole, NodeView, RankProgress
+from resild.controller.policy import (Action, PolicyConfig, check_done, check_timeouts, on_node_failure, on_worker_exception,
+                           pick_spare)
+
+CFG = PolicyConfig(heartbeat_timeout_s=2.0, hang_timeout_s=5.0)
+
+
+def view(now: float = 100.0, spares: int = 1, warm: bool = True) -> ClusterView:
+    nodes = {n: NodeView(n, NodeRole.ACTIVE, 2, registered=True, last_heartbeat_s=now, workers_ready=2)
+             for n in ("a", "b")}
+    for i in range(spares):
+        nodes[f"s{i}"] = NodeView(f"s{i}", NodeRole.SPARE, 2, registered=True, last_heartbeat_s=now,
+                                  workers_ready=2 if warm else 0)
+    v = ClusterView(nodes, Membership.initial(["a", "b"], 2), epoch_started_s=now, last_commit_s=now)
+    for r in range(4):
+        v.progress[r] = RankProgress(step=10, epoch=1, state="commit", t_s=now)
+    return v
+
+
+def beat(v: ClusterView, now: float) -> ClusterView:
+    for n in v.nodes:
+        v.beat(n, now)
+    return v
+
+
+def test_failure_with_spare_moves_exactly_the_failed_ranks() -> None:
+    d = on_node_failure(view(), "b", "worker exited", "process-exit")
+    assert d.action == Action.REPLACE_NODE and d.spare == "s0"
+    assert d.membership == Membership(2, 4, {"a": (0, 1), "s0": (2, 3)})
+    assert "b failed: worker exited" in d.reason
+
+
+def test_no_spare_fails_the_job_with_a_reason() -> None:
+    d = on_node_failure(view(spares=0), "a", "Xid 79", "gpu-probe")
+    assert d.action == Action.FAIL_JOB
+    assert d.reason == "no spare left: a failed (Xid 79)"
+
+
+def test_second_report_of_the_same_fault_is_ignored() -> None:
+    v = view()
+    v.nodes["b"].set_role(NodeRole.FENCED)
+    assert on_node_failure(v, "b", "again", "heartbeat").action == Action.NONE
+
+
+def test_a_failed_spare_is_dropped_without_a_new_epoch() -> None:
+    d = on_node_failure(view(), "s0", "exited", "process-exit")
+    assert d.action == Action.DROP_SPARE and d.membership is None
+
+
+def test_warm_spare_is_preferred() -> None:
+    v = view(spares=2)
+    v.nodes["s0"].workers_ready = 1
+    assert pick_spare(v).node_id == "s1"
+
+
+def test_heartbeat_loss_after_timeout_only() -> None:
+    v = view(now=100.0)
+    v.beat("a", 99.0)
+    assert check_timeouts(101.0, v, CFG).action == Action.NONE          # 2.0 s silent: not yet
+    d = check_timeouts(101.5, v, CFG)                                   # 2.5 s silent
+    assert d.action == Action.REPLACE_NODE and d.node == "a" and d.detector == "heartbeat"
+
+
+def test_hang_blames_the_rank_that_is_not_waiting() -> None:
+    v = view(now=100.0)
+    for r in (0, 1, 3):
+        v.progress[r].state = "wait"
+    assert check_timeouts(104.0, beat(v, 104.0), CFG).action == Action.NONE
+    d = check_timeouts(106.0, beat(v, 106.0), CFG)
+    assert d.action == Action.REPLACE_NODE and d.node == "b" and d.detector == "hang"
+    assert "rank 2" in d.reason
+
+
+def test_hang_clock_restarts_with_each_epoch() -> None:
+    v = view(now=100.0)
+    v.epoch_started_s = 105.0
+    assert check_timeouts(106.0, beat(v, 106.0), CFG).action == Action.NONE
+
+
+def test_stall_with_everyone_waiting_fails_cleanly_instead_of_hanging() -> None:
+    v = view(now=100.0)
+    for p in v.progress.values():
+        p.state = "wait"
+    assert check_timeouts(106.0, beat(v, 106.0), CFG).action == Action.NONE
+    assert check_timeouts(111.0, beat(v, 111.0), CFG).action == Action.FAIL_JOB
+
+
+def test_done_when_every_rank_reported() -> None:
+    v = view()
+    v.done_ranks = {0, 1, 2}
+    assert check_done(v).action == Action.NONE
+    v.done_ranks.add(3)
+    assert check_done(v).action == Action.FINISH
+
+
+def test_role_transitions_are_enforced() -> None:
+    n = NodeView("x", NodeRole.ACTIVE, 1)
+    n.set_role(NodeRole.FENCED)
+    with pytest.raises(IllegalTransition):
+        n.set_role(NodeRole.ACTIVE)  # a fenced node never comes back
+
+
+def test_membership_replace_rejects_nonsense() -> None:
+    m = Membership.initial(["a", "b"], 1)
+    with pytest.raises(KeyError):
+        m.replace("zz", "s")
+    with pytest.raises(ValueError):
+        m.replace("a", "b")
+    assert Membership.from_dict(m.to_dict()) == m
+
+
+def test_probe_unanswered_by_the_deadline_fails_that_node_only() -> None:
+    v = view(now=100.0)            # last heartbeats at 100.0
+    v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.05, 1, frozenset({"a", "b"})
+    v.beat("a", 100.1)  # answered the ping
+    assert check_timeouts(100.3, v, CFG).action == Action.NONE  # still within probe_timeout_s (0.5 s)
+    d = check_timeouts(100.6, v, CFG)
+    assert d.action == Action.REPLACE_NODE and d.node == "b" and d.detector == "probe"
+
+
+def test_probe_answered_by_everyone_is_nothing() -> None:
+    v = view(now=100.0)
+    v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.0, 1, frozenset({"a", "b"})
+    beat(v, 100.2)
+    v.membership = v.membership.bump()  # a replacement happened meanwhile
+    assert check_timeouts(100.6, v, CFG).action == Action.NONE
+
+
+def test_first_exception_is_treated_as_a_fault_a_repeat_as_a_bug() -> None:
+    v = view(spares=2)
+    d = on_worker_exception(v, "a", "ValueError: bad shape", "worker 0 raised ValueError: bad shape")
+    assert d.action == Action.REPLACE_NODE and d.detector == "exception"
+    v.exceptions_seen.append("ValueError: bad shape")
+    d = on_worker_exception(v, "b", "ValueError: bad shape", "worker 0 raised ValueError: bad shape")
+    assert d.action == Action.FAIL_JOB and "bug in the training script" in d.reason
+    assert on_worker_exception(v, "b", "RuntimeError: CUDA error", "...").action == Action.REPLACE_NODE
+
+
+def test_a_rank_that_hangs_after_others_finished_is_blamed() -> None:
+    v = view(now=100.0)
+    v.done_ranks = {0, 1, 3}
+    v.first_done_s = 101.0
+    v.progress[2].state = "compute"
+    assert check_timeouts(105.0, beat(v, 105.0), CFG).action == Action.NONE
+    d = check_timeouts(107.0, beat(v, 107.0), CFG)
+    assert d.action == Action.REPLACE_NODE and d.node == "b" and "rank 2" in d.reason
+
+
+def test_no_membership_yet_means_the_command_failed_not_the_node() -> None:
+    v = view()
+    v.membership = None
+    d = on_node_failure(v, "a", "worker 0 exited with code 2", "process-exit", worker_fault=True)
+    assert d.action == Action.FAIL_JOB and "before the job started" in d.reason
+
+
+def test_a_node_lost_before_the_first_epoch_is_replaced_in_place() -> None:
+    v = view()
+    v.membership = None
+    d = on_node_failure(v, "a", "node process exited with code -9", "process-exit")
+    assert d.action == Action.REPLACE_NODE and d.membership is None and d.spare is not None
+    assert "before the job started" in d.reason
+    for s in v.spares():
+        s.set_role(NodeRole.FENCED, "gone")
+    d = on_node_failure(v, "a", "no heartbeat for 3.0s", "heartbeat")
+    assert d.action == Action.FAIL_JOB and d.reason.startswith("no spare left")
+
+
+def test_probe_judges_only_the_nodes_it_pinged() -> None:
+    v = view(now=100.0)
+    v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.05, 1, frozenset({"a"})
+    v.beat("a", 100.1)
+    # b was not pinged (say it became active after the probe went out): never judged by it
+    d = check_timeouts(100.6, v, CFG)
+    assert d.action == Action.REFORM  # a answered, same epoch: transient
+
+
+def test_transient_collective_failure_reforms_with_the_same_layout() -> None:
+    v = view(now=100.0)
+    v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.05, 1, frozenset({"a", "b"})
+    beat(v, 100.2)
+    d = check_timeouts(100.6, v, CFG)
+    assert d.action == Action.REFORM and d.membership == Membership(2, 4, {"a": (0, 1), "b": (2, 3)})
+    v.membership = d.membership  # a replacement (or re-form) already happened: nothing more to do
+    assert check_timeouts(100.6, v, CFG).action == Action.NONE
+
+
+def test_start_up_silence_is_judged_with_the_longer_start_timeout() -> None:
+    from resild.controller.policy import check_heartbeats
+    v = view(now=100.0)
+    v.membership = None
+    v.beat("a", 90.0)  # silent 10 s: past the heartbeat timeout, within the start-up one
+    for n in ("b", "s0"):
+        v.beat(n, 100.0)
+    assert check_heartbeats(100.0, v, CFG).action == Action.NONE
+    d = check_heartbeats(106.0, v, CFG)
+    assert d.action == Action.REPLACE_NODE and d.node == "a" and d.membership is None

@@ -1,0 +1,81 @@
+"""A controller taking over from a journal (a standby's replicated copy): what it
+rebuilds, and how peers follow a new leader."""
+from __future__ import annotations
+
+import zmq
+
+from resild.controller.loop import Controller, ControllerConfig
+from resild.events.log import EventLog
+from resild.controller.faults import parse_fault
+from resild.membership import Membership, NodeRole
+from resild.wire.transport import ControllerSet
+
+
+def _controller(faults: list[str] = ()) -> Controller:
+    return Controller(ControllerConfig(), ["a", "b"], ["s0", "s1"], 2, None, EventLog(),
+                      faults=[parse_fault(f) for f in faults])
+
+
+def test_restore_rebuilds_roles_epoch_floor_and_fired_faults() -> None:
+    m1 = Membership.initial(["a", "b"], 2)
+    m2 = m1.replace("b", "s0")
+    records = [
+        {"action": "start", "membership": m1.to_dict()},
+        {"action": "fault_fired", "spec": "kill:b@10"},
+        {"action": "replace_node", "node": "b", "spare": "s0", "membership": m2.to_dict(), "committed_step": 12,
+         "reason": "b failed"},
+        {"action": "leader", "index": 1},  # unknown to restore: ignored
+    ]
+    ctl = _controller(["kill:b@10", "kill:a@50"])
+    try:
+        ctl.restore(records, now=100.0)
+        v = ctl.view
+        assert v.membership == m2
+        assert {n: x.role for n, x in v.nodes.items()} == {
+            "a": NodeRole.ACTIVE, "b": NodeRole.FENCED, "s0": NodeRole.ACTIVE, "s1": NodeRole.SPARE}
+        assert ctl.max_step == 12 and ctl.result is None
+        assert [str(f) for f in ctl.injector.pending] == ["kill:a@50"]  # fired once, ever
+        # Every node still in the job is expected to speak within the heartbeat timeout.
+        assert all(v.nodes[n].registered and v.nodes[n].last_heartbeat_s == 100.0 for n in ("a", "s0", "s1"))
+        assert ctl.node_ident["s1"] == b"s1/node" and "b" not in ctl.node_ident
+    finally:
+        ctl.server.close()
+
+
+def test_restore_before_the_first_epoch_keeps_start_up_replacements() -> None:
+    records = [{"action": "replace_node", "node": "a", "spare": "s1", "membership": None, "reason": "lost"}]
+    ctl = _controller()
+    try:
+        ctl.restore(records, now=5.0)
+        assert ctl.view.membership is None
+        assert set(ctl._initial.node_ranks) == {"s1", "b"} and ctl._initial.epoch == 1
+        assert ctl._unregistered == 4  # every worker registers (again) before epoch 1
+    finally:
+        ctl.server.close()
+
+
+def test_restore_of_a_finished_job_keeps_its_verdict() -> None:
+    ctl = _controller()
+    try:
+        ctl.restore([{"action": "start", "membership": Membership.initial(["a", "b"], 2).to_dict()},
+                     {"action": "finish", "reason": "all 4 ranks finished"}], now=1.0)
+        assert ctl.result is not None and ctl.result.exit_code == 0
+    finally:
+        ctl.server.close()
+
+
+def test_peers_follow_the_highest_term_only() -> None:
+    ctx = zmq.Context()
+    cs = ControllerSet(ctx, ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "tcp://127.0.0.1:3"], None, "n/node")
+    try:
+        assert cs.leader is None  # until someone leads, sends go to all
+        assert not cs.follow(1, 0)  # the first leader: nothing to tell it again
+        assert cs.leader == 0 and cs.term == 1
+        assert not cs.follow(1, 2) and cs.leader == 0  # same term, another replica: ignored
+        assert cs.follow(3, 2) and cs.leader == 2  # a newer leader: register with it
+        assert not cs.follow(2, 1) and cs.leader == 2  # a deposed leader's older term
+        assert not cs.follow(9, 7)  # no such replica
+        assert cs.follow(4, 2)  # the same replica restarted with a new term: register again
+    finally:
+        cs.close()
+        ctx.term()
