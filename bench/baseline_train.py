@@ -30,6 +30,7 @@ lines from several processes never interleave). Every event carries ``event``,
 - ``fault_injected`` just before the rank SIGKILLs itself (first attempt only)
 - ``done``           after the last step
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,13 @@ def emit(event: str, **fields) -> None:
     """Append one JSON line; one write() per line, O_APPEND, unbuffered."""
     if _EVENTS_FD is None:
         return
-    rec = {"event": event, "rank": RANK, "pid": os.getpid(),
-           "restart_count": RESTART_COUNT, "t_wall": fields.pop("t_wall", None) or time.time()}
+    rec = {
+        "event": event,
+        "rank": RANK,
+        "pid": os.getpid(),
+        "restart_count": RESTART_COUNT,
+        "t_wall": fields.pop("t_wall", None) or time.time(),
+    }
     rec.update(fields)
     os.write(_EVENTS_FD, (json.dumps(rec) + "\n").encode())
 
@@ -90,8 +96,9 @@ from examples.train import build_model, make_batch  # noqa: E402
 def save_checkpoint(path: str, model, opt, sched, step: int) -> None:
     """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": sched.state_dict(), "step": step}, tmp)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step}, tmp
+    )
     os.replace(tmp, path)
 
 
@@ -136,9 +143,17 @@ def main() -> None:
         net = model
         dist.barrier()
     t_wrapped = time.time()
-    emit("ready", resumed_step=start_step, world_size=world, grad_sync=args.grad_sync,
-         t_torch_imported=_T_TORCH, t_group_ready=t_group, t_model_built=t_built,
-         t_ckpt_loaded=t_loaded, t_wrapped=t_wrapped)
+    emit(
+        "ready",
+        resumed_step=start_step,
+        world_size=world,
+        grad_sync=args.grad_sync,
+        t_torch_imported=_T_TORCH,
+        t_group_ready=t_group,
+        t_model_built=t_built,
+        t_ckpt_loaded=t_loaded,
+        t_wrapped=t_wrapped,
+    )
 
     params = [q for q in model.parameters()]
     for step in range(start_step, args.steps):
@@ -156,7 +171,7 @@ def main() -> None:
             off = 0
             for q in params:
                 n = q.numel()
-                q.grad.copy_(flat[off:off + n].view_as(q))
+                q.grad.copy_(flat[off : off + n].view_as(q))
                 off += n
         opt.step()
         sched.step()

@@ -4,6 +4,7 @@ Event files are JSON lines, one event per line, each with at least ``event``, ``
 ``t_wall`` (time.time(), comparable across processes on one machine) and
 ``restart_count``. Phases are reported in seconds.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,9 @@ def read_events(path: str | Path) -> list[dict]:
 
 def select(events: Iterable[dict], event: str | None = None, **match) -> list[dict]:
     """Events with the given ``event`` name whose fields equal ``match``."""
-    return [e for e in events
-            if (event is None or e.get("event") == event)
-            and all(e.get(k) == v for k, v in match.items())]
+    return [
+        e for e in events if (event is None or e.get("event") == event) and all(e.get(k) == v for k, v in match.items())
+    ]
 
 
 def median(xs: Iterable[float]) -> float | None:
@@ -53,8 +54,9 @@ def median(xs: Iterable[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def step_intervals(events: Iterable[dict], rank: int, restart_count: int,
-                   first: int | None = None, last: int | None = None) -> list[float]:
+def step_intervals(
+    events: Iterable[dict], rank: int, restart_count: int, first: int | None = None, last: int | None = None
+) -> list[float]:
     """Seconds between consecutive ``step`` events of one rank in one attempt.
 
     Only pairs (k-1, k) with ``first < k <= last`` (bounds optional) are counted, so
@@ -97,8 +99,7 @@ def phase_table(rows: Sequence[dict], columns: Sequence[str] = PHASES, label: st
             meds.append(_fmt(m, digits))
         body.append(["median", *meds])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)),
-             "  ".join("-" * w for w in widths)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.rjust(w) for c, w in zip(b, widths)) for b in body]
     return "\n".join(lines)
 

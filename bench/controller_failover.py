@@ -27,6 +27,7 @@ target and pass/fail (on the median; max is shown). Both sides run with the same
 trial starts carries RESILD_TEST_MARK=<uuid> in its environment; whatever is left after a
 trial is found by that mark (psutil) and killed. Progress goes to stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,14 +60,43 @@ class Job:
     def __init__(self, d: Path, a: argparse.Namespace, controllers: int) -> None:
         d.mkdir(parents=True, exist_ok=True)
         self.mark, self.ev = uuid.uuid4().hex, d / "events.jsonl"
-        cmd = [sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", "3", "--spares", "1",
-               "--controllers", str(controllers), "--heartbeat-timeout", str(a.heartbeat_timeout),
-               "--controller-timeout", str(a.controller_timeout), "--events", str(self.ev),
-               "--run-dir", str(d / "run"), "--json", "-q",
-               "--", sys.executable, str(TRAIN), "--steps", str(a.steps), "--save", str(d / "final.pt")]
-        self.err = open(d / "stderr.txt", "w")  # noqa: SIM115 (closed in cleanup())
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=self.err,
-                                     env=dict(os.environ, RESILD_TEST_MARK=self.mark, PYTHONUNBUFFERED="1"))
+        cmd = [
+            sys.executable,
+            "-m",
+            "launcher.run.cli",
+            "--local",
+            "--nodes",
+            "3",
+            "--spares",
+            "1",
+            "--controllers",
+            str(controllers),
+            "--heartbeat-timeout",
+            str(a.heartbeat_timeout),
+            "--controller-timeout",
+            str(a.controller_timeout),
+            "--events",
+            str(self.ev),
+            "--run-dir",
+            str(d / "run"),
+            "--json",
+            "-q",
+            "--",
+            sys.executable,
+            str(TRAIN),
+            "--steps",
+            str(a.steps),
+            "--save",
+            str(d / "final.pt"),
+        ]
+        self.err = open(d / "stderr.txt", "w")
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=self.err,
+            env=dict(os.environ, RESILD_TEST_MARK=self.mark, PYTHONUNBUFFERED="1"),
+        )
 
     def events(self) -> list[dict[str, Any]]:
         out = []
@@ -136,17 +166,27 @@ def standby_trial(d: Path, a: argparse.Namespace) -> dict[str, Any]:
         at = job.wait(_at_step(a), 120, f"progress at step {a.kill_at}")
         os.kill(first["pid"], signal.SIGKILL)
         t_kill = time.monotonic()
-        second = job.wait(lambda e: e["event"] == "controller_leader" and e["pid"] != first["pid"], 60,
-                          "a new controller_leader")
-        full = job.wait(lambda e: e["event"] == "full_strength_step" and e["t_mono"] >= second["t_mono"], 60,
-                        "full_strength_step from the new leader")
+        second = job.wait(
+            lambda e: e["event"] == "controller_leader" and e["pid"] != first["pid"], 60, "a new controller_leader"
+        )
+        full = job.wait(
+            lambda e: e["event"] == "full_strength_step" and e["t_mono"] >= second["t_mono"],
+            60,
+            "full_strength_step from the new leader",
+        )
         try:
             rc: int | None = job.proc.wait(timeout=a.finish_timeout)
         except subprocess.TimeoutExpired:
             rc = None
-        return {"takeover_s": second["t_mono"] - t_kill, "full_s": full["t_mono"] - t_kill,
-                "killed_at_step": at["step"], "full_step": full["step"], "term": [first["term"], second["term"]],
-                "restored": second["restored"], "rc": rc}
+        return {
+            "takeover_s": second["t_mono"] - t_kill,
+            "full_s": full["t_mono"] - t_kill,
+            "killed_at_step": at["step"],
+            "full_step": full["step"],
+            "term": [first["term"], second["term"]],
+            "restored": second["restored"],
+            "rc": rc,
+        }
     finally:
         job.cleanup()
 
@@ -163,8 +203,12 @@ def embedded_trial(d: Path, a: argparse.Namespace) -> dict[str, Any]:
         lease_s = time.monotonic() - t_stop
         alive = [p for p in pids if not _gone(p)]
         job.proc.kill()  # SIGKILL works on a stopped process
-        return {"lease_s": lease_s if not alive else None, "nodes": len(pids), "alive_after_30s": alive,
-                "stopped_at_step": at["step"]}
+        return {
+            "lease_s": lease_s if not alive else None,
+            "nodes": len(pids),
+            "alive_after_30s": alive,
+            "stopped_at_step": at["step"],
+        }
     finally:
         job.cleanup()
 
@@ -178,18 +222,39 @@ def stats(xs: list[float]) -> dict[str, float | None]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5, help="trials per side (default 5)")
-    p.add_argument("--steps", type=int, default=600, help="training steps per job: long enough to outlive the "
-                   "takeover (default 600; ~25-40 ms each on 2 cores with 3 replicas, ~3 ms on an idle big host)")
-    p.add_argument("--kill-at", type=int, default=50, help="take the controller away once progress reaches "
-                   "this step (default 50)")
-    p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="resil-run --heartbeat-timeout; the "
-                   "target is this + 0.5 s (default 2.0)")
-    p.add_argument("--controller-timeout", type=float, default=2.0, help="resil-run --controller-timeout "
-                   "(the nodes' lease), both sides (default 2.0)")
-    p.add_argument("--finish-timeout", type=float, default=120.0, help="seconds a standby job may take to "
-                   "finish after the takeover (default 120)")
-    p.add_argument("--work-dir", type=Path, help="keep each trial's events and stderr here (default: a "
-                   "temporary directory, removed)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=600,
+        help="training steps per job: long enough to outlive the "
+        "takeover (default 600; ~25-40 ms each on 2 cores with 3 replicas, ~3 ms on an idle big host)",
+    )
+    p.add_argument(
+        "--kill-at", type=int, default=50, help="take the controller away once progress reaches this step (default 50)"
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=2.0,
+        help="resil-run --heartbeat-timeout; the target is this + 0.5 s (default 2.0)",
+    )
+    p.add_argument(
+        "--controller-timeout",
+        type=float,
+        default=2.0,
+        help="resil-run --controller-timeout (the nodes' lease), both sides (default 2.0)",
+    )
+    p.add_argument(
+        "--finish-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a standby job may take to finish after the takeover (default 120)",
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        help="keep each trial's events and stderr here (default: a temporary directory, removed)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (stdout) instead of the table")
     a = p.parse_args(argv)
     target = a.heartbeat_timeout + 0.5
@@ -204,26 +269,44 @@ def main(argv: list[str] | None = None) -> int:
                 except RuntimeError as e:
                     r = {"error": str(e)}
                 trials[side].append(r)
-                say(f"{side} {i + 1}/{a.repeats} ({time.monotonic() - t0:.0f}s): "
-                    + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
+                say(
+                    f"{side} {i + 1}/{a.repeats} ({time.monotonic() - t0:.0f}s): "
+                    + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+                )
     full = [r["full_s"] for r in trials["standby"] if "full_s" in r]
     takeover = [r["takeover_s"] for r in trials["standby"] if "takeover_s" in r]
     lease = [r["lease_s"] for r in trials["embedded"] if r.get("lease_s") is not None]
     med = statistics.median(full) if full else None
-    ok = med is not None and med <= target and len(full) == a.repeats \
+    ok = (
+        med is not None
+        and med <= target
+        and len(full) == a.repeats
         and all(r.get("rc") == 0 for r in trials["standby"])
-    summary = {"target_s": target, "heartbeat_timeout_s": a.heartbeat_timeout,
-               "controller_timeout_s": a.controller_timeout, "repeats": a.repeats, "cpus": os.cpu_count(),
-               "standby_takeover_s": stats(takeover), "standby_full_s": stats(full),
-               "embedded_lease_s": stats(lease), "ratio": med / target if med is not None else None,
-               "pass": ok, "trials": trials}
+    )
+    summary = {
+        "target_s": target,
+        "heartbeat_timeout_s": a.heartbeat_timeout,
+        "controller_timeout_s": a.controller_timeout,
+        "repeats": a.repeats,
+        "cpus": os.cpu_count(),
+        "standby_takeover_s": stats(takeover),
+        "standby_full_s": stats(full),
+        "embedded_lease_s": stats(lease),
+        "ratio": med / target if med is not None else None,
+        "pass": ok,
+        "trials": trials,
+    }
     if a.json:
         print(json.dumps(summary, indent=2))
     else:
+
         def row(name: str, s: dict[str, float | None]) -> str:
             return f"{name:<44}" + "".join(f"{v:>9.3f}" if v is not None else f"{'-':>9}" for v in s.values())
-        print(f"controller loss, {a.repeats} repeats, {os.cpu_count()} CPUs, heartbeat timeout "
-              f"{a.heartbeat_timeout:g} s, lease {a.controller_timeout:g} s")
+
+        print(
+            f"controller loss, {a.repeats} repeats, {os.cpu_count()} CPUs, heartbeat timeout "
+            f"{a.heartbeat_timeout:g} s, lease {a.controller_timeout:g} s"
+        )
         print(f"{'':<44}{'median':>9}{'min':>9}{'max':>9}")
         print(row("standby x3: kill leader -> new leader", summary["standby_takeover_s"]))
         print(row("standby x3: kill leader -> full-strength step", summary["standby_full_s"]))
@@ -231,11 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         rcs = [r.get("rc", r.get("error")) for r in trials["standby"]]
         print(f"standby jobs' exit codes: {rcs}")
         ratio = f"{summary['ratio']:.2f}" if summary["ratio"] is not None else "-"
-        print(f"target {target:g} s (heartbeat timeout + 0.5 s): median/target = {ratio} -> "
-              f"{'PASS' if ok else 'FAIL'}")
+        print(f"target {target:g} s (heartbeat timeout + 0.5 s): median/target = {ratio} -> {'PASS' if ok else 'FAIL'}")
         if lease and med is not None:
-            print(f"without a standby the job is lost and cleaned up in {statistics.median(lease):.2f} s; "
-                  f"with one it continues after {med:.2f} s")
+            print(
+                f"without a standby the job is lost and cleaned up in {statistics.median(lease):.2f} s; "
+                f"with one it continues after {med:.2f} s"
+            )
     return 0 if ok else 1
 
 

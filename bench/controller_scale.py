@@ -30,6 +30,7 @@ Also in --json: the CPU parts (register_cpu_s, announce_cpu_s, cpu_main_per_s), 
 decision's journal fsync, the messages/s actually sent and the machine's load average,
 since every latency here is wall clock on a machine the generators share.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,9 +50,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import zmq  # noqa: E402
+import zmq
 
-from resild.wire.protocol import MsgType, Sequencer, encode  # noqa: E402
+from resild.wire.protocol import MsgType, Sequencer, encode
 
 NODES_PER_GENERATOR = 1000
 
@@ -64,6 +65,7 @@ def _raise_fd_limit() -> None:
 
 def _keys_for(keys_dir: str, node: str) -> Any:
     from resild.wire.transport import KeyDir
+
     keys = KeyDir(Path(keys_dir))
     # Per-node keys where the transport has them (each node's key may speak only for it).
     return keys.node(node) if hasattr(keys, "node") and (keys.path / "nodes" / node).exists() else keys
@@ -71,13 +73,14 @@ def _keys_for(keys_dir: str, node: str) -> Any:
 
 # ---- the controller process ----------------------------------------------------------------
 
+
 def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     _raise_fd_limit()
     from resild.controller.backend import Backend
-    from resild.controller.loop import Controller, ControllerConfig, JobResult
-    from resild.events.log import EventLog
     from resild.controller.journal import Journal
+    from resild.controller.loop import Controller, ControllerConfig, JobResult
     from resild.controller.policy import PolicyConfig
+    from resild.events.log import EventLog
     from resild.wire.transport import KeyDir
 
     class TimedJournal(Journal):  # the decision includes its fsync: report it apart
@@ -89,12 +92,23 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
             self.fsync_s.append(time.perf_counter() - t)
 
     events = EventLog(None)
-    ccfg = ControllerConfig(bind="tcp://127.0.0.1:0", store_addr="127.0.0.1:1",
-                            policy=PolicyConfig(heartbeat_timeout_s=cfg["heartbeat_timeout_s"],
-                                                hang_timeout_s=cfg["hang_timeout_s"]),
-                            start_timeout_s=600.0, heartbeat_budget_per_s=cfg["heartbeat_budget"])
-    ctl = Controller(ccfg, cfg["active"], cfg["spares"], cfg["nproc"], KeyDir(Path(cfg["keys"])), events,
-                     TimedJournal(Path(cfg["journal"])), Backend())
+    ccfg = ControllerConfig(
+        bind="tcp://127.0.0.1:0",
+        store_addr="127.0.0.1:1",
+        policy=PolicyConfig(heartbeat_timeout_s=cfg["heartbeat_timeout_s"], hang_timeout_s=cfg["hang_timeout_s"]),
+        start_timeout_s=600.0,
+        heartbeat_budget_per_s=cfg["heartbeat_budget"],
+    )
+    ctl = Controller(
+        ccfg,
+        cfg["active"],
+        cfg["spares"],
+        cfg["nproc"],
+        KeyDir(Path(cfg["keys"])),
+        events,
+        TimedJournal(Path(cfg["journal"])),
+        Backend(),
+    )
     out.put(("endpoint", ctl.endpoint))
 
     def stopper() -> None:
@@ -104,6 +118,7 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     threading.Thread(target=stopper, daemon=True).start()
     if os.environ.get("RESILD_BENCH_PROFILE"):  # where the controller's time goes
         import cProfile
+
         cProfile.runctx("ctl.run()", globals(), {"ctl": ctl}, os.environ["RESILD_BENCH_PROFILE"])
     else:
         ctl.run()
@@ -119,6 +134,7 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
 
 # ---- a load generator process --------------------------------------------------------------
 
+
 @dataclass
 class SimNode:
     name: str
@@ -130,10 +146,20 @@ class SimNode:
     hb_s: float = 0.25
 
 
-def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str, int], keys_dir: str,
-                   endpoint: str, hb_s: float, steps_per_s: float, conn: Any) -> None:
+def generator_main(
+    gid: int,
+    nodes: list[str],
+    nproc: int,
+    first_rank: dict[str, int],
+    keys_dir: str,
+    endpoint: str,
+    hb_s: float,
+    steps_per_s: float,
+    conn: Any,
+) -> None:
     _raise_fd_limit()
     from resild.wire.transport import connect
+
     ctx = zmq.Context(io_threads=1)
     ctx.MAX_SOCKETS = 4 * len(nodes) + 64
     sims: dict[str, SimNode] = {}
@@ -201,15 +227,24 @@ def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str,
                     if s.alive and s.epoch > 0 and step > s.step:
                         s.step = step
                         r0 = first_rank[s.name]
-                        send(s, MsgType.PROGRESS, {"node": s.name, "epoch": s.epoch, "state": "commit",
-                                                   "commits": {str(r0 + k): step for k in range(nproc)}})
+                        send(
+                            s,
+                            MsgType.PROGRESS,
+                            {
+                                "node": s.name,
+                                "epoch": s.epoch,
+                                "state": "commit",
+                                "commits": {str(r0 + k): step for k in range(nproc)},
+                            },
+                        )
         if awaiting is not None:
             ep, want, deadline = awaiting
             got = epoch_t.get(ep, {})
             have = [n for n in want if sims[n].epoch >= ep]
             if len(have) == len(want) or now > deadline:
-                conn.send(("epoch", gid, ep, max((got.get(n, math.inf) for n in want), default=0.0),
-                           len(want) - len(have)))
+                conn.send(
+                    ("epoch", gid, ep, max((got.get(n, math.inf) for n in want), default=0.0), len(want) - len(have))
+                )
                 awaiting = None
         timeout_ms = 5 if started else 100
         if hb_heap:
@@ -221,8 +256,11 @@ def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str,
                     started, t0 = True, time.monotonic()
                     for i, name in enumerate(names):
                         s = sims[name]
-                        send(s, MsgType.REGISTER_NODE, {"node": name, "pid": pid, "nproc": nproc,
-                                                        "epoch": 0, "relayed": list(range(nproc))})
+                        send(
+                            s,
+                            MsgType.REGISTER_NODE,
+                            {"node": name, "pid": pid, "nproc": nproc, "epoch": 0, "relayed": list(range(nproc))},
+                        )
                         for lr in range(nproc):
                             send(s, MsgType.REGISTER_WORKER, {"node": name, "local_rank": lr, "pid": pid})
                         heapq.heappush(hb_heap, (t0 + hb_s * (i + 1) / len(names), i))
@@ -254,11 +292,13 @@ def generator_main(gid: int, nodes: list[str], nproc: int, first_rank: dict[str,
 
 # ---- the node-local relay hop, measured for real -------------------------------------------
 
+
 def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
     """Node process holding epoch E gets a delta -> all its P workers hold E+1 (the layout
     decoded and validated by each): the real RelayServer and RelayClients over ipc."""
     from launcher.node.relay import LayoutTracker, RelayClient, RelayServer, wait_for
     from resild.membership import Membership
+
     ctx = zmq.Context()
     tmp = tempfile.mkdtemp(prefix="resild-bench-")
     srv = RelayServer(ctx, "n0", run_dir=tmp)
@@ -292,15 +332,26 @@ def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
 
 # ---- one N ------------------------------------------------------------------------------------
 
-def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: float, steady_s: float,
-            heartbeat_budget: float, heartbeat_timeout_s: float) -> dict[str, Any]:
+
+def run_one(
+    n_nodes: int,
+    nproc: int,
+    spares: int,
+    hb_s: float,
+    steps_per_s: float,
+    steady_s: float,
+    heartbeat_budget: float,
+    heartbeat_timeout_s: float,
+) -> dict[str, Any]:
     from resild.wire.transport import generate_keys
+
     mp_ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp(prefix="resild-scale-"))
     active = [f"n{i:05d}" for i in range(n_nodes)]
     spare_names = [f"s{i:03d}" for i in range(spares)]
     allnodes = active + spare_names
     import inspect
+
     keys_dir = str(tmp / "keys")
     if "nodes" in inspect.signature(generate_keys).parameters:  # per-node keys where the transport has them
         generate_keys(tmp / "keys", allnodes)
@@ -310,9 +361,16 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
     first_rank.update({n: 0 for n in spare_names})
     q = mp_ctx.Queue()
     stop = mp_ctx.Event()
-    cfg = {"active": active, "spares": spare_names, "nproc": nproc, "keys": keys_dir,
-           "journal": str(tmp / "journal.jsonl"), "heartbeat_timeout_s": heartbeat_timeout_s, "hang_timeout_s": 60.0,
-           "heartbeat_budget": heartbeat_budget}
+    cfg = {
+        "active": active,
+        "spares": spare_names,
+        "nproc": nproc,
+        "keys": keys_dir,
+        "journal": str(tmp / "journal.jsonl"),
+        "heartbeat_timeout_s": heartbeat_timeout_s,
+        "hang_timeout_s": 60.0,
+        "heartbeat_budget": heartbeat_budget,
+    }
     ctl = mp_ctx.Process(target=controller_main, args=(cfg, q, stop), daemon=True)
     ctl.start()
     kind, endpoint = q.get(timeout=60)
@@ -322,9 +380,11 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
     gens, conns = [], []
     for gid, chunk in enumerate(chunks):
         a, b = mp_ctx.Pipe()
-        p = mp_ctx.Process(target=generator_main, daemon=True,
-                           args=(gid, chunk, nproc, {n: first_rank[n] for n in chunk}, keys_dir, endpoint,
-                                 hb_s, steps_per_s, b))
+        p = mp_ctx.Process(
+            target=generator_main,
+            daemon=True,
+            args=(gid, chunk, nproc, {n: first_rank[n] for n in chunk}, keys_dir, endpoint, hb_s, steps_per_s, b),
+        )
         p.start()
         gens.append(p)
         conns.append(a)
@@ -333,6 +393,7 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
             assert c.recv()[0] == "connected"
         time.sleep(1.0 + len(allnodes) / 500)  # CURVE handshakes (ZAP in Python) done before the clock starts
         import psutil
+
         proc = psutil.Process(ctl.pid)
         cpu_go = proc.cpu_times()
         t_go = time.monotonic()
@@ -401,7 +462,8 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
     t_decide = detected["t_mono"]
     relay_s = relay_hop_s(n_nodes, nproc)
     return {
-        "nodes": n_nodes, "ranks": n_nodes * nproc,
+        "nodes": n_nodes,
+        "ranks": n_nodes * nproc,
         "register_s": round(mem[1]["t_mono"] - t_go, 3),
         "decide_s": round(t_decide - t_fail, 4),
         "announce_s": round(t_e2_all - t_decide + relay_s, 4),
@@ -410,13 +472,18 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
         "journal_s": round(fsyncs[0], 4) if fsyncs else None,  # the decision's journal write + fsync
         # the parts, and what the load was
         "epoch1_all_s": round(t_e1_all - t_go, 3),
-        "announce_nodes_s": round(t_e2_all - t_decide, 4), "relay_hop_s": round(relay_s, 4),
-        "announce_ctl_s": mem[2].get("announce_s"), "announce_cpu_s": mem[2].get("announce_cpu_s"),
+        "announce_nodes_s": round(t_e2_all - t_decide, 4),
+        "relay_hop_s": round(relay_s, 4),
+        "announce_ctl_s": mem[2].get("announce_s"),
+        "announce_cpu_s": mem[2].get("announce_cpu_s"),
         "announce_view": mem[2].get("view"),
         # controller CPU (all threads) from the first registration to epoch 1 held by every node
         "register_cpu_s": round((cpu_e1.user + cpu_e1.system) - (cpu_go.user + cpu_go.system), 3),
-        "announce_delta": mem[2].get("delta"), "announce_direct": mem[2].get("direct"),
-        "missing": missing2, "msgs_per_s": round(msgs_per_s), "generators": n_gen,
+        "announce_delta": mem[2].get("delta"),
+        "announce_direct": mem[2].get("direct"),
+        "missing": missing2,
+        "msgs_per_s": round(msgs_per_s),
+        "generators": n_gen,
         "load1": round(os.getloadavg()[0], 1),  # this machine's load: latencies above are wall clock
         "heartbeat_s": round(max(hb_s, (n_nodes + spares) / heartbeat_budget if heartbeat_budget > 0 else 0), 3),
     }
@@ -424,17 +491,18 @@ def run_one(n_nodes: int, nproc: int, spares: int, hb_s: float, steps_per_s: flo
 
 # ---- rendezvous store ---------------------------------------------------------------------------
 
+
 def store_client_main(host: str, port: int, ranks: list[int], world: int, epochs: int, conn: Any) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
+
     conn.send(("ready",))
     assert conn.recv()[0] == "connect"
     stores: list[Any] = [None] * len(ranks)
 
     def open_store(i: int) -> None:
-        stores[i] = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                                  timeout=timedelta(seconds=120))
+        stores[i] = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=120))
 
     openers = [threading.Thread(target=open_store, args=(i,)) for i in range(len(ranks))]
     for t in openers:
@@ -468,18 +536,22 @@ def store_client_main(host: str, port: int, ranks: list[int], world: int, epochs
 
 def run_store(clients: int, procs: int, epochs: int = 3) -> dict[str, Any]:
     import torch.distributed as dist
+
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     mp_ctx = mp.get_context("spawn")
     conns, ps = [], []
     for i in range(procs):
         a, b = mp_ctx.Pipe()
-        p = mp_ctx.Process(target=store_client_main, daemon=True,
-                           args=("127.0.0.1", master.port, list(range(i, clients, procs)), clients, epochs, b))
+        p = mp_ctx.Process(
+            target=store_client_main,
+            daemon=True,
+            args=("127.0.0.1", master.port, list(range(i, clients, procs)), clients, epochs, b),
+        )
         p.start()
         conns.append(a)
         ps.append(p)
     for c in conns:
-        assert c.recv()[0] == "ready"   # torch imported
+        assert c.recv()[0] == "ready"  # torch imported
     t_connect = time.monotonic()
     for c in conns:
         c.send(("connect",))
@@ -494,9 +566,13 @@ def run_store(clients: int, procs: int, epochs: int = 3) -> dict[str, Any]:
         errors += sum(e[2] for e in ends)
     for p in ps:
         p.join(30)
-    return {"store_clients": clients, "connect_s": round(connect_s, 2),
-            "formation_s": round(sorted(rounds)[len(rounds) // 2], 3),
-            "formation_all_s": [round(r, 3) for r in rounds], "errors": errors}
+    return {
+        "store_clients": clients,
+        "connect_s": round(connect_s, 2),
+        "formation_s": round(sorted(rounds)[len(rounds) // 2], 3),
+        "formation_all_s": [round(r, 3) for r in rounds],
+        "errors": errors,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -506,35 +582,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spares", type=int, default=2)
     p.add_argument("--heartbeat-s", type=float, default=0.25, help="node heartbeat interval (resil-run's default)")
     p.add_argument("--steps-per-s", type=float, default=1.0)
-    p.add_argument("--heartbeat-budget", type=float, default=2000.0,
-                   help="controller's heartbeats/s budget (ControllerConfig.heartbeat_budget_per_s); 0: every node "
-                        "heartbeats at --heartbeat-s whatever N")
+    p.add_argument(
+        "--heartbeat-budget",
+        type=float,
+        default=2000.0,
+        help="controller's heartbeats/s budget (ControllerConfig.heartbeat_budget_per_s); 0: every node "
+        "heartbeats at --heartbeat-s whatever N",
+    )
     p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="resil-run's default")
     p.add_argument("--steady-s", type=float, default=5.0, help="steady-state CPU measurement window")
-    p.add_argument("--store-clients", type=int, default=0, help="also measure a TCPStore formation at this many clients")
+    p.add_argument(
+        "--store-clients", type=int, default=0, help="also measure a TCPStore formation at this many clients"
+    )
     p.add_argument("--store-procs", type=int, default=4)
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     a = p.parse_args(argv)
     _raise_fd_limit()
     rows = []
     if not a.json:
-        print(f"{'nodes':>6} {'ranks':>7} {'register_s':>10} {'decide_s':>9} {'announce_s':>10} "
-              f"{'cpu_per_s':>9}   (announce: nodes + relay hop; ctl time; msgs/s in)", flush=True)
+        print(
+            f"{'nodes':>6} {'ranks':>7} {'register_s':>10} {'decide_s':>9} {'announce_s':>10} "
+            f"{'cpu_per_s':>9}   (announce: nodes + relay hop; ctl time; msgs/s in)",
+            flush=True,
+        )
     for n in [int(x) for x in a.nodes.split(",") if x]:
-        r = run_one(n, a.nproc, a.spares, a.heartbeat_s, a.steps_per_s, a.steady_s, a.heartbeat_budget,
-                    a.heartbeat_timeout)
+        r = run_one(
+            n, a.nproc, a.spares, a.heartbeat_s, a.steps_per_s, a.steady_s, a.heartbeat_budget, a.heartbeat_timeout
+        )
         rows.append(r)
         if a.json:
             print(json.dumps(r), flush=True)
         else:
-            print(f"{r['nodes']:>6} {r['ranks']:>7} {r['register_s']:>10.3f} {r['decide_s']:>9.4f} "
-                  f"{r['announce_s']:>10.4f} {r['cpu_per_s']:>9.3f}   ({r['announce_nodes_s']:.4f} + "
-                  f"{r['relay_hop_s']:.4f}; ctl {r['announce_ctl_s']:.4f}s; {r['msgs_per_s']}/s)", flush=True)
+            print(
+                f"{r['nodes']:>6} {r['ranks']:>7} {r['register_s']:>10.3f} {r['decide_s']:>9.4f} "
+                f"{r['announce_s']:>10.4f} {r['cpu_per_s']:>9.3f}   ({r['announce_nodes_s']:.4f} + "
+                f"{r['relay_hop_s']:.4f}; ctl {r['announce_ctl_s']:.4f}s; {r['msgs_per_s']}/s)",
+                flush=True,
+            )
     if a.store_clients:
         s = run_store(a.store_clients, a.store_procs)
-        print(json.dumps(s) if a.json else
-              f"TCPStore formation, {s['store_clients']} clients: {s['formation_s']:.3f}s median "
-              f"({s['formation_all_s']}), connect {s['connect_s']:.2f}s, errors {s['errors']}", flush=True)
+        print(
+            json.dumps(s)
+            if a.json
+            else f"TCPStore formation, {s['store_clients']} clients: {s['formation_s']:.3f}s median "
+            f"({s['formation_all_s']}), connect {s['connect_s']:.2f}s, errors {s['errors']}",
+            flush=True,
+        )
     return 0
 
 

@@ -22,6 +22,7 @@ Every input, its value and its source are printed with the table (and in --json)
     python bench/goodput_model.py --plot goodput.png
     python bench/goodput_model.py --mttf-source llama3 --restart-s 300 --gpus 16384
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,9 @@ MTTF_SOURCES = {
 @dataclass
 class Inputs:
     """Every number the model uses. `SOURCES` says where each comes from."""
+
     mttf_source: str = "kokolis"
-    mttf_scaling: str = "fit"          # fit: power law through the published points; linear: per-GPU rate constant
+    mttf_scaling: str = "fit"  # fit: power law through the published points; linear: per-GPU rate constant
     days: float = 30.0
     runs: int = 100
     seed: int = 1
@@ -69,7 +71,7 @@ class Inputs:
     replay_gb_s: float = 25.0
     repair_h: float = 24.0
     spare_quantile: float = 0.99
-    spares: int | None = None          # spare nodes; None: from --spare-quantile
+    spares: int | None = None  # spare nodes; None: from --spare-quantile
     fallback_ckpt_interval_h: float = 6.0
     # checkpoint-restart
     ckpt_detect_s: float = 11.0
@@ -80,21 +82,21 @@ class Inputs:
 
 SOURCES = {
     "mttf_source": "kokolis: Kokolis et al. 2024 (Meta RSC): MTTF 7.9 h at 1,024 GPUs, 1.8 h at 16,384 GPUs; "
-                   "llama3: Dubey et al. 2024: 419 unexpected interruptions in 54 days on 16,384 GPUs (3.09 h)",
+    "llama3: Dubey et al. 2024: 419 unexpected interruptions in 54 days on 16,384 GPUs (3.09 h)",
     "mttf_scaling": "fit: MTTF = 7.9 h x (G/1024)^-0.533, the power law through Kokolis' two points "
-                    "(per-GPU reliability improves with job size there); linear: constant per-GPU rate "
-                    "(pessimistic above 16k)",
+    "(per-GPU reliability improves with job size there); linear: constant per-GPU rate "
+    "(pessimistic above 16k)",
     "days": "job length simulated (assumption)",
     "runs": "Monte-Carlo repetitions per row",
     "step_s": "training step time (assumption); a fault loses on average half a step in flight",
     "detect_s": "measured: bench/slurm_recovery.py, node crash under real Slurm, liveness probe 0.53-0.55 s "
-                "(process exit 0.03 s and NVML Xid 0.014 s are faster; README Benchmarks)",
+    "(process exit 0.03 s and NVML Xid 0.014 s are faster; README Benchmarks)",
     "hang_fraction": "assumption: share of failures that are hangs, caught only after --hang-timeout",
     "hang_timeout_s": "resil-run --hang-timeout default",
     "fence_s": "measured: bench/recovery.py, failure_detected -> node_fenced < 0.02 s",
     "announce_s_16k": "issue 8's target for the controller's announcement at 16,000 ranks (bench/controller_scale.py "
-                      "not run yet); measured before issue 8: 70 s at 16,000 ranks, quadratic (--announce-s-16k 70 "
-                      "--announce-exponent 2)",
+    "not run yet); measured before issue 8: 70 s at 16,000 ranks, quadratic (--announce-s-16k 70 "
+    "--announce-exponent 2)",
     "announce_exponent": "announce cost grows as (ranks/16000)^exponent",
     "reform_s": "measured: bench/recovery.py, new gloo group at 4 ranks 0.004-0.005 s",
     "store_barrier_s_16k": "NVRx reports a TCPStore barrier of ~0.5 s at 16k ranks (design notes); scaled linearly",
@@ -104,14 +106,14 @@ SOURCES = {
     "spare_quantile": "spare nodes = the smallest S with P(failures during one repair time <= S) >= this",
     "spares": "fixed spare-node count (overrides --spare-quantile)",
     "fallback_ckpt_interval_h": "resild users' fallback disk checkpoint interval (assumption); "
-                                "used when the spare pool is exhausted",
+    "used when the spare pool is exhausted",
     "ckpt_detect_s": "measured: bench/slurm_recovery.py, plain srun job, crash -> srun returns 10.4-11.6 s "
-                     "(SlurmdTimeout=5 s; the default 300 s would be slower)",
+    "(SlurmdTimeout=5 s; the default 300 s would be slower)",
     "ckpt_write_s": "assumption: blocking checkpoint write to a parallel file system (also charged to "
-                    "resild's fallback checkpoints)",
+    "resild's fallback checkpoints)",
     "ckpt_interval_s": "Young/Daly optimum sqrt(2 x write x MTTF) per job size unless given",
     "restart_s": "assumption: requeue + process start + NCCL init + checkpoint load at scale "
-                 "(measured here at 4 ranks: torchrun 3.9-7.4 s, plain srun 12.3-13.5 s)",
+    "(measured here at 4 ranks: torchrun 3.9-7.4 s, plain srun 12.3-13.5 s)",
 }
 
 
@@ -146,10 +148,14 @@ class ResildCost:
 def resild_cost(gpus: int, inp: Inputs) -> ResildCost:
     ranks = gpus
     detect = (1 - inp.hang_fraction) * inp.detect_s + inp.hang_fraction * inp.hang_timeout_s
-    return ResildCost(detect_s=detect, fence_s=inp.fence_s,
-                      announce_s=inp.announce_s_16k * (ranks / 16000) ** inp.announce_exponent,
-                      reform_s=inp.reform_s + inp.store_barrier_s_16k * ranks / 16384,
-                      replay_s=inp.state_gb_per_gpu / inp.replay_gb_s, inflight_s=inp.step_s / 2)
+    return ResildCost(
+        detect_s=detect,
+        fence_s=inp.fence_s,
+        announce_s=inp.announce_s_16k * (ranks / 16000) ** inp.announce_exponent,
+        reform_s=inp.reform_s + inp.store_barrier_s_16k * ranks / 16384,
+        replay_s=inp.state_gb_per_gpu / inp.replay_gb_s,
+        inflight_s=inp.step_s / 2,
+    )
 
 
 def poisson_quantile(mean: float, q: float) -> int:
@@ -182,7 +188,7 @@ def simulate(gpus: int, inp: Inputs, rng: random.Random, *, resild: bool) -> Run
     """One job of inp.days wall time. Returns net productive time / wall time."""
     T = inp.days * 86400.0
     mttf_s = mttf_h(gpus, inp) * 3600.0
-    rate = 1.0 / mttf_s                      # failures/s among the job's active GPUs
+    rate = 1.0 / mttf_s  # failures/s among the job's active GPUs
     node_rate = rate / (gpus / GPUS_PER_NODE)  # per node, the same per-GPU reliability for spares
     s_max = spare_nodes(gpus, inp) if resild else 0
     cost = resild_cost(gpus, inp).total_s
@@ -194,7 +200,7 @@ def simulate(gpus: int, inp: Inputs, rng: random.Random, *, resild: bool) -> Run
     t = work = since_ckpt = 0.0
     spares = s_max
     repairs: list[float] = []  # when failed nodes come back to the pool
-    busy_until = 0.0           # recovering / restarting / writing a checkpoint until then
+    busy_until = 0.0  # recovering / restarting / writing a checkpoint until then
     writing = False
     failures = exhaustions = ckpts = 0
     while t < T:
@@ -227,7 +233,7 @@ def simulate(gpus: int, inp: Inputs, rng: random.Random, *, resild: bool) -> Run
                 if resild:
                     exhaustions += 1
                     spares, repairs = s_max, []  # requeued on a fresh allocation
-                work -= since_ckpt           # redone after the restart
+                work -= since_ckpt  # redone after the restart
                 since_ckpt = 0.0
                 busy_until = t + restart
         elif t == nxt_spare_fail:
@@ -274,14 +280,21 @@ def project(gpus: int, inp: Inputs, resild: bool, label: str | None = None) -> R
     s = spare_nodes(gpus, inp) if resild else 0
     mean = statistics.fmean(gp)
     c = resild_cost(gpus, inp)
-    return Row(gpus=gpus, system=label or ("resild" if resild else "checkpoint-restart"), mttf_h=m,
-               failures_per_day=24 / m, goodput=mean, goodput_p5=gp[int(0.05 * (len(gp) - 1))],
-               goodput_p95=gp[int(0.95 * (len(gp) - 1))],
-               gpu_time_goodput=mean * gpus / (gpus + s * GPUS_PER_NODE), spare_nodes=s,
-               exhaustions_per_run=statistics.fmean(r.exhaustions for r in runs),
-               per_failure_s=c.total_s if resild else inp.ckpt_detect_s + inp.restart_s,
-               ckpt_interval_s=None if resild else (inp.ckpt_interval_s or math.sqrt(2 * inp.ckpt_write_s * m * 3600)),
-               parts=asdict(c) if resild else {"detect_s": inp.ckpt_detect_s, "restart_s": inp.restart_s})
+    return Row(
+        gpus=gpus,
+        system=label or ("resild" if resild else "checkpoint-restart"),
+        mttf_h=m,
+        failures_per_day=24 / m,
+        goodput=mean,
+        goodput_p5=gp[int(0.05 * (len(gp) - 1))],
+        goodput_p95=gp[int(0.95 * (len(gp) - 1))],
+        gpu_time_goodput=mean * gpus / (gpus + s * GPUS_PER_NODE),
+        spare_nodes=s,
+        exhaustions_per_run=statistics.fmean(r.exhaustions for r in runs),
+        per_failure_s=c.total_s if resild else inp.ckpt_detect_s + inp.restart_s,
+        ckpt_interval_s=None if resild else (inp.ckpt_interval_s or math.sqrt(2 * inp.ckpt_write_s * m * 3600)),
+        parts=asdict(c) if resild else {"detect_s": inp.ckpt_detect_s, "restart_s": inp.restart_s},
+    )
 
 
 def projections(gpus_list: list[int], inp: Inputs, before_fix: bool = True) -> list[Row]:
@@ -289,8 +302,14 @@ def projections(gpus_list: list[int], inp: Inputs, before_fix: bool = True) -> l
     for g in gpus_list:
         rows.append(project(g, inp, resild=True))
         if before_fix:  # the controller as measured before issue 8's fix
-            rows.append(project(g, replace(inp, announce_s_16k=70.0, announce_exponent=2.0), resild=True,
-                                label="resild, controller before issue 8"))
+            rows.append(
+                project(
+                    g,
+                    replace(inp, announce_s_16k=70.0, announce_exponent=2.0),
+                    resild=True,
+                    label="resild, controller before issue 8",
+                )
+            )
         rows.append(project(g, inp, resild=False))
     return rows
 
@@ -304,19 +323,25 @@ def format_inputs(inp: Inputs) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    hdr = (f"{'GPUs':>7}  {'system':<35}{'MTTF':>7}{'fail/day':>9}{'goodput':>9}{'p5-p95':>15}"
-           f"{'GPU-time':>9}{'spares':>7}{'exhaust':>8}{'per failure':>12}{'ckpt every':>11}")
+    hdr = (
+        f"{'GPUs':>7}  {'system':<35}{'MTTF':>7}{'fail/day':>9}{'goodput':>9}{'p5-p95':>15}"
+        f"{'GPU-time':>9}{'spares':>7}{'exhaust':>8}{'per failure':>12}{'ckpt every':>11}"
+    )
     out = [hdr]
     for r in rows:
         ck = "-" if r.ckpt_interval_s is None else f"{r.ckpt_interval_s / 60:.1f} min"
-        out.append(f"{r.gpus:>7}  {r.system:<35}{r.mttf_h:>6.2f}h{r.failures_per_day:>9.1f}"
-                   f"{r.goodput * 100:>8.2f}%{f'{r.goodput_p5 * 100:.2f}-{r.goodput_p95 * 100:.2f}%':>15}"
-                   f"{r.gpu_time_goodput * 100:>8.2f}%{r.spare_nodes:>7}{r.exhaustions_per_run:>8.2f}"
-                   f"{r.per_failure_s:>11.2f}s{ck:>11}")
-    out.append("goodput: net productive time / wall (mean over runs); GPU-time: also charging the idle hot spares' "
-               "GPUs; spares: hot spare nodes (8 GPUs each); exhaust: spare pool empty at a failure, per run "
-               "(job restarts from its fallback checkpoint); per failure: resild's recovery components / "
-               "checkpoint-restart's detection + restart (plus redone work, simulated).")
+        out.append(
+            f"{r.gpus:>7}  {r.system:<35}{r.mttf_h:>6.2f}h{r.failures_per_day:>9.1f}"
+            f"{r.goodput * 100:>8.2f}%{f'{r.goodput_p5 * 100:.2f}-{r.goodput_p95 * 100:.2f}%':>15}"
+            f"{r.gpu_time_goodput * 100:>8.2f}%{r.spare_nodes:>7}{r.exhaustions_per_run:>8.2f}"
+            f"{r.per_failure_s:>11.2f}s{ck:>11}"
+        )
+    out.append(
+        "goodput: net productive time / wall (mean over runs); GPU-time: also charging the idle hot spares' "
+        "GPUs; spares: hot spare nodes (8 GPUs each); exhaust: spare pool empty at a failure, per run "
+        "(job restarts from its fallback checkpoint); per failure: resild's recovery components / "
+        "checkpoint-restart's detection + restart (plus redone work, simulated)."
+    )
     return "\n".join(out)
 
 
@@ -327,8 +352,7 @@ def plot(rows: list[Row], path: Path, inp: Inputs) -> None:
     fig = Figure(figsize=(9, 5.5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    for system, style in (("resild", "o-"), ("resild, controller before issue 8", "s--"),
-                          ("checkpoint-restart", "^-")):
+    for system, style in (("resild", "o-"), ("resild, controller before issue 8", "s--"), ("checkpoint-restart", "^-")):
         pts = [(r.gpus, r.goodput * 100, r.goodput_p5 * 100, r.goodput_p95 * 100) for r in rows if r.system == system]
         if not pts:
             continue
@@ -337,15 +361,24 @@ def plot(rows: list[Row], path: Path, inp: Inputs) -> None:
         ax.fill_between(g, lo, hi, alpha=0.15)
         below = system != "resild"  # keep the labels of close lines apart
         for gi, yi in zip(g, y):
-            ax.annotate(f"{yi:.1f}%", (gi, yi), textcoords="offset points", xytext=(0, -13 if below else 6),
-                        ha="center", fontsize=8)
+            ax.annotate(
+                f"{yi:.1f}%",
+                (gi, yi),
+                textcoords="offset points",
+                xytext=(0, -13 if below else 6),
+                ha="center",
+                fontsize=8,
+            )
     ax.axhline(98, color="#888888", ls=":", lw=1)
     ax.text(25000, 96.6, "98% target at 16,384 GPUs", fontsize=8, color="#555555")
     ax.set_xscale("log")
     ax.set_xlabel("GPUs in the job")
     ax.set_ylabel("goodput, % of wall time (simulated)")
-    ax.set_title(f"Projected goodput (SIMULATION; MTTF source: {inp.mttf_source}, {inp.mttf_scaling}; "
-                 f"restart {inp.restart_s:.0f} s, ckpt write {inp.ckpt_write_s:.0f} s)", fontsize=9)
+    ax.set_title(
+        f"Projected goodput (SIMULATION; MTTF source: {inp.mttf_source}, {inp.mttf_scaling}; "
+        f"restart {inp.restart_s:.0f} s, ckpt write {inp.ckpt_write_s:.0f} s)",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="lower left")
     fig.tight_layout()
@@ -354,6 +387,7 @@ def plot(rows: list[Row], path: Path, inp: Inputs) -> None:
 
 def _png(fig) -> bytes:
     import io
+
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
@@ -361,12 +395,20 @@ def _png(fig) -> bytes:
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Inputs]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpus", type=int, nargs="+", default=[1024, 4096, 16384, 100000],
-                   help="job sizes in GPUs (default: 1024 4096 16384 100000)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        nargs="+",
+        default=[1024, 4096, 16384, 100000],
+        help="job sizes in GPUs (default: 1024 4096 16384 100000)",
+    )
     p.add_argument("--json", action="store_true", help="print the inputs and rows as one JSON object")
     p.add_argument("--plot", type=Path, metavar="FILE", help="draw goodput vs GPUs to FILE (.png)")
-    p.add_argument("--no-before-fix", action="store_true",
-                   help="leave out the row with the controller's announcement cost as measured before issue 8")
+    p.add_argument(
+        "--no-before-fix",
+        action="store_true",
+        help="leave out the row with the controller's announcement cost as measured before issue 8",
+    )
     defaults = Inputs()
     for k, v in asdict(defaults).items():
         flag = "--" + k.replace("_", "-")
@@ -392,8 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     a, inp = parse_args(argv)
     rows = projections(a.gpus, inp, before_fix=not a.no_before_fix)
     if a.json:
-        print(json.dumps({"simulation": True, "inputs": asdict(inp), "sources": SOURCES,
-                          "rows": [asdict(r) for r in rows]}, indent=1))
+        print(
+            json.dumps(
+                {"simulation": True, "inputs": asdict(inp), "sources": SOURCES, "rows": [asdict(r) for r in rows]},
+                indent=1,
+            )
+        )
     else:
         print("SIMULATION (bench/goodput_model.py), not a measurement.\n")
         print(format_table(rows))

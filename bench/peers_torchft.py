@@ -34,6 +34,7 @@ Measured for each (wall clock, one machine):
     python bench/peers_torchft.py                       # documented settings, then tuned
     python bench/peers_torchft.py --profile tuned --runs 3 --json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,18 +55,38 @@ HERE = Path(__file__).resolve()
 # Lighthouse and Manager settings. "documented": torchft's README (lighthouse flags) and the
 # Manager's defaults. "tuned": as low as they go here without breaking a healthy run.
 PROFILES = {
-    "documented": dict(quorum_tick_ms=100, join_timeout_ms=10000, heartbeat_timeout_ms=None,
-                       timeout_s=60.0, quorum_timeout_s=60.0, connect_timeout_s=60.0, heartbeat_interval_ms=100),
-    "tuned": dict(quorum_tick_ms=10, join_timeout_ms=100, heartbeat_timeout_ms=300,
-                  timeout_s=3.0, quorum_timeout_s=3.0, connect_timeout_s=10.0, heartbeat_interval_ms=50),
+    "documented": dict(
+        quorum_tick_ms=100,
+        join_timeout_ms=10000,
+        heartbeat_timeout_ms=None,
+        timeout_s=60.0,
+        quorum_timeout_s=60.0,
+        connect_timeout_s=60.0,
+        heartbeat_interval_ms=100,
+    ),
+    "tuned": dict(
+        quorum_tick_ms=10,
+        join_timeout_ms=100,
+        heartbeat_timeout_ms=300,
+        timeout_s=3.0,
+        quorum_timeout_s=3.0,
+        connect_timeout_s=10.0,
+        heartbeat_interval_ms=50,
+    ),
 }
 
 
 # ---- worker (run by torchrun, one per rank of a replica group) -----------------------------
 def _emit(path: str, event: str, **fields) -> None:
-    rec = {"event": event, "t_wall": time.time(), "pid": os.getpid(),
-           "group": int(os.environ.get("REPLICA_GROUP_ID", -1)), "rank": int(os.environ.get("RANK", -1)),
-           "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), **fields}
+    rec = {
+        "event": event,
+        "t_wall": time.time(),
+        "pid": os.getpid(),
+        "group": int(os.environ.get("REPLICA_GROUP_ID", -1)),
+        "rank": int(os.environ.get("RANK", -1)),
+        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        **fields,
+    }
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, (json.dumps(rec) + "\n").encode())  # one write per line: no interleaving
@@ -103,12 +124,17 @@ def worker(a: argparse.Namespace) -> None:
         opt.load_state_dict(sd["opt"])
         sched.load_state_dict(sd["sched"])
 
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=prof["timeout_s"])), min_replica_size=1,
-                      load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"group{group}",
-                      timeout=timedelta(seconds=prof["timeout_s"]),
-                      quorum_timeout=timedelta(seconds=prof["quorum_timeout_s"]),
-                      connect_timeout=timedelta(seconds=prof["connect_timeout_s"]),
-                      heartbeat_interval=timedelta(milliseconds=prof["heartbeat_interval_ms"]))
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=prof["timeout_s"])),
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"group{group}",
+        timeout=timedelta(seconds=prof["timeout_s"]),
+        quorum_timeout=timedelta(seconds=prof["quorum_timeout_s"]),
+        connect_timeout=timedelta(seconds=prof["connect_timeout_s"]),
+        heartbeat_interval=timedelta(milliseconds=prof["heartbeat_interval_ms"]),
+    )
     _emit(a.events, "ready")
     params = list(model.parameters())
     while manager.current_step() < a.steps:
@@ -127,7 +153,7 @@ def worker(a: argparse.Namespace) -> None:
         off = 0
         for p in params:
             n = p.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p))
+            p.grad.copy_(flat[off : off + n].view_as(p))
             off += n
         if manager.should_commit():
             opt.step()
@@ -139,16 +165,18 @@ def worker(a: argparse.Namespace) -> None:
 
 
 # ---- orchestrator -------------------------------------------------------------------------
-def run_torchft(profile: str, groups: int, ppn: int, steps: int, kill_at: int, workdir: Path,
-                timeout_s: float, seed: int = 0) -> dict:
+def run_torchft(
+    profile: str, groups: int, ppn: int, steps: int, kill_at: int, workdir: Path, timeout_s: float, seed: int = 0
+) -> dict:
     from torchft.coordination import LighthouseServer
 
     prof = PROFILES[profile]
     workdir.mkdir(parents=True, exist_ok=True)
     events = workdir / "events.jsonl"
     events.unlink(missing_ok=True)
-    kw = dict(bind="[::]:0", min_replicas=1, join_timeout_ms=prof["join_timeout_ms"],
-              quorum_tick_ms=prof["quorum_tick_ms"])
+    kw = dict(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=prof["join_timeout_ms"], quorum_tick_ms=prof["quorum_tick_ms"]
+    )
     if prof["heartbeat_timeout_ms"] is not None:
         kw["heartbeat_timeout_ms"] = prof["heartbeat_timeout_ms"]
     lighthouse = LighthouseServer(**kw)
@@ -156,18 +184,46 @@ def run_torchft(profile: str, groups: int, ppn: int, steps: int, kill_at: int, w
     t_launch = time.time()
     try:
         for g in range(groups):
-            env = {**os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address(), "REPLICA_GROUP_ID": str(g),
-                   "NUM_REPLICA_GROUPS": str(groups), "OMP_NUM_THREADS": "1",
-                   # torch 2.13's torchrun restart reads stale addresses from a shared store without it
-                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+            env = {
+                **os.environ,
+                "TORCHFT_LIGHTHOUSE": lighthouse.address(),
+                "REPLICA_GROUP_ID": str(g),
+                "NUM_REPLICA_GROUPS": str(groups),
+                "OMP_NUM_THREADS": "1",
+                # torch 2.13's torchrun restart reads stale addresses from a shared store without it
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            }
             log = open(workdir / f"group{g}.log", "wb")
             logs.append(log)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ppn),
-                   "--max-restarts", "3", "--monitor-interval", "0.1", str(HERE), "--worker",
-                   "--events", str(events), "--steps", str(steps), "--kill-at", str(kill_at),
-                   "--kill-group", str(groups - 1), "--profile", profile, "--seed", str(seed)]
-            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(ppn),
+                "--max-restarts",
+                "3",
+                "--monitor-interval",
+                "0.1",
+                str(HERE),
+                "--worker",
+                "--events",
+                str(events),
+                "--steps",
+                str(steps),
+                "--kill-at",
+                str(kill_at),
+                "--kill-group",
+                str(groups - 1),
+                "--profile",
+                profile,
+                "--seed",
+                str(seed),
+            ]
+            procs.append(
+                subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
         deadline = time.monotonic() + timeout_s
         timed_out = False
         for p in procs:
@@ -185,8 +241,14 @@ def run_torchft(profile: str, groups: int, ppn: int, steps: int, kill_at: int, w
             log.close()
         lighthouse.shutdown()
     res = analyze_torchft(_read(events), groups)
-    res.update(system=f"torchft ({profile})", exit_codes=codes, timed_out=timed_out, wall_s=time.time() - t_launch,
-               workdir=str(workdir), settings=prof)
+    res.update(
+        system=f"torchft ({profile})",
+        exit_codes=codes,
+        timed_out=timed_out,
+        wall_s=time.time() - t_launch,
+        workdir=str(workdir),
+        settings=prof,
+    )
     return res
 
 
@@ -195,8 +257,18 @@ def _read(path: Path) -> list[dict]:
 
 
 def analyze_torchft(events: list[dict], groups: int) -> dict:
-    res: dict = dict.fromkeys(("training_again_s", "full_strength_s", "steps_reduced", "steps_redone",
-                               "lost_s", "goodput", "step_time_s", "steps"))
+    res: dict = dict.fromkeys(
+        (
+            "training_again_s",
+            "full_strength_s",
+            "steps_reduced",
+            "steps_redone",
+            "lost_s",
+            "goodput",
+            "step_time_s",
+            "steps",
+        )
+    )
     steps = [e for e in events if e["event"] == "step" and e["rank"] == 0]
     fault = next((e for e in events if e["event"] == "fault_injected"), None)
     if not steps:
@@ -211,9 +283,13 @@ def analyze_torchft(events: list[dict], groups: int) -> dict:
     before = [e for e in commits if t_fault is None or e["t_wall"] < t_fault]
     # Failure-free step time: consecutive full-strength commits, before and after the recovery
     # (the machine's load changes over a run; one side of the fault alone would be biased).
-    full = [b["t_wall"] - a["t_wall"] for a, b in zip(commits, commits[1:])
-            if b["step"] == a["step"] + 1 and a["participants"] == b["participants"] == groups
-            and (t_fault is None or not a["t_wall"] < t_fault < b["t_wall"])]
+    full = [
+        b["t_wall"] - a["t_wall"]
+        for a, b in zip(commits, commits[1:])
+        if b["step"] == a["step"] + 1
+        and a["participants"] == b["participants"] == groups
+        and (t_fault is None or not a["t_wall"] < t_fault < b["t_wall"])
+    ]
     res["step_time_s"] = statistics.median(full) if full else None
     res["steps"] = commits[-1]["step"]
     if t_fault is not None:
@@ -222,8 +298,9 @@ def analyze_torchft(events: list[dict], groups: int) -> dict:
             res["training_again_s"] = after[0]["t_wall"] - t_fault
             full = next((e for e in after if e["participants"] == groups), None)
             res["full_strength_s"] = full["t_wall"] - t_fault if full else None
-            res["steps_reduced"] = sum(1 for e in after if e["participants"] < groups
-                                       and (full is None or e["t_wall"] < full["t_wall"]))
+            res["steps_reduced"] = sum(
+                1 for e in after if e["participants"] < groups and (full is None or e["t_wall"] < full["t_wall"])
+            )
         committed_at_fault = max((e["step"] for e in before), default=0)
         resumed_from = min((e["step"] for e in after), default=committed_at_fault + 1) - 1
         res["steps_redone"] = max(0, committed_at_fault - resumed_from)
@@ -232,8 +309,9 @@ def analyze_torchft(events: list[dict], groups: int) -> dict:
         # did not train while the others went on (a GPU does not speed up when its peers are
         # gone; on this oversubscribed CPU machine the survivors do, which inflates goodput).
         deficit = sum(1 - e["participants"] / groups for e in commits if e["t_wall"] > t_fault)
-        res["lost_s"] = res["training_again_s"] + deficit * res["step_time_s"] \
-            + (res["steps_redone"] or 0) * res["step_time_s"]
+        res["lost_s"] = (
+            res["training_again_s"] + deficit * res["step_time_s"] + (res["steps_redone"] or 0) * res["step_time_s"]
+        )
     if res["step_time_s"] and len(commits) > 1:
         window = commits[-1]["t_wall"] - commits[0]["t_wall"]
         work = sum(e["participants"] / groups for e in commits[1:]) * res["step_time_s"]
@@ -247,14 +325,25 @@ def run_resild_side(ppn: int, steps: int, kill_at: int, workdir: Path, timeout_s
 
     r = run_resild(2 * ppn, ppn, steps, kill_at, workdir, timeout_s)
     # resild's spare holds exactly the failed node's ranks: back to training = back to full strength.
-    return {"system": "resild (1 hot spare)", "training_again_s": r.get("total_s"), "full_strength_s": r.get("total_s"),
-            "steps_reduced": 0, "steps_redone": r.get("steps_redone"),
-            "lost_s": (r["total_s"] + (r.get("steps_redone") or 0) * (r.get("step_time_s") or 0.0)
-                       if r.get("total_s") is not None else None),
-            "goodput": r.get("goodput"),
-            "step_time_s": r.get("step_time_s"), "steps": r.get("steps_completed"),
-            "exit_codes": [r.get("exit_code")], "timed_out": r.get("timed_out"), "wall_s": r.get("wall_s"),
-            "workdir": str(workdir)}
+    return {
+        "system": "resild (1 hot spare)",
+        "training_again_s": r.get("total_s"),
+        "full_strength_s": r.get("total_s"),
+        "steps_reduced": 0,
+        "steps_redone": r.get("steps_redone"),
+        "lost_s": (
+            r["total_s"] + (r.get("steps_redone") or 0) * (r.get("step_time_s") or 0.0)
+            if r.get("total_s") is not None
+            else None
+        ),
+        "goodput": r.get("goodput"),
+        "step_time_s": r.get("step_time_s"),
+        "steps": r.get("steps_completed"),
+        "exit_codes": [r.get("exit_code")],
+        "timed_out": r.get("timed_out"),
+        "wall_s": r.get("wall_s"),
+        "workdir": str(workdir),
+    }
 
 
 COLS = ("training_again_s", "full_strength_s", "steps_reduced", "steps_redone", "lost_s", "goodput", "step_time_s")
@@ -273,8 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--events", help=argparse.SUPPRESS)
     p.add_argument("--kill-group", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--profile", choices=[*PROFILES, "both"], default="both",
-                   help="torchft settings: its documented ones, tuned down, or both (default)")
+    p.add_argument(
+        "--profile",
+        choices=[*PROFILES, "both"],
+        default="both",
+        help="torchft settings: its documented ones, tuned down, or both (default)",
+    )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--kill-at", type=int, default=130)
     p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (= per torchft replica group)")
@@ -291,10 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import torchft  # noqa: F401
     except ImportError:
-        print("peers_torchft: torchft is not installed: pip install 'torchft==0.2.0' (the bench extra)",
-              file=sys.stderr)
+        print(
+            "peers_torchft: torchft is not installed: pip install 'torchft==0.2.0' (the bench extra)", file=sys.stderr
+        )
         return 2
     import tempfile
+
     wd = a.workdir or Path(tempfile.mkdtemp(prefix="resild-peers-"))
     profiles = list(PROFILES) if a.profile == "both" else [a.profile]
     rows: list[dict] = []
@@ -303,8 +398,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_resild_side(a.nproc_per_node, a.steps, a.kill_at, wd / f"resild-{i}", a.timeout))
         if a.only != "resild":
             for prof in profiles:
-                rows.append(run_torchft(prof, 2, a.nproc_per_node, a.steps, a.kill_at, wd / f"torchft-{prof}-{i}",
-                                        a.timeout, a.seed))
+                rows.append(
+                    run_torchft(
+                        prof, 2, a.nproc_per_node, a.steps, a.kill_at, wd / f"torchft-{prof}-{i}", a.timeout, a.seed
+                    )
+                )
     # Ratios resild / peer per run (medians over runs).
     med = {}
     for r in rows:
@@ -318,21 +416,29 @@ def main(argv: list[str] | None = None) -> int:
     if rs:
         for s, d in summary.items():
             if s.startswith("torchft") and d.get("full_strength_s") and rs.get("full_strength_s"):
-                ratios[s] = {"full_strength": rs["full_strength_s"] / d["full_strength_s"],
-                         "lost": rs["lost_s"] / d["lost_s"] if rs.get("lost_s") and d.get("lost_s") else None,
-                             "training_again": (rs["training_again_s"] / d["training_again_s"]
-                                                if d.get("training_again_s") else None)}
+                ratios[s] = {
+                    "full_strength": rs["full_strength_s"] / d["full_strength_s"],
+                    "lost": rs["lost_s"] / d["lost_s"] if rs.get("lost_s") and d.get("lost_s") else None,
+                    "training_again": (
+                        rs["training_again_s"] / d["training_again_s"] if d.get("training_again_s") else None
+                    ),
+                }
     if a.json:
         print(json.dumps({"runs": rows, "medians": summary, "ratios_resild_over_peer": ratios}, indent=1))
         return 0
     print(f"{'system':<24}" + "".join(f"{c:>17}" for c in COLS) + f"{'exit':>10}")
     for r in rows:
-        print(f"{r['system']:<24}" + "".join(f"{_fmt(r.get(c)):>17}" for c in COLS)
-              + f"{','.join(map(str, r.get('exit_codes') or [])):>10}")
+        print(
+            f"{r['system']:<24}"
+            + "".join(f"{_fmt(r.get(c)):>17}" for c in COLS)
+            + f"{','.join(map(str, r.get('exit_codes') or [])):>10}"
+        )
     for s, q in ratios.items():
-        print(f"resild / {s}: fault -> full strength {q['full_strength']:.3f}x"
-              + (f", work lost {q['lost']:.3f}x" if q["lost"] else "")
-              + (f", fault -> training again {q['training_again']:.3f}x" if q["training_again"] else ""))
+        print(
+            f"resild / {s}: fault -> full strength {q['full_strength']:.3f}x"
+            + (f", work lost {q['lost']:.3f}x" if q["lost"] else "")
+            + (f", fault -> training again {q['training_again']:.3f}x" if q["training_again"] else "")
+        )
     print(f"(logs and events under {wd})")
     return 0
 

@@ -45,6 +45,7 @@ Usage::
 
 Nothing here asserts on timings: it reports what it measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,11 +66,25 @@ from bench.recovery import _parse_summary, analyze_resild
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "bench" / "sharded_train.py"
-TARGET_OVERHEAD = 0.03   # resild/plain - 1
-TARGET_BASE_S = 0.3      # fault → full strength within 0.3 s + one step
+TARGET_OVERHEAD = 0.03  # resild/plain - 1
+TARGET_BASE_S = 0.3  # fault → full strength within 0.3 s + one step
 
-FAULT_COLS = ("detect_s", "fence_s", "announce_s", "notify_s", "reform_s", "replay_s", "recover_s",
-              "first_step_s", "total_s", "step_s", "target_s", "within_target", "steps_redone", "exit_code")
+FAULT_COLS = (
+    "detect_s",
+    "fence_s",
+    "announce_s",
+    "notify_s",
+    "reform_s",
+    "replay_s",
+    "recover_s",
+    "first_step_s",
+    "total_s",
+    "step_s",
+    "target_s",
+    "within_target",
+    "steps_redone",
+    "exit_code",
+)
 
 
 # ---- running things --------------------------------------------------------------------
@@ -86,8 +101,9 @@ def _run(cmd: list[str], workdir: Path, timeout_s: float, interrupt=signal.SIGIN
     t0 = time.time()
     timed_out = False
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=log,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env or _env(), stdout=subprocess.PIPE, stderr=log, start_new_session=True
+        )
         try:
             out, _ = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -98,26 +114,85 @@ def _run(cmd: list[str], workdir: Path, timeout_s: float, interrupt=signal.SIGIN
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 out, _ = proc.communicate()
-    return {"exit_code": proc.returncode, "timed_out": timed_out, "wall_s": time.time() - t0,
-            "stdout": out.decode(errors="replace"), "log": str(log_path), "command": cmd}
+    return {
+        "exit_code": proc.returncode,
+        "timed_out": timed_out,
+        "wall_s": time.time() - t0,
+        "stdout": out.decode(errors="replace"),
+        "log": str(log_path),
+        "command": cmd,
+    }
 
 
-def resild_cmd(model: str, nproc: int, ppn: int, spares: int, steps: int, times: Path, events: Path,
-               run_dir: Path, inject: list[str] = (), worker_extra: list[str] = (),
-               python: str = sys.executable) -> list[str]:
+def resild_cmd(
+    model: str,
+    nproc: int,
+    ppn: int,
+    spares: int,
+    steps: int,
+    times: Path,
+    events: Path,
+    run_dir: Path,
+    inject: list[str] = (),
+    worker_extra: list[str] = (),
+    python: str = sys.executable,
+) -> list[str]:
     if nproc % ppn:
         raise ValueError(f"{nproc} ranks are not a multiple of {ppn} per node")
-    cmd = [python, "-m", "launcher.run.cli", "--local", "--nodes", str(nproc // ppn + spares), "--spares", str(spares),
-           "--nproc-per-node", str(ppn), "--json", "-q", "--run-dir", str(run_dir), "--events", str(events)]
+    cmd = [
+        python,
+        "-m",
+        "launcher.run.cli",
+        "--local",
+        "--nodes",
+        str(nproc // ppn + spares),
+        "--spares",
+        str(spares),
+        "--nproc-per-node",
+        str(ppn),
+        "--json",
+        "-q",
+        "--run-dir",
+        str(run_dir),
+        "--events",
+        str(events),
+    ]
     for spec in inject:
         cmd += ["--inject", spec]
-    return cmd + ["--", python, str(WORKER), "--mode", "resild", "--model", model, "--steps", str(steps),
-                  "--times", str(times), *worker_extra]
+    return cmd + [
+        "--",
+        python,
+        str(WORKER),
+        "--mode",
+        "resild",
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--times",
+        str(times),
+        *worker_extra,
+    ]
 
 
 def plain_cmd(model: str, nproc: int, steps: int, times: Path, python: str = sys.executable) -> list[str]:
-    return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            str(WORKER), "--mode", "plain", "--model", model, "--steps", str(steps), "--times", str(times)]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(WORKER),
+        "--mode",
+        "plain",
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--times",
+        str(times),
+    ]
 
 
 def step_stats(times_path: Path, warmup: int) -> dict:
@@ -135,8 +210,13 @@ def step_stats(times_path: Path, warmup: int) -> dict:
         iv.append(t_end - by_step[k - 1][3])
         commit.append(t_end - t_commit)
         compute.append(t_commit - t_top)
-    return {"step_s": median(iv), "commit_s": median(commit), "compute_s": median(compute), "n_steps": len(iv),
-            "intervals": iv}
+    return {
+        "step_s": median(iv),
+        "commit_s": median(commit),
+        "compute_s": median(compute),
+        "n_steps": len(iv),
+        "intervals": iv,
+    }
 
 
 # ---- part 1: failure-free overhead ---------------------------------------------------------
@@ -145,8 +225,9 @@ def run_one(side: str, model: str, args, workdir: Path) -> dict:
     times = workdir / "times.json"
     times.unlink(missing_ok=True)
     if side == "resild":
-        cmd = resild_cmd(model, args.nproc, args.ppn, args.spares, args.steps, times, workdir / "events.jsonl",
-                         workdir / "run")
+        cmd = resild_cmd(
+            model, args.nproc, args.ppn, args.spares, args.steps, times, workdir / "events.jsonl", workdir / "run"
+        )
         r = _run(cmd, workdir, args.timeout)
         summary = _parse_summary(r["stdout"])
         r["resil_run_step_s"] = ((summary or {}).get("job") or {}).get("step_s")
@@ -175,13 +256,17 @@ def overhead(args, base: Path, emit) -> list[dict]:
     for model in args.models:
         rs = [r for r in runs if r["model"] == model and r["side"] == "resild"]
         pl = [r for r in runs if r["model"] == model and r["side"] == "plain"]
-        row = {"model": model, "runs": args.repeats,
-               "resild_ms": _ms(median(r["step_s"] for r in rs)), "plain_ms": _ms(median(r["step_s"] for r in pl)),
-               "resild_commit_ms": _ms(median(r["commit_s"] for r in rs)),
-               "plain_commit_ms": _ms(median(r["commit_s"] for r in pl)),
-               "resild_compute_ms": _ms(median(r["compute_s"] for r in rs)),
-               "plain_compute_ms": _ms(median(r["compute_s"] for r in pl)),
-               "failed_runs": sum(1 for r in rs + pl if r["exit_code"] != 0 or r["step_s"] is None)}
+        row = {
+            "model": model,
+            "runs": args.repeats,
+            "resild_ms": _ms(median(r["step_s"] for r in rs)),
+            "plain_ms": _ms(median(r["step_s"] for r in pl)),
+            "resild_commit_ms": _ms(median(r["commit_s"] for r in rs)),
+            "plain_commit_ms": _ms(median(r["commit_s"] for r in pl)),
+            "resild_compute_ms": _ms(median(r["compute_s"] for r in rs)),
+            "plain_compute_ms": _ms(median(r["compute_s"] for r in pl)),
+            "failed_runs": sum(1 for r in rs + pl if r["exit_code"] != 0 or r["step_s"] is None),
+        }
         row["ratio"] = _div(row["resild_ms"], row["plain_ms"])
         pairs = [_div(a["step_s"], b["step_s"]) for a, b in zip(rs, pl)]
         pairs = [p for p in pairs if p is not None]
@@ -200,9 +285,18 @@ def fault_run(args, workdir: Path) -> dict:
         p.unlink(missing_ok=True)
     phases.mkdir(exist_ok=True)
     nproc = (args.fault_nodes - 1) * args.ppn
-    cmd = resild_cmd("hsdp", nproc, args.ppn, 1, args.fault_steps, times, events, workdir / "run",
-                     inject=[f"kill:node1@{args.kill_at}"],
-                     worker_extra=["--phases", str(phases), *(["--prewarm"] if args.prewarm else [])])
+    cmd = resild_cmd(
+        "hsdp",
+        nproc,
+        args.ppn,
+        1,
+        args.fault_steps,
+        times,
+        events,
+        workdir / "run",
+        inject=[f"kill:node1@{args.kill_at}"],
+        worker_extra=["--phases", str(phases), *(["--prewarm"] if args.prewarm else [])],
+    )
     r = _run(cmd, workdir, args.timeout)
     summary = _parse_summary(r.pop("stdout"))
     evs = read_events(events)
@@ -210,8 +304,11 @@ def fault_run(args, workdir: Path) -> dict:
     st = step_stats(times, args.warmup)
     # one failure-free step: rank 0's median, leaving out the steps around the fault
     k = res.get("fault_step")
-    iv_ok = [] if k is None else [
-        t for t in _intervals_by_step(times) if t[0] >= args.warmup and not k - 1 <= t[0] <= k + 3]
+    iv_ok = (
+        []
+        if k is None
+        else [t for t in _intervals_by_step(times) if t[0] >= args.warmup and not k - 1 <= t[0] <= k + 3]
+    )
     res["step_s"] = median(x for _, x in iv_ok) or st["step_s"]
     res["resil_run_step_s"] = res.pop("step_time_s", None)
     if res.get("total_s") is not None and res["step_s"] is not None:
@@ -220,22 +317,43 @@ def fault_run(args, workdir: Path) -> dict:
     else:
         res["target_s"] = res["within_target"] = None
     ep = res.get("epoch")
-    res["replays"] = [{"rank": e.get("rank"), "bytes": int(e["bytes"]), "seconds": float(e["seconds"]),
-                       "sources": e.get("sources"), "mb_per_s": e.get("mb_per_s")}
-                      for e in select(evs, "state_replayed") if ep is not None and e.get("epoch") == ep]
+    res["replays"] = [
+        {
+            "rank": e.get("rank"),
+            "bytes": int(e["bytes"]),
+            "seconds": float(e["seconds"]),
+            "sources": e.get("sources"),
+            "mb_per_s": e.get("mb_per_s"),
+        }
+        for e in select(evs, "state_replayed")
+        if ep is not None and e.get("epoch") == ep
+    ]
     res.update(spare_phases(evs, phases, {p["rank"] for p in res["replays"]}))
-    res.update(nproc=nproc, nodes=args.fault_nodes, ppn=args.ppn, kill_at=args.kill_at, steps=args.fault_steps,
-               exit_code=r["exit_code"], timed_out=r["timed_out"], wall_s=r["wall_s"], workdir=str(workdir),
-               command=r["command"])
+    res.update(
+        nproc=nproc,
+        nodes=args.fault_nodes,
+        ppn=args.ppn,
+        kill_at=args.kill_at,
+        steps=args.fault_steps,
+        exit_code=r["exit_code"],
+        timed_out=r["timed_out"],
+        wall_s=r["wall_s"],
+        workdir=str(workdir),
+        command=r["command"],
+    )
     return res
 
 
 #: the spare's ranks after spare_assigned, from their --phases marks (time.monotonic(), the
 #: events' t_mono clock): launcher.init returns, job.hsdp_mesh, model built + fully_shard +
 #: AdamW + loader, job.attach returns (agree + replay + restore), first commit
-SPARE_PHASES = (("spare_init_s", "assigned", "init"), ("spare_mesh_s", "init", "mesh"),
-                ("spare_build_s", "mesh", "built"), ("spare_attach_s", "built", "attached"),
-                ("spare_first_commit_s", "attached", "first_commit"))
+SPARE_PHASES = (
+    ("spare_init_s", "assigned", "init"),
+    ("spare_mesh_s", "init", "mesh"),
+    ("spare_build_s", "mesh", "built"),
+    ("spare_attach_s", "built", "attached"),
+    ("spare_first_commit_s", "attached", "first_commit"),
+)
 
 
 def spare_phases(evs: list[dict], phases_dir: Path, ranks: set) -> dict:
@@ -273,25 +391,50 @@ def loopback(nbytes: int, iters: int, workdir: Path, timeout_s: float) -> dict:
     times = workdir / "loopback.json"
     times.unlink(missing_ok=True)
     env = _env()
-    env["GLOO_SOCKET_IFNAME"] = "lo"   # 127.0.0.1
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
-           "--mode", "loopback", "--nbytes", str(nbytes), "--iters", str(iters), "--times", str(times)]
+    env["GLOO_SOCKET_IFNAME"] = "lo"  # 127.0.0.1
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(WORKER),
+        "--mode",
+        "loopback",
+        "--nbytes",
+        str(nbytes),
+        "--iters",
+        str(iters),
+        "--times",
+        str(times),
+    ]
     r = _run(cmd, workdir, timeout_s, interrupt=signal.SIGTERM, env=env)
     try:
         secs = json.loads(times.read_text())["seconds"]
     except (OSError, ValueError, KeyError):
         secs = []
     s = median(secs)
-    return {"nbytes": nbytes, "iters": len(secs), "seconds": s, "min_s": min(secs) if secs else None,
-            "mb_per_s": nbytes / 1e6 / s if s else None, "exit_code": r["exit_code"]}
+    return {
+        "nbytes": nbytes,
+        "iters": len(secs),
+        "seconds": s,
+        "min_s": min(secs) if secs else None,
+        "mb_per_s": nbytes / 1e6 / s if s else None,
+        "exit_code": r["exit_code"],
+    }
 
 
 def fault(args, base: Path, emit) -> dict:
     runs = []
     for i in range(args.fault_runs):
         if not args.json:
-            print(f"fault: run {i + 1}/{args.fault_runs}, hsdp, {args.fault_nodes} nodes x {args.ppn} (1 spare), "
-                  f"kill:node1@{args.kill_at} ...", file=sys.stderr, flush=True)
+            print(
+                f"fault: run {i + 1}/{args.fault_runs}, hsdp, {args.fault_nodes} nodes x {args.ppn} (1 spare), "
+                f"kill:node1@{args.kill_at} ...",
+                file=sys.stderr,
+                flush=True,
+            )
         r = fault_run(args, base / "fault" / f"run{i + 1}")
         r["run"] = i + 1
         runs.append(r)
@@ -306,13 +449,21 @@ def fault(args, base: Path, emit) -> dict:
         emit({"kind": "loopback", **lb})
     for p in replays:
         p["vs_loopback"] = _div(p["seconds"], lb and lb["seconds"])
-    med = {k: median(r.get(k) for r in runs if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool))
-           for k in FAULT_COLS if k != "within_target"}
-    out = {"runs": runs, "median": med, "loopback": lb,
-           "replay_bytes_per_rank": nbytes, "replay_s_per_rank": median(p["seconds"] for p in replays),
-           "replay_mb_per_s": median(p["bytes"] / 1e6 / p["seconds"] for p in replays if p["seconds"] > 0),
-           "replay_sources": sorted({len(p["sources"] or []) for p in replays}),
-           "runs_within_target": sum(1 for r in runs if r.get("within_target"))}
+    med = {
+        k: median(r.get(k) for r in runs if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool))
+        for k in FAULT_COLS
+        if k != "within_target"
+    }
+    out = {
+        "runs": runs,
+        "median": med,
+        "loopback": lb,
+        "replay_bytes_per_rank": nbytes,
+        "replay_s_per_rank": median(p["seconds"] for p in replays),
+        "replay_mb_per_s": median(p["bytes"] / 1e6 / p["seconds"] for p in replays if p["seconds"] > 0),
+        "replay_sources": sorted({len(p["sources"] or []) for p in replays}),
+        "runs_within_target": sum(1 for r in runs if r.get("within_target")),
+    }
     out["replay_vs_loopback"] = _div(out["replay_s_per_rank"], lb and lb["seconds"])
     emit({"kind": "fault", **{k: v for k, v in out.items() if k != "runs"}})
     return out
@@ -332,12 +483,27 @@ def _yn(v) -> str:
 
 
 def print_overhead(args, rows: list[dict]) -> None:
-    print(f"\nfailure-free step time, {args.nproc} ranks, gloo on CPU, rank 0's median over steps "
-          f"{args.warmup}..{args.steps - 1}, {args.repeats} runs per side (ABBA); ms")
-    print(f"resild: resil-run --local {args.nproc // args.ppn} nodes x {args.ppn}, {args.spares} spare(s); "
-          f"plain: torchrun --nproc-per-node {args.nproc}")
-    cols = ("resild_ms", "plain_ms", "ratio", "pair_ratio_min", "pair_ratio_max", "resild_commit_ms",
-            "plain_commit_ms", "resild_compute_ms", "plain_compute_ms", "within_3pct", "failed_runs")
+    print(
+        f"\nfailure-free step time, {args.nproc} ranks, gloo on CPU, rank 0's median over steps "
+        f"{args.warmup}..{args.steps - 1}, {args.repeats} runs per side (ABBA); ms"
+    )
+    print(
+        f"resild: resil-run --local {args.nproc // args.ppn} nodes x {args.ppn}, {args.spares} spare(s); "
+        f"plain: torchrun --nproc-per-node {args.nproc}"
+    )
+    cols = (
+        "resild_ms",
+        "plain_ms",
+        "ratio",
+        "pair_ratio_min",
+        "pair_ratio_max",
+        "resild_commit_ms",
+        "plain_commit_ms",
+        "resild_compute_ms",
+        "plain_compute_ms",
+        "within_3pct",
+        "failed_runs",
+    )
     conv = [{k: (_yn(v) if isinstance(v, bool) else v) for k, v in r.items()} for r in rows]
     print(_no_median(phase_table(conv, cols, label="model", digits=3)))
 
@@ -347,17 +513,23 @@ def _no_median(t: str) -> str:
 
 
 def print_fault(args, res: dict) -> None:
-    print(f"\nHSDP fault: resil-run --local {args.fault_nodes} nodes x {args.ppn} (1 spare; "
-          f"{(args.fault_nodes - 1) * args.ppn} ranks, 2 replicas x {(args.fault_nodes - 1) * args.ppn // 2} shards), "
-          f"SIGKILL of node1's worker 0 at step {args.kill_at}"
-          f"{', --prewarm' if args.prewarm else ''}; seconds")
+    print(
+        f"\nHSDP fault: resil-run --local {args.fault_nodes} nodes x {args.ppn} (1 spare; "
+        f"{(args.fault_nodes - 1) * args.ppn} ranks, 2 replicas x {(args.fault_nodes - 1) * args.ppn // 2} shards), "
+        f"SIGKILL of node1's worker 0 at step {args.kill_at}"
+        f"{', --prewarm' if args.prewarm else ''}; seconds"
+    )
     conv = [{k: (_yn(v) if isinstance(v, bool) else v) for k, v in r.items()} for r in res["runs"]]
     print(phase_table(conv, FAULT_COLS, digits=3))
-    print("total_s = detect + fence + announce + notify + recover (re-form, agree, replay) + first_step; "
-          f"target_s = {TARGET_BASE_S:g} + step_s (rank 0's failure-free median)")
-    print("\nthe spare's ranks from spare_assigned (slowest rank): init = launcher.init returns, mesh = "
-          "job.hsdp_mesh, build = model + fully_shard + AdamW + loader, attach = job.attach (agree, replay, "
-          "restore), first_commit = its first step")
+    print(
+        "total_s = detect + fence + announce + notify + recover (re-form, agree, replay) + first_step; "
+        f"target_s = {TARGET_BASE_S:g} + step_s (rank 0's failure-free median)"
+    )
+    print(
+        "\nthe spare's ranks from spare_assigned (slowest rank): init = launcher.init returns, mesh = "
+        "job.hsdp_mesh, build = model + fully_shard + AdamW + loader, attach = job.attach (agree, replay, "
+        "restore), first_commit = its first step"
+    )
     print(phase_table(res["runs"], [n for n, _, _ in SPARE_PHASES], digits=3))
     print("\nreplay to the spare's ranks (state_replayed), vs a gloo send/recv of the same bytes on 127.0.0.1")
     rows = [{"run": r["run"], **p} for r in res["runs"] for p in r["replays"]]
@@ -371,21 +543,27 @@ def print_fault(args, res: dict) -> None:
         print("(no state_replayed event)")
     lb = res["loopback"]
     if lb:
-        print(f"loopback: {lb['nbytes']} bytes in {lb['seconds']:.4f} s (median of {lb['iters']}, min "
-              f"{lb['min_s']:.4f} s) = {lb['mb_per_s']:.0f} MB/s")
+        print(
+            f"loopback: {lb['nbytes']} bytes in {lb['seconds']:.4f} s (median of {lb['iters']}, min "
+            f"{lb['min_s']:.4f} s) = {lb['mb_per_s']:.0f} MB/s"
+        )
     m = res["median"]
     if m.get("total_s") is not None:
-        print(f"\nmedians: fault → full strength {m['total_s']:.3f} s (target {m['target_s']:.3f} s = "
-              f"{TARGET_BASE_S:g} + one step {m['step_s'] * 1000:.0f} ms; met in {res['runs_within_target']} of "
-              f"{len(res['runs'])}); replay {res['replay_bytes_per_rank'] / 1e6:.2f} MB per failed rank in "
-              f"{res['replay_s_per_rank']:.4f} s = {res['replay_mb_per_s']:.0f} MB/s"
-              + (f", {res['replay_vs_loopback']:.1f}x the loopback copy's time" if res["replay_vs_loopback"] else ""))
+        print(
+            f"\nmedians: fault → full strength {m['total_s']:.3f} s (target {m['target_s']:.3f} s = "
+            f"{TARGET_BASE_S:g} + one step {m['step_s'] * 1000:.0f} ms; met in {res['runs_within_target']} of "
+            f"{len(res['runs'])}); replay {res['replay_bytes_per_rank'] / 1e6:.2f} MB per failed rank in "
+            f"{res['replay_s_per_rank']:.4f} s = {res['replay_mb_per_s']:.0f} MB/s"
+            + (f", {res['replay_vs_loopback']:.1f}x the loopback copy's time" if res["replay_vs_loopback"] else "")
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="DDP and FSDP2 HSDP under resild: step-time overhead vs torchrun, "
-                                "HSDP recovery", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("Usage::")[1])
+    p = argparse.ArgumentParser(
+        description="DDP and FSDP2 HSDP under resild: step-time overhead vs torchrun, HSDP recovery",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("Usage::")[1],
+    )
     p.add_argument("--only", choices=("overhead", "fault"), help="run one part")
     p.add_argument("--models", default="ddp,hsdp", help="overhead: comma-separated, of ddp,hsdp")
     p.add_argument("--repeats", type=int, default=3, help="overhead: runs per side and model")
@@ -398,8 +576,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault-nodes", type=int, default=3, help="fault: nodes incl. the one spare (3: 4 ranks)")
     p.add_argument("--fault-steps", type=int, default=120)
     p.add_argument("--kill-at", type=int, default=60)
-    p.add_argument("--prewarm", action="store_true", help="fault: the worker imports torch._dynamo before "
-                   "launcher.init, so a spare does not pay fully_shard's first-call import after taking over")
+    p.add_argument(
+        "--prewarm",
+        action="store_true",
+        help="fault: the worker imports torch._dynamo before "
+        "launcher.init, so a spare does not pay fully_shard's first-call import after taking over",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     p.add_argument("--workdir", type=Path, help="default: a new temporary directory")
     p.add_argument("--json", action="store_true", help="one JSON object per line (runs, then summaries)")

@@ -27,6 +27,7 @@ Rank 0 writes ``--times`` (JSON): per committed step ``[step, t_top, t_commit, t
 (``time.perf_counter``: top of the step, just before the commit / optimizer step, after
 it). ``t_end[k] - t_end[k-1]`` is step k's time; ``t_end - t_commit`` the commit part.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,9 @@ MICRO_STEPS = 4  # examples/train_ddp_amp.py
 # ---- models and data, as in the examples ------------------------------------------------
 def ddp_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                               torch.nn.Linear(1024, 256))
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(1024, 256)
+    )
 
 
 def ddp_batch(seed: int, step: int, micro: int, rank: int, batch: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +74,12 @@ def ddp_batch(seed: int, step: int, micro: int, rank: int, batch: int = 16) -> t
 def hsdp_model(seed: int, dropout: float = 0.1) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Dropout(dropout),
-        torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Dropout(dropout),
+        torch.nn.Linear(128, 512),
+        torch.nn.GELU(),
+        torch.nn.Dropout(dropout),
+        torch.nn.Linear(512, 512),
+        torch.nn.GELU(),
+        torch.nn.Dropout(dropout),
         torch.nn.Linear(512, 128),
     )
 
@@ -120,7 +126,7 @@ class Plain:
 
 class Resild:
     def __init__(self) -> None:
-        self.job = launcher.init()                  # a spare waits here
+        self.job = launcher.init()  # a spare waits here
         self.rank, self.world_size, self.group = self.job.rank, self.job.world_size, self.job.group
 
     def mesh(self, shard: int):
@@ -145,7 +151,7 @@ def train_ddp(rt, args, record, mark) -> None:
     model = DDP(ddp_model(args.seed), **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.1, total_iters=args.steps)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     mark("built")
     rt.attach(model, opt, scheduler=sched, scaler=scaler)
     mark("attached")
@@ -155,7 +161,7 @@ def train_ddp(rt, args, record, mark) -> None:
         for micro in range(MICRO_STEPS):
             x, y = ddp_batch(args.seed, step, micro, rt.rank)
             last = micro == MICRO_STEPS - 1
-            with (model.no_sync() if not last else contextlib.nullcontext()):
+            with model.no_sync() if not last else contextlib.nullcontext():
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = F.mse_loss(model(x), y) / MICRO_STEPS
                 scaler.scale(loss).backward()
@@ -201,8 +207,11 @@ def loopback(args) -> None:
     starts after a barrier, so the recv's time is the transfer)."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    buf = torch.zeros(args.nbytes, dtype=torch.uint8) if rank == 0 else \
-        torch.randint(0, 255, (args.nbytes,), dtype=torch.uint8)
+    buf = (
+        torch.zeros(args.nbytes, dtype=torch.uint8)
+        if rank == 0
+        else torch.randint(0, 255, (args.nbytes,), dtype=torch.uint8)
+    )
     seconds = []
     for i in range(args.iters + 1):
         dist.barrier()
@@ -228,10 +237,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--times", help="rank 0 writes its per-step times here (JSON)")
-    p.add_argument("--phases", help="every rank writes DIR/phases-<pid>.json: time.monotonic() after init, "
-                   "mesh, model build, fully_shard/optimizer/loader, attach, first commit")
-    p.add_argument("--prewarm", action="store_true",
-                   help="import torch._dynamo before launcher.init (fully_shard imports it on first use)")
+    p.add_argument(
+        "--phases",
+        help="every rank writes DIR/phases-<pid>.json: time.monotonic() after init, "
+        "mesh, model build, fully_shard/optimizer/loader, attach, first commit",
+    )
+    p.add_argument(
+        "--prewarm",
+        action="store_true",
+        help="import torch._dynamo before launcher.init (fully_shard imports it on first use)",
+    )
     p.add_argument("--nbytes", type=int, default=1 << 20, help="loopback: bytes per transfer")
     p.add_argument("--iters", type=int, default=20, help="loopback: timed transfers")
     args = p.parse_args()

@@ -43,6 +43,7 @@ Usage (root; Slurm is installed by the lab's up.sh if missing)::
 The lab (default ``/tmp/resild-bench-lab``) is always torn down at the end. It binds the
 same ports as the test suite's lab (slurmctld 6917, slurmd 17100+i): do not run both at once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import read_events, select  # noqa: E402
+from bench.common import read_events, select
 
 REPO = Path(__file__).resolve().parent.parent
 BASELINE_JOB = REPO / "bench" / "slurm_baseline_job.sh"
@@ -78,8 +79,9 @@ def _jsonl(path: Path) -> list[dict]:
     return read_events(path)
 
 
-def _wait(what: str, pred: Callable[[], object], timeout_s: float, log: Path | None = None,
-          poll_s: float = 0.05) -> object:
+def _wait(
+    what: str, pred: Callable[[], object], timeout_s: float, log: Path | None = None, poll_s: float = 0.05
+) -> object:
     deadline = time.monotonic() + timeout_s
     while True:
         v = pred()
@@ -132,7 +134,7 @@ def _ctld_marked_down_s(lab, node: str, t_crash: float) -> float | None:
         if not line.startswith("[") or f"Nodes {node} not responding" not in line:
             continue
         try:
-            t = datetime.strptime(line[1:line.index("]")], "%Y-%m-%dT%H:%M:%S.%f").timestamp()
+            t = datetime.strptime(line[1 : line.index("]")], "%Y-%m-%dT%H:%M:%S.%f").timestamp()
         except ValueError:
             continue
         if t >= t_crash - 0.01:
@@ -157,8 +159,9 @@ def _job_guard(lab, jid: str, res: dict) -> Iterator[None]:
         res["job_state"] = _wait_job_end(lab, jid, 60)
 
 
-def run_resild(lab, work: Path, steps: int, kill_after_s: float, heartbeat_timeout: float,
-               timeout_s: float = 240) -> dict:
+def run_resild(
+    lab, work: Path, steps: int, kill_after_s: float, heartbeat_timeout: float, timeout_s: float = 240
+) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     events_path, out = work / "events.jsonl", work / "slurm.out"
     py = sys.executable
@@ -183,27 +186,40 @@ exit $rc
     res: dict = {"side": "resild", "job_id": jid, "workdir": str(work)}
     ev = lambda: _jsonl(events_path)  # noqa: E731
     with _job_guard(lab, jid, res):
-        started = _wait("resild job_started", lambda: _first(ev(), lambda e: e["event"] == "job_started"),
-                        120, out)
+        started = _wait("resild job_started", lambda: _first(ev(), lambda e: e["event"] == "job_started"), 120, out)
         host = started["controller_host"]
         member = _wait("resild membership", lambda: _first(ev(), lambda e: e["event"] == "membership"), 120, out)
         victim = next(n for n in member["layout"] if n != host)
-        first = _wait("resild first full_strength_step",
-                      lambda: _first(ev(), lambda e: e["event"] == "full_strength_step"), 120, out)
-        res.update(batch_host=host, victim=victim, active=list(member["layout"]),
-                   queue_to_first_step_s=_r(first["t_wall"] - t_submit))
+        first = _wait(
+            "resild first full_strength_step",
+            lambda: _first(ev(), lambda e: e["event"] == "full_strength_step"),
+            120,
+            out,
+        )
+        res.update(
+            batch_host=host,
+            victim=victim,
+            active=list(member["layout"]),
+            queue_to_first_step_s=_r(first["t_wall"] - t_submit),
+        )
         time.sleep(kill_after_s)
         if (work / "rc").exists():
             raise BenchError(f"resild job finished before the crash ({steps} steps too few for --kill-after-s)")
         t_crash_wall, t_crash_mono, res["crash_call_s"] = _crash(lab, victim)
         res["t_crash_wall"] = t_crash_wall
 
-        assigned = _wait("resild spare_assigned",
-                         lambda: _first(ev(), lambda e: e["event"] == "spare_assigned" and e["failed"] == victim),
-                         120, out)
-        full = _wait("resild full-strength step after the crash",
-                     lambda: _first(ev(), lambda e: e["event"] == "full_strength_step"
-                                    and e["epoch"] >= assigned["epoch"]), 120, out)
+        assigned = _wait(
+            "resild spare_assigned",
+            lambda: _first(ev(), lambda e: e["event"] == "spare_assigned" and e["failed"] == victim),
+            120,
+            out,
+        )
+        full = _wait(
+            "resild full-strength step after the crash",
+            lambda: _first(ev(), lambda e: e["event"] == "full_strength_step" and e["epoch"] >= assigned["epoch"]),
+            120,
+            out,
+        )
         evs = ev()
         det = _first(evs, lambda e: e["event"] == "failure_detected" and e["node"] == victim)
         resumed = _first(evs, lambda e: e["event"] == "resumed" and e.get("epoch", 0) >= assigned["epoch"])
@@ -233,8 +249,7 @@ exit $rc
 
 
 # -- (b) plain srun + checkpoint restart ----------------------------------------------------------
-def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: int,
-                 timeout_s: float = 300) -> dict:
+def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: int, timeout_s: float = 300) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     events_path, jobev_path, out = work / "events.jsonl", work / "job_events.jsonl", work / "slurm.out"
     t_submit = time.time()
@@ -243,16 +258,18 @@ def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: i
     jev = lambda: _jsonl(jobev_path)  # noqa: E731
     ev = lambda: _jsonl(events_path)  # noqa: E731
     with _job_guard(lab, jid, res):
-        started = _wait("baseline job_started", lambda: _first(jev(), lambda e: e["event"] == "job_started"),
-                        120, out)
+        started = _wait("baseline job_started", lambda: _first(jev(), lambda e: e["event"] == "job_started"), 120, out)
         host = started["batch_host"]
-        tasks = _wait("baseline tasks", lambda: (t := select(jev(), "task", attempt=0)) and len(t) >= 2 and t,
-                      120, out)
+        tasks = _wait("baseline tasks", lambda: (t := select(jev(), "task", attempt=0)) and len(t) >= 2 and t, 120, out)
         victim = next(t["node"] for t in tasks if t["node"] != host)
         _wait("baseline first step", lambda: len(select(ev(), "step", restart_count=0, step=0)) >= 2, 120, out)
         t_first = max(e["t_wall"] for e in select(ev(), "step", restart_count=0, step=0))
-        res.update(batch_host=host, victim=victim, active=sorted(t["node"] for t in tasks),
-                   queue_to_first_step_s=_r(t_first - t_submit))
+        res.update(
+            batch_host=host,
+            victim=victim,
+            active=sorted(t["node"] for t in tasks),
+            queue_to_first_step_s=_r(t_first - t_submit),
+        )
         time.sleep(kill_after_s)
         if select(jev(), "srun_exit", attempt=0):
             raise BenchError(f"baseline srun ended before the crash ({steps} steps too few for --kill-after-s)")
@@ -275,16 +292,18 @@ def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: i
                 raise BenchError(f"baseline job did not recover: {jev()[-3:]}\n{tail}")
             return got
 
-        ready, resumed_step, first_steps = _wait("baseline first step after restart", recovered_or_gave_up,
-                                                 timeout_s, out)
+        ready, resumed_step, first_steps = _wait(
+            "baseline first step after restart", recovered_or_gave_up, timeout_s, out
+        )
         evs, jevs = ev(), jev()
         ex0 = _first(jevs, lambda e: e["event"] == "srun_exit" and e["attempt"] == 0)
         found = _first(jevs, lambda e: e["event"] == "failed_nodes")
         start1 = _first(jevs, lambda e: e["event"] == "srun_start" and e["attempt"] == 1)
         starts1 = select(evs, "start", restart_count=1)
         exits0 = select(jevs, "task_exit", attempt=0)
-        per_rank_last = [max((e["step"] for e in select(evs, "step", restart_count=0, rank=r)), default=-1)
-                         for r in (0, 1)]
+        per_rank_last = [
+            max((e["step"] for e in select(evs, "step", restart_count=0, rank=r)), default=-1) for r in (0, 1)
+        ]
         committed = min(per_rank_last) + 1  # steps every rank finished before the crash
         res.update(
             detect_s=_r(ex0["t_wall"] - t_crash) if ex0 else None,
@@ -302,8 +321,13 @@ def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: i
             restart_nodes=sorted(t["node"] for t in select(jevs, "task", attempt=1)),
             ctld_marked_down_s=_ctld_marked_down_s(lab, victim, t_crash),
         )
-        ends = _wait("baseline job end", lambda: select(jev(), "srun_exit", attempt=1) or select(jev(), "gave_up"),
-                     timeout_s, out, poll_s=0.2)
+        ends = _wait(
+            "baseline job end",
+            lambda: select(jev(), "srun_exit", attempt=1) or select(jev(), "gave_up"),
+            timeout_s,
+            out,
+            poll_s=0.2,
+        )
         res["exit_code"] = ends[-1].get("rc")
         res["steps_done"] = sum(1 for _ in select(ev(), "done"))
     return res
@@ -326,29 +350,38 @@ def format_table(pairs: list[tuple[dict, dict]]) -> str:
     ratios = []
     for i, (a, b) in enumerate(pairs, 1):
         if a:
-            lines.append(f"{i:>3}  {'resild':<10} {f(a.get('detect_s')):>9}s {f(a.get('recovery_s')):>8}s "
-                         f"{f(a.get('steps_redone')):>6}  victim {a.get('victim')}, spare {a.get('spare')}, "
-                         f"detector {a.get('detector')}{'; ' + a['error'] if a.get('error') else ''}")
+            lines.append(
+                f"{i:>3}  {'resild':<10} {f(a.get('detect_s')):>9}s {f(a.get('recovery_s')):>8}s "
+                f"{f(a.get('steps_redone')):>6}  victim {a.get('victim')}, spare {a.get('spare')}, "
+                f"detector {a.get('detector')}{'; ' + a['error'] if a.get('error') else ''}"
+            )
         if b:
-            lines.append(f"{'':>3}  {'srun+ckpt':<10} {f(b.get('detect_s')):>9}s {f(b.get('recovery_s')):>8}s "
-                         f"{f(b.get('steps_redone')):>6}  victim {b.get('victim')}; survivor exits "
-                         f"{f(b.get('survivor_exit_s'))}s, ctld marks node down {f(b.get('ctld_marked_down_s'))}s, "
-                         f"srun again {f(b.get('resrun_s'))}s, ranks ready {f(b.get('ready_s'))}s"
-                         f"{'; ' + b['error'] if b.get('error') else ''}")
+            lines.append(
+                f"{'':>3}  {'srun+ckpt':<10} {f(b.get('detect_s')):>9}s {f(b.get('recovery_s')):>8}s "
+                f"{f(b.get('steps_redone')):>6}  victim {b.get('victim')}; survivor exits "
+                f"{f(b.get('survivor_exit_s'))}s, ctld marks node down {f(b.get('ctld_marked_down_s'))}s, "
+                f"srun again {f(b.get('resrun_s'))}s, ranks ready {f(b.get('ready_s'))}s"
+                f"{'; ' + b['error'] if b.get('error') else ''}"
+            )
         if a.get("recovery_s") and b.get("recovery_s"):
             ratio = b["recovery_s"] / a["recovery_s"]
             ratios.append(ratio)
             lines.append(f"{'':>3}  ratio (srun+ckpt / resild recovery): {ratio:.1f}x")
     if len(ratios) > 1:
         lines.append(f"median ratio over {len(ratios)} runs: {statistics.median(ratios):.1f}x")
-    lines.append("seconds from the crash; detection: resild failure_detected / srun returns non-zero; "
-                 "recovery: first step committed by both ranks after it")
+    lines.append(
+        "seconds from the crash; detection: resild failure_detected / srun returns non-zero; "
+        "recovery: first step committed by both ranks after it"
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Slurm node crash: resild vs srun + checkpoint restart",
-                                epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description="Slurm node crash: resild vs srun + checkpoint restart",
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--kill-after-s", type=float, default=3.0, help="crash this long after the first committed step")
     p.add_argument("--ckpt-every", type=int, default=50, help="baseline checkpoint interval (steps)")
@@ -376,6 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         with slurm_cluster(LAB_NODES, lab=args.lab) as lab:
             lab_up_s = round(lab.up_seconds, 1)
             print(f"lab up in {lab.up_seconds:.1f}s ({args.lab}); job dirs under {work}", file=sys.stderr)
+
             def side(label: str, fn: Callable[[], dict]) -> dict:
                 try:
                     out = fn()
@@ -387,10 +421,26 @@ def main(argv: list[str] | None = None) -> int:
                 return out
 
             for i in range(1, args.runs + 1):
-                a = {} if args.only == "srun" else side(f"run {i} resild", lambda: run_resild(
-                    lab, work / f"run{i}-resild", args.steps, args.kill_after_s, args.heartbeat_timeout))
-                b = {} if args.only == "resild" else side(f"run {i} srun+ckpt", lambda: run_baseline(
-                    lab, work / f"run{i}-srun", args.steps, args.kill_after_s, args.ckpt_every))
+                a = (
+                    {}
+                    if args.only == "srun"
+                    else side(
+                        f"run {i} resild",
+                        lambda: run_resild(
+                            lab, work / f"run{i}-resild", args.steps, args.kill_after_s, args.heartbeat_timeout
+                        ),
+                    )
+                )
+                b = (
+                    {}
+                    if args.only == "resild"
+                    else side(
+                        f"run {i} srun+ckpt",
+                        lambda: run_baseline(
+                            lab, work / f"run{i}-srun", args.steps, args.kill_after_s, args.ckpt_every
+                        ),
+                    )
+                )
                 pairs.append((a, b))
     except (pytest.skip.Exception, pytest.fail.Exception) as e:  # lab could not come up
         print(f"slurm lab unavailable: {e}", file=sys.stderr)
@@ -398,13 +448,31 @@ def main(argv: list[str] | None = None) -> int:
     wall = round(time.monotonic() - t0, 1)
     if args.json:
         ratios = [b["recovery_s"] / a["recovery_s"] for a, b in pairs if a.get("recovery_s") and b.get("recovery_s")]
-        print(json.dumps({"steps": args.steps, "kill_after_s": args.kill_after_s, "ckpt_every": args.ckpt_every,
-                          "heartbeat_timeout": args.heartbeat_timeout, "lab_up_s": lab_up_s, "wall_s": wall,
-                          "runs": [{"resild": a, "srun_ckpt": b,
-                                    "ratio": _r(b["recovery_s"] / a["recovery_s"], 2)
-                                    if a.get("recovery_s") and b.get("recovery_s") else None} for a, b in pairs],
-                          "median_ratio": _r(statistics.median(ratios), 2) if ratios else None,
-                          "errors": errors}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "steps": args.steps,
+                    "kill_after_s": args.kill_after_s,
+                    "ckpt_every": args.ckpt_every,
+                    "heartbeat_timeout": args.heartbeat_timeout,
+                    "lab_up_s": lab_up_s,
+                    "wall_s": wall,
+                    "runs": [
+                        {
+                            "resild": a,
+                            "srun_ckpt": b,
+                            "ratio": _r(b["recovery_s"] / a["recovery_s"], 2)
+                            if a.get("recovery_s") and b.get("recovery_s")
+                            else None,
+                        }
+                        for a, b in pairs
+                    ],
+                    "median_ratio": _r(statistics.median(ratios), 2) if ratios else None,
+                    "errors": errors,
+                },
+                indent=1,
+            )
+        )
     else:
         print(format_table(pairs))
         for e in errors:

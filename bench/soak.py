@@ -11,6 +11,7 @@ bitwise equal to the reference, no committed step lost, no process left behind.
 
 Prints one line per schedule and a summary; exit 1 if any schedule failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,17 +31,17 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
-ACTIVE = 2                 # active nodes (x 1 rank): the reference's world size
+ACTIVE = 2  # active nodes (x 1 rank): the reference's world size
 KINDS = ("kill", "exception", "hang", "nodeloss", "xid79", "xid48")
-SPARE_KINDS = ("kill", "nodeloss", "xid79")   # a spare runs no steps: a stopped or raising spare shows nothing
-HANG_TIMEOUT_S = 2.0        # as in tests/launcher: a hang fault is caught after this
+SPARE_KINDS = ("kill", "nodeloss", "xid79")  # a spare runs no steps: a stopped or raising spare shows nothing
+HANG_TIMEOUT_S = 2.0  # as in tests/launcher: a hang fault is caught after this
 
 
 @dataclass
 class Schedule:
     faults: list[str]
     spares: int
-    tags: list[str] = field(default_factory=list)   # single / double / during-recovery / on-spare
+    tags: list[str] = field(default_factory=list)  # single / double / during-recovery / on-spare
 
     @property
     def nodes(self) -> int:
@@ -52,7 +53,7 @@ class Outcome:
     index: int
     schedule: Schedule
     ok: bool
-    bitwise: bool          # exit 0 and final state bitwise equal to the reference
+    bitwise: bool  # exit 0 and final state bitwise equal to the reference
     why: str
     rc: int | None
     wall_s: float
@@ -87,13 +88,14 @@ def make_schedules(n: int, seed: int, steps: int) -> list[Schedule]:
         # the next spare must take over from the survivors. (Hitting the last survivor
         # instead would lose every replica: no checkpointless recovery can succeed then.)
         k1, k2 = rng.choice(KINDS), rng.choice(("kill", "nodeloss", "xid79", "xid48", "hang"))
-        return Schedule([f"{k1}:node{rng.randrange(ACTIVE)}@{at()}", f"{k2}:node{ACTIVE}@e2"], 2,
-                        ["double", "during-recovery"])
+        return Schedule(
+            [f"{k1}:node{rng.randrange(ACTIVE)}@{at()}", f"{k2}:node{ACTIVE}@e2"], 2, ["double", "during-recovery"]
+        )
 
     def on_spare() -> Schedule:
-        spare = ACTIVE + rng.randrange(2)     # local-node2 or local-node3
+        spare = ACTIVE + rng.randrange(2)  # local-node2 or local-node3
         sched = Schedule([f"{rng.choice(SPARE_KINDS)}:node{spare}@{rng.randint(lo, hi // 2)}"], 2, ["on-spare"])
-        if rng.random() < 0.7:                # and later an active node fails: the other spare takes over
+        if rng.random() < 0.7:  # and later an active node fails: the other spare takes over
             sched.faults.append(f"{rng.choice(KINDS)}:node{rng.randrange(ACTIVE)}@{rng.randint(hi // 2 + 3, hi + 3)}")
             sched.tags.append("double")
         else:
@@ -118,17 +120,42 @@ def _marked(mark: str) -> list[psutil.Process]:
     return procs
 
 
-def run_one(work: Path, sched: Schedule | None, steps: int, timeout_s: float,
-            hang_timeout_s: float = HANG_TIMEOUT_S) -> tuple[int | None, dict | None, dict | None, str]:
+def run_one(
+    work: Path, sched: Schedule | None, steps: int, timeout_s: float, hang_timeout_s: float = HANG_TIMEOUT_S
+) -> tuple[int | None, dict | None, dict | None, str]:
     """One resil-run; returns (rc, --json summary, final checkpoint, stderr tail)."""
     work.mkdir(parents=True, exist_ok=True)
     save = work / "final.pt"
     nodes, spares = (sched.nodes, sched.spares) if sched else (ACTIVE + 1, 1)
     inject = [a for f in (sched.faults if sched else []) for a in ("--inject", f)]
-    cmd = [sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", str(nodes), "--spares", str(spares),
-           "--nproc-per-node", "1", "--events", str(work / "events.jsonl"), "--run-dir", str(work / "run"),
-           "--json", "-q", "--hang-timeout", str(hang_timeout_s), *inject,
-           "--", sys.executable, str(TRAIN), "--steps", str(steps), "--save", str(save)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.run.cli",
+        "--local",
+        "--nodes",
+        str(nodes),
+        "--spares",
+        str(spares),
+        "--nproc-per-node",
+        "1",
+        "--events",
+        str(work / "events.jsonl"),
+        "--run-dir",
+        str(work / "run"),
+        "--json",
+        "-q",
+        "--hang-timeout",
+        str(hang_timeout_s),
+        *inject,
+        "--",
+        sys.executable,
+        str(TRAIN),
+        "--steps",
+        str(steps),
+        "--save",
+        str(save),
+    ]
     mark = uuid.uuid4().hex
     env = dict(os.environ, RESILD_SOAK_MARK=mark, PYTHONUNBUFFERED="1")
     rc: int | None
@@ -137,7 +164,9 @@ def run_one(work: Path, sched: Schedule | None, steps: int, timeout_s: float,
         rc, out, err = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
         rc, out = None, ""
-        err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + f"\ntimed out after {timeout_s}s"
+        err = (
+            e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        ) + f"\ntimed out after {timeout_s}s"
     deadline = time.monotonic() + 5.0
     while (left := _marked(mark)) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -173,8 +202,9 @@ def bitwise_diff(a: dict, b: dict, steps: int) -> str:
     return ""
 
 
-def judge(i: int, sched: Schedule, ref: dict, steps: int, work: Path, timeout_s: float,
-          hang_timeout_s: float = HANG_TIMEOUT_S) -> Outcome:
+def judge(
+    i: int, sched: Schedule, ref: dict, steps: int, work: Path, timeout_s: float, hang_timeout_s: float = HANG_TIMEOUT_S
+) -> Outcome:
     t0 = time.monotonic()
     rc, summary, final, err = run_one(work, sched, steps, timeout_s, hang_timeout_s)
     wall = time.monotonic() - t0
@@ -202,9 +232,11 @@ def fmt(o: Outcome) -> str:
     rec = ",".join("-" if r is None else f"{r:.2f}s" for r in o.recovery_s) or "-"
     spec = " + ".join(o.schedule.faults)
     verdict = "ok  " if o.ok else "FAIL"
-    return (f"#{o.index:02d} {verdict} {spec:<42} {'/'.join(o.schedule.tags):<24} nodes {o.schedule.nodes} "
-            f"failures {len(o.recovery_s)} recovery {rec:<14} lost {sum(x or 0 for x in o.steps_lost)} "
-            f"wall {o.wall_s:5.1f}s" + ("" if o.ok else f"  <- {o.why}"))
+    return (
+        f"#{o.index:02d} {verdict} {spec:<42} {'/'.join(o.schedule.tags):<24} nodes {o.schedule.nodes} "
+        f"failures {len(o.recovery_s)} recovery {rec:<14} lost {sum(x or 0 for x in o.steps_lost)} "
+        f"wall {o.wall_s:5.1f}s" + ("" if o.ok else f"  <- {o.why}")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     if rc != 0 or ref is None:
         print(f"soak: the failure-free reference run failed (exit {rc}): {err[-500:]}", file=sys.stderr)
         return 2
-    print(f"reference: {ACTIVE} active nodes x 1 rank, {a.steps} steps, seed 0 ({time.monotonic() - t_start:.1f}s)",
-          flush=True)
+    print(
+        f"reference: {ACTIVE} active nodes x 1 rank, {a.steps} steps, seed 0 ({time.monotonic() - t_start:.1f}s)",
+        flush=True,
+    )
     outcomes = []
     only = {int(x) for x in a.only.split(",")} if a.only else None
     for i, s in enumerate(schedules, 1):
@@ -244,12 +278,15 @@ def main(argv: list[str] | None = None) -> int:
     tags = {t: sum(t in s.tags for s in ran) for t in ("single", "double", "during-recovery", "on-spare")}
     recs = sorted(r for o in ok for r in o.recovery_s if r is not None)
     med = recs[len(recs) // 2] if recs else None
-    print(f"soak: {len(ok)}/{len(outcomes)} schedules passed bitwise "
-          f"({tags['single']} single, {tags['double']} double, {tags['during-recovery']} during recovery, "
-          f"{tags['on-spare']} on spares; kinds {', '.join(kinds)}); "
-          f"{sum(len(o.recovery_s) for o in ok)} failures recovered, 0 steps lost" if len(ok) == len(outcomes) else
-          f"soak: {len(ok)}/{len(outcomes)} schedules passed ({bitwise}/{len(outcomes)} bitwise equal); failed: "
-          + ", ".join(f"#{o.index:02d} ({o.why})" for o in outcomes if not o.ok))
+    print(
+        f"soak: {len(ok)}/{len(outcomes)} schedules passed bitwise "
+        f"({tags['single']} single, {tags['double']} double, {tags['during-recovery']} during recovery, "
+        f"{tags['on-spare']} on spares; kinds {', '.join(kinds)}); "
+        f"{sum(len(o.recovery_s) for o in ok)} failures recovered, 0 steps lost"
+        if len(ok) == len(outcomes)
+        else f"soak: {len(ok)}/{len(outcomes)} schedules passed ({bitwise}/{len(outcomes)} bitwise equal); failed: "
+        + ", ".join(f"#{o.index:02d} ({o.why})" for o in outcomes if not o.ok)
+    )
     if med is not None:
         print(f"soak: recovery median {med:.2f}s, max {recs[-1]:.2f}s; wall {time.monotonic() - t_start:.0f}s")
     if a.json:

@@ -29,6 +29,7 @@ Usage::
 
 Nothing here asserts on timings: it reports what it measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,30 +45,59 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import PHASES, median, phase_table, read_events, select, step_intervals  # noqa: E402
+from bench.common import PHASES, median, phase_table, read_events, select, step_intervals
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "bench" / "baseline_train.py"
 
 #: sub-phases of restart_s, from the ready event's wall times (median over ranks)
 RESTART_PARTS = (
-    ("import_s", "t_start", "t_torch_imported"),      # interpreter + import torch (+ examples.train)
+    ("import_s", "t_start", "t_torch_imported"),  # interpreter + import torch (+ examples.train)
     ("group_s", "t_torch_imported", "t_group_ready"),  # init_process_group (gloo rendezvous)
-    ("build_s", "t_group_ready", "t_model_built"),     # model + Adam + StepLR
-    ("load_s", "t_model_built", "t_ckpt_loaded"),      # torch.load + load_state_dict
-    ("wrap_s", "t_ckpt_loaded", "t_wrapped"),          # DDP constructor (param broadcast)
+    ("build_s", "t_group_ready", "t_model_built"),  # model + Adam + StepLR
+    ("load_s", "t_model_built", "t_ckpt_loaded"),  # torch.load + load_state_dict
+    ("wrap_s", "t_ckpt_loaded", "t_wrapped"),  # DDP constructor (param broadcast)
 )
 
 
-def build_command(nproc: int, steps: int, kill_at: int, ckpt_every: int, events: Path, ckpt: Path,
-                  kill_rank: int = 1, max_restarts: int = 3, grad_sync: str = "ddp",
-                  python: str = sys.executable) -> list[str]:
+def build_command(
+    nproc: int,
+    steps: int,
+    kill_at: int,
+    ckpt_every: int,
+    events: Path,
+    ckpt: Path,
+    kill_rank: int = 1,
+    max_restarts: int = 3,
+    grad_sync: str = "ddp",
+    python: str = sys.executable,
+) -> list[str]:
     return [
-        python, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), "--monitor-interval", "0.1",
-        str(WORKER), "--steps", str(steps), "--ckpt", str(ckpt), "--ckpt-every", str(ckpt_every),
-        "--kill-at", str(kill_at), "--kill-rank", str(kill_rank), "--events", str(events),
-        "--grad-sync", grad_sync,
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "--monitor-interval",
+        "0.1",
+        str(WORKER),
+        "--steps",
+        str(steps),
+        "--ckpt",
+        str(ckpt),
+        "--ckpt-every",
+        str(ckpt_every),
+        "--kill-at",
+        str(kill_at),
+        "--kill-rank",
+        str(kill_rank),
+        "--events",
+        str(events),
+        "--grad-sync",
+        grad_sync,
     ]
 
 
@@ -80,9 +110,19 @@ def _kill_leftovers(events: list[dict]) -> None:
             pass
 
 
-def run_baseline(nproc: int, steps: int, kill_at: int, ckpt_every: int, workdir: Path,
-                 timeout_s: float = 300, *, kill_rank: int = 1, disable_shared_store: bool = True,
-                 grad_sync: str = "ddp", python: str = sys.executable) -> dict:
+def run_baseline(
+    nproc: int,
+    steps: int,
+    kill_at: int,
+    ckpt_every: int,
+    workdir: Path,
+    timeout_s: float = 300,
+    *,
+    kill_rank: int = 1,
+    disable_shared_store: bool = True,
+    grad_sync: str = "ddp",
+    python: str = sys.executable,
+) -> dict:
     """Run one torchrun job with one injected SIGKILL and return its measured phases (seconds).
 
     ``workdir`` receives ``events.jsonl``, ``ckpt.pt`` and ``torchrun.log`` (earlier ones
@@ -100,14 +140,14 @@ def run_baseline(nproc: int, steps: int, kill_at: int, ckpt_every: int, workdir:
     if disable_shared_store:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = build_command(nproc, steps, kill_at, ckpt_every, events_path, ckpt,
-                        kill_rank=kill_rank, grad_sync=grad_sync, python=python)
+    cmd = build_command(
+        nproc, steps, kill_at, ckpt_every, events_path, ckpt, kill_rank=kill_rank, grad_sync=grad_sync, python=python
+    )
 
     t_launch = time.time()
     timed_out = False
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             exit_code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -122,19 +162,38 @@ def run_baseline(nproc: int, steps: int, kill_at: int, ckpt_every: int, workdir:
     t_end = time.time()
 
     res = analyze(read_events(events_path), nproc=nproc, kill_at=kill_at)
-    res.update(nproc=nproc, steps=steps, kill_at=kill_at, ckpt_every=ckpt_every, kill_rank=kill_rank,
-               grad_sync=grad_sync, shared_store_disabled=disable_shared_store,
-               exit_code=exit_code, timed_out=timed_out, wall_s=t_end - t_launch,
-               workdir=str(workdir), log=str(log_path), command=cmd)
+    res.update(
+        nproc=nproc,
+        steps=steps,
+        kill_at=kill_at,
+        ckpt_every=ckpt_every,
+        kill_rank=kill_rank,
+        grad_sync=grad_sync,
+        shared_store_disabled=disable_shared_store,
+        exit_code=exit_code,
+        timed_out=timed_out,
+        wall_s=t_end - t_launch,
+        workdir=str(workdir),
+        log=str(log_path),
+        command=cmd,
+    )
     return res
 
 
 def analyze(events: list[dict], nproc: int, kill_at: int) -> dict:
     """Phases from one run's events. Fields that could not be measured are None."""
     res: dict = dict.fromkeys(PHASES)
-    res.update(steps_redone=None, resumed_step=None, failed_restarts=None, caught_up_s=None, step_time_s=None,
-               cold_start_s=None, ckpt_save_s=None, restarts=max((e.get("restart_count", 0) for e in events), default=0),
-               completed=len(select(events, "done")) == nproc)
+    res.update(
+        steps_redone=None,
+        resumed_step=None,
+        failed_restarts=None,
+        caught_up_s=None,
+        step_time_s=None,
+        cold_start_s=None,
+        ckpt_save_s=None,
+        restarts=max((e.get("restart_count", 0) for e in events), default=0),
+        completed=len(select(events, "done")) == nproc,
+    )
     res.update({name: None for name, _, _ in RESTART_PARTS})
 
     # cold start of the first attempt: first process start → every rank ready
@@ -203,8 +262,17 @@ def analyze(events: list[dict], nproc: int, kill_at: int) -> dict:
 
 
 SUMMARY_COLUMNS = (*PHASES, "steps_redone", "caught_up_s", "step_time_s", "exit_code")
-DETAIL_COLUMNS = ("import_s", "group_s", "build_s", "load_s", "wrap_s", "cold_start_s", "ckpt_save_s",
-                  "restarts", "failed_restarts")
+DETAIL_COLUMNS = (
+    "import_s",
+    "group_s",
+    "build_s",
+    "load_s",
+    "wrap_s",
+    "cold_start_s",
+    "ckpt_save_s",
+    "restarts",
+    "failed_restarts",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,8 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=1, help="repeat the run this many times, one after another")
     p.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     p.add_argument("--grad-sync", choices=("ddp", "allreduce"), default="ddp")
-    p.add_argument("--shared-store", action="store_true",
-                   help="leave TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset (torch's default)")
+    p.add_argument(
+        "--shared-store", action="store_true", help="leave TORCH_DISABLE_SHARE_RDZV_TCP_STORE unset (torch's default)"
+    )
     p.add_argument("--workdir", type=Path, help="default: a new temporary directory")
     p.add_argument("--json", action="store_true", help="print one JSON object per run instead of a table")
     args = p.parse_args(argv)
@@ -227,16 +296,26 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i in range(args.runs):
         wd = base / f"run{i + 1}" if args.runs > 1 else base
-        r = run_baseline(args.nproc, args.steps, args.kill_at, args.ckpt_every, wd, args.timeout,
-                         kill_rank=args.kill_rank, disable_shared_store=not args.shared_store,
-                         grad_sync=args.grad_sync)
+        r = run_baseline(
+            args.nproc,
+            args.steps,
+            args.kill_at,
+            args.ckpt_every,
+            wd,
+            args.timeout,
+            kill_rank=args.kill_rank,
+            disable_shared_store=not args.shared_store,
+            grad_sync=args.grad_sync,
+        )
         r["run"] = i + 1
         results.append(r)
         if args.json:
             print(json.dumps(r), flush=True)
     if not args.json:
-        print(f"torchrun --max-restarts 3, {args.nproc} ranks, gloo, {args.grad_sync}, ckpt every "
-              f"{args.ckpt_every}, SIGKILL rank {args.kill_rank} at step {args.kill_at}; seconds")
+        print(
+            f"torchrun --max-restarts 3, {args.nproc} ranks, gloo, {args.grad_sync}, ckpt every "
+            f"{args.ckpt_every}, SIGKILL rank {args.kill_rank} at step {args.kill_at}; seconds"
+        )
         print(phase_table(results, SUMMARY_COLUMNS))
         print()
         print("restart_s parts (median over ranks) and other costs:")

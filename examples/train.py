@@ -6,6 +6,7 @@ Run it under the embedded local cluster:
 
 The lines marked `# resild` are the only changes from an ordinary loop.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,10 @@ def build_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     # ~1M parameters: big enough that state replay moves real bytes.
     return torch.nn.Sequential(
-        torch.nn.Linear(256, 1024), torch.nn.ReLU(),
-        torch.nn.Linear(1024, 512), torch.nn.ReLU(),
+        torch.nn.Linear(256, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 512),
+        torch.nn.ReLU(),
         torch.nn.Linear(512, 256),
     )
 
@@ -45,15 +48,15 @@ def main() -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.5)
 
-    job = launcher.init(model, opt, scheduler=sched)      # resild: a spare waits here, warm
-    for step in job.steps(args.steps):                     # resild: resumes at the committed step
+    job = launcher.init(model, opt, scheduler=sched)  # resild: a spare waits here, warm
+    for step in job.steps(args.steps):  # resild: resumes at the committed step
         x, y = make_batch(args.seed, step, job.rank)
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
-        job.commit()                                       # resild: all-reduce, vote, optimizer+scheduler step
-    if args.save and job.rank == 0:                        # resild
+        job.commit()  # resild: all-reduce, vote, optimizer+scheduler step
+    if args.save and job.rank == 0:  # resild
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": job.step}, args.save)
-    job.close()                                            # resild
+    job.close()  # resild
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ bucketed all-reduce runs during backward on resild's stable group; the
 GradScaler's inf/NaN verdict is agreed by every rank in the commit vote, so all
 ranks skip a step together or none does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,9 @@ MICRO_STEPS = 4
 def build_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+        torch.nn.Linear(256, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
         torch.nn.Linear(1024, 256),
     )
 
@@ -46,31 +49,41 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    job = launcher.init()                                              # resild: a spare waits here
-    model = DDP(build_model(args.seed), process_group=job.group,       # resild: the job's stable group
-                init_sync=False)                                       # resild: a spare joins a running job
+    job = launcher.init()  # resild: a spare waits here
+    model = DDP(
+        build_model(args.seed),
+        process_group=job.group,  # resild: the job's stable group
+        init_sync=False,
+    )  # resild: a spare joins a running job
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.1, total_iters=args.steps)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
-    job.attach(model, opt, scheduler=sched, scaler=scaler)             # resild: state to protect and replay
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    job.attach(model, opt, scheduler=sched, scaler=scaler)  # resild: state to protect and replay
 
-    for step in job.steps(args.steps):                                 # resild: resumes at the committed step
+    for step in job.steps(args.steps):  # resild: resumes at the committed step
         opt.zero_grad()
         for micro in range(MICRO_STEPS):
             x, y = make_batch(args.seed, step, micro, job.rank)
             last = micro == MICRO_STEPS - 1
-            with (model.no_sync() if not last else contextlib.nullcontext()):   # all-reduce only on the last micro-step
+            with model.no_sync() if not last else contextlib.nullcontext():  # all-reduce only on the last micro-step
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = F.mse_loss(model(x), y) / MICRO_STEPS
                 scaler.scale(loss).backward()
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        job.commit()                                                   # resild: vote (incl. inf/NaN), scaler + optimizer + scheduler step
+        job.commit()  # resild: vote (incl. inf/NaN), scaler + optimizer + scheduler step
 
     if args.save and job.rank == 0:
-        torch.save({"model": model.module.state_dict(), "optimizer": opt.state_dict(),
-                    "scaler": scaler.state_dict(), "step": job.step}, args.save)
-    job.close()                                                        # resild
+        torch.save(
+            {
+                "model": model.module.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scaler": scaler.state_dict(),
+                "step": job.step,
+            },
+            args.save,
+        )
+    job.close()  # resild
 
 
 if __name__ == "__main__":

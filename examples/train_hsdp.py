@@ -9,6 +9,7 @@ changes. A node loss is recovered in-process: the spare receives, for each of
 its ranks, that rank's shards from the rank holding the same shard in the other
 replica group, plus RNG, step, scheduler and the data loader's position.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,12 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 def build_model(seed: int, dropout: float) -> torch.nn.Module:
     torch.manual_seed(seed)  # every rank builds the same initial model, as FSDP2 expects
     return torch.nn.Sequential(
-        torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Dropout(dropout),
-        torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Dropout(dropout),
+        torch.nn.Linear(128, 512),
+        torch.nn.GELU(),
+        torch.nn.Dropout(dropout),
+        torch.nn.Linear(512, 512),
+        torch.nn.GELU(),
+        torch.nn.Dropout(dropout),
         torch.nn.Linear(512, 128),
     )
 
@@ -52,9 +57,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    job = launcher.init()                                          # resild: a spare waits here
+    job = launcher.init()  # resild: a spare waits here
     shard = args.shard_size or max(1, job.world_size // 2)
-    mesh = job.hsdp_mesh(shard_size=shard)                         # resild: DeviceMesh over resild's groups
+    mesh = job.hsdp_mesh(shard_size=shard)  # resild: DeviceMesh over resild's groups
 
     model = build_model(args.seed, args.dropout)
     for layer in model:
@@ -66,21 +71,21 @@ def main() -> None:
     ds = dataset(args.seed)
     sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=args.seed)
     loader = ResumableLoader(StatefulDataLoader(ds, batch_size=16, sampler=sampler))
-    job.attach(model, opt, scheduler=sched, extra=loader)          # resild: state to protect and replay
+    job.attach(model, opt, scheduler=sched, extra=loader)  # resild: state to protect and replay
 
-    for step in job.steps(args.steps):                             # resild: resumes at the committed step
+    for step in job.steps(args.steps):  # resild: resumes at the committed step
         x, y = next(loader)
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()                         # FSDP2 reduce-scatters + all-reduces here
+        F.mse_loss(model(x), y).backward()  # FSDP2 reduce-scatters + all-reduces here
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        job.commit()                                               # resild: vote, optimizer + scheduler step
+        job.commit()  # resild: vote, optimizer + scheduler step
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    msd = get_model_state_dict(model, options=options)             # collectives: every rank takes part
+    msd = get_model_state_dict(model, options=options)  # collectives: every rank takes part
     osd = get_optimizer_state_dict(model, opt, options=options)
     if args.save and job.rank == 0:
         torch.save({"model": msd, "optimizer": osd, "step": job.step, "loader": loader.state_dict()}, args.save)
-    job.close()                                                    # resild
+    job.close()  # resild
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Small process helpers: parent-death signal, exit-status text."""
+
 from __future__ import annotations
 
 import signal

@@ -2,6 +2,7 @@
 
 Exit codes of status / check: 0 healthy, 1 degraded, 2 failed, 3 no answer.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,9 +34,12 @@ def _config(path: str | None, **overrides: Any):
         _fail(str(e), 2)
 
 
-_config_option = click.option("--config", "config_path", type=click.Path(dir_okay=False),
-                              help="TOML config file [default: /etc/resild/resild.toml if present; "
-                                   "env RESILD_CONFIG].")
+_config_option = click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="TOML config file [default: /etc/resild/resild.toml if present; env RESILD_CONFIG].",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -54,6 +58,7 @@ def cli() -> None:
 
 
 # -- daemon ------------------------------------------------------------------------
+
 
 @cli.command()
 @_config_option
@@ -75,8 +80,9 @@ def daemon(config_path: str | None, probes: str | None, verbose: bool, **overrid
     """
     from resild.daemon.agent import Agent
 
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     cfg = _config(config_path, probes=probes.split(",") if probes else None, **overrides)
     try:
         agent = Agent(cfg, probes=None)
@@ -86,7 +92,7 @@ def daemon(config_path: str | None, probes: str | None, verbose: bool, **overrid
         signal.signal(sig, lambda *_: agent.stop())
     try:
         agent.start()
-    except Exception as e:  # noqa: BLE001 - one line, no traceback, for a bad setup
+    except Exception as e:
         agent.close()
         _fail(f"cannot start: {e}", 1)
     try:
@@ -96,6 +102,7 @@ def daemon(config_path: str | None, probes: str | None, verbose: bool, **overrid
 
 
 # -- status ------------------------------------------------------------------------
+
 
 def _exit_for(verdict: str) -> int:
     try:
@@ -109,8 +116,7 @@ def _exit_for(verdict: str) -> int:
 @click.option("--socket", "status_socket", help="Daemon status socket [default: from config].")
 @click.option("--timeout", "timeout_s", type=float, help="Seconds to wait for the daemon.")
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's full JSON answer.")
-def status(config_path: str | None, status_socket: str | None, timeout_s: float | None,
-           as_json: bool) -> None:
+def status(config_path: str | None, status_socket: str | None, timeout_s: float | None, as_json: bool) -> None:
     """Ask the local agent how this node is. Exit 0/1/2 healthy/degraded/failed, 3 no answer.
 
     \b
@@ -123,8 +129,11 @@ def status(config_path: str | None, status_socket: str | None, timeout_s: float 
     cfg = _config(config_path, status_socket=status_socket, status_timeout_s=timeout_s)
     reply = local_request(cfg.status_endpoint, MsgType.STATUS, timeout_s=cfg.status_timeout_s)
     if reply is None:
-        _fail(f"no resild daemon answered on {cfg.status_endpoint} within "
-              f"{cfg.status_timeout_s:g}s (is `resild daemon` running?)", EXIT_NO_ANSWER)
+        _fail(
+            f"no resild daemon answered on {cfg.status_endpoint} within "
+            f"{cfg.status_timeout_s:g}s (is `resild daemon` running?)",
+            EXIT_NO_ANSWER,
+        )
     if reply.type is not MsgType.STATUS_REPLY:
         _fail(f"daemon refused: {reply.body.get('detail', reply.body)}", EXIT_NO_ANSWER)
     body = reply.body
@@ -144,14 +153,30 @@ def format_gpus(gpus: list[dict[str, Any]]) -> list[str]:
             when = time.strftime("%H:%M:%S", time.localtime(g["last_xid_wall"])) if g.get("last_xid_wall") else "?"
             xid = f"{g['last_xid']} @{when}"
         remap = g.get("remap")
-        remap_s = "-" if remap is None else ("FAILED" if remap.get("failure") else
-                                             "pending" if remap.get("pending") else
-                                             f"ok ({remap.get('uncorrected_rows', 0)} unc)")
-        rows.append((str(g["index"]), _cell(g.get("uuid")), str(g.get("verdict")), xid,
-                     _cell(g.get("ecc_uncorrected")), remap_s,
-                     ",".join(map(str, g.get("nvlink_down") or [])) or "-",
-                     ",".join(g.get("throttle_reasons") or []) or "-",
-                     "-" if g.get("temperature_c") is None else f"{g['temperature_c']}C"))
+        remap_s = (
+            "-"
+            if remap is None
+            else (
+                "FAILED"
+                if remap.get("failure")
+                else "pending"
+                if remap.get("pending")
+                else f"ok ({remap.get('uncorrected_rows', 0)} unc)"
+            )
+        )
+        rows.append(
+            (
+                str(g["index"]),
+                _cell(g.get("uuid")),
+                str(g.get("verdict")),
+                xid,
+                _cell(g.get("ecc_uncorrected")),
+                remap_s,
+                ",".join(map(str, g.get("nvlink_down") or [])) or "-",
+                ",".join(g.get("throttle_reasons") or []) or "-",
+                "-" if g.get("temperature_c") is None else f"{g['temperature_c']}C",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
@@ -163,14 +188,19 @@ def format_status(b: dict[str, Any]) -> str:
         lines += ["", *format_gpus(b["gpus"])]
     probes = b.get("probes") or {}
     if probes:
-        lines += ["", "probes: " + ", ".join(
-            f"{n} {p['verdict']} ({p.get('latency_s', 0) * 1000:.0f} ms)" for n, p in probes.items())]
+        lines += [
+            "",
+            "probes: "
+            + ", ".join(f"{n} {p['verdict']} ({p.get('latency_s', 0) * 1000:.0f} ms)" for n, p in probes.items()),
+        ]
     procs = b.get("processes") or []
     lines += ["", "watched processes:" if procs else "watched processes: none"]
     for p in procs:
         step = f" step {p['step']}" if p.get("step") is not None else ""
-        lines.append(f"  pid {p['pid']} {p['name']}: {p['state']}{step}, idle {p.get('idle_s')}s"
-                     + (f" ({p['reason']})" if p.get("reason") else ""))
+        lines.append(
+            f"  pid {p['pid']} {p['name']}: {p['state']}{step}, idle {p.get('idle_s')}s"
+            + (f" ({p['reason']})" if p.get("reason") else "")
+        )
     if b.get("controller"):
         lines.append(f"controller {b['controller']}, last heartbeat {_cell(b.get('heartbeat_age_s'))}s ago")
     return "\n".join(lines)
@@ -178,15 +208,20 @@ def format_status(b: dict[str, Any]) -> str:
 
 # -- check -------------------------------------------------------------------------
 
+
 @cli.command()
 @_config_option
 @click.option("--probes", help="Comma-separated probes to run [default: from config].")
 @click.option("--drain", is_flag=True, help="Drain this node in Slurm when the check fails.")
-@click.option("--drain-on", type=click.Choice(["failed", "degraded"]), default="failed",
-              show_default=True, help="Lowest verdict that drains (with --drain).")
+@click.option(
+    "--drain-on",
+    type=click.Choice(["failed", "degraded"]),
+    default="failed",
+    show_default=True,
+    help="Lowest verdict that drains (with --drain).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def check(config_path: str | None, probes: str | None, drain: bool, drain_on: str,
-          as_json: bool) -> None:
+def check(config_path: str | None, probes: str | None, drain: bool, drain_on: str, as_json: bool) -> None:
     """Run every probe once. Exit 0/1/2 healthy/degraded/failed.
 
     Usable as Slurm's HealthCheckProgram; with --drain a failing node drains itself:
@@ -197,8 +232,15 @@ def check(config_path: str | None, probes: str | None, drain: bool, drain_on: st
       HealthCheckProgram=/usr/local/bin/resild-check   # a script: exec resild check --drain
       HealthCheckInterval=300
     """
-    from resild.health.probes import (ProbeRunner, aggregate, build_probes, fault_summary, run_all,
-                               start_probes, stop_probes)
+    from resild.health.probes import (
+        ProbeRunner,
+        aggregate,
+        build_probes,
+        fault_summary,
+        run_all,
+        start_probes,
+        stop_probes,
+    )
 
     cfg = _config(config_path, probes=probes.split(",") if probes else None)
     try:
@@ -213,9 +255,17 @@ def check(config_path: str | None, probes: str | None, drain: bool, drain_on: st
     results = {n: o.result for n, o in outcomes.items()}
     verdict, reasons = aggregate(results)
     if as_json:
-        click.echo(json.dumps({"node": cfg.node, "verdict": verdict.value, "reasons": reasons,
-                               "probes": {n: {**o.result.to_dict(), "latency_s": o.latency_s}
-                                          for n, o in outcomes.items()}}, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "node": cfg.node,
+                    "verdict": verdict.value,
+                    "reasons": reasons,
+                    "probes": {n: {**o.result.to_dict(), "latency_s": o.latency_s} for n, o in outcomes.items()},
+                },
+                indent=2,
+            )
+        )
     else:
         click.echo(f"node {cfg.node}: {verdict.value.upper()}")
         click.echo("\n".join(f"  - {r}" for r in reasons) or "  all probes healthy")
@@ -224,7 +274,9 @@ def check(config_path: str | None, probes: str | None, drain: bool, drain_on: st
             click.echo("\n".join(format_gpus(gpu.details["gpus"])))
     threshold = Verdict.DEGRADED if drain_on == "degraded" else Verdict.FAILED
     if drain and verdict.severity >= threshold.severity:
-        from resild.slurm import SlurmError, drain as slurm_drain
+        from resild.slurm import SlurmError
+        from resild.slurm import drain as slurm_drain
+
         summary = fault_summary(results)
         try:
             slurm_drain(cfg.node, summary)
@@ -236,10 +288,12 @@ def check(config_path: str | None, probes: str | None, drain: bool, drain_on: st
 
 # -- cluster -----------------------------------------------------------------------
 
+
 @cli.command()
 @click.option("--controller", required=True, help="Controller endpoint, e.g. tcp://head:5555.")
-@click.option("--keys", "keys_dir", type=click.Path(file_okay=False),
-              help="CURVE key directory shared with the controller.")
+@click.option(
+    "--keys", "keys_dir", type=click.Path(file_okay=False), help="CURVE key directory shared with the controller."
+)
 @click.option("--timeout", "timeout_s", type=float, default=5.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the controller's JSON answer.")
 def cluster(controller: str, keys_dir: str | None, timeout_s: float, as_json: bool) -> None:
@@ -271,8 +325,11 @@ def cluster(controller: str, keys_dir: str | None, timeout_s: float, as_json: bo
         ch.close()
         ctx.term()
     if reply is None:
-        _fail(f"no controller answered on {controller} within {timeout_s:g}s"
-              + ("" if keys else " (no --keys: a CURVE controller ignores plain clients)"), EXIT_NO_ANSWER)
+        _fail(
+            f"no controller answered on {controller} within {timeout_s:g}s"
+            + ("" if keys else " (no --keys: a CURVE controller ignores plain clients)"),
+            EXIT_NO_ANSWER,
+        )
     if reply.type is MsgType.ERROR:
         _fail(f"controller refused: {reply.body.get('detail')}", EXIT_NO_ANSWER)
     b = reply.body
@@ -283,22 +340,39 @@ def cluster(controller: str, keys_dir: str | None, timeout_s: float, as_json: bo
     rows = [("NODE", "ROLE", "HEALTH", "RANKS", "HEARTBEAT AGE", "REASON")]
     for n in b.get("nodes", []):
         age = n.get("heartbeat_age_s")
-        rows.append((str(n.get("node")), str(n.get("role")), str(n.get("health")),
-                     ",".join(map(str, n.get("ranks") or [])) or "-",
-                     "-" if age is None else f"{age:.1f}s", n.get("reason") or "-"))
+        rows.append(
+            (
+                str(n.get("node")),
+                str(n.get("role")),
+                str(n.get("health")),
+                ",".join(map(str, n.get("ranks") or [])) or "-",
+                "-" if age is None else f"{age:.1f}s",
+                n.get("reason") or "-",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     click.echo("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows))
 
 
 # -- report ------------------------------------------------------------------------
 
+
 @cli.command()
 @click.argument("events_file", metavar="EVENTS.jsonl", type=click.Path(dir_okay=True, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the breakdown as JSON (seconds; shares are 0..1).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Draw the timeline to FILE: a PNG, or an HTML page (PNG, table and JSON) if FILE ends in .html.")
-@click.option("--job", "job_index", type=click.IntRange(min=1), default=None,
-              help="Which job of the file (--events appends; 1 = the first) [default: the last].")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Draw the timeline to FILE: a PNG, or an HTML page (PNG, table and JSON) if FILE ends in .html.",
+)
+@click.option(
+    "--job",
+    "job_index",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Which job of the file (--events appends; 1 = the first) [default: the last].",
+)
 def report(events_file: Path, as_json: bool, plot_path: Path | None, job_index: int | None) -> None:
     """Where a job's time went, from its `resil-run --events` file.
 
@@ -325,6 +399,7 @@ def report(events_file: Path, as_json: bool, plot_path: Path | None, job_index: 
         _fail(str(e), 2)
     if plot_path is not None:
         from resild.report.plot import write_plot
+
         try:
             write_plot(b, plot_path, title=events_file.name)
         except OSError as e:
@@ -338,6 +413,7 @@ def report(events_file: Path, as_json: bool, plot_path: Path | None, job_index: 
 
 
 # -- keys --------------------------------------------------------------------------
+
 
 @cli.command()
 @click.argument("directory", type=click.Path(file_okay=False))
@@ -353,8 +429,11 @@ def keys(directory: str, force: bool) -> None:
 
     path = Path(directory)
     if (path / "server.key_secret").exists() and not force:
-        _fail(f"{path} already holds keys; replacing them locks out every node "
-              f"still using them (use --force to do it anyway)", 2)
+        _fail(
+            f"{path} already holds keys; replacing them locks out every node "
+            f"still using them (use --force to do it anyway)",
+            2,
+        )
     try:
         generate_keys(path)
     except OSError as e:

@@ -7,13 +7,15 @@ NodeRole transitions (anything else is a bug and raises):
     ACTIVE -> FENCED   (failed: killed, drained, never rejoins)
     ACTIVE -> DONE, SPARE -> DONE   (job finished)
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
-from typing import Any, Iterator
+from typing import Any
 
 
 class NodeRole(str, Enum):
@@ -138,13 +140,19 @@ class Membership:
         return Membership(epoch, self.world_size, layout)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "world_size": self.world_size,
-                "node_ranks": {n: list(r) for n, r in self.node_ranks.items()}}
+        return {
+            "epoch": self.epoch,
+            "world_size": self.world_size,
+            "node_ranks": {n: list(r) for n, r in self.node_ranks.items()},
+        }
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> Membership:
-        return Membership(int(d["epoch"]), int(d["world_size"]),
-                          {str(n): tuple(int(x) for x in r) for n, r in d["node_ranks"].items()})
+        return Membership(
+            int(d["epoch"]),
+            int(d["world_size"]),
+            {str(n): tuple(int(x) for x in r) for n, r in d["node_ranks"].items()},
+        )
 
     @staticmethod
     def initial(active_nodes: list[str], nproc_per_node: int) -> Membership:
@@ -165,8 +173,8 @@ class NodeView:
     health: str = "healthy"
     # Control-plane bookkeeping (the policy never reads these).
     relayed: frozenset[int] = frozenset()  # local ranks that get membership through the node's relay
-    epoch_sent: int = 0       # last epoch sent to the node process (full or delta)
-    epoch_have: int = 0       # last epoch the node process said it holds (heartbeats)
+    epoch_sent: int = 0  # last epoch sent to the node process (full or delta)
+    epoch_have: int = 0  # last epoch the node process said it holds (heartbeats)
     full_sent_s: float = -1e9  # when the full layout was last sent to it (resend throttle)
 
     def set_role(self, role: NodeRole, reason: str = "") -> None:
@@ -181,7 +189,7 @@ class RankProgress:
     step: int = 0
     epoch: int = 0
     state: str = "compute"  # "compute" | "wait" (blocked in a collective or group formation)
-    t_s: float = 0.0        # controller-side monotonic time of the last report
+    t_s: float = 0.0  # controller-side monotonic time of the last report
 
 
 @dataclass
@@ -197,7 +205,7 @@ class ClusterView:
     first_done_s: float | None = None  # when the first rank of this epoch reported done
     probe_sent_s: float | None = None  # a liveness probe is out since then (see policy.check_probe)
     probe_targets: frozenset[str] = frozenset()  # the nodes it was sent to
-    probe_epoch: int = 0                         # the epoch whose collective failed
+    probe_epoch: int = 0  # the epoch whose collective failed
     exceptions_seen: list[str] = field(default_factory=list)  # worker exception texts, oldest first
     # Nodes ordered by last heartbeat, oldest first: the heartbeat check looks at the
     # head only (O(1) per tick, not O(nodes)). Keep it right by setting

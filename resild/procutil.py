@@ -1,4 +1,5 @@
 """Process helpers shared by every long-running resild process."""
+
 from __future__ import annotations
 
 import ctypes

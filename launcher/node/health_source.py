@@ -39,6 +39,7 @@ reasons change, and ``poll()`` returns the latest body (None while there is noth
 to report: no daemon and no probe applies here). Bodies never carry "node": the
 caller adds its own.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,12 +61,12 @@ from resild.wire.transport import read_frame, send_frame, unix_path
 log = logging.getLogger("resild.health_source")
 
 DAEMON_SOCKET_ENV = "RESILD_DAEMON_SOCKET"
-SUBSCRIBE_TIMEOUT_S = 1.0       # connect + first answer; a daemon slower than this is not used
+SUBSCRIBE_TIMEOUT_S = 1.0  # connect + first answer; a daemon slower than this is not used
 RECONNECT_MIN_S, RECONNECT_MAX_S = 0.2, 5.0
-DEFAULT_PUSH_INTERVAL_S = 5.0   # the daemon's keepalive period, when it does not say
-SILENT_PUSHES = 3               # this many keepalives missed: the daemon is gone (or hung)
+DEFAULT_PUSH_INTERVAL_S = 5.0  # the daemon's keepalive period, when it does not say
+SILENT_PUSHES = 3  # this many keepalives missed: the daemon is gone (or hung)
 MAX_REASONS, MAX_REASON_CHARS = 64, 1024
-UNKNOWN = "unknown"             # a HEALTH verdict (protocol.Health) that no probe gives: "cannot tell"
+UNKNOWN = "unknown"  # a HEALTH verdict (protocol.Health) that no probe gives: "cannot tell"
 
 HealthBody = dict[str, Any]
 OnChange = Callable[[HealthBody], None]
@@ -111,11 +112,12 @@ class HealthSource:
             self._latest = body
         try:
             self.on_change(dict(body))
-        except Exception:  # noqa: BLE001 - the caller's bug must not kill the source's thread
+        except Exception:
             log.exception("health on_change callback failed")
 
 
 # -- the node daemon's verdict -------------------------------------------------------
+
 
 class DaemonHealth(HealthSource):
     """Subscribes to the node daemon's verdict (SUBSCRIBE_HEALTH) and forwards its pushes.
@@ -137,8 +139,7 @@ class DaemonHealth(HealthSource):
 
     def start(self) -> None:
         sock, silence_s = self._subscribe()
-        self._thread = threading.Thread(target=self._run, args=(sock, silence_s), name="daemon-health",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(sock, silence_s), name="daemon-health", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -147,7 +148,7 @@ class DaemonHealth(HealthSource):
             sock = self._sock
         if sock is not None:
             try:
-                sock.shutdown(socket.SHUT_RDWR)   # wakes the reader at once
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader at once
             except OSError:
                 pass
         if self._thread is not None:
@@ -161,8 +162,10 @@ class DaemonHealth(HealthSource):
             send_frame(s, self._seq.make(MsgType.SUBSCRIBE_HEALTH))
             msg = read_frame(s, time.monotonic() + self.timeout_s)
             if msg.type is not MsgType.HEALTH:
-                raise ProtocolError(str(msg.body.get("code", "unexpected")),
-                                    f"the daemon answered {msg.type.value}: {msg.body.get('detail', '')}")
+                raise ProtocolError(
+                    str(msg.body.get("code", "unexpected")),
+                    f"the daemon answered {msg.type.value}: {msg.body.get('detail', '')}",
+                )
         except BaseException:
             s.close()
             raise
@@ -181,10 +184,9 @@ class DaemonHealth(HealthSource):
     def _run(self, sock: socket.socket | None, silence_s: float) -> None:
         try:
             self._follow(sock, silence_s)
-        except Exception:  # noqa: BLE001 - a bug here must not pass for a healthy node
+        except Exception:
             log.exception("health subscription thread failed")
-            self._publish(_body(UNKNOWN, ["health subscription thread failed (see the node's log)"],
-                                self.detector))
+            self._publish(_body(UNKNOWN, ["health subscription thread failed (see the node's log)"], self.detector))
 
     def _follow(self, sock: socket.socket | None, silence_s: float) -> None:
         backoff_s = RECONNECT_MIN_S
@@ -201,7 +203,7 @@ class DaemonHealth(HealthSource):
                     continue
             try:
                 msg = read_frame(sock, time.monotonic() + silence_s)
-            except (OSError, ProtocolError) as e:   # TimeoutError is an OSError
+            except (OSError, ProtocolError) as e:  # TimeoutError is an OSError
                 sock.close()
                 sock = None
                 with self._lock:
@@ -223,6 +225,7 @@ class DaemonHealth(HealthSource):
 
 
 # -- the same probes, in this process -------------------------------------------------
+
 
 def _event_detector(ev: HealthEvent) -> str:
     """Named like the node process's events always were ("nvml-xid"): a kernel-log Xid
@@ -246,8 +249,15 @@ class InProcessHealth(HealthSource):
 
     detector = "probe-poll"
 
-    def __init__(self, cfg: Config | None, on_change: OnChange, *, interval_s: float | None = None,
-                 simulated: bool = False, config_error: str = "") -> None:
+    def __init__(
+        self,
+        cfg: Config | None,
+        on_change: OnChange,
+        *,
+        interval_s: float | None = None,
+        simulated: bool = False,
+        config_error: str = "",
+    ) -> None:
         super().__init__(on_change)
         self.cfg = cfg
         self.interval_s = interval_s if interval_s is not None else (cfg.probe_interval_s if cfg else 10.0)
@@ -266,8 +276,12 @@ class InProcessHealth(HealthSource):
             self._publish(_body(UNKNOWN, [f"resild configuration: {self.config_error}"], "config"))
             return
         if "kmsg" in cfg.probes and (self.simulated or not _readable(cfg.kmsg_path)):
-            log.info("health: no kernel-log probe in this job (%s)", "simulated node" if self.simulated else
-                     f"{cfg.kmsg_path} not readable by uid {os.getuid()}; the node daemon reads it")
+            log.info(
+                "health: no kernel-log probe in this job (%s)",
+                "simulated node"
+                if self.simulated
+                else f"{cfg.kmsg_path} not readable by uid {os.getuid()}; the node daemon reads it",
+            )
             cfg = dataclasses.replace(cfg, probes=[p for p in cfg.probes if p != "kmsg"])
         try:
             self._built = build_probes(cfg, on_event=self._on_event, follow=True)
@@ -277,7 +291,7 @@ class InProcessHealth(HealthSource):
         start_probes(self._built)
         for p in self._built:
             if isinstance(p, GpuProbe) and p.nvml is None:
-                why = p.check().reasons   # NVML's own words ("library not found", ...)
+                why = p.check().reasons  # NVML's own words ("library not found", ...)
                 log.info("health: no GPU probe (%s)", why[0] if why else "NVML unavailable")
                 continue
             self.probes.append(p)
@@ -296,7 +310,7 @@ class InProcessHealth(HealthSource):
             self._thread.join(self.cfg.probe_timeout_s + 1)
         stop_probes(self._built)
 
-    def _on_event(self, ev: HealthEvent) -> None:   # NVML / kmsg threads: must not block
+    def _on_event(self, ev: HealthEvent) -> None:  # NVML / kmsg threads: must not block
         with self._lock:
             self._event = ev
         self._trigger.set()
@@ -333,14 +347,23 @@ class InProcessHealth(HealthSource):
         with self._lock:
             old = self._latest
         # The first check (at start) publishes at once: nothing to wait for yet.
-        return old is not None and (old["verdict"], sorted(old["reasons"])) != (body["verdict"], sorted(body["reasons"]))
+        return old is not None and (old["verdict"], sorted(old["reasons"])) != (
+            body["verdict"],
+            sorted(body["reasons"]),
+        )
 
 
 # -- the factory ----------------------------------------------------------------------
 
-def open_health_source(node: str, on_change: OnChange, nvml_control: Path | str | None = None, *,
-                       interval_s: float | None = None,
-                       env: Mapping[str, str] | None = None) -> HealthSource:
+
+def open_health_source(
+    node: str,
+    on_change: OnChange,
+    nvml_control: Path | str | None = None,
+    *,
+    interval_s: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> HealthSource:
     """The node's one health source, started. Never raises for a missing daemon, NVML or
     configuration (see the module docstring); `interval_s` paces in-process checks."""
     env = os.environ if env is None else env
@@ -364,7 +387,8 @@ def open_health_source(node: str, on_change: OnChange, nvml_control: Path | str 
             return daemon
         except (OSError, ProtocolError) as e:
             log.warning("%s: node daemon at %s unusable (%s): in-process health probes", node, path, e)
-    source = InProcessHealth(cfg, on_change, interval_s=interval_s, simulated=nvml_control is not None,
-                             config_error=error)
+    source = InProcessHealth(
+        cfg, on_change, interval_s=interval_s, simulated=nvml_control is not None, config_error=error
+    )
     source.start()
     return source

@@ -17,6 +17,7 @@ the same time; that is harmless: the first requeue wins, the others see "Job is 
 execution" and do nothing, and `--state=RUNNING` keeps a late scancel off a job being requeued.
 Every command has a timeout. Outside a Slurm job step nothing is done.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -30,13 +31,13 @@ DEFAULT_MODE = "requeue"
 TIMEOUT_S = 10.0
 
 # What became of the requeue (after_requeue's answer)
-REQUEUED = "requeued"                  # this node process requeued the job
+REQUEUED = "requeued"  # this node process requeued the job
 ALREADY_REQUEUED = "already_requeued"  # another one did: the job is pending (or on its way)
-GONE = "gone"                          # the job has ended already: nothing to release
-CANCEL = "cancel"                      # not requeueable, or the requeue failed: cancel it
+GONE = "gone"  # the job has ended already: nothing to release
+CANCEL = "cancel"  # not requeueable, or the requeue failed: cancel it
 
 RequeueFn = Callable[..., None]  # slurm.requeue(job_id, comment, timeout_s=...): raises SlurmError
-CancelFn = Callable[..., None]   # slurm.cancel(job_id, timeout_s=...): raises SlurmError
+CancelFn = Callable[..., None]  # slurm.cancel(job_id, timeout_s=...): raises SlurmError
 
 
 def slurm_job_id(env: Mapping[str, str], node: str) -> str | None:
@@ -81,8 +82,15 @@ def _why(err: SlurmError) -> str:
     return first.removeprefix("slurm_update error: ").removeprefix("scontrol: error: ")[:160]
 
 
-def release_job(job_id: str, reason: str, mode: str = DEFAULT_MODE, *, requeue: RequeueFn = slurm.requeue,
-                cancel: CancelFn = slurm.cancel, timeout_s: float = TIMEOUT_S) -> str:
+def release_job(
+    job_id: str,
+    reason: str,
+    mode: str = DEFAULT_MODE,
+    *,
+    requeue: RequeueFn = slurm.requeue,
+    cancel: CancelFn = slurm.cancel,
+    timeout_s: float = TIMEOUT_S,
+) -> str:
     """Release the allocation as `mode` says; returns what happened, as a fragment of the node
     process's one line ("requeued Slurm job 42", ...). Never raises SlurmError."""
     if mode == "none":

@@ -16,6 +16,7 @@ would otherwise hold until the time limit when the batch host dies (launcher/nod
 RESILD_ON_CONTROLLER_LOST=requeue (default: scontrol requeue with the reason in the job's
 comment, else scancel when the job is not requeueable), cancel (scancel) or none.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,11 @@ from pathlib import Path
 
 import zmq
 
+import launcher.node.lease as lease
+from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
+from launcher.procutil import die_with_parent
 from resild.wire.protocol import Message, MsgType
 from resild.wire.transport import ControllerSet, KeyDir
-
-import launcher.node.lease as lease
-from launcher.procutil import die_with_parent
-from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
 
 log = logging.getLogger("resild.node")
 
@@ -54,9 +54,18 @@ class Worker:
 
 
 class NodeProcess:
-    def __init__(self, node: str, controller: str, keys: KeyDir | None, nproc: int, cmd: list[str],
-                 heartbeat_s: float = 0.25, nvml_control: Path | None = None, probe_interval_s: float = 1.0,
-                 controller_timeout_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        node: str,
+        controller: str,
+        keys: KeyDir | None,
+        nproc: int,
+        cmd: list[str],
+        heartbeat_s: float = 0.25,
+        nvml_control: Path | None = None,
+        probe_interval_s: float = 1.0,
+        controller_timeout_s: float = 0.0,
+    ) -> None:
         self.node, self.nproc, self.cmd = node, nproc, cmd
         self.heartbeat_s = heartbeat_s
         self.controller = controller
@@ -93,8 +102,10 @@ class NodeProcess:
     def _start_probe(self) -> None:
         # self.probe is the node's one health source (launcher/node/health_source.py).
         from launcher.node.health_source import open_health_source
-        self.probe = open_health_source(self.node, self._on_health_event, self.nvml_control,
-                                        interval_s=self.probe_interval_s)
+
+        self.probe = open_health_source(
+            self.node, self._on_health_event, self.nvml_control, interval_s=self.probe_interval_s
+        )
 
     def _on_health_event(self, body: dict) -> None:  # health source thread: {verdict, reasons, detector}
         self.health_q.put(body)
@@ -214,8 +225,14 @@ class NodeProcess:
     def _new_leader(self, lease: dict) -> None:
         """A new (or restarted) controller leads: tell it who we are, what we hold and
         what it missed (workers that exited), and point our workers at it."""
-        log.warning("%s: controller leader is now %s (term %s, pid %s on %s)", self.node, self.ch.leader_endpoint,
-                    lease.get("term"), lease.get("pid"), lease.get("host"))
+        log.warning(
+            "%s: controller leader is now %s (term %s, pid %s on %s)",
+            self.node,
+            self.ch.leader_endpoint,
+            lease.get("term"),
+            lease.get("pid"),
+            lease.get("host"),
+        )
         self._register()
         self._relayed_sent = None  # the new leader learns which ranks we relay
         self._heartbeat()
@@ -296,18 +313,25 @@ class NodeProcess:
             # the requeue/scancel makes slurmstepd TERM this step: finish and say what happened first
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             released = "; " + lease.release_job(
-                job_id, f"controller lost (no word from {endpoint} for {silent_s:.1f}s; batch host down?)", mode)
+                job_id, f"controller lost (no word from {endpoint} for {silent_s:.1f}s; batch host down?)", mode
+            )
             if note:
                 released += f" ({note})"
-        print(f"resild node {self.node}: no word from the controller at {endpoint} for {silent_s:.1f}s "
-              f"(--controller-timeout {timeout_s:g}s): stopped {len(self.workers)} worker(s){released}; "
-              f"exit {CONTROLLER_LOST_EXIT}", file=sys.stderr, flush=True)
+        print(
+            f"resild node {self.node}: no word from the controller at {endpoint} for {silent_s:.1f}s "
+            f"(--controller-timeout {timeout_s:g}s): stopped {len(self.workers)} worker(s){released}; "
+            f"exit {CONTROLLER_LOST_EXIT}",
+            file=sys.stderr,
+            flush=True,
+        )
         self.exit_code = CONTROLLER_LOST_EXIT
         return True
 
     def _drain_socket(self, index: int) -> None:
         while (msg := self.ch.recv(index)) is not None:
-            if msg.type == MsgType.LEASE and self.ch.follow(int(msg.body.get("term", 0)), int(msg.body.get("leader", index))):
+            if msg.type == MsgType.LEASE and self.ch.follow(
+                int(msg.body.get("term", 0)), int(msg.body.get("leader", index))
+            ):
                 self._new_leader(msg.body)
             if index != self.ch.leader:
                 continue  # an older term's leader: not ours any more
@@ -359,17 +383,23 @@ class NodeProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launcher.node", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--node", default=os.environ.get("SLURMD_NODENAME"),
-                   help="this node's name (default: $SLURMD_NODENAME)")
+    p = argparse.ArgumentParser(
+        prog="python -m launcher.node", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--node", default=os.environ.get("SLURMD_NODENAME"), help="this node's name (default: $SLURMD_NODENAME)"
+    )
     p.add_argument("--controller", required=True)
     p.add_argument("--keys")
     p.add_argument("--nproc", type=int, required=True)
     p.add_argument("--heartbeat-s", type=float, default=0.25)
     p.add_argument("--nvml-control", type=Path)
-    p.add_argument("--controller-timeout", type=float, default=0.0,
-                   help="exit (code 75) after this many seconds without a word from the controller; 0: never")
+    p.add_argument(
+        "--controller-timeout",
+        type=float,
+        default=0.0,
+        help="exit (code 75) after this many seconds without a word from the controller; 0: never",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -380,8 +410,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=f"[{a.node}] %(message)s")
     die_with_parent()
     keys = KeyDir(Path(a.keys)) if a.keys else None
-    return NodeProcess(a.node, a.controller, keys, a.nproc, cmd, a.heartbeat_s, a.nvml_control,
-                       controller_timeout_s=a.controller_timeout).run()
+    return NodeProcess(
+        a.node,
+        a.controller,
+        keys,
+        a.nproc,
+        cmd,
+        a.heartbeat_s,
+        a.nvml_control,
+        controller_timeout_s=a.controller_timeout,
+    ).run()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ the culprit.
 Everything other than PROGRESS (REGISTER_WORKER, EVENT, DONE, FAILED, FATAL) goes
 from the worker to the controller directly, as without a relay.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,6 +39,7 @@ COMMIT_REPORT_S = 0.1  # at most one aggregated commit report per node this ofte
 
 
 # ---- pure parts (unit-tested without sockets) ------------------------------------------
+
 
 @dataclass
 class LayoutTracker:
@@ -101,8 +103,11 @@ class CommitAggregator:
     def due(self, now: float) -> bool:
         if not self._pending or now - self._last_sent_s < self.interval_s:
             return False
-        return (len(self._pending) >= self.expected or self._epoch != self._last_epoch
-                or now - self._first_s >= self.interval_s)
+        return (
+            len(self._pending) >= self.expected
+            or self._epoch != self._last_epoch
+            or now - self._first_s >= self.interval_s
+        )
 
     def next_due_s(self) -> float | None:
         """When due() may next turn true (for the caller's poll timeout); None if nothing pending."""
@@ -124,6 +129,7 @@ class CommitAggregator:
 
 
 # ---- node side -----------------------------------------------------------------------
+
 
 class RelayServer:
     """The node process's end: a ROUTER on ipc:// in a private directory."""
@@ -177,6 +183,7 @@ class RelayServer:
 
 # ---- worker side ---------------------------------------------------------------------
 
+
 class RelayClient:
     """The worker's end. `sock` can sit in the worker's zmq.Poller; `recv(0)` never blocks.
 
@@ -185,8 +192,9 @@ class RelayClient:
     worker needs `rank_of(node, local_rank)`, `world_size` and `epoch`) and SHUTDOWN. On connect it says hello, and the node answers with the current
     membership, so a worker that starts (or reconnects) late is never behind."""
 
-    def __init__(self, endpoint: str, sender: str, local_rank: int | None = None,
-                 ctx: zmq.Context | None = None) -> None:
+    def __init__(
+        self, endpoint: str, sender: str, local_rank: int | None = None, ctx: zmq.Context | None = None
+    ) -> None:
         if local_rank is None:
             local_rank = int(os.environ.get("RESILD_LOCAL_RANK", "-1"))
         self.node = os.environ.get("RESILD_NODE", sender.split("/", 1)[0])

@@ -15,6 +15,7 @@ Inject faults (KIND:NODE@STEP[+DELAY_S]; kinds kill, exception, hang, nodeloss, 
 1 spare train on 2 nodes and keep 1 warm. Node names are local-node0 ...;
 fault specs may say node0 for local-node0.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,46 +43,121 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
     return out
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-               help=__doc__)
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, help=__doc__)
 @click.option("--local", "local", is_flag=True, help="Run an embedded cluster of simulated nodes on this machine.")
-@click.option("--nodes", "-N", type=click.IntRange(min=1), default=None,
-              help="Nodes in all, spares included (default: the Slurm allocation, or 3 with --local).")
-@click.option("--spares", type=click.IntRange(min=0), default=1, show_default=True,
-              help="Hot spare nodes kept warm (their workers import torch and build the model, then wait).")
-@click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Worker processes (ranks) per node.")
-@click.option("--inject", multiple=True, metavar="KIND:NODE@STEP",
-              help="Inject a fault when the job reaches STEP (repeatable).")
-@click.option("--events", type=click.Path(dir_okay=False, writable=True, path_type=Path),
-              help="Write one JSON line per event to this file.")
-@click.option("--hang-timeout", "hang_timeout_s", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
-              help="Seconds without any committed step before the rank holding everyone up is declared hung.")
-@click.option("--heartbeat-timeout", "heartbeat_timeout_s", type=click.FloatRange(min=0.1), default=2.0,
-              show_default=True, help="Seconds of node silence before the node is declared lost.")
-@click.option("--start-timeout", "start_timeout_s", type=click.FloatRange(min=1.0, max=86400.0), default=300.0,
-              show_default=True, callback=lambda ctx, param, v: v if v == v else _nan(param),  # NaN passes FloatRange
-              help="Seconds for every active node's workers to start and register before the job fails.")
-@click.option("--controller-timeout", "controller_timeout_s", type=click.FloatRange(min=0.5, max=3600.0), default=5.0,
-              show_default=True, callback=lambda ctx, param, v: v if v == v else _nan(param),
-              help="Seconds without a word from the controller after which node processes stop their workers "
-                   "and exit (code 75): a dead or frozen controller leaves nothing behind.")
-@click.option("--controllers", type=click.IntRange(min=1, max=7), default=1, show_default=True,
-              help="Controller replicas. 1: one controller inside resil-run. 3 (or 5): a Raft replica set "
-                   "(separate processes; under Slurm on the allocation's first nodes, the batch host included); "
-                   "the job survives the loss of any minority of them, the leader's and the batch host's included.")
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).")
-@click.option("--requeue-on-exhaustion", is_flag=True,
-              help="Slurm: when no spare is left, requeue the job (reason in its comment) instead of failing.")
-@click.option("--json", "as_json", is_flag=True, help="Print the end-of-run summary as JSON (stdout; status stays on stderr).")
-@click.option("-q", "--quiet", is_flag=True,
-              help="No live status line (step, steps/s, epoch, spares left, last failure and its recovery time) on stderr.")
+@click.option(
+    "--nodes",
+    "-N",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Nodes in all, spares included (default: the Slurm allocation, or 3 with --local).",
+)
+@click.option(
+    "--spares",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="Hot spare nodes kept warm (their workers import torch and build the model, then wait).",
+)
+@click.option(
+    "--nproc-per-node",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Worker processes (ranks) per node.",
+)
+@click.option(
+    "--inject", multiple=True, metavar="KIND:NODE@STEP", help="Inject a fault when the job reaches STEP (repeatable)."
+)
+@click.option(
+    "--events",
+    type=click.Path(dir_okay=False, writable=True, path_type=Path),
+    help="Write one JSON line per event to this file.",
+)
+@click.option(
+    "--hang-timeout",
+    "hang_timeout_s",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="Seconds without any committed step before the rank holding everyone up is declared hung.",
+)
+@click.option(
+    "--heartbeat-timeout",
+    "heartbeat_timeout_s",
+    type=click.FloatRange(min=0.1),
+    default=2.0,
+    show_default=True,
+    help="Seconds of node silence before the node is declared lost.",
+)
+@click.option(
+    "--start-timeout",
+    "start_timeout_s",
+    type=click.FloatRange(min=1.0, max=86400.0),
+    default=300.0,
+    show_default=True,
+    callback=lambda ctx, param, v: v if v == v else _nan(param),  # NaN passes FloatRange
+    help="Seconds for every active node's workers to start and register before the job fails.",
+)
+@click.option(
+    "--controller-timeout",
+    "controller_timeout_s",
+    type=click.FloatRange(min=0.5, max=3600.0),
+    default=5.0,
+    show_default=True,
+    callback=lambda ctx, param, v: v if v == v else _nan(param),
+    help="Seconds without a word from the controller after which node processes stop their workers "
+    "and exit (code 75): a dead or frozen controller leaves nothing behind.",
+)
+@click.option(
+    "--controllers",
+    type=click.IntRange(min=1, max=7),
+    default=1,
+    show_default=True,
+    help="Controller replicas. 1: one controller inside resil-run. 3 (or 5): a Raft replica set "
+    "(separate processes; under Slurm on the allocation's first nodes, the batch host included); "
+    "the job survives the loss of any minority of them, the leader's and the batch host's included.",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).",
+)
+@click.option(
+    "--requeue-on-exhaustion",
+    is_flag=True,
+    help="Slurm: when no spare is left, requeue the job (reason in its comment) instead of failing.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the end-of-run summary as JSON (stdout; status stays on stderr)."
+)
+@click.option(
+    "-q",
+    "--quiet",
+    is_flag=True,
+    help="No live status line (step, steps/s, epoch, spares left, last failure and its recovery time) on stderr.",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log controller decisions as they happen.")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
-def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...],
-         events: Path | None, hang_timeout_s: float, heartbeat_timeout_s: float, start_timeout_s: float,
-         controller_timeout_s: float, controllers: int, run_dir: Path | None, requeue_on_exhaustion: bool, as_json: bool, quiet: bool, verbose: bool, cmd: tuple[str, ...]) -> None:
+def main(
+    local: bool,
+    nodes: int | None,
+    spares: int,
+    nproc_per_node: int,
+    inject: tuple[str, ...],
+    events: Path | None,
+    hang_timeout_s: float,
+    heartbeat_timeout_s: float,
+    start_timeout_s: float,
+    controller_timeout_s: float,
+    controllers: int,
+    run_dir: Path | None,
+    requeue_on_exhaustion: bool,
+    as_json: bool,
+    quiet: bool,
+    verbose: bool,
+    cmd: tuple[str, ...],
+) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="resil-run: %(message)s")
     if events is not None:
         try:
@@ -92,12 +168,26 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
         raise click.UsageError("--controllers 2 survives no loss (Raft needs a majority): use 3")
     if not local:
         from launcher.run.slurm_mode import run_slurm  # imported lazily: local mode needs no Slurm
-        sys.exit(run_slurm(nodes=nodes, spares=spares, nproc_per_node=nproc_per_node, inject=inject, events=events,
-                           hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                           run_dir=run_dir, as_json=as_json, cmd=list(cmd),
-                           requeue_on_exhaustion=requeue_on_exhaustion, status=not quiet,
-                           start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s,
-                           controllers=controllers))
+
+        sys.exit(
+            run_slurm(
+                nodes=nodes,
+                spares=spares,
+                nproc_per_node=nproc_per_node,
+                inject=inject,
+                events=events,
+                hang_timeout_s=hang_timeout_s,
+                heartbeat_timeout_s=heartbeat_timeout_s,
+                run_dir=run_dir,
+                as_json=as_json,
+                cmd=list(cmd),
+                requeue_on_exhaustion=requeue_on_exhaustion,
+                status=not quiet,
+                start_timeout_s=start_timeout_s,
+                controller_timeout_s=controller_timeout_s,
+                controllers=controllers,
+            )
+        )
     n = nodes or 3
     if spares >= n:
         raise click.UsageError(f"--spares {spares} leaves no active node out of --nodes {n}")
@@ -107,13 +197,24 @@ def main(local: bool, nodes: int | None, spares: int, nproc_per_node: int, injec
     except FaultSpecError as e:
         raise click.UsageError(str(e)) from None
     from launcher.run.job import JobSpec, run_job  # torch import happens here, after argument checks
+
     rd = run_dir or Path(tempfile.mkdtemp(prefix="resild-run-"))
-    spec = JobSpec(active=names[: n - spares], spares=names[n - spares:], nproc_per_node=nproc_per_node,
-                   cmd=list(cmd), faults=faults, events_path=events, run_dir=rd,
-                   hang_timeout_s=hang_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
-                   start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s)
+    spec = JobSpec(
+        active=names[: n - spares],
+        spares=names[n - spares :],
+        nproc_per_node=nproc_per_node,
+        cmd=list(cmd),
+        faults=faults,
+        events_path=events,
+        run_dir=rd,
+        hang_timeout_s=hang_timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        start_timeout_s=start_timeout_s,
+        controller_timeout_s=controller_timeout_s,
+    )
     if controllers > 1:
         from launcher.run.standby import run_replicated
+
         sys.exit(run_replicated(spec, controllers, as_json=as_json, status=not quiet))
     code = run_job(spec, as_json=as_json, status=not quiet)
     sys.exit(code)

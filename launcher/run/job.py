@@ -1,24 +1,25 @@
 """Run one job: embedded controller + rendezvous store + a node backend."""
+
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
-from resild.controller.loop import Controller, ControllerConfig
-from resild.events.log import EventLog
+from launcher.run.local import LocalCluster
+from launcher.run.status import StatusLine, format_table, summarize
 from resild.controller.faults import Fault
 from resild.controller.journal import Journal
+from resild.controller.loop import Controller, ControllerConfig
 from resild.controller.policy import PolicyConfig
-from resild.wire.transport import generate_keys, store_listen_fd
-
-from launcher.run.local import LocalCluster
+from resild.events.log import EventLog
 from resild.wire.store import CommittedFloor
-from launcher.run.status import StatusLine, format_table, summarize
+from resild.wire.transport import generate_keys, store_listen_fd
 
 
 @dataclass
@@ -33,8 +34,8 @@ class JobSpec:
     hang_timeout_s: float = 10.0
     heartbeat_timeout_s: float = 2.0
     heartbeat_s: float = 0.25
-    bind_host: str = "127.0.0.1"   # the address peers use to reach the controller and the store
-    bind_any: bool = False         # listen on every interface (cluster mode)
+    bind_host: str = "127.0.0.1"  # the address peers use to reach the controller and the store
+    bind_any: bool = False  # listen on every interface (cluster mode)
     start_timeout_s: float = 300.0  # every active node's workers registered within this, or the job fails
     controller_timeout_s: float = 5.0  # node processes exit when no controller spoke for this long
 
@@ -58,19 +59,26 @@ def worker_timeouts(hang_timeout_s: float, heartbeat_timeout_s: float) -> dict[s
     a collective must not time out before the controller could have declared a
     hang, and a rank must not give up on the notice before the collective did."""
     collective_s = max(60.0, 3 * hang_timeout_s)
-    return {"wait_report_s": min(1.0, hang_timeout_s / 4), "collective_timeout_s": collective_s,
-            "notice_timeout_s": collective_s + 2 * hang_timeout_s + heartbeat_timeout_s + 60.0}
+    return {
+        "wait_report_s": min(1.0, hang_timeout_s / 4),
+        "collective_timeout_s": collective_s,
+        "notice_timeout_s": collective_s + 2 * hang_timeout_s + heartbeat_timeout_s + 60.0,
+    }
 
 
-def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str, Path, float], Any] | None = None,
-            return_reason: bool = False, status: bool = True) -> Any:
+def run_job(
+    spec: JobSpec,
+    as_json: bool = False,
+    backend_factory: Callable[[str, Path, float], Any] | None = None,
+    return_reason: bool = False,
+    status: bool = True,
+) -> Any:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     keys = generate_keys(spec.run_dir / "keys")
     # TCPStore has no authentication: listen only where the peers are (loopback in --local,
     # the advertised job address under Slurm), never on every interface (its default).
     store_fd, store_port = store_listen_fd(spec.bind_host, cluster=spec.bind_any)
-    store = dist.TCPStore(spec.bind_host, store_port, is_master=True, wait_for_workers=False,
-                          master_listen_fd=store_fd)
+    store = dist.TCPStore(spec.bind_host, store_port, is_master=True, wait_for_workers=False, master_listen_fd=store_fd)
     events = EventLog(spec.events_path)
     events.listeners.append(CommittedFloor(store))
     live = StatusLine(sys.stderr) if status else None  # stderr only: stdout is --json's
@@ -78,18 +86,35 @@ def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str
         events.listeners.append(live)
     nodes = spec.active + spec.spares
     bind = f"tcp://{'*' if spec.bind_any else spec.bind_host}:0"
-    cfg = ControllerConfig(bind=bind,
-                           policy=PolicyConfig(heartbeat_timeout_s=spec.heartbeat_timeout_s,
-                                               hang_timeout_s=spec.hang_timeout_s),
-                           store_addr=f"{spec.bind_host}:{store.port}", start_timeout_s=spec.start_timeout_s,
-                           controller_timeout_s=spec.controller_timeout_s,
-                           worker=worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s))
-    ctl = Controller(cfg, spec.active, spec.spares, spec.nproc_per_node, keys, events,
-                     Journal(spec.run_dir / "journal.jsonl", events=events), None, spec.faults)
+    cfg = ControllerConfig(
+        bind=bind,
+        policy=PolicyConfig(heartbeat_timeout_s=spec.heartbeat_timeout_s, hang_timeout_s=spec.hang_timeout_s),
+        store_addr=f"{spec.bind_host}:{store.port}",
+        start_timeout_s=spec.start_timeout_s,
+        controller_timeout_s=spec.controller_timeout_s,
+        worker=worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s),
+    )
+    ctl = Controller(
+        cfg,
+        spec.active,
+        spec.spares,
+        spec.nproc_per_node,
+        keys,
+        events,
+        Journal(spec.run_dir / "journal.jsonl", events=events),
+        None,
+        spec.faults,
+    )
     endpoint = f"tcp://{spec.bind_host}:{ctl.endpoint.rsplit(':', 1)[1]}"
     if backend_factory is None:
-        backend = LocalCluster(nodes, spec.nproc_per_node, spec.cmd, spec.run_dir, _fake_nvml(spec),
-                               controller_timeout_s=spec.controller_timeout_s)
+        backend = LocalCluster(
+            nodes,
+            spec.nproc_per_node,
+            spec.cmd,
+            spec.run_dir,
+            _fake_nvml(spec),
+            controller_timeout_s=spec.controller_timeout_s,
+        )
         backend.start(endpoint, keys.path, spec.heartbeat_s)
     else:
         backend = backend_factory(endpoint, keys.path, spec.heartbeat_s)
@@ -106,8 +131,17 @@ def run_job(spec: JobSpec, as_json: bool = False, backend_factory: Callable[[str
             live.close()
     failures, job = summarize(events.records + list(events.recent_progress))
     if as_json:
-        print(json.dumps({"exit_code": result.exit_code, "reason": result.reason, "job": job,
-                          "failures": [f.__dict__ for f in failures]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "exit_code": result.exit_code,
+                    "reason": result.reason,
+                    "job": job,
+                    "failures": [f.__dict__ for f in failures],
+                },
+                indent=2,
+            )
+        )
     else:
         print(format_table(failures, job), file=sys.stderr)
     if result.exit_code != 0:

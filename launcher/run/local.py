@@ -4,6 +4,7 @@ Each node process leads its own process group, so fencing a node is one
 killpg; each may get its own fault-injecting NVML stand-in (a control file
 that the node's GPU probe reads through the real nvidia-ml-py binding).
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,17 +15,24 @@ import sys
 import time
 from pathlib import Path
 
+from launcher.procutil import die_with_parent
 from resild.controller.backend import Backend
 from resild.wire.transport import KeyDir, add_node_key
-
-from launcher.procutil import die_with_parent
 
 log = logging.getLogger("resild.local")
 
 
 class LocalCluster(Backend):
-    def __init__(self, nodes: list[str], nproc: int, cmd: list[str], run_dir: Path,
-                 fake_nvml_dir: Path | None = None, gpus_per_node: int = 0, controller_timeout_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        nodes: list[str],
+        nproc: int,
+        cmd: list[str],
+        run_dir: Path,
+        fake_nvml_dir: Path | None = None,
+        gpus_per_node: int = 0,
+        controller_timeout_s: float = 0.0,
+    ) -> None:
         self.controller_timeout_s = controller_timeout_s
         self.nodes, self.nproc, self.cmd, self.run_dir = nodes, nproc, cmd, run_dir
         self.fake_nvml_dir = fake_nvml_dir
@@ -39,11 +47,23 @@ class LocalCluster(Backend):
         # and the controller knows the node by that key (ZAP User-Id), not by what it says.
         node_keys = {n: add_node_key(KeyDir(keys_dir), n).path for n in self.nodes} if keys_dir else {}
         for node in self.nodes:
-            args = [sys.executable, "-m", "launcher.node", "--node", node, "--controller", controller,
-                    "--nproc", str(self.nproc), "--heartbeat-s", str(heartbeat_s),
-                    "--controller-timeout", str(self.controller_timeout_s)]
+            args = [
+                sys.executable,
+                "-m",
+                "launcher.node",
+                "--node",
+                node,
+                "--controller",
+                controller,
+                "--nproc",
+                str(self.nproc),
+                "--heartbeat-s",
+                str(heartbeat_s),
+                "--controller-timeout",
+                str(self.controller_timeout_s),
+            ]
             env = dict(os.environ)
-            env.pop("RESILD_KEYS", None)   # never inherit another key directory
+            env.pop("RESILD_KEYS", None)  # never inherit another key directory
             if keys_dir is not None:
                 args += ["--keys", str(node_keys[node])]
             if self.fake_nvml_dir is not None:
@@ -52,8 +72,9 @@ class LocalCluster(Backend):
                 args += ["--nvml-control", str(control)]
                 env["LD_LIBRARY_PATH"] = f"{self.fake_nvml_dir}:{env.get('LD_LIBRARY_PATH', '')}"
                 env["FAKE_NVML_CONTROL"] = str(control)
-            self.procs[node] = subprocess.Popen(args + ["--"] + self.cmd, env=env, start_new_session=True,
-                                                preexec_fn=die_with_parent)
+            self.procs[node] = subprocess.Popen(
+                args + ["--"] + self.cmd, env=env, start_new_session=True, preexec_fn=die_with_parent
+            )
 
     def fence(self, node: str, reason: str) -> None:
         self._expected_exit.add(node)

@@ -6,6 +6,7 @@ process kills its workers when it hears it) plus a DRAIN in Slurm naming the
 fault. Node death is detected by our heartbeats, never by waiting for
 slurmctld (which takes ~12 s or more to mark a node down).
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,18 +17,19 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
+from resild import slurm
 from resild.controller.backend import Backend
 from resild.wire.transport import KeyDir, add_node_key
-
-from resild import slurm
 
 log = logging.getLogger("resild.slurm")
 
 
 # Runs argv with the value after "--keys" (before "--") suffixed by /nodes/$SLURMD_NODENAME:
 # one srun step runs the same command on every node, so the node picks its own directory.
-_PICK_KEYS = ('p=; d=; for a do if [ -z "$d" ] && [ "$p" = --keys ]; then a="$a/nodes/$SLURMD_NODENAME"; '
-              'elif [ "$a" = -- ]; then d=1; fi; set -- "$@" "$a"; shift; p=$a; done; exec "$@"')
+_PICK_KEYS = (
+    'p=; d=; for a do if [ -z "$d" ] && [ "$p" = --keys ]; then a="$a/nodes/$SLURMD_NODENAME"; '
+    'elif [ "$a" = -- ]; then d=1; fi; set -- "$@" "$a"; shift; p=$a; done; exec "$@"'
+)
 
 
 def per_node_keys(node_cmd: list[str], nodes: list[str]) -> list[str]:
@@ -45,8 +47,14 @@ def per_node_keys(node_cmd: list[str], nodes: list[str]) -> list[str]:
 
 
 class SlurmBackend(Backend):
-    def __init__(self, alloc: slurm.Allocation, nodes: list[str], node_cmd: list[str],
-                 env: Mapping[str, str] | None = None, drain_nodes: bool = True) -> None:
+    def __init__(
+        self,
+        alloc: slurm.Allocation,
+        nodes: list[str],
+        node_cmd: list[str],
+        env: Mapping[str, str] | None = None,
+        drain_nodes: bool = True,
+    ) -> None:
         self.alloc, self.nodes, self.node_cmd = alloc, nodes, node_cmd
         self.env = dict(env or os.environ)
         self.drain_nodes = drain_nodes

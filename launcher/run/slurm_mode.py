@@ -1,4 +1,5 @@
 """resil-run inside a Slurm allocation (sbatch or salloc)."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,8 @@ from pathlib import Path
 
 import click
 
-from resild.controller.faults import FaultSpecError, parse_fault
-
 from resild import slurm
-
+from resild.controller.faults import FaultSpecError, parse_fault
 
 # ---- will Slurm cancel the allocation when a node fails? -----------------------------------------
 # Without `sbatch --no-kill` Slurm revokes the whole allocation when one of its nodes fails, and
@@ -25,11 +24,15 @@ from resild import slurm
 # environment variable and `scontrol show job` does not print it. What a job can read: the
 # JSON job record of newer Slurm (kill_on_node_fail), the submit line (SubmitLine=, 23.02+),
 # its own batch script's #SBATCH directives, and SBATCH_NO_KILL when the user set it.
-NO_KILL_MESSAGE = ("resil-run: WARNING: job {job} was not submitted with --no-kill: when a node fails Slurm "
-                   "cancels the whole allocation, spares included, and resild cannot recover. "
-                   "Add `#SBATCH --no-kill` (or `sbatch -k`).")
-NO_KILL_UNKNOWN = ("resil-run: note: could not tell whether job {job} has --no-kill ({why}). Without it a node "
-                   "failure cancels the whole allocation, spares included: submit with `#SBATCH --no-kill`.")
+NO_KILL_MESSAGE = (
+    "resil-run: WARNING: job {job} was not submitted with --no-kill: when a node fails Slurm "
+    "cancels the whole allocation, spares included, and resild cannot recover. "
+    "Add `#SBATCH --no-kill` (or `sbatch -k`)."
+)
+NO_KILL_UNKNOWN = (
+    "resil-run: note: could not tell whether job {job} has --no-kill ({why}). Without it a node "
+    "failure cancels the whole allocation, spares included: submit with `#SBATCH --no-kill`."
+)
 _SBATCH_DIRECTIVE = re.compile(r"^#SBATCH\s+(.*)$")
 
 
@@ -84,8 +87,9 @@ def no_kill_from_show_job(text: str) -> bool | None:
     return _no_kill_in_args(args)  # silent: it may still be in the script's directives
 
 
-def allocation_survives_node_failure(job_id: str, env: Mapping[str, str],
-                                     run: Callable[[list[str]], str | None]) -> tuple[bool | None, str]:
+def allocation_survives_node_failure(
+    job_id: str, env: Mapping[str, str], run: Callable[[list[str]], str | None]
+) -> tuple[bool | None, str]:
     """(True: --no-kill, False: a node failure cancels the job, None: cannot tell; how we know).
 
     `run(argv)` returns a command's stdout or None when it failed. Command-line flags win over
@@ -109,8 +113,10 @@ def allocation_survives_node_failure(job_id: str, env: Mapping[str, str],
     if script and "SubmitLine=" in show:
         return False, "neither the submit line nor the #SBATCH directives say --no-kill"
     if script:
-        return None, ("the batch script has no #SBATCH --no-kill, and this Slurm does not show the sbatch "
-                      "command line, where -k may have been given")
+        return None, (
+            "the batch script has no #SBATCH --no-kill, and this Slurm does not show the sbatch "
+            "command line, where -k may have been given"
+        )
     return None, "Slurm does not tell a job whether it was submitted with --no-kill, and no batch script was readable"
 
 
@@ -122,8 +128,9 @@ def _run_quiet(argv: list[str], timeout_s: float = 10.0) -> str | None:
     return r.stdout if r.returncode == 0 else None
 
 
-def warn_if_allocation_dies_with_a_node(job_id: str, env: Mapping[str, str], out=sys.stderr,
-                                        run: Callable[[list[str]], str | None] = _run_quiet) -> bool | None:
+def warn_if_allocation_dies_with_a_node(
+    job_id: str, env: Mapping[str, str], out=sys.stderr, run: Callable[[list[str]], str | None] = _run_quiet
+) -> bool | None:
     survives, how = allocation_survives_node_failure(job_id, env, run)
     if survives is False:
         print(NO_KILL_MESSAGE.format(job=job_id) + f" (from {how})", file=out)
@@ -157,8 +164,12 @@ def cluster_name(env: Mapping[str, str], run: Callable[[list[str]], str | None] 
     return _safe(name)
 
 
-def job_start_stamp(job_id: str, env: Mapping[str, str], run: Callable[[list[str]], str | None] = _run_quiet,
-                    now: Callable[[], float] = time.time) -> str:
+def job_start_stamp(
+    job_id: str,
+    env: Mapping[str, str],
+    run: Callable[[list[str]], str | None] = _run_quiet,
+    now: Callable[[], float] = time.time,
+) -> str:
     """This run's start as YYYYmmddTHHMMSS (local time, as `scontrol show job` prints StartTime):
     SLURM_JOB_START_TIME (epoch, Slurm 23.02+), else StartTime=, else now (resil-run's own start)."""
     raw = env.get("SLURM_JOB_START_TIME", "")
@@ -170,26 +181,44 @@ def job_start_stamp(job_id: str, env: Mapping[str, str], run: Callable[[list[str
     return time.strftime("%Y%m%dT%H%M%S", time.localtime(now()))
 
 
-def default_run_dir_name(job_id: str, env: Mapping[str, str],
-                         run: Callable[[list[str]], str | None] = _run_quiet,
-                         now: Callable[[], float] = time.time) -> str:
+def default_run_dir_name(
+    job_id: str,
+    env: Mapping[str, str],
+    run: Callable[[list[str]], str | None] = _run_quiet,
+    now: Callable[[], float] = time.time,
+) -> str:
     """`<cluster>-job-<id>-r<restarts>-<start>`, unique per cluster, job and run of the job."""
     restarts = env.get("SLURM_RESTART_COUNT", "0") or "0"
-    return (f"{cluster_name(env, run)}-job-{_safe(job_id)}-r{_safe(restarts)}-"
-            f"{job_start_stamp(job_id, env, run, now)}")
+    return f"{cluster_name(env, run)}-job-{_safe(job_id)}-r{_safe(restarts)}-{job_start_stamp(job_id, env, run, now)}"
 
 
-def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tuple[str, ...], events: Path | None,
-              hang_timeout_s: float, heartbeat_timeout_s: float, run_dir: Path | None, as_json: bool,
-              cmd: list[str], requeue_on_exhaustion: bool = False, status: bool = True,
-              start_timeout_s: float = 300.0, controller_timeout_s: float = 5.0, controllers: int = 1) -> int:
+def run_slurm(
+    *,
+    nodes: int | None,
+    spares: int,
+    nproc_per_node: int,
+    inject: tuple[str, ...],
+    events: Path | None,
+    hang_timeout_s: float,
+    heartbeat_timeout_s: float,
+    run_dir: Path | None,
+    as_json: bool,
+    cmd: list[str],
+    requeue_on_exhaustion: bool = False,
+    status: bool = True,
+    start_timeout_s: float = 300.0,
+    controller_timeout_s: float = 5.0,
+    controllers: int = 1,
+) -> int:
     try:
         alloc = slurm.allocation_from_env(os.environ)
     except slurm.SlurmEnvError as e:
         raise click.UsageError(f"cannot read the Slurm allocation: {e}") from None
     if alloc is None:
-        raise click.UsageError("not inside a Slurm allocation (no SLURM_JOB_ID): run under sbatch/salloc, "
-                               "or use --local for an embedded cluster on this machine")
+        raise click.UsageError(
+            "not inside a Slurm allocation (no SLURM_JOB_ID): run under sbatch/salloc, "
+            "or use --local for an embedded cluster on this machine"
+        )
     all_nodes = list(alloc.nodes)
     if nodes is not None:
         if nodes > len(all_nodes):
@@ -217,23 +246,47 @@ def run_slurm(*, nodes: int | None, spares: int, nproc_per_node: int, inject: tu
     print(f"resil-run: run dir {rd}", file=sys.stderr, flush=True)
 
     def node_cmd(endpoint: str, keys_dir: Path, heartbeat_s: float) -> list[str]:
-        return [sys.executable, "-m", "launcher.node", "--controller", endpoint, "--keys", str(keys_dir),
-                "--nproc", str(nproc_per_node), "--heartbeat-s", str(heartbeat_s),
-                "--controller-timeout", str(controller_timeout_s), "--", *cmd]
+        return [
+            sys.executable,
+            "-m",
+            "launcher.node",
+            "--controller",
+            endpoint,
+            "--keys",
+            str(keys_dir),
+            "--nproc",
+            str(nproc_per_node),
+            "--heartbeat-s",
+            str(heartbeat_s),
+            "--controller-timeout",
+            str(controller_timeout_s),
+            "--",
+            *cmd,
+        ]
 
     def make_backend(endpoint: str, keys_dir: Path, heartbeat_s: float) -> SlurmBackend:
         return SlurmBackend(alloc, all_nodes, node_cmd(endpoint, keys_dir, heartbeat_s))
 
-    spec = JobSpec(active=active, spares=spare_nodes, nproc_per_node=nproc_per_node, cmd=cmd, run_dir=rd,
-                   faults=faults, events_path=events, hang_timeout_s=hang_timeout_s,
-                   heartbeat_timeout_s=heartbeat_timeout_s, bind_host=host, bind_any=True,
-                   start_timeout_s=start_timeout_s, controller_timeout_s=controller_timeout_s)
+    spec = JobSpec(
+        active=active,
+        spares=spare_nodes,
+        nproc_per_node=nproc_per_node,
+        cmd=cmd,
+        run_dir=rd,
+        faults=faults,
+        events_path=events,
+        hang_timeout_s=hang_timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        bind_host=host,
+        bind_any=True,
+        start_timeout_s=start_timeout_s,
+        controller_timeout_s=controller_timeout_s,
+    )
     if controllers > 1:
         from launcher.run.standby import run_replicated
-        return run_replicated(spec, controllers, as_json=as_json, slurm_job=alloc, node_cmd=node_cmd,
-                              status=status)
-    code, reason = run_job(spec, as_json=as_json, backend_factory=make_backend, return_reason=True,
-                           status=status)
+
+        return run_replicated(spec, controllers, as_json=as_json, slurm_job=alloc, node_cmd=node_cmd, status=status)
+    code, reason = run_job(spec, as_json=as_json, backend_factory=make_backend, return_reason=True, status=status)
     if code != 0 and requeue_on_exhaustion and reason.startswith("no spare left"):
         try:
             slurm.requeue(alloc.job_id, reason)  # requeue_cmd adds the "resild: " prefix

@@ -6,31 +6,38 @@ node processes, which hold every replica's endpoint and follow the leader. Then 
 only waits: the job's verdict is the leader's (`result.json` in the run directory),
 and if every replica is gone the node processes end on their lease.
 """
+
 from __future__ import annotations
 
 import json
 import os
-from collections import deque
 import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from resild.events.log import RECENT_PROGRESS, EventTail
-from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
-from resild.wire.transport import generate_keys
-
+from launcher.procutil import die_with_parent
 from launcher.run.job import JobSpec, _fake_nvml, worker_timeouts
 from launcher.run.local import LocalCluster
-from launcher.procutil import die_with_parent
 from launcher.run.status import StatusLine, format_table, summarize
+from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
+from resild.events.log import RECENT_PROGRESS, EventTail
+from resild.wire.transport import generate_keys
 
 
-def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
-                   slurm_job: Any = None, node_cmd: Callable[[str, Path, float], list[str]] | None = None,
-                   status: bool = True) -> int:
+def run_replicated(
+    spec: JobSpec,
+    n_controllers: int,
+    as_json: bool = False,
+    *,
+    slurm_job: Any = None,
+    node_cmd: Callable[[str, Path, float], list[str]] | None = None,
+    status: bool = True,
+) -> int:
     """`slurm_job` (an Allocation) and `node_cmd(endpoints, keys_dir, heartbeat_s)` under
     Slurm: the replicas run on the allocation's first N nodes (one srun step), the node
     processes as usual; otherwise every process runs on this machine."""
@@ -44,17 +51,26 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
     tail = EventTail(events_path, from_end=True)  # before any replica runs; an --events file may hold older jobs
     nodes_all = spec.active + spec.spares
     cfg: dict[str, Any] = {
-        "active": spec.active, "spares": spec.spares, "nproc": spec.nproc_per_node,
-        "keys": str(keys.path), "events": str(events_path), "run_dir": str(rd),
+        "active": spec.active,
+        "spares": spec.spares,
+        "nproc": spec.nproc_per_node,
+        "keys": str(keys.path),
+        "events": str(events_path),
+        "run_dir": str(rd),
         "faults": [str(f) for f in spec.faults],
-        "controller": {"policy": {"heartbeat_timeout_s": spec.heartbeat_timeout_s, "hang_timeout_s": spec.hang_timeout_s},
-                       "worker": worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s),
-                       "start_timeout_s": spec.start_timeout_s, "controller_timeout_s": spec.controller_timeout_s},
+        "controller": {
+            "policy": {"heartbeat_timeout_s": spec.heartbeat_timeout_s, "hang_timeout_s": spec.hang_timeout_s},
+            "worker": worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s),
+            "start_timeout_s": spec.start_timeout_s,
+            "controller_timeout_s": spec.controller_timeout_s,
+        },
     }
     if slurm_job is not None:
         if len(nodes_all) < n_controllers:
-            print(f"resil-run: --controllers {n_controllers} needs as many nodes; the job has {len(nodes_all)}",
-                  file=sys.stderr)
+            print(
+                f"resil-run: --controllers {n_controllers} needs as many nodes; the job has {len(nodes_all)}",
+                file=sys.stderr,
+            )
             return 2
         cfg["hosts"] = nodes_all[:n_controllers]  # the batch host and the next ones: a majority survives any one
     else:  # each replica binds its own port and publishes it (never a port nobody listens on)
@@ -64,11 +80,15 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
     replica_cmd = [sys.executable, "-m", "resild.controller.replica", "--spec", str(spec_file)]
     if slurm_job is not None:
         from resild import slurm
-        replicas = [subprocess.Popen(slurm.srun_node_launcher_cmd(slurm_job, cfg["hosts"], replica_cmd),
-                                     start_new_session=True)]
+
+        replicas = [
+            subprocess.Popen(slurm.srun_node_launcher_cmd(slurm_job, cfg["hosts"], replica_cmd), start_new_session=True)
+        ]
     else:
-        replicas = [subprocess.Popen([*replica_cmd, "--index", str(i)], start_new_session=True,
-                                     preexec_fn=die_with_parent) for i in range(n_controllers)]
+        replicas = [
+            subprocess.Popen([*replica_cmd, "--index", str(i)], start_new_session=True, preexec_fn=die_with_parent)
+            for i in range(n_controllers)
+        ]
     alive = rd / RUNNER_ALIVE
     backend: Any = None
     # The live status line, as with one controller, from the leaders' event file (several
@@ -100,20 +120,30 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
         deadline = time.monotonic() + 120.0
         while not follow():
             if time.monotonic() > deadline or all(r.poll() is not None for r in replicas):
-                print(f"resil-run: the controller replicas elected no leader within 120s (logs: {rd}/replica-*.log)",
-                      file=sys.stderr)
+                print(
+                    f"resil-run: the controller replicas elected no leader within 120s (logs: {rd}/replica-*.log)",
+                    file=sys.stderr,
+                )
                 return 1
             time.sleep(0.05)
         if slurm_job is not None:
             from launcher.run.slurm_backend import SlurmBackend
+
             assert node_cmd is not None
-            backend = SlurmBackend(slurm_job, nodes_all, node_cmd(",".join(endpoints), keys.path, spec.heartbeat_s),
-                                   drain_nodes=False)  # the leader drains
+            backend = SlurmBackend(
+                slurm_job, nodes_all, node_cmd(",".join(endpoints), keys.path, spec.heartbeat_s), drain_nodes=False
+            )  # the leader drains
             backend.start()
             running = lambda: backend.proc.poll() is None  # noqa: E731
         else:
-            backend = LocalCluster(nodes_all, spec.nproc_per_node, spec.cmd, rd, _fake_nvml(spec),
-                                   controller_timeout_s=spec.controller_timeout_s)
+            backend = LocalCluster(
+                nodes_all,
+                spec.nproc_per_node,
+                spec.cmd,
+                rd,
+                _fake_nvml(spec),
+                controller_timeout_s=spec.controller_timeout_s,
+            )
             backend.start(",".join(endpoints), keys.path, spec.heartbeat_s)
             running = lambda: any(p.poll() is None for p in backend.procs.values())  # noqa: E731
         # The leader decides; we wait for every node process to end (SHUTDOWN, fencing,
@@ -130,7 +160,9 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
         return 1
     finally:
         deadline = time.monotonic() + 5.0
-        while not (rd / RESULT_FILE).exists() and any(r.poll() is None for r in replicas) and time.monotonic() < deadline:
+        while (
+            not (rd / RESULT_FILE).exists() and any(r.poll() is None for r in replicas) and time.monotonic() < deadline
+        ):
             alive.touch()
             time.sleep(0.05)  # the leader writes its verdict after the nodes it shut down are gone
         alive.touch()
@@ -151,14 +183,30 @@ def run_replicated(spec: JobSpec, n_controllers: int, as_json: bool = False, *,
         result = json.loads((rd / RESULT_FILE).read_text())
         code, reason = int(result["exit_code"]), str(result["reason"])
     except (OSError, ValueError, KeyError):
-        code, reason = 1, f"every controller replica was lost ({n_controllers}); the node processes ended on their lease"
+        code, reason = (
+            1,
+            f"every controller replica was lost ({n_controllers}); the node processes ended on their lease",
+        )
     records = seen + list(progress)
     failures, job = summarize(records)
     if as_json:
-        print(json.dumps({"exit_code": code, "reason": reason, "job": job, "controllers": n_controllers,
-                          "leaders": [{k: e.get(k) for k in ("pid", "host", "term", "index", "restored")}
-                                      for e in records if e["event"] == "controller_leader"],
-                          "failures": [f.__dict__ for f in failures]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "exit_code": code,
+                    "reason": reason,
+                    "job": job,
+                    "controllers": n_controllers,
+                    "leaders": [
+                        {k: e.get(k) for k in ("pid", "host", "term", "index", "restored")}
+                        for e in records
+                        if e["event"] == "controller_leader"
+                    ],
+                    "failures": [f.__dict__ for f in failures],
+                },
+                indent=2,
+            )
+        )
     else:
         print(format_table(failures, job), file=sys.stderr)
     if code != 0:

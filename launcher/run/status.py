@@ -1,9 +1,11 @@
 """The end-of-run summary, computed from the event stream alone."""
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from resild.report.goodput import step_time
 
@@ -31,7 +33,7 @@ def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[
             continue
         fault = last_fault.pop(e["node"], None)
         t0 = fault["t_mono"] if fault else e["t_mono"]
-        later = events[i + 1:]
+        later = events[i + 1 :]
         assigned = next((x for x in later if x["event"] == "spare_assigned" and x["failed"] == e["node"]), None)
         full = resumed = None
         replayed: list[dict] = []
@@ -40,16 +42,21 @@ def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[
             full = next((x for x in later if x["event"] == "full_strength_step" and x["epoch"] >= ep), None)
             resumed = next((x for x in later if x["event"] == "resumed" and x.get("epoch", 0) >= ep), None)
             replayed = [x for x in later if x["event"] == "state_replayed" and x.get("epoch") == ep]
-        out.append(FailureSummary(
-            node=e["node"], cause=e["cause"], detector=e.get("detector", ""),
-            fault=fault["spec"] if fault else None,
-            detect_s=(e["t_mono"] - fault["t_mono"]) if fault else None,
-            recovery_s=(full["t_mono"] - t0) if full else None,
-            # Negative would mean the survivors committed more steps before the notice (a GPU
-            # fault leaves processes running): nothing lost either way.
-            steps_lost=max(0, e["committed_step"] - resumed["step"]) if resumed else None,
-            bytes_replayed=sum(int(x["bytes"]) for x in replayed),
-            replay_s=max((float(x["seconds"]) for x in replayed), default=None)))
+        out.append(
+            FailureSummary(
+                node=e["node"],
+                cause=e["cause"],
+                detector=e.get("detector", ""),
+                fault=fault["spec"] if fault else None,
+                detect_s=(e["t_mono"] - fault["t_mono"]) if fault else None,
+                recovery_s=(full["t_mono"] - t0) if full else None,
+                # Negative would mean the survivors committed more steps before the notice (a GPU
+                # fault leaves processes running): nothing lost either way.
+                steps_lost=max(0, e["committed_step"] - resumed["step"]) if resumed else None,
+                bytes_replayed=sum(int(x["bytes"]) for x in replayed),
+                replay_s=max((float(x["seconds"]) for x in replayed), default=None),
+            )
+        )
     job: dict[str, Any] = {}
     fin = next((e for e in events if e["event"] == "job_finished"), None)
     # The controller's median sees only the slow steps when commits are reported per node every
@@ -57,8 +64,12 @@ def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[
     step_s = step_time(events, fin) if fin is not None else None
     if fin is not None and step_s:
         train_s = fin["train_s"]
-        job = {"steps": fin["step"], "step_s": step_s, "train_s": train_s,
-               "goodput": min(1.0, fin["step"] * step_s / train_s) if train_s > 0 else None}
+        job = {
+            "steps": fin["step"],
+            "step_s": step_s,
+            "train_s": train_s,
+            "goodput": min(1.0, fin["step"] * step_s / train_s) if train_s > 0 else None,
+        }
     return out, job
 
 
@@ -69,18 +80,24 @@ def _fmt(v: float | None, unit: str = "s") -> str:
 def format_table(failures: list[FailureSummary], job: dict[str, Any]) -> str:
     lines = []
     if failures:
-        lines.append(f"{'#':>2} {'node':<13} {'fault':<22} {'detector':<13} {'detect':>8} {'recovery':>9} "
-                     f"{'lost':>4} {'replayed':>10}  cause")
+        lines.append(
+            f"{'#':>2} {'node':<13} {'fault':<22} {'detector':<13} {'detect':>8} {'recovery':>9} "
+            f"{'lost':>4} {'replayed':>10}  cause"
+        )
         for i, f in enumerate(failures, 1):
             mb = f"{f.bytes_replayed / 1e6:.1f}MB" if f.bytes_replayed else "-"
-            lines.append(f"{i:>2} {f.node:<13} {(f.fault or '-'):<22} {f.detector:<13} {_fmt(f.detect_s):>8} "
-                         f"{_fmt(f.recovery_s):>9} {('-' if f.steps_lost is None else f.steps_lost):>4} {mb:>10}  {f.cause}")
+            lines.append(
+                f"{i:>2} {f.node:<13} {(f.fault or '-'):<22} {f.detector:<13} {_fmt(f.detect_s):>8} "
+                f"{_fmt(f.recovery_s):>9} {('-' if f.steps_lost is None else f.steps_lost):>4} {mb:>10}  {f.cause}"
+            )
     else:
         lines.append("no failures")
     if job:
         gp = job.get("goodput")
-        lines.append(f"steps {job['steps']}, median step {job['step_s'] * 1000:.1f}ms, training wall {job['train_s']:.2f}s, "
-                     f"goodput {'-' if gp is None else f'{gp * 100:.1f}%'}")
+        lines.append(
+            f"steps {job['steps']}, median step {job['step_s'] * 1000:.1f}ms, training wall {job['train_s']:.2f}s, "
+            f"goodput {'-' if gp is None else f'{gp * 100:.1f}%'}"
+        )
     return "\n".join(lines)
 
 
@@ -94,8 +111,9 @@ class StatusLine:
     line. It writes only to `out` (stderr): stdout stays clean for --json.
     """
 
-    def __init__(self, out: TextIO, every_s: float = 5.0, tty: bool | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, out: TextIO, every_s: float = 5.0, tty: bool | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.out = out
         self.every_s = every_s
         self.tty = out.isatty() if tty is None else tty
@@ -127,8 +145,9 @@ class StatusLine:
         elif name == "worker_registered" and self.epoch == 0:
             self.workers += 1  # start-up can take minutes at scale: show it moving
             if self.clock() - self._last_print >= self.every_s:
-                self._line(f"starting: {self.workers} workers ready on {len(self.nodes)} nodes", t,
-                           permanent=not self.tty)
+                self._line(
+                    f"starting: {self.workers} workers ready on {len(self.nodes)} nodes", t, permanent=not self.tty
+                )
         elif name == "membership":
             layout = e.get("layout") or {}
             self.layout = set(layout)
@@ -136,8 +155,12 @@ class StatusLine:
             self.epoch = int(e.get("epoch", self.epoch))
             if first:
                 self.spares = self.spares0 = max(0, len(self.nodes) - len(layout))
-                self._line(f"training started: {len(layout)} nodes, {sum(len(r) for r in layout.values())} ranks, "
-                           f"{self.spares} hot spares", t, permanent=True)
+                self._line(
+                    f"training started: {len(layout)} nodes, {sum(len(r) for r in layout.values())} ranks, "
+                    f"{self.spares} hot spares",
+                    t,
+                    permanent=True,
+                )
         elif name == "progress":
             step, epoch = int(e["step"]), int(e.get("epoch", self.epoch))
             if self._prev is not None and epoch == self._prev[2] and t > self._prev[0] and step > self._prev[1]:
@@ -162,26 +185,41 @@ class StatusLine:
         elif name == "spare_assigned":
             self.spares = int(e.get("spares_left", self.spares or 0))
             self.awaiting_epoch = int(e["epoch"])
-            self._line(f"{e.get('spare')} takes over {e.get('failed')}'s ranks (epoch {e['epoch']}), "
-                       f"{self.spares} spare(s) left", t, permanent=True)
+            self._line(
+                f"{e.get('spare')} takes over {e.get('failed')}'s ranks (epoch {e['epoch']}), "
+                f"{self.spares} spare(s) left",
+                t,
+                permanent=True,
+            )
         elif name == "reform":
             self.awaiting_epoch = int(e["epoch"])
-        elif name == "full_strength_step" and self.awaiting_epoch is not None \
-                and int(e.get("epoch", 0)) >= self.awaiting_epoch:
+        elif (
+            name == "full_strength_step"
+            and self.awaiting_epoch is not None
+            and int(e.get("epoch", 0)) >= self.awaiting_epoch
+        ):
             took = None if self.recovering_since is None else t - self.recovering_since
-            self.last_failure = f"{self.last_failure or 're-form'} recovered in {took:.2f}s" if took is not None \
-                else self.last_failure
+            self.last_failure = (
+                f"{self.last_failure or 're-form'} recovered in {took:.2f}s" if took is not None else self.last_failure
+            )
             self.awaiting_epoch = self.recovering_since = None
             self.step = int(e.get("step", self.step))
-            self._line(f"back at full strength at step {self.step}" + (f", {took:.2f}s after the fault" if took else ""),
-                       t, permanent=True)
+            self._line(
+                f"back at full strength at step {self.step}" + (f", {took:.2f}s after the fault" if took else ""),
+                t,
+                permanent=True,
+            )
         elif name == "controller_leader":
             where = f"pid {e.get('pid')} on {e.get('host')}, term {e.get('term')}"
             if self.leader is None:
                 self._line(f"controller replica {e.get('index')} leads ({where})", t, permanent=True)
             else:
-                self._line(f"controller replica {self.leader} lost; replica {e.get('index')} leads now ({where}, "
-                           f"{e.get('restored')} journal records restored)", t, permanent=True)
+                self._line(
+                    f"controller replica {self.leader} lost; replica {e.get('index')} leads now ({where}, "
+                    f"{e.get('restored')} journal records restored)",
+                    t,
+                    permanent=True,
+                )
             self.leader = e.get("index")
         elif name == "job_failed":
             self._line(f"job failed: {e.get('reason')}", t, permanent=True)

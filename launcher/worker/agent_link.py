@@ -4,12 +4,13 @@ step, so the daemon's process watch (exit, zombie, no progress) covers it.
 Best effort and off the hot path: a background thread with its own socket; a
 missing or slow daemon never slows or breaks training.
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
@@ -29,8 +30,9 @@ def agent_endpoint(env: dict[str, str] | os._Environ = os.environ) -> str | None
 
 
 class AgentLink:
-    def __init__(self, endpoint: str, name: str, step: Callable[[], int], interval_s: float = 1.0,
-                 timeout_s: float = 1.0) -> None:
+    def __init__(
+        self, endpoint: str, name: str, step: Callable[[], int], interval_s: float = 1.0, timeout_s: float = 1.0
+    ) -> None:
         self.endpoint, self.name, self.step = endpoint, name, step
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._stop = threading.Event()

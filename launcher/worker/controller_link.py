@@ -8,6 +8,7 @@ reducer waits on our futures). It also tells the controller when this rank has
 been blocked in a collective for a while, so the hang detector blames the rank
 that is *not* waiting.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,16 +16,16 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
+from launcher.worker.stable_group import Interrupts
 from resild.membership import Membership
 from resild.wire.protocol import MsgType
 from resild.wire.transport import ControllerSet, KeyDir
-
-from launcher.worker.stable_group import Interrupts
 
 log = logging.getLogger("resild.control")
 
@@ -32,8 +33,15 @@ FENCED_EXIT = 3
 
 
 class ControlLink:
-    def __init__(self, controller: str, keys: KeyDir | None, node: str, local_rank: int, intr: Interrupts,
-                 status: Callable[[], tuple[int, int, int]]) -> None:
+    def __init__(
+        self,
+        controller: str,
+        keys: KeyDir | None,
+        node: str,
+        local_rank: int,
+        intr: Interrupts,
+        status: Callable[[], tuple[int, int, int]],
+    ) -> None:
         self.controller, self.node, self.local_rank = controller, node, local_rank
         self.intr, self._status = intr, status
         self.ctx = zmq.Context()
@@ -45,8 +53,8 @@ class ControlLink:
         self._stopped = threading.Event()
         # Read by the training thread; written only here, under intr.cond.
         self.welcome: dict | None = None
-        self.pending: Membership | None = None   # newest membership not yet taken
-        self.epoch = 0                           # the epoch the training thread works in
+        self.pending: Membership | None = None  # newest membership not yet taken
+        self.epoch = 0  # the epoch the training thread works in
         self.inject_exception = False
         self.shutdown: dict | None = None
         self.wait_report_s = 1.0
@@ -103,11 +111,13 @@ class ControlLink:
 
     # ---- the thread ------------------------------------------------------------
     def _run(self) -> None:
-        ch = self._ch = ControllerSet(self.ctx, self.controller.split(","), self._keys,
-                                      sender=f"{self.node}/w{self.local_rank}/{os.getpid()}")
+        ch = self._ch = ControllerSet(
+            self.ctx, self.controller.split(","), self._keys, sender=f"{self.node}/w{self.local_rank}/{os.getpid()}"
+        )
         relay = None
         if os.environ.get("RESILD_RELAY"):
             from launcher.node.relay import RelayClient  # the node process relays membership and aggregates progress
+
             relay = RelayClient(os.environ["RESILD_RELAY"], f"{self.node}/w{self.local_rank}")
         poller = zmq.Poller()
         for sock in ch.socks:

@@ -2,12 +2,13 @@
 plus the epoch it is in. Pass it as `extra=` to `job.attach`; after a recovery
 the next batch is the one the committed step would have read next.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 

@@ -7,10 +7,12 @@ even with matching sizes a different summation order (not bitwise). After a
 recovery every rank gets a fresh reducer whose *initial* buckets are the
 survivors' rebuilt layout; the next re-bucketing then finds the same layout.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -9,6 +9,7 @@ notice yet asks the controller for one. Every rank computes the same plan from
 the same agreed vector, so a plan that cannot be carried out (every replica of
 a shard lost) fails on every rank alike.
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,11 +19,9 @@ from typing import Any
 
 import torch
 
-from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort
 from launcher.worker.replica_map import ReplicaMap, plan_replay
+from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort
 from launcher.worker.state_transport import P2PTransport, Received
-
-
 from resild.wire.store import COMMITTED_KEY  # noqa: F401 (the runtime reads it from here)
 
 
@@ -33,9 +32,9 @@ class Reformed(Exception):
 @dataclass
 class Agreement:
     target: int
-    rollers: list[int]        # ranks one step behind that hold this step's synced gradients
-    found_inf: int            # the committed step's GradScaler verdict, for the rollers
-    steps: list[int]          # every rank's step once the rollers have rolled forward
+    rollers: list[int]  # ranks one step behind that hold this step's synced gradients
+    found_inf: int  # the committed step's GradScaler verdict, for the rollers
+    steps: list[int]  # every rank's step once the rollers have rolled forward
 
 
 def agree(rows: list[list[int]], floor: int = 0) -> Agreement:
@@ -102,13 +101,15 @@ class Recovery:
         out: dict[str, Any] = {}
         threads = []
         for g in groups:
+
             def build(g: StableGroup = g) -> None:
                 try:
                     out[g.name] = self.factory.build(epoch, g)
-                except Exception as e:  # noqa: BLE001 - reported below as a failed epoch
+                except Exception as e:
                     out[g.name] = e
                 with self.intr.cond:
                     self.intr.cond.notify_all()
+
             th = threading.Thread(target=build, name=f"resild-form-e{epoch}-{g.name}", daemon=True)
             th.start()
             threads.append(th)
@@ -134,8 +135,9 @@ class Recovery:
         self.wait(self.groups["world"]._inner.allreduce([rows]))
         return agree(rows.cpu().tolist(), floor)
 
-    def replay(self, steps: list[int], replicas: ReplicaMap, rank: int, max_sources: int,
-               snapshot: Any) -> tuple[int, Received | None]:
+    def replay(
+        self, steps: list[int], replicas: ReplicaMap, rank: int, max_sources: int, snapshot: Any
+    ) -> tuple[int, Received | None]:
         target, plan = plan_replay(steps, replicas, max_sources)
         transport = P2PTransport(self.groups["world"]._inner, self.device, lambda w: self.wait(w, p2p=True))
         return target, transport.exchange(plan, rank, snapshot)

@@ -3,6 +3,7 @@
 Plain data parallelism: one replica group of all ranks. HSDP with shard size S:
 rank r holds shard r % S; its replicas are the ranks with the same r % S.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ class ReplicaMap:
         silently resume from nothing, a rank in two would get two states."""
         seen = sorted(r for g in self.groups for r in g)
         if seen != list(range(world_size)):
-            raise ValueError(f"replica map {[list(g) for g in self.groups]} does not partition ranks "
-                             f"0..{world_size - 1}: every rank must be in exactly one replica group")
+            raise ValueError(
+                f"replica map {[list(g) for g in self.groups]} does not partition ranks "
+                f"0..{world_size - 1}: every rank must be in exactly one replica group"
+            )
 
     @staticmethod
     def data_parallel(world_size: int) -> ReplicaMap:
@@ -39,6 +42,7 @@ class ReplicaMap:
 class Transfer:
     """`src` sends `dst` slice `part` of `parts` of the replicated state; the
     source of part 0 also sends the skeleton and the aux state (RNG, extra)."""
+
     src: int
     dst: int
     part: int = 0
@@ -60,8 +64,10 @@ def plan_replay(steps: list[int], replicas: ReplicaMap, max_sources: int = 1) ->
         holders = [r for r in group if steps[r] == target]
         behind = [r for r in group if steps[r] != target]
         if behind and not holders:
-            raise NoReplica(f"no rank of replica group {list(group)} holds step {target}: "
-                            "checkpointless recovery is impossible; restart from a disk checkpoint")
+            raise NoReplica(
+                f"no rank of replica group {list(group)} holds step {target}: "
+                "checkpointless recovery is impossible; restart from a disk checkpoint"
+            )
         k = max(1, min(max_sources, len(holders)))
         for i, dst in enumerate(behind):
             plan += [Transfer(holders[(i * k + j) % len(holders)], dst, j, k) for j in range(k)]

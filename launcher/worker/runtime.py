@@ -25,27 +25,28 @@ gradient sync (the commit vote). The parts: `control` (the controller link),
 `group` (the stable process group and backend factory), `recovery` (the
 sequence), `replay` (the state transport), `trainstate` (what is replayed).
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from resild.wire.protocol import MsgType
-
 from launcher.worker.agent_link import AgentLink, agent_endpoint
 from launcher.worker.controller_link import FENCED_EXIT, ControlLink, keys_from_env
-from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
 from launcher.worker.recovery import COMMITTED_KEY, Recovery, Reformed
-from launcher.worker.state_transport import describe
 from launcher.worker.replica_map import NoReplica, ReplicaMap
+from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
+from launcher.worker.state_transport import describe
 from launcher.worker.train_state import TrainState
+from resild.wire.protocol import MsgType
 
 log = logging.getLogger("resild.runtime")
 
@@ -59,16 +60,23 @@ class ResilienceError(RuntimeError):
 class Job:
     """Handle returned by `launcher.init`. `rank`, `world_size`, `step`, `epoch` are current values."""
 
-    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler: Any = None, extra: Any = None, replicas: Replicas | None = None, *,
-                 scaler: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        extra: Any = None,
+        replicas: Replicas | None = None,
+        *,
+        scaler: Any = None,
+    ) -> None:
         self.step, self.rank, self.world_size, self.epoch = 0, 0, 1, 0
         self.state: TrainState | None = None
         self._replicas: Replicas | None = replicas
         self._mesh_replicas: Replicas | None = None
         self._aux: dict[str, Any] = {}
         self._prepared_aux: dict[str, Any] | None = None
-        self._prepared = False          # this step's gradients are synced; waiting on the vote
+        self._prepared = False  # this step's gradients are synced; waiting on the vote
         self._last_found_inf = -1
         self._prepared_found = 0
         self._commits = 0
@@ -105,8 +113,14 @@ class Job:
         self.rec.form(1, [self.group])
 
     def _init_controlled(self, controller: str) -> None:
-        self.link = ControlLink(controller, keys_from_env(), self.node, self.local_rank, self.intr,
-                                lambda: (self.rank, self.epoch, self.step)).start()
+        self.link = ControlLink(
+            controller,
+            keys_from_env(),
+            self.node,
+            self.local_rank,
+            self.intr,
+            lambda: (self.rank, self.epoch, self.step),
+        ).start()
         self.link.send(MsgType.REGISTER_WORKER, local_rank=self.local_rank, pid=os.getpid())
         if not self.link.wait(lambda: self.link.welcome is not None, 120.0):
             raise ResilienceError(f"no welcome from the controller within 120s ({controller})")
@@ -150,14 +164,20 @@ class Job:
         # The newest welcome's store: a standby controller that takes over brings its own.
         addr = str((self.link.welcome or {}).get("store") or self.cfg["store"]) if self.link else self.cfg["store"]
         host, port = addr.rsplit(":", 1)
-        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
+        return dist.TCPStore(
+            host,
+            int(port),
+            is_master=False,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))),
+        )
 
     def hsdp_mesh(self, shard_size: int, device_type: str | None = None) -> Any:
         """A 2-D DeviceMesh ("replicate", "shard") over resild's stable groups: shard
         inside groups of `shard_size` consecutive ranks, replicate across them.
         Pass it to `fully_shard(..., mesh=...)`; the replica map follows from it."""
         from torch.distributed.device_mesh import DeviceMesh
+
         S, W = int(shard_size), self.world_size
         if S <= 0 or W % S:
             raise ResilienceError(f"hsdp_mesh: world size {W} is not a multiple of shard_size {shard_size}")
@@ -171,12 +191,24 @@ class Job:
             self.rec.groups[g.name] = g
         self._form_until_stable(only=[rep, shard])
         self._mesh_replicas = lambda w: ReplicaMap.hsdp(w, S)
-        self._mesh = DeviceMesh.from_group([rep, shard], device_type or self.device.type,
-                                           mesh=torch.arange(W).view(R, S), mesh_dim_names=("replicate", "shard"))
+        self._mesh = DeviceMesh.from_group(
+            [rep, shard],
+            device_type or self.device.type,
+            mesh=torch.arange(W).view(R, S),
+            mesh_dim_names=("replicate", "shard"),
+        )
         return self._mesh
 
-    def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None, *,
-               scaler: Any = None, extra: Any = None, replicas: Replicas | None = None) -> Job:
+    def attach(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        *,
+        scaler: Any = None,
+        extra: Any = None,
+        replicas: Replicas | None = None,
+    ) -> Job:
         """Hand resild the training state. On a spare this is where the failed rank's
         state arrives from a replica; at the job's start the ranks agree on step 0."""
         if self.state is not None:
@@ -202,8 +234,12 @@ class Job:
         def hook(tp: type, value: BaseException, tb: Any) -> None:
             try:
                 if self.link is not None:
-                    self.link.send(MsgType.FAILED, local_rank=self.local_rank, pid=os.getpid(),
-                                   error=f"{tp.__name__}: {value}"[:1000])
+                    self.link.send(
+                        MsgType.FAILED,
+                        local_rank=self.local_rank,
+                        pid=os.getpid(),
+                        error=f"{tp.__name__}: {value}"[:1000],
+                    )
                     self.link.close(flush_s=1.0)
             except Exception:
                 pass  # best effort; the exit is seen by the node process anyway
@@ -223,8 +259,11 @@ class Job:
 
     def _event(self, name: str, **fields: Any) -> None:
         if self.link is not None:
-            self.link.send(MsgType.EVENT, name=name, fields={"rank": self.rank, "epoch": self.epoch,
-                                                             "t_mono": time.monotonic(), **fields})
+            self.link.send(
+                MsgType.EVENT,
+                name=name,
+                fields={"rank": self.rank, "epoch": self.epoch, "t_mono": time.monotonic(), **fields},
+            )
 
     def _progress(self, state: str, **extra: Any) -> None:
         if self.link is not None:
@@ -236,8 +275,9 @@ class Job:
         self._progress("collective_failed", error=why[:300])
         link = self.link
         assert link is not None
-        ok = link.wait(lambda: link.newer_epoch() or link.shutdown is not None,
-                       float(self.cfg.get("notice_timeout_s", 120)))
+        ok = link.wait(
+            lambda: link.newer_epoch() or link.shutdown is not None, float(self.cfg.get("notice_timeout_s", 120))
+        )
         self._check_shutdown()
         if not ok:
             raise ResilienceError(f"collective failed ({why}) and no new membership came within the notice timeout")
@@ -263,8 +303,10 @@ class Job:
             if rank is None:
                 os._exit(FENCED_EXIT)  # not in the new membership: we were fenced
             if rank != self.rank or m.world_size != self.world_size:
-                raise ResilienceError(f"membership epoch {m.epoch} moved rank {self.rank} to {rank}: "
-                                      "resild replaces failed nodes one for one, it never renumbers survivors")
+                raise ResilienceError(
+                    f"membership epoch {m.epoch} moved rank {self.rank} to {rank}: "
+                    "resild replaces failed nodes one for one, it never renumbers survivors"
+                )
             self.epoch = m.epoch
             self.rec.retire()
             self.intr.clear()
@@ -299,10 +341,17 @@ class Job:
         self._synced_at = -1  # the agreed step is computed afresh
         try:
             if ag.target < floor:
-                raise NoReplica(f"every rank holding committed step {floor} was lost (the newest state left is step "
-                                f"{ag.target}): checkpointless recovery is impossible; restart from a disk checkpoint")
-            target, got = self.rec.replay(ag.steps, self._replica_map(), self.rank, int(self.cfg.get("replay_sources", 2)),
-                                          lambda: (self.state.snapshot(self.step), self._aux))
+                raise NoReplica(
+                    f"every rank holding committed step {floor} was lost (the newest state left is step "
+                    f"{ag.target}): checkpointless recovery is impossible; restart from a disk checkpoint"
+                )
+            target, got = self.rec.replay(
+                ag.steps,
+                self._replica_map(),
+                self.rank,
+                int(self.cfg.get("replay_sources", 2)),
+                lambda: (self.state.snapshot(self.step), self._aux),
+            )
         except (NoReplica, ValueError) as e:
             # Every rank computes the same plan, so every rank lands here: stop the job.
             if self.link is not None:
@@ -315,8 +364,14 @@ class Job:
             self._last_found_inf = -1
             self.state.reset_hooks(got.aux.get("ddp_buckets"))
             print(f"resild: rank {self.rank} replayed {describe(got)}", file=sys.stderr, flush=True)
-            self._event("state_replayed", bytes=got.nbytes, seconds=round(got.seconds, 4), step=target,
-                        sources=got.sources, mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1))
+            self._event(
+                "state_replayed",
+                bytes=got.nbytes,
+                seconds=round(got.seconds, 4),
+                step=target,
+                sources=got.sources,
+                mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1),
+            )
         else:
             self.state.rewind_aux(self._aux)
             self.state.reset_hooks(self._aux.get("ddp_buckets"))
@@ -365,8 +420,9 @@ class Job:
         assert link is not None
         self._finishing = True
         link.send(MsgType.DONE, rank=self.rank, epoch=self.epoch, step=self.step, pid=os.getpid())
-        ok = link.wait(lambda: link.shutdown is not None or link.newer_epoch(),
-                       float(self.cfg.get("notice_timeout_s", 120)))
+        ok = link.wait(
+            lambda: link.shutdown is not None or link.newer_epoch(), float(self.cfg.get("notice_timeout_s", 120))
+        )
         if link.shutdown is not None:
             self._check_shutdown()
             return True
@@ -401,7 +457,7 @@ class Job:
             n = p.numel()
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
+            p.grad.copy_(flat[offset : offset + n].view_as(p))
             offset += n
 
     def commit(self) -> bool:
@@ -467,8 +523,15 @@ def _hooks_sync(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def init(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-         scheduler: Any = None, *, extra: Any = None, replicas: Replicas | None = None, scaler: Any = None) -> Job:
+def init(
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    *,
+    extra: Any = None,
+    replicas: Replicas | None = None,
+    scaler: Any = None,
+) -> Job:
     """Join the job (or, run without resil-run, train alone). A spare blocks here,
     warm, until the controller gives it a failed node's ranks. With a model and
     optimizer the job is attached at once (plain data parallelism)."""

@@ -10,12 +10,14 @@ failed or interrupted collective completes with whatever is in its buffers and
 *latches* an error (`Interrupts`); the commit then abandons the step and runs
 recovery. torchft's `ProcessGroupWrapper` and its errored-latch are the model.
 """
+
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -227,7 +229,7 @@ class StableGroup(dist.ProcessGroup):
         self.name, self.ranks, self.global_rank = name, list(ranks), rank
         self._intr = intr
         self._inner: Any = None  # the epoch's backend ProcessGroup
-        self.allow = False       # collectives allowed (joined and attached)
+        self.allow = False  # collectives allowed (joined and attached)
 
     # torch reads these
     @property
@@ -245,7 +247,8 @@ class StableGroup(dist.ProcessGroup):
             raise NotJoined(
                 f"resild: a collective on group {self.name!r} before job.attach(): under resild a spare joins a "
                 "running job, so nothing may communicate before attach (construct DDP with init_sync=False; "
-                "resild makes replicas equal at attach)")
+                "resild makes replicas equal at attach)"
+            )
         if self._intr.error is not None or self._inner is None:
             return _DoneWork(result)
         try:
@@ -285,8 +288,9 @@ class StableGroup(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
-        return self._run(outs, lambda g: g.reduce_scatter_single_coalesced(outs, ins,
-                                                                           opts or dist.ReduceScatterOptions()))
+        return self._run(
+            outs, lambda g: g.reduce_scatter_single_coalesced(outs, ins, opts or dist.ReduceScatterOptions())
+        )
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -297,8 +301,9 @@ class StableGroup(dist.ProcessGroup):
         return self._run(tensors, lambda g: g.reduce(tensors, opts or dist.ReduceOptions()))
 
     def all_to_all_single(self, out: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> dist._Work:
-        return self._run(out, lambda g: g.all_to_all_single(out, inp, out_splits, in_splits,
-                                                            opts or dist.AllToAllOptions()))
+        return self._run(
+            out, lambda g: g.all_to_all_single(out, inp, out_splits, in_splits, opts or dist.AllToAllOptions())
+        )
 
     alltoall_base = all_to_all_single
 
@@ -337,16 +342,18 @@ def install_default(pg: StableGroup, store: Any) -> None:
     if dist.is_initialized():
         raise RuntimeError("resild: torch.distributed is already initialised; let launcher.init() set it up")
     dist.Backend.register_backend("resild", lambda *a, **k: pg, devices=["cpu", "cuda"])
-    dist.init_process_group("resild", store=dist.PrefixStore("resild/user/", store), rank=pg.global_rank,
-                            world_size=pg.size())
+    dist.init_process_group(
+        "resild", store=dist.PrefixStore("resild/user/", store), rank=pg.global_rank, world_size=pg.size()
+    )
 
 
 class GroupFactory:
     """Builds one epoch's backend group for a StableGroup: gloo on CPU, NCCL on
     GPU, wrapped in a c10d ProcessGroup so every collective name resolves."""
 
-    def __init__(self, backend: str, store_client: Callable[[], Any], timeout_s: float,
-                 gloo_host: str | None = None) -> None:
+    def __init__(
+        self, backend: str, store_client: Callable[[], Any], timeout_s: float, gloo_host: str | None = None
+    ) -> None:
         self.backend, self._store_client, self.timeout_s, self.gloo_host = backend, store_client, timeout_s, gloo_host
 
     def build(self, epoch: int, group: StableGroup) -> Any:
@@ -365,8 +372,11 @@ class GroupFactory:
         else:
             gopts = dist.ProcessGroupGloo._Options()
             gopts._timeout = timeout
-            gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.gloo_host) if self.gloo_host
-                              else dist.ProcessGroupGloo.create_default_device()]
+            gopts._devices = [
+                dist.ProcessGroupGloo.create_device(hostname=self.gloo_host)
+                if self.gloo_host
+                else dist.ProcessGroupGloo.create_default_device()
+            ]
             be = dist.ProcessGroupGloo(store, rank, size, gopts)
             kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
         pg._set_default_backend(kind)

@@ -4,6 +4,7 @@ replica is three transfers (header, skeleton, buffer) whatever the model is.
 No pickle: the skeleton is JSON (dict keys keep their int/str type), tensors
 travel as raw bytes in the buffer.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,21 @@ from typing import Any
 
 import torch
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -70,7 +84,7 @@ def unflatten(skeleton: bytes, buf: torch.Tensor) -> Any:
         if isinstance(node, dict):
             if "__t" in node:
                 i = node["__t"]
-                raw = buf[starts[i]:starts[i + 1]].clone()
+                raw = buf[starts[i] : starts[i + 1]].clone()
                 return raw.view(_DTYPES[node["dtype"]]).reshape(node["shape"])
             if "__d" in node:
                 return {(k if kt == "s" else int(k)): build(v) for (kt, k), v in node["__d"]}

@@ -6,11 +6,13 @@ Per receiver: the source of part 0 sends a header, the JSON skeletons and the
 aux buffer (RNG, extra); every source sends its disjoint slice of the flat
 replicated buffer, straight into the receiver's buffer, all in flight at once.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -30,8 +32,9 @@ class Received:
 
 
 class StateTransport(Protocol):
-    def exchange(self, plan: list[Transfer], me: int,
-                 snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]]) -> Received | None:
+    def exchange(
+        self, plan: list[Transfer], me: int, snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]]
+    ) -> Received | None:
         """Send what `plan` asks of `me` and receive what it gives `me`."""
 
 
@@ -45,8 +48,9 @@ class P2PTransport:
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device)
 
-    def exchange(self, plan: list[Transfer], me: int,
-                 snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]]) -> Received | None:
+    def exchange(
+        self, plan: list[Transfer], me: int, snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]]
+    ) -> Received | None:
         sends = [t for t in plan if t.src == me]
         recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.part)
         works: list[Any] = []
@@ -62,8 +66,11 @@ class P2PTransport:
             keep += [buf, abuf, skel_t, askel_t, header]
             for t in sends:
                 if t.part == 0:
-                    works += [self.pg.send([header], t.dst, H_TAG), self.pg.send([skel_t], t.dst, SKEL_TAG),
-                              self.pg.send([askel_t], t.dst, ASKEL_TAG)]
+                    works += [
+                        self.pg.send([header], t.dst, H_TAG),
+                        self.pg.send([skel_t], t.dst, SKEL_TAG),
+                        self.pg.send([askel_t], t.dst, ASKEL_TAG),
+                    ]
                     if abuf.numel():
                         works.append(self.pg.send([abuf], t.dst, ABUF_TAG))
                 a, b = slice_bounds(buf.numel(), t.part, t.parts)
@@ -95,8 +102,7 @@ class P2PTransport:
             self.wait(w)
         state = unflatten(_bytes(skel_t), buf.cpu())
         aux = unflatten(_bytes(askel_t), abuf.cpu())
-        return Received(state, aux, n_buf + n_abuf + n_skel + n_askel, [t.src for t in recvs],
-                        time.monotonic() - t0)
+        return Received(state, aux, n_buf + n_abuf + n_skel + n_askel, [t.src for t in recvs], time.monotonic() - t0)
 
 
 def _bytes(t: torch.Tensor) -> bytes:

@@ -8,6 +8,7 @@ data-loader cursor) as of the last commit, sent whole by one source.
 Sharded (FSDP2/DTensor) tensors travel as their local shard: a spare receives
 the shard it owns from the rank holding the same shard in another replica.
 """
+
 from __future__ import annotations
 
 import copy
@@ -36,8 +37,15 @@ def to_local(obj: Any) -> Any:
 
 
 class TrainState:
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
-                 scaler: Any = None, extra: Any = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: Any = None,
+        extra: Any = None,
+        device: torch.device | None = None,
+    ) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler, self.extra = scaler, extra
         self.device = device or torch.device("cpu")
@@ -46,10 +54,13 @@ class TrainState:
     def capture_aux(self) -> dict[str, Any]:
         # deepcopy: a loader's state_dict may hand out live objects that keep moving.
         ddp = find_ddp(self.model)
-        return {"extra": copy.deepcopy(self.extra.state_dict()) if self.extra is not None else None,
-                "ddp_buckets": bucket_layout(ddp) if ddp is not None else None,
-                "rng": torch.get_rng_state(), "py_rng": random.getstate(),
-                "cuda_rng": torch.cuda.get_rng_state(self.device).cpu() if self.device.type == "cuda" else None}
+        return {
+            "extra": copy.deepcopy(self.extra.state_dict()) if self.extra is not None else None,
+            "ddp_buckets": bucket_layout(ddp) if ddp is not None else None,
+            "rng": torch.get_rng_state(),
+            "py_rng": random.getstate(),
+            "cuda_rng": torch.cuda.get_rng_state(self.device).cpu() if self.device.type == "cuda" else None,
+        }
 
     def rewind_aux(self, a: dict[str, Any]) -> None:
         """An abandoned step consumed random numbers (dropout) and advanced the data
@@ -69,6 +80,7 @@ class TrainState:
         # this same per-optimizer record, and the next step must start from it clean.
         if self.scaler is not None and hasattr(self.scaler, "_per_optimizer_states"):
             from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
             self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def reset_hooks(self, layout: Any) -> None:
@@ -80,10 +92,13 @@ class TrainState:
 
     # ---- replicated state ---------------------------------------------------------
     def snapshot(self, step: int) -> dict[str, Any]:
-        return {"step": step, "model": to_local(self.model.state_dict()),
-                "optim": to_local(self.optimizer.state_dict()),
-                "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
-                "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return {
+            "step": step,
+            "model": to_local(self.model.state_dict()),
+            "optim": to_local(self.optimizer.state_dict()),
+            "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
 
     def restore(self, s: dict[str, Any], aux: dict[str, Any]) -> int:
         live = self.model.state_dict()
@@ -113,8 +128,9 @@ class TrainState:
             local_shape = p.to_local().shape
             for k, v in st.items():
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == local_shape:
-                    st[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
-                                               shape=p.shape, stride=p.stride())
+                    st[k] = DTensor.from_local(
+                        v.to(p.device), p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    )
         return sd
 
     # ---- the optimizer step ---------------------------------------------------------

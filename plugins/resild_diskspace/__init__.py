@@ -8,6 +8,7 @@ Config (``[probe_options.diskspace]``): ``paths`` (list; default ["/", "/tmp",
 "/dev/shm"]), ``degraded_free_fraction`` (0.10), ``failed_free_fraction``
 (0.02), ``degraded_free_bytes`` / ``failed_free_bytes`` (0 = off).
 """
+
 from __future__ import annotations
 
 import os
@@ -33,7 +34,7 @@ class Thresholds:
 class Usage:
     path: str
     total_bytes: int
-    free_bytes: int      # available to unprivileged users (f_bavail)
+    free_bytes: int  # available to unprivileged users (f_bavail)
 
 
 def judge_usage(u: Usage, t: Thresholds) -> tuple[Verdict, str | None]:
@@ -79,8 +80,7 @@ class DiskspaceProbe:
 
 
 def make_probe(options: Mapping[str, Any]) -> DiskspaceProbe:
-    fields = {"degraded_free_fraction", "failed_free_fraction", "degraded_free_bytes",
-              "failed_free_bytes"}
+    fields = {"degraded_free_fraction", "failed_free_fraction", "degraded_free_bytes", "failed_free_bytes"}
     unknown = set(options) - fields - {"paths"}
     if unknown:
         raise ValueError(f"unknown diskspace option(s): {', '.join(sorted(unknown))}")

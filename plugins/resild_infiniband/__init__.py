@@ -6,6 +6,7 @@ when it is DOWN or its state cannot be read. Config (``[probe_options.infiniband
 ``root`` (sysfs dir, for tests), ``expected_ports`` (fewer ports found = FAILED:
 a vanished HCA leaves no state file to read), ``ignore`` (["mlx5_0/1", ...]).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -22,8 +23,8 @@ _COMING_UP = {"INIT", "ARMED"}
 
 @dataclass(frozen=True)
 class PortState:
-    port: str          # "mlx5_0/1"
-    state: str         # "ACTIVE", "DOWN", ... or "UNREADABLE"
+    port: str  # "mlx5_0/1"
+    state: str  # "ACTIVE", "DOWN", ... or "UNREADABLE"
 
 
 def port_verdict(state: str) -> Verdict:
@@ -34,8 +35,7 @@ def port_verdict(state: str) -> Verdict:
 
 def judge(ports: list[PortState], expected_ports: int | None) -> ProbeResult:
     """Pure: verdict and reasons from the port states read."""
-    reasons = [f"InfiniBand port {p.port} is {p.state}" for p in ports
-               if port_verdict(p.state) is not Verdict.HEALTHY]
+    reasons = [f"InfiniBand port {p.port} is {p.state}" for p in ports if port_verdict(p.state) is not Verdict.HEALTHY]
     verdict = worst(*(port_verdict(p.state) for p in ports))
     if expected_ports is not None and len(ports) < expected_ports:
         verdict = Verdict.FAILED
@@ -78,5 +78,4 @@ def make_probe(options: Mapping[str, Any]) -> InfinibandProbe:
     expected = options.get("expected_ports")
     if expected is not None and (not isinstance(expected, int) or isinstance(expected, bool) or expected < 0):
         raise ValueError("infiniband option expected_ports must be a non-negative integer")
-    return InfinibandProbe(Path(options.get("root", DEFAULT_ROOT)), expected,
-                           set(options.get("ignore", [])))
+    return InfinibandProbe(Path(options.get("root", DEFAULT_ROOT)), expected, set(options.get("ignore", [])))

@@ -1,5 +1,6 @@
 """What the controller can do to nodes besides talking to them. Local mode kills
 process groups it started; Slurm mode drains nodes. I/O only, no decisions."""
+
 from __future__ import annotations
 
 

@@ -6,15 +6,18 @@ worker), nodeloss (SIGKILL the node process and all its workers), xidN (the
 node's GPU probe reports Xid N through the fault-injecting NVML stand-in).
 A fault fires once the job's committed step reaches STEP (plus DELAY_S seconds).
 """
+
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
 KINDS = ("kill", "exception", "hang", "nodeloss")
-_SPEC = re.compile(r"(?P<kind>[a-z]{1,16}[0-9]{0,6}):(?P<node>[A-Za-z0-9_.-]{1,128})"
-                   r"@(?:(?P<step>[0-9]{1,15})|e(?P<epoch>[0-9]{1,15}))(?:\+(?P<delay>[0-9]{1,7}(?:\.[0-9]{1,6})?))?",
-                   re.ASCII)
+_SPEC = re.compile(
+    r"(?P<kind>[a-z]{1,16}[0-9]{0,6}):(?P<node>[A-Za-z0-9_.-]{1,128})"
+    r"@(?:(?P<step>[0-9]{1,15})|e(?P<epoch>[0-9]{1,15}))(?:\+(?P<delay>[0-9]{1,7}(?:\.[0-9]{1,6})?))?",
+    re.ASCII,
+)
 
 
 class FaultSpecError(ValueError):
@@ -36,17 +39,21 @@ class Fault:
 
     def __str__(self) -> str:
         at = f"e{self.epoch}" if self.epoch is not None else str(self.step)
-        delay = f"{self.delay_s:.6f}".rstrip("0").rstrip(".")   # parse_fault(str(f)) == f
+        delay = f"{self.delay_s:.6f}".rstrip("0").rstrip(".")  # parse_fault(str(f)) == f
         return f"{self.kind}:{self.node}@{at}" + (f"+{delay}" if self.delay_s else "")
 
 
 def parse_fault(spec: str) -> Fault:
     m = _SPEC.fullmatch(spec.strip()) if isinstance(spec, str) and len(spec) <= 256 else None
     if not m:
-        raise FaultSpecError(f"bad fault spec {str(spec)[:80]!r}: expected KIND:NODE@STEP[+DELAY_S], e.g. kill:node1@40")
+        raise FaultSpecError(
+            f"bad fault spec {str(spec)[:80]!r}: expected KIND:NODE@STEP[+DELAY_S], e.g. kill:node1@40"
+        )
     kind = m["kind"]
     if kind not in KINDS and not re.fullmatch(r"xid[0-9]{1,6}", kind):
-        raise FaultSpecError(f"unknown fault kind {kind!r} in {spec!r}: one of {', '.join(KINDS)}, or xidN (e.g. xid79)")
+        raise FaultSpecError(
+            f"unknown fault kind {kind!r} in {spec!r}: one of {', '.join(KINDS)}, or xidN (e.g. xid79)"
+        )
     epoch = int(m["epoch"]) if m["epoch"] is not None else None
     return Fault(kind, m["node"], int(m["step"] or 0), float(m["delay"] or 0.0), epoch=epoch)
 

@@ -7,13 +7,15 @@ turn a recoverable fault into a failed job: `append` logs loudly, emits a
 keeps `healthy`/`last_error`/`errors` for the controller's status, and returns
 False; the job goes on without durability until a write succeeds again.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("resild.journal")
 
@@ -26,9 +28,9 @@ class Journal:
     def __init__(self, path: Path | None, events: _Events | None = None) -> None:
         self.path = path
         self.events = events
-        self.errors = 0                 # failed appends so far
+        self.errors = 0  # failed appends so far
         self.last_error: str | None = None
-        self.healthy = True             # False while writes fail (the status flag)
+        self.healthy = True  # False while writes fail (the status flag)
         self._f = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -39,8 +41,12 @@ class Journal:
         self.events = events
 
     def status(self) -> dict[str, Any]:
-        return {"path": str(self.path) if self.path else None, "healthy": self.healthy,
-                "errors": self.errors, "last_error": self.last_error}
+        return {
+            "path": str(self.path) if self.path else None,
+            "healthy": self.healthy,
+            "errors": self.errors,
+            "last_error": self.last_error,
+        }
 
     def append(self, record: dict[str, Any]) -> bool:
         """True once the record is durable; False (never an exception) when it is not."""
@@ -64,8 +70,12 @@ class Journal:
         self.last_error = f"{type(e).__name__}: {e}"
         first = self.healthy
         self.healthy = False
-        log.error("JOURNAL WRITE FAILED (%s) for %s: %s; the job goes on, but this decision is not "
-                  "durable", self.path, record.get("action", "a record"), self.last_error)
+        log.error(
+            "JOURNAL WRITE FAILED (%s) for %s: %s; the job goes on, but this decision is not durable",
+            self.path,
+            record.get("action", "a record"),
+            self.last_error,
+        )
         # A failed write may leave a partial line: start the next record on a fresh line so
         # that replay() stops at most at this torn record.
         try:
@@ -76,16 +86,15 @@ class Journal:
             pass
         if first and self.events is not None:
             try:
-                self.events.emit("journal_error", path=str(self.path), error=self.last_error,
-                                 errors=self.errors)
-            except Exception:  # noqa: BLE001 - the event log may fail for the same reason (same disk)
+                self.events.emit("journal_error", path=str(self.path), error=self.last_error, errors=self.errors)
+            except Exception:
                 log.exception("could not record the journal error as an event")
 
     def close(self) -> None:
         if self._f is not None:
             try:
                 self._f.close()
-            except OSError as e:   # close flushes: a full disk can fail here too
+            except OSError as e:  # close flushes: a full disk can fail here too
                 log.error("journal %s: close failed: %s", self.path, e)
             self._f = None
 

@@ -11,6 +11,7 @@ the others their node's view (its ranks, the world size), and each node process
 relays it to its own workers (launcher/node/relay.py). Only workers not behind a relay
 (no RESILD_RELAY) get the full layout directly from here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,19 +20,28 @@ import logging
 import os
 import socket
 import time
-from statistics import median
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from statistics import median
+from typing import Any
 
 import zmq
 
 from resild.controller.backend import Backend
-from resild.events.log import EventLog
 from resild.controller.faults import Fault, Injector
 from resild.controller.journal import Journal
+from resild.controller.policy import (
+    Action,
+    Decision,
+    PolicyConfig,
+    check_done,
+    check_heartbeats,
+    check_timeouts,
+    on_node_failure,
+    on_worker_exception,
+)
+from resild.events.log import EventLog
 from resild.membership import ClusterView, Membership, NodeRole, NodeView, RankProgress
-from resild.controller.policy import (Action, Decision, PolicyConfig, check_done, check_heartbeats, check_timeouts,
-                     on_node_failure, on_worker_exception)
 from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, encode
 from resild.wire.transport import KeyDir, Server
 
@@ -42,8 +52,7 @@ def median_step_s(commit_times: list[tuple[int, float, str | None]]) -> float | 
     """The median step time from (step, t, node) points, one per advance of the job's step.
     Only one node's consecutive steps count: step s from one node's report and s+1 from
     another's a few ms later is reporting skew, not a step (seen: 4.5 ms for 16 ms steps)."""
-    times = [t2 - t1 for (s1, t1, n1), (s2, t2, n2) in zip(commit_times, commit_times[1:])
-             if s2 == s1 + 1 and n1 == n2]
+    times = [t2 - t1 for (s1, t1, n1), (s2, t2, n2) in zip(commit_times, commit_times[1:]) if s2 == s1 + 1 and n1 == n2]
     return median(times) if times else None
 
 
@@ -79,17 +88,28 @@ class JobResult:
 
 
 class Controller:
-    def __init__(self, cfg: ControllerConfig, active: list[str], spares: list[str], nproc_per_node: int,
-                 keys: KeyDir | None, events: EventLog, journal: Journal | None = None,
-                 backend: Backend | None = None, faults: list[Fault] | None = None,
-                 ctx: zmq.Context | None = None, server: Server | None = None,
-                 leadership: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ControllerConfig,
+        active: list[str],
+        spares: list[str],
+        nproc_per_node: int,
+        keys: KeyDir | None,
+        events: EventLog,
+        journal: Journal | None = None,
+        backend: Backend | None = None,
+        faults: list[Fault] | None = None,
+        ctx: zmq.Context | None = None,
+        server: Server | None = None,
+        leadership: Callable[[], bool] | None = None,
+    ) -> None:
         self.nproc = nproc_per_node
         n_nodes = len(active) + len(spares)
         self.heartbeat_floor_s = n_nodes / cfg.heartbeat_budget_per_s if cfg.heartbeat_budget_per_s > 0 else 0.0
         if 4 * self.heartbeat_floor_s > cfg.policy.heartbeat_timeout_s:
-            cfg = dataclasses.replace(cfg, policy=dataclasses.replace(
-                cfg.policy, heartbeat_timeout_s=4 * self.heartbeat_floor_s))
+            cfg = dataclasses.replace(
+                cfg, policy=dataclasses.replace(cfg.policy, heartbeat_timeout_s=4 * self.heartbeat_floor_s)
+            )
         self.cfg = cfg
         self.events = events
         self.journal = journal or Journal(None)
@@ -114,10 +134,15 @@ class Controller:
         self._full_json = b""  # the current membership's full layout, encoded once per epoch
         self._welcome_json = b""
         self._handlers = {
-            MsgType.REGISTER_NODE: self._on_register_node, MsgType.HEARTBEAT: self._on_heartbeat,
-            MsgType.WORKER_EXIT: self._on_worker_exit, MsgType.HEALTH: self._on_health,
-            MsgType.REGISTER_WORKER: self._on_register_worker, MsgType.PROGRESS: self._on_progress,
-            MsgType.EVENT: self._on_event, MsgType.DONE: self._on_done, MsgType.FAILED: self._on_failed,
+            MsgType.REGISTER_NODE: self._on_register_node,
+            MsgType.HEARTBEAT: self._on_heartbeat,
+            MsgType.WORKER_EXIT: self._on_worker_exit,
+            MsgType.HEALTH: self._on_health,
+            MsgType.REGISTER_WORKER: self._on_register_worker,
+            MsgType.PROGRESS: self._on_progress,
+            MsgType.EVENT: self._on_event,
+            MsgType.DONE: self._on_done,
+            MsgType.FAILED: self._on_failed,
             MsgType.FATAL: self._on_fatal,
         }
         self.max_step = 0
@@ -135,8 +160,9 @@ class Controller:
     # ---- main loop -------------------------------------------------------
     def run(self) -> JobResult:
         if not self.restored:  # a standby taking over continues the job, it does not start it
-            self.events.emit("job_started", endpoint=self.endpoint, nodes=list(self.view.nodes),
-                             controller_host=socket.gethostname())
+            self.events.emit(
+                "job_started", endpoint=self.endpoint, nodes=list(self.view.nodes), controller_host=socket.gethostname()
+            )
         next_tick = 0.0
         try:
             while self.result is None:
@@ -175,8 +201,12 @@ class Controller:
             # Start-up: a node lost now is replaced by a spare in the first epoch.
             self._decide(check_heartbeats(now, self.view, self.cfg.policy), now)
             if self.result is None and now - self._started > self.cfg.start_timeout_s:
-                missing = [n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and v.workers_ready < v.nproc]
-                self.result = JobResult(1, f"start timed out after {self.cfg.start_timeout_s:.0f}s waiting for {', '.join(missing)}")
+                missing = [
+                    n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and v.workers_ready < v.nproc
+                ]
+                self.result = JobResult(
+                    1, f"start timed out after {self.cfg.start_timeout_s:.0f}s waiting for {', '.join(missing)}"
+                )
             return
         d = check_timeouts(now, self.view, self.cfg.policy)
         if self.view.probe_sent_s is not None and now - self.view.probe_sent_s >= self.cfg.policy.probe_timeout_s:
@@ -189,11 +219,10 @@ class Controller:
         """The loop outlives any one message: a handler's exception is logged and answered."""
         try:
             self._handle(ident, msg, now)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.exception("handling %s from %s failed", msg.type.value, msg.sender)
             if ident is not None:
-                self.ch.send(MsgType.ERROR, {"code": "internal", "detail": f"{msg.type.value}: {e!r}"[:1024]},
-                             to=ident)
+                self.ch.send(MsgType.ERROR, {"code": "internal", "detail": f"{msg.type.value}: {e!r}"[:1024]}, to=ident)
 
     def _handle(self, ident: bytes | None, msg: Message, now: float) -> None:
         assert ident is not None
@@ -204,7 +233,9 @@ class Controller:
             self.ch.send(MsgType.STATUS_REPLY, self.status(), to=ident)
             return
         if node is None:
-            self.ch.send(MsgType.ERROR, {"code": "unknown_node", "detail": f"{node_id!r} is not part of this job"}, to=ident)
+            self.ch.send(
+                MsgType.ERROR, {"code": "unknown_node", "detail": f"{node_id!r} is not part of this job"}, to=ident
+            )
             return
         if node.role == NodeRole.FENCED:
             # A fenced node never rejoins: whatever it says, it is told to die.
@@ -212,7 +243,9 @@ class Controller:
             return
         handler = self._handlers.get(msg.type)
         if handler is None:
-            self.ch.send(MsgType.ERROR, {"code": "unexpected", "detail": f"{msg.type.value} not accepted here"}, to=ident)
+            self.ch.send(
+                MsgType.ERROR, {"code": "unexpected", "detail": f"{msg.type.value} not accepted here"}, to=ident
+            )
             return
         try:
             handler(ident, node, b, now)
@@ -249,8 +282,13 @@ class Controller:
             node.health = str(b["health"])
         self._node_state(node, b)
         m = self.view.membership
-        if (m is not None and node.epoch_have < m.epoch and "epoch" in b and node.node_id in m.node_ranks
-                and (b.get("resync") or now - node.membership_sent_s > self.cfg.resync_s)):
+        if (
+            m is not None
+            and node.epoch_have < m.epoch
+            and "epoch" in b
+            and node.node_id in m.node_ranks
+            and (b.get("resync") or now - node.membership_sent_s > self.cfg.resync_s)
+        ):
             # It missed an epoch (a lost send, a delta it could not apply): its view again.
             self._send_view(node, ident, now)
 
@@ -275,7 +313,9 @@ class Controller:
         node.health = str(b.get("verdict", "unknown"))
         if node.health == "failed":
             reasons = b.get("reasons") or ["GPU failed"]
-            self._decide(on_node_failure(self.view, node.node_id, "; ".join(reasons), str(b.get("detector", "gpu-probe"))), now)
+            self._decide(
+                on_node_failure(self.view, node.node_id, "; ".join(reasons), str(b.get("detector", "gpu-probe"))), now
+            )
 
     def _on_register_worker(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         lr = int(b.get("local_rank", -1))
@@ -289,8 +329,9 @@ class Controller:
         self.events.emit("worker_registered", node=node.node_id, local_rank=lr, pid=b.get("pid"))
         self.worker_ident[(node.node_id, lr)] = ident
         if not self._welcome_json:  # the same for every worker: encoded once per job
-            self._welcome_json = json.dumps({"store": self.cfg.store_addr, **self.cfg.worker},
-                                            separators=(",", ":")).encode()
+            self._welcome_json = json.dumps(
+                {"store": self.cfg.store_addr, **self.cfg.worker}, separators=(",", ":")
+            ).encode()
         self._send_raw(ident, self._frame(MsgType.WELCOME, self._welcome_json, ttl_s=10.0))
         m = self.view.membership
         if m is not None and node.node_id in m.node_ranks:
@@ -359,8 +400,9 @@ class Controller:
         self.view.exceptions_seen.append(error)
 
     def _on_fatal(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        self._decide(Decision(Action.FAIL_JOB, f"unrecoverable: {b.get('error', 'no reason given')}",
-                              detector="runtime"), now)
+        self._decide(
+            Decision(Action.FAIL_JOB, f"unrecoverable: {b.get('error', 'no reason given')}", detector="runtime"), now
+        )
 
     def _on_done(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         m = self.view.membership
@@ -380,30 +422,52 @@ class Controller:
     def _decide(self, d: Decision, now: float) -> None:
         if d.action == Action.NONE:
             return
-        self.journal.append({"t_wall": time.time(), "action": d.action.value, "reason": d.reason, "node": d.node,
-                             "spare": d.spare, "membership": d.membership.to_dict() if d.membership else None,
-                             "committed_step": self.max_step})
+        self.journal.append(
+            {
+                "t_wall": time.time(),
+                "action": d.action.value,
+                "reason": d.reason,
+                "node": d.node,
+                "spare": d.spare,
+                "membership": d.membership.to_dict() if d.membership else None,
+                "committed_step": self.max_step,
+            }
+        )
         if d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node:
-            self.events.emit("failure_detected", node=d.node, cause=d.reason, detector=d.detector,
-                             committed_step=self.max_step)
+            self.events.emit(
+                "failure_detected", node=d.node, cause=d.reason, detector=d.detector, committed_step=self.max_step
+            )
             self._fence(d.node, d.reason)
         if d.action == Action.REPLACE_NODE and d.membership is None:
             # Before the first epoch: the spare takes the failed node's place in it.
             assert d.spare
             self.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
             self._initial = self._initial.replace(d.node, d.spare, next_epoch=False)
-            self._unregistered = sum(max(0, self.view.nodes[n].nproc - self.view.nodes[n].workers_ready)
-                                     for n in self._initial.node_ranks)
-            self.events.emit("spare_assigned", spare=d.spare, failed=d.node, epoch=self._initial.epoch,
-                             ranks=list(self._initial.node_ranks[d.spare]), spares_left=len(self.view.spares()),
-                             before_start=True)
+            self._unregistered = sum(
+                max(0, self.view.nodes[n].nproc - self.view.nodes[n].workers_ready) for n in self._initial.node_ranks
+            )
+            self.events.emit(
+                "spare_assigned",
+                spare=d.spare,
+                failed=d.node,
+                epoch=self._initial.epoch,
+                ranks=list(self._initial.node_ranks[d.spare]),
+                spares_left=len(self.view.spares()),
+                before_start=True,
+            )
             if self._unregistered <= 0:
                 self._start(now)
         elif d.action == Action.REPLACE_NODE:
             assert d.spare and d.membership
             self.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
-            self.events.emit("spare_assigned", spare=d.spare, failed=d.node, epoch=d.membership.epoch,
-                             ranks=list(d.membership.node_ranks[d.spare]), spares_left=len(self.view.spares()))
+            self.events.emit(
+                "spare_assigned",
+                spare=d.spare,
+                failed=d.node,
+                epoch=d.membership.epoch,
+                ranks=list(d.membership.node_ranks[d.spare]),
+                spares_left=len(self.view.spares()),
+            )
             self._apply_membership(d.membership, now)
         elif d.action == Action.REFORM:
             assert d.membership is not None
@@ -415,8 +479,14 @@ class Controller:
         elif d.action == Action.FINISH:
             ct = self._commit_times
             train_s = ct[-1][1] - ct[0][1] if len(ct) > 1 else 0.0
-            self.events.emit("job_finished", reason=d.reason, step=ct[-1][0] - ct[0][0] if ct else 0,
-                             final_step=self.max_step, train_s=train_s, step_s=median_step_s(ct))
+            self.events.emit(
+                "job_finished",
+                reason=d.reason,
+                step=ct[-1][0] - ct[0][0] if ct else 0,
+                final_step=self.max_step,
+                train_s=train_s,
+                step_s=median_step_s(ct),
+            )
             self.result = JobResult(0, d.reason)
 
     def _fence(self, node_id: str, reason: str) -> None:
@@ -430,8 +500,14 @@ class Controller:
 
     def _start(self, now: float) -> None:
         """Every active worker registered: the first epoch, journaled like any decision."""
-        self.journal.append({"t_wall": time.time(), "action": "start", "reason": "every active worker registered",
-                             "membership": self._initial.to_dict()})
+        self.journal.append(
+            {
+                "t_wall": time.time(),
+                "action": "start",
+                "reason": "every active worker registered",
+                "membership": self._initial.to_dict(),
+            }
+        )
         self._apply_membership(self._initial, now)
 
     def restore(self, records: list[dict[str, Any]], now: float) -> None:
@@ -475,9 +551,14 @@ class Controller:
             # The hang clock starts at the takeover: ranks blocked then report again.
             self.view.epoch_started_s = self.view.last_commit_s = now
             self._awaiting_full_strength = m.epoch
-        self.events.emit("controller_restored", records=len(records), epoch=m.epoch if m else 0,
-                         fenced=sorted(n.node_id for n in self.view.nodes.values() if n.role == NodeRole.FENCED),
-                         spares=[n.node_id for n in self.view.spares()], committed_step=self.max_step)
+        self.events.emit(
+            "controller_restored",
+            records=len(records),
+            epoch=m.epoch if m else 0,
+            fenced=sorted(n.node_id for n in self.view.nodes.values() if n.role == NodeRole.FENCED),
+            spares=[n.node_id for n in self.view.spares()],
+            committed_step=self.max_step,
+        )
 
     def _apply_membership(self, m: Membership, now: float) -> None:
         t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -494,8 +575,11 @@ class Controller:
         self._full_json = json.dumps(layout, separators=(",", ":")).encode()
         full = b""
         delta = m.delta_from(prev) if prev is not None else None
-        delta_frame = (self._frame(MsgType.MEMBERSHIP_DELTA, json.dumps(delta, separators=(",", ":")).encode())
-                       if delta is not None else b"")
+        delta_frame = (
+            self._frame(MsgType.MEMBERSHIP_DELTA, json.dumps(delta, separators=(",", ":")).encode())
+            if delta is not None
+            else b""
+        )
         n_view = n_delta = n_direct = 0
         for node_id in m.node_ranks:
             node = self.view.nodes[node_id]
@@ -514,9 +598,16 @@ class Controller:
                         full = full or self._frame(MsgType.MEMBERSHIP, self._full_json)
                         self._send_raw(wid, full)
                         n_direct += 1
-        self.events.emit("membership", epoch=m.epoch, layout=layout["node_ranks"], view=n_view, delta=n_delta,
-                         direct=n_direct, announce_s=round(time.perf_counter() - t0, 6),
-                         announce_cpu_s=round(time.thread_time() - cpu0, 6))
+        self.events.emit(
+            "membership",
+            epoch=m.epoch,
+            layout=layout["node_ranks"],
+            view=n_view,
+            delta=n_delta,
+            direct=n_direct,
+            announce_s=round(time.perf_counter() - t0, 6),
+            announce_cpu_s=round(time.thread_time() - cpu0, 6),
+        )
         self._fire_faults(now)  # faults armed on this epoch hit during the recovery itself
 
     def _send_view(self, node: NodeView, ident: bytes, now: float) -> None:
@@ -546,8 +637,14 @@ class Controller:
             log.debug("send dropped: peer queue full")  # membership: the node's heartbeat asks again
 
     def _lease_frame(self) -> bytes:
-        body = {"term": self.cfg.term, "leader": self.cfg.leader_index, "interval_s": round(self.lease_interval_s, 3),
-                "store": self.cfg.store_addr, "pid": os.getpid(), "host": socket.gethostname()}
+        body = {
+            "term": self.cfg.term,
+            "leader": self.cfg.leader_index,
+            "interval_s": round(self.lease_interval_s, 3),
+            "store": self.cfg.store_addr,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
         return self._frame(MsgType.LEASE, json.dumps(body, separators=(",", ":")).encode(), ttl_s=60.0)
 
     def _send_leases(self) -> None:
@@ -581,12 +678,15 @@ class Controller:
             self.result = JobResult(130, "interrupted")
         for node_id, ident in self.node_ident.items():
             if self.view.nodes[node_id].role != NodeRole.FENCED:
-                self.ch.send(MsgType.SHUTDOWN, {"reason": self.result.reason, "exit_code": self.result.exit_code}, to=ident)
+                self.ch.send(
+                    MsgType.SHUTDOWN, {"reason": self.result.reason, "exit_code": self.result.exit_code}, to=ident
+                )
         for (node_id, lr), ident in self.worker_ident.items():
             node = self.view.nodes[node_id]
             if node.role != NodeRole.FENCED and lr not in node.relayed:  # relayed ones hear it from their node
-                self.ch.send(MsgType.SHUTDOWN, {"reason": self.result.reason, "exit_code": self.result.exit_code},
-                             to=ident)
+                self.ch.send(
+                    MsgType.SHUTDOWN, {"reason": self.result.reason, "exit_code": self.result.exit_code}, to=ident
+                )
         if self.cfg.wait_nodes_gone_s > 0:
             self._wait_nodes_gone(self.cfg.shutdown_timeout_s if self.result.exit_code == 0 else 10.0)
         self.backend.shutdown(self.cfg.shutdown_timeout_s if self.result.exit_code == 0 else 0.0)
@@ -605,9 +705,19 @@ class Controller:
     def status(self) -> dict[str, Any]:
         m = self.view.membership
         now = time.monotonic()
-        return {"epoch": m.epoch if m else 0, "max_step": self.max_step,
-                "nodes": [{"node": n.node_id, "role": n.role.value, "reason": n.reason, "health": n.health,
-                           "drained": n.node_id in getattr(self.backend, "drained", {}),
-                           "ranks": list(m.node_ranks.get(n.node_id, ())) if m else [],
-                           "heartbeat_age_s": round(now - n.last_heartbeat_s, 3) if n.registered else None}
-                          for n in self.view.nodes.values()]}
+        return {
+            "epoch": m.epoch if m else 0,
+            "max_step": self.max_step,
+            "nodes": [
+                {
+                    "node": n.node_id,
+                    "role": n.role.value,
+                    "reason": n.reason,
+                    "health": n.health,
+                    "drained": n.node_id in getattr(self.backend, "drained", {}),
+                    "ranks": list(m.node_ranks.get(n.node_id, ())) if m else [],
+                    "heartbeat_age_s": round(now - n.last_heartbeat_s, 3) if n.registered else None,
+                }
+                for n in self.view.nodes.values()
+            ],
+        }

@@ -3,6 +3,7 @@
 The controller executes and journals what these return; tests drive them
 with a fake clock.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,9 +14,9 @@ from resild.membership import ClusterView, Membership, NodeRole, NodeView
 
 class Action(str, Enum):
     NONE = "none"
-    REPLACE_NODE = "replace_node"   # fence `node`, give its ranks to `spare`
-    REFORM = "reform"               # same layout, new epoch: a transient collective failure
-    DROP_SPARE = "drop_spare"       # a spare failed: fence it, no epoch change
+    REPLACE_NODE = "replace_node"  # fence `node`, give its ranks to `spare`
+    REFORM = "reform"  # same layout, new epoch: a transient collective failure
+    DROP_SPARE = "drop_spare"  # a spare failed: fence it, no epoch change
     FAIL_JOB = "fail_job"
     FINISH = "finish"
 
@@ -54,8 +55,9 @@ def pick_spare(view: ClusterView, *, starting: bool = False) -> NodeView | None:
     return (warm or spares or late or [None])[0]
 
 
-def on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str, *,
-                    worker_fault: bool = False) -> Decision:
+def on_node_failure(
+    view: ClusterView, node_id: str, cause: str, detector: str, *, worker_fault: bool = False
+) -> Decision:
     """`worker_fault`: the training command itself failed (a worker exited or raised),
     as opposed to the node (its node process died, went silent, or its GPU failed)."""
     node = view.nodes.get(node_id)
@@ -67,21 +69,37 @@ def on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str, 
         if worker_fault:
             # A worker failing before the first epoch is almost always the command itself
             # (bad path, import error, bad argument): replacing nodes would repeat it.
-            return Decision(Action.FAIL_JOB, f"{node_id} failed before the job started: {cause}",
-                            node=node_id, detector=detector)
+            return Decision(
+                Action.FAIL_JOB, f"{node_id} failed before the job started: {cause}", node=node_id, detector=detector
+            )
         # The node itself was lost during start-up (where large jobs lose most nodes): a
         # spare takes its place in the first epoch; nothing to replay yet.
         spare = pick_spare(view, starting=True)
         if spare is None:
-            return Decision(Action.FAIL_JOB, f"no spare left: {node_id} failed before the job started ({cause})",
-                            node=node_id, detector=detector)
-        return Decision(Action.REPLACE_NODE, f"{node_id} failed before the job started: {cause}", node=node_id,
-                        spare=spare.node_id, detector=detector)
+            return Decision(
+                Action.FAIL_JOB,
+                f"no spare left: {node_id} failed before the job started ({cause})",
+                node=node_id,
+                detector=detector,
+            )
+        return Decision(
+            Action.REPLACE_NODE,
+            f"{node_id} failed before the job started: {cause}",
+            node=node_id,
+            spare=spare.node_id,
+            detector=detector,
+        )
     spare = pick_spare(view)
     if spare is None:
         return Decision(Action.FAIL_JOB, f"no spare left: {node_id} failed ({cause})", node=node_id, detector=detector)
-    return Decision(Action.REPLACE_NODE, f"{node_id} failed: {cause}", node=node_id, spare=spare.node_id,
-                    membership=view.membership.replace(node_id, spare.node_id), detector=detector)
+    return Decision(
+        Action.REPLACE_NODE,
+        f"{node_id} failed: {cause}",
+        node=node_id,
+        spare=spare.node_id,
+        membership=view.membership.replace(node_id, spare.node_id),
+        detector=detector,
+    )
 
 
 def on_worker_exception(view: ClusterView, node_id: str, error: str, cause: str) -> Decision:
@@ -89,9 +107,13 @@ def on_worker_exception(view: ClusterView, node_id: str, error: str, cause: str)
     often surfaces as an exception); the same error again, on another node, is a
     bug in the training script: replacing nodes would only burn the spares."""
     if error and error in view.exceptions_seen:
-        return Decision(Action.FAIL_JOB, f"the same exception recurred on {node_id} after a node replacement; "
-                                         f"this looks like a bug in the training script, not a fault: {error}",
-                        node=node_id, detector="exception")
+        return Decision(
+            Action.FAIL_JOB,
+            f"the same exception recurred on {node_id} after a node replacement; "
+            f"this looks like a bug in the training script, not a fault: {error}",
+            node=node_id,
+            detector="exception",
+        )
     return on_node_failure(view, node_id, cause, "exception", worker_fault=True)
 
 
@@ -105,15 +127,22 @@ def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     for node_id in sorted(view.probe_targets):
         node = view.nodes[node_id]
         if node.role == NodeRole.ACTIVE and node.last_heartbeat_s < sent:
-            return on_node_failure(view, node_id, f"no answer to a liveness probe within "
-                                                  f"{cfg.probe_timeout_s:.1f}s after a collective failed", "probe")
+            return on_node_failure(
+                view,
+                node_id,
+                f"no answer to a liveness probe within {cfg.probe_timeout_s:.1f}s after a collective failed",
+                "probe",
+            )
     m = view.membership
     if m is not None and m.epoch == view.probe_epoch:
         # Everyone is alive and nobody was replaced meanwhile: the failure was transient
         # (a reset connection). Re-form, or the ranks would wait for a notice forever.
-        return Decision(Action.REFORM, f"a collective failed in epoch {m.epoch} but every node answered "
-                                       "the liveness probe: re-forming the group", membership=m.bump(),
-                        detector="probe")
+        return Decision(
+            Action.REFORM,
+            f"a collective failed in epoch {m.epoch} but every node answered the liveness probe: re-forming the group",
+            membership=m.bump(),
+            detector="probe",
+        )
     return NOTHING
 
 
@@ -165,10 +194,14 @@ def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
             node = m.node_of(rank)
             assert node is not None
             last = "never reported" if p is None else f"last step {p.step}, state {p.state}"
-            return on_node_failure(view, node, f"hang: rank {rank} made no progress for {stalled_s:.1f}s ({last})", "hang")
+            return on_node_failure(
+                view, node, f"hang: rank {rank} made no progress for {stalled_s:.1f}s ({last})", "hang"
+            )
     if stalled_s > 2 * cfg.hang_timeout_s and not joining:
-        return Decision(Action.FAIL_JOB, f"job stalled {stalled_s:.1f}s with every rank waiting in a collective; "
-                                         "no culprit to replace")
+        return Decision(
+            Action.FAIL_JOB,
+            f"job stalled {stalled_s:.1f}s with every rank waiting in a collective; no culprit to replace",
+        )
     return NOTHING
 
 

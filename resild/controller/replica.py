@@ -17,6 +17,7 @@ one per replica), raft (host:port, one per replica), keys, events, run_dir,
 faults, and the controller's settings (policy, worker, start_timeout_s,
 controller_timeout_s).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 from pysyncobj import SyncObj, SyncObjConf, replicated
@@ -39,11 +41,11 @@ from pysyncobj.syncobj import SyncObjException
 
 import resild.slurm as slurm
 from resild.controller.backend import Backend
-from resild.controller.loop import Controller, ControllerConfig
-from resild.events.log import EventLog
 from resild.controller.faults import parse_fault
 from resild.controller.journal import Journal
+from resild.controller.loop import Controller, ControllerConfig
 from resild.controller.policy import PolicyConfig
+from resild.events.log import EventLog
 from resild.procutil import die_with_parent
 from resild.wire.store import CommittedFloor
 from resild.wire.transport import KeyDir, Server, store_listen_fd
@@ -66,12 +68,24 @@ def raft_conf(password: str) -> SyncObjConf:
     states = {0: "follower", 1: "candidate", 2: "leader"}
 
     def changed(old: int, new: int) -> None:  # pysyncobj's thread: one line per Raft role change
-        print(f"resild controller replica (pid {os.getpid()}): raft {states.get(old, old)} -> "
-              f"{states.get(new, new)} at t_mono {time.monotonic():.3f}", file=sys.stderr, flush=True)
+        print(
+            f"resild controller replica (pid {os.getpid()}): raft {states.get(old, old)} -> "
+            f"{states.get(new, new)} at t_mono {time.monotonic():.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    return SyncObjConf(raftMinTimeout=0.3, raftMaxTimeout=0.6, appendEntriesPeriod=APPEND_PERIOD_S,
-                       connectionRetryTime=0.3, connectionTimeout=1.0, dynamicMembershipChange=False,
-                       commandsWaitLeader=True, password=password, onStateChanged=changed)
+    return SyncObjConf(
+        raftMinTimeout=0.3,
+        raftMaxTimeout=0.6,
+        appendEntriesPeriod=APPEND_PERIOD_S,
+        connectionRetryTime=0.3,
+        connectionTimeout=1.0,
+        dynamicMembershipChange=False,
+        commandsWaitLeader=True,
+        password=password,
+        onStateChanged=changed,
+    )
 
 
 def raft_secret(keys_dir: Path) -> str:
@@ -187,11 +201,13 @@ class SlurmDrain(Backend):
                 self.drained[node] = reason
             except slurm.SlurmError as e:
                 log.error("could not drain %s: %s", node, e)
+
         threading.Thread(target=run, name=f"drain-{node}", daemon=True).start()
 
 
-def discover(spec: dict[str, Any], index: int, run_dir: Path, router_port: int,
-             timeout_s: float = 120.0) -> tuple[list[str], list[str]]:
+def discover(
+    spec: dict[str, Any], index: int, run_dir: Path, router_port: int, timeout_s: float = 120.0
+) -> tuple[list[str], list[str]]:
     """Under Slurm every replica picks its own ports on its own host and publishes them
     in the (shared) run directory; all replicas and resil-run wait for the full set.
     The ROUTER is bound before its port is published: a peer connecting to a port
@@ -218,8 +234,9 @@ def wait_for_replicas(run_dir: Path, n: int, timeout_s: float) -> tuple[list[str
             return [g["endpoint"] for g in got], [g["raft"] for g in got]
         except (OSError, ValueError, KeyError):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"controller replicas did not all start within {timeout_s:.0f}s "
-                                   f"(see {run_dir}/replica-*.json)") from None
+                raise RuntimeError(
+                    f"controller replicas did not all start within {timeout_s:.0f}s (see {run_dir}/replica-*.json)"
+                ) from None
             time.sleep(0.1)
 
 
@@ -240,8 +257,12 @@ def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
     if not job_id:
         return
     what = "finished" if result.exit_code == 0 else "failed"
-    print(f"resild controller: the job {what} ({result.reason}) but resil-run is gone (batch host lost?): "
-          f"{'cancelling' if result.exit_code == 0 else 'requeuing'} job {job_id}", file=sys.stderr, flush=True)
+    print(
+        f"resild controller: the job {what} ({result.reason}) but resil-run is gone (batch host lost?): "
+        f"{'cancelling' if result.exit_code == 0 else 'requeuing'} job {job_id}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         if result.exit_code != 0:
             slurm.requeue(job_id, f"{result.reason} (batch host lost)")
@@ -271,8 +292,12 @@ def serve(spec: dict[str, Any], index: int) -> int:
     host = endpoint.split("//", 1)[1].rsplit(":", 1)[0]
     fd, port = store_listen_fd(host, cluster=cluster)
     store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
-    raft = RaftLog(peers[index], [p for i, p in enumerate(peers) if i != index], run_dir / f"journal-{index}.jsonl",
-                   raft_secret(Path(spec["keys"])))
+    raft = RaftLog(
+        peers[index],
+        [p for i, p in enumerate(peers) if i != index],
+        run_dir / f"journal-{index}.jsonl",
+        raft_secret(Path(spec["keys"])),
+    )
     log.info("replica %d: standing by (%s, raft %s)", index, endpoint, peers[index])
     while True:
         server.channel.recv(0.05)  # standby: keep the socket drained, act on nothing
@@ -281,8 +306,11 @@ def serve(spec: dict[str, Any], index: int) -> int:
             return 0
         if raft._isLeader():
             try:
-                raft._apply({"action": "leader", "index": index, "pid": os.getpid(), "t_wall": time.time()},
-                            sync=True, timeout=2.0)
+                raft._apply(
+                    {"action": "leader", "index": index, "pid": os.getpid(), "t_wall": time.time()},
+                    sync=True,
+                    timeout=2.0,
+                )
                 break
             except SyncObjException as e:
                 log.warning("replica %d: elected but could not commit: %s", index, e.errorCode)
@@ -297,24 +325,49 @@ def serve(spec: dict[str, Any], index: int) -> int:
     floor = CommittedFloor(store)
     events.listeners.append(floor)
     c = spec["controller"]
-    cfg = ControllerConfig(bind=endpoint, policy=PolicyConfig(**c["policy"]), store_addr=f"{host}:{store.port}",
-                           start_timeout_s=float(c["start_timeout_s"]),
-                           controller_timeout_s=float(c["controller_timeout_s"]), worker=dict(c["worker"]),
-                           term=term, leader_index=index,
-                           # Under Slurm nothing else tells us the node processes are gone
-                           # (their workers may still be saving) before we end the allocation.
-                           wait_nodes_gone_s=2.0 if cluster else 0.0)
+    cfg = ControllerConfig(
+        bind=endpoint,
+        policy=PolicyConfig(**c["policy"]),
+        store_addr=f"{host}:{store.port}",
+        start_timeout_s=float(c["start_timeout_s"]),
+        controller_timeout_s=float(c["controller_timeout_s"]),
+        worker=dict(c["worker"]),
+        term=term,
+        leader_index=index,
+        # Under Slurm nothing else tells us the node processes are gone
+        # (their workers may still be saving) before we end the allocation.
+        wait_nodes_gone_s=2.0 if cluster else 0.0,
+    )
     nodes = list(spec["active"]) + list(spec["spares"])
-    ctl = Controller(cfg, list(spec["active"]), list(spec["spares"]), int(spec["nproc"]), keys, events,
-                     RaftJournal(raft), None, [parse_fault(f) for f in spec.get("faults", [])], ctx=ctx,
-                     server=server, leadership=raft._isLeader)
+    ctl = Controller(
+        cfg,
+        list(spec["active"]),
+        list(spec["spares"]),
+        int(spec["nproc"]),
+        keys,
+        events,
+        RaftJournal(raft),
+        None,
+        [parse_fault(f) for f in spec.get("faults", [])],
+        ctx=ctx,
+        server=server,
+        leadership=raft._isLeader,
+    )
     ctl.backend = SlurmDrain() if cluster else ProcessNodes(lambda n: ctl.view.nodes[n].host_pid, nodes)
     if records:
         ctl.restore(records, time.monotonic())
         if ctl.max_step:
             floor.publish(ctl.max_step)
-    events.emit("controller_leader", pid=os.getpid(), host=socket.gethostname(), term=term, index=index,
-                endpoint=endpoint, restored=len(records), elected_s=round(time.monotonic() - t_elected, 4))
+    events.emit(
+        "controller_leader",
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        term=term,
+        index=index,
+        endpoint=endpoint,
+        restored=len(records),
+        elected_s=round(time.monotonic() - t_elected, 4),
+    )
     if ctl.result is not None:  # the job had ended when the old leader died: say so again
         result = ctl.result
         ctl._finish()
@@ -341,12 +394,18 @@ def serve(spec: dict[str, Any], index: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m resild.controller.replica", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m resild.controller.replica",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--spec", required=True, type=Path, help="the replica set's JSON spec (written by resil-run)")
-    p.add_argument("--index", type=int,
-                   help="this replica's place in the spec's lists (default under Slurm: $SLURMD_NODENAME's "
-                        "place in the spec's hosts)")
+    p.add_argument(
+        "--index",
+        type=int,
+        help="this replica's place in the spec's lists (default under Slurm: $SLURMD_NODENAME's "
+        "place in the spec's hosts)",
+    )
     a = p.parse_args(argv)
     try:
         spec = json.loads(a.spec.read_text())
@@ -364,8 +423,10 @@ def main(argv: list[str] | None = None) -> int:
     log_file = open(Path(spec["run_dir"]) / f"replica-{a.index}.log", "a", buffering=1)
     os.dup2(log_file.fileno(), 2)
     sys.stderr = log_file
-    logging.basicConfig(level=logging.INFO if os.environ.get("RESILD_DEBUG") else logging.WARNING,
-                        format=f"[controller {a.index}] %(asctime)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if os.environ.get("RESILD_DEBUG") else logging.WARNING,
+        format=f"[controller {a.index}] %(asctime)s %(message)s",
+    )
     die_with_parent()
     return serve(spec, a.index)
 

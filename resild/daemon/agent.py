@@ -27,6 +27,7 @@ may ask for STATUS may subscribe; subscribers are capped (in all and per uid), a
 one that does not read its pushes is dropped (backlog or stall bound) instead of
 ever blocking the loop.
 """
+
 from __future__ import annotations
 
 import enum
@@ -38,34 +39,41 @@ import resource
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import psutil
 import zmq
 
 from resild.daemon.config import Config
-from resild.health.model import HealthEvent, Verdict
 from resild.daemon.metrics import Metrics
+from resild.health.model import HealthEvent, Verdict
 from resild.health.probes import Outcome, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
 from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Sequencer, decode, encode
-from resild.wire.transport import (KeyDir, Peer, UnixServer, connect, local_request,  # noqa: F401 (re-exported)
-                              unix_path)
+from resild.wire.transport import (
+    KeyDir,
+    Peer,
+    UnixServer,
+    connect,
+    local_request,
+    unix_path,
+)
 
 log = logging.getLogger("resild.daemon")
-LOOP_TICK_S = 0.05          # bounds the delay from a verdict change to its HEALTH message
+LOOP_TICK_S = 0.05  # bounds the delay from a verdict change to its HEALTH message
 PROC_CHECK_INTERVAL_S = 0.5
-MAX_WATCHED = 1024          # processes watched at once (all users)
+MAX_WATCHED = 1024  # processes watched at once (all users)
 MAX_WATCHED_PER_UID = 256
-EXITED_KEEP_S = 600.0       # an exited process stays visible in `resild status` this long
+EXITED_KEEP_S = 600.0  # an exited process stays visible in `resild status` this long
 MAX_REASONS, MAX_REASON_CHARS = 64, 1024
-NOFILE_WANTED = 65536       # systemd's LimitNOFILE= sets it too; this covers a manual start
-MAX_SUBSCRIBERS = 64        # health subscriptions at once (one per job node process is the norm)
+NOFILE_WANTED = 65536  # systemd's LimitNOFILE= sets it too; this covers a manual start
+MAX_SUBSCRIBERS = 64  # health subscriptions at once (one per job node process is the norm)
 MAX_SUBSCRIBERS_PER_UID = 16
-PUSH_INTERVAL_S = 5.0       # keepalive push: a subscriber calls the daemon gone after ~3 of these
-MAX_PUSH_BACKLOG_BYTES = 1 << 20   # queued for one subscriber beyond the kernel's buffer: dropped
-PUSH_STALL_S = 15.0         # a subscriber whose queue has not drained for this long is dropped
+PUSH_INTERVAL_S = 5.0  # keepalive push: a subscriber calls the daemon gone after ~3 of these
+MAX_PUSH_BACKLOG_BYTES = 1 << 20  # queued for one subscriber beyond the kernel's buffer: dropped
+PUSH_STALL_S = 15.0  # a subscriber whose queue has not drained for this long is dropped
 
 
 def _printable(text: str, limit: int) -> str:
@@ -95,12 +103,13 @@ def raise_nofile_limit(wanted: int = NOFILE_WANTED) -> int:
 
 # -- systemd notify protocol (sd_notify(3)), no libsystemd needed ---------------------
 
+
 def sd_notify(state: str, env: Mapping[str, str] | None = None) -> bool:
     """Send one datagram to $NOTIFY_SOCKET; False when not under systemd or it fails."""
     addr = (os.environ if env is None else env).get("NOTIFY_SOCKET", "")
     if not addr:
         return False
-    if addr.startswith("@"):   # abstract namespace
+    if addr.startswith("@"):  # abstract namespace
         addr = "\0" + addr[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
@@ -127,6 +136,7 @@ def watchdog_interval_s(env: Mapping[str, str] | None = None) -> float | None:
 
 # -- watched training processes (pure judgement) --------------------------------------
 
+
 class ProcState(str, enum.Enum):
     RUNNING = "running"
     EXITED = "exited"
@@ -138,17 +148,16 @@ class ProcState(str, enum.Enum):
 class Watched:
     pid: int
     name: str
-    create_time: float          # psutil's, guards against pid reuse
-    last_progress_s: float      # monotonic
+    create_time: float  # psutil's, guards against pid reuse
+    last_progress_s: float  # monotonic
     step: int | None = None
     state: ProcState = ProcState.RUNNING
     reason: str = ""
-    uid: int = 0                # real uid of the process: only it (or root) may report for it
-    exited_s: float | None = None   # monotonic, when it was first seen gone
+    uid: int = 0  # real uid of the process: only it (or root) may report for it
+    exited_s: float | None = None  # monotonic, when it was first seen gone
 
 
-def judge_process(now: float, w: Watched, alive: bool, zombie: bool,
-                  hang_timeout_s: float) -> tuple[ProcState, str]:
+def judge_process(now: float, w: Watched, alive: bool, zombie: bool, hang_timeout_s: float) -> tuple[ProcState, str]:
     if w.state is ProcState.EXITED or not alive:
         return ProcState.EXITED, w.reason or "process exited"
     if zombie:
@@ -163,7 +172,7 @@ def _observe(w: Watched) -> tuple[bool, bool]:
     try:
         p = psutil.Process(w.pid)
         if abs(p.create_time() - w.create_time) > 0.01:
-            return False, False   # pid reused: ours is gone
+            return False, False  # pid reused: ours is gone
         return True, p.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False, False
@@ -173,9 +182,10 @@ def _observe(w: Watched) -> tuple[bool, bool]:
 
 # -- health snapshot ----------------------------------------------------------------
 
+
 @dataclass
 class Snapshot:
-    verdict: Verdict = Verdict.FAILED     # fail closed until the first check has run
+    verdict: Verdict = Verdict.FAILED  # fail closed until the first check has run
     reasons: list[str] = field(default_factory=lambda: ["no check has run yet"])
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     checked_mono: float | None = None
@@ -196,16 +206,21 @@ class PushServer(UnixServer):
     send (the poll loop flushes the rest), so it never blocks; a subscriber whose queue
     exceeds `max_backlog_bytes`, or has not drained for `stall_s`, is closed."""
 
-    def __init__(self, *args: Any, max_subscribers: int = MAX_SUBSCRIBERS,
-                 max_subscribers_per_uid: int = MAX_SUBSCRIBERS_PER_UID,
-                 max_backlog_bytes: int = MAX_PUSH_BACKLOG_BYTES, stall_s: float = PUSH_STALL_S,
-                 **kw: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        max_subscribers: int = MAX_SUBSCRIBERS,
+        max_subscribers_per_uid: int = MAX_SUBSCRIBERS_PER_UID,
+        max_backlog_bytes: int = MAX_PUSH_BACKLOG_BYTES,
+        stall_s: float = PUSH_STALL_S,
+        **kw: Any,
+    ) -> None:
         super().__init__(*args, **kw)
         self.max_subscribers, self.max_subscribers_per_uid = max_subscribers, max_subscribers_per_uid
         self.max_backlog_bytes, self.stall_s = max_backlog_bytes, stall_s
-        self.subscribers: dict[int, float | None] = {}   # fd -> since when its queue is backed up
+        self.subscribers: dict[int, float | None] = {}  # fd -> since when its queue is backed up
         self.dropped_subscribers = 0
-        self._serving: Any = None    # the connection whose request the handler is answering
+        self._serving: Any = None  # the connection whose request the handler is answering
 
     def _serve(self, c: Any) -> None:
         self._serving = c
@@ -224,12 +239,13 @@ class PushServer(UnixServer):
             return
         same_uid = sum(1 for f in self.subscribers if f in self.conns and self.conns[f].peer.uid == c.peer.uid)
         if len(self.subscribers) >= self.max_subscribers or (
-                c.peer.uid != 0 and same_uid >= self.max_subscribers_per_uid):
+            c.peer.uid != 0 and same_uid >= self.max_subscribers_per_uid
+        ):
             raise ProtocolError("too_many", f"{len(self.subscribers)} health subscribers already")
         self.subscribers[fd] = None
 
     def push(self, frame: bytes) -> None:
-        data = len(frame).to_bytes(4, "big") + frame    # transport's length prefix (!I)
+        data = len(frame).to_bytes(4, "big") + frame  # transport's length prefix (!I)
         for fd in list(self.subscribers):
             c = self.conns.get(fd)
             if c is None:
@@ -247,7 +263,7 @@ class PushServer(UnixServer):
             if c is None:
                 self.subscribers.pop(fd, None)
                 continue
-            c.last_s = now    # a subscriber is quiet by design: never reaped as idle
+            c.last_s = now  # a subscriber is quiet by design: never reaped as idle
             if not c.outbuf:
                 self.subscribers[fd] = None
             elif since is None:
@@ -267,14 +283,12 @@ class PushServer(UnixServer):
 
 
 class Agent:
-    def __init__(self, cfg: Config, probes: list[Probe] | None = None,
-                 ctx: zmq.Context | None = None) -> None:
+    def __init__(self, cfg: Config, probes: list[Probe] | None = None, ctx: zmq.Context | None = None) -> None:
         self.cfg = cfg
         self.metrics = Metrics(cfg.node)
         self._trigger = threading.Event()
         self._stop = threading.Event()
-        self.probes = probes if probes is not None else build_probes(
-            cfg, on_event=self._on_health_event, follow=True)
+        self.probes = probes if probes is not None else build_probes(cfg, on_event=self._on_health_event, follow=True)
         self.runners = [ProbeRunner(p, cfg.probe_timeout_s) for p in self.probes]
         self.ctx = ctx or zmq.Context()
         self._lock = threading.Lock()
@@ -290,7 +304,7 @@ class Agent:
         self._prober: threading.Thread | None = None
         self._last_ctl_error: Any = None
         self._loop_done = threading.Event()
-        self._loop_done.set()   # cleared while run() owns the sockets
+        self._loop_done.set()  # cleared while run() owns the sockets
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -313,7 +327,7 @@ class Agent:
 
     def close(self) -> None:
         self.stop()
-        self._loop_done.wait(2.0)   # sockets belong to run()'s thread until it returns
+        self._loop_done.wait(2.0)  # sockets belong to run()'s thread until it returns
         if self._prober is not None:
             self._prober.join(self.cfg.probe_timeout_s + 1)
         stop_probes(self.probes)
@@ -335,23 +349,26 @@ class Agent:
         if path.exists() or path.is_symlink():
             if local_request(ep, MsgType.STATUS, timeout_s=0.5) is not None:
                 raise RuntimeError(f"another resild daemon already answers on {ep}")
-            path.unlink()   # stale socket of a dead daemon
+            path.unlink()  # stale socket of a dead daemon
         gid, mode = None, 0o660
         if self.cfg.status_group:
             try:
                 gid = grp.getgrnam(self.cfg.status_group).gr_gid
             except KeyError:
                 mode = 0o666
-                log.warning("group %r does not exist: the status socket is open to every local user "
-                            "(each may still only register its own processes); create it with "
-                            "`groupadd --system %s` to restrict the socket to its members",
-                            self.cfg.status_group, self.cfg.status_group)
+                log.warning(
+                    "group %r does not exist: the status socket is open to every local user "
+                    "(each may still only register its own processes); create it with "
+                    "`groupadd --system %s` to restrict the socket to its members",
+                    self.cfg.status_group,
+                    self.cfg.status_group,
+                )
         else:
             mode = 0o666
         return PushServer(str(path), self._handle_local, mode=mode, gid=gid)
 
     # -- probing (prober thread) -------------------------------------------------------
-    def _on_health_event(self, ev: HealthEvent) -> None:   # NVML / kmsg threads
+    def _on_health_event(self, ev: HealthEvent) -> None:  # NVML / kmsg threads
         log.warning("health event: %s", ev.reason)
         self.metrics.on_event(ev)
         self._trigger.set()
@@ -392,7 +409,7 @@ class Agent:
                 if self._ctl is not None and self._ctl.sock in ready:
                     try:
                         self._from_controller()
-                    except Exception:  # noqa: BLE001 - the loop outlives any one message
+                    except Exception:
                         log.exception("handling a controller message failed")
                 now = time.monotonic()
                 self._rep.reap_idle(now)
@@ -413,25 +430,31 @@ class Agent:
         key = health_key(snap.verdict, snap.reasons)
         if key != self._sent_key and snap.checked_mono is not None:
             self._sent_key = key
-            log.log(logging.INFO if snap.verdict is Verdict.HEALTHY else logging.WARNING,
-                    "node verdict %s: %s", snap.verdict.value, "; ".join(snap.reasons) or "ok")
+            log.log(
+                logging.INFO if snap.verdict is Verdict.HEALTHY else logging.WARNING,
+                "node verdict %s: %s",
+                snap.verdict.value,
+                "; ".join(snap.reasons) or "ok",
+            )
             self._write_state()
             if self._ctl is not None:
                 self._ctl.send(MsgType.HEALTH, self._health_body(snap))
-            self._push_health(snap, now)   # subscribers hear it at the same moment
+            self._push_health(snap, now)  # subscribers hear it at the same moment
         elif self._rep is not None and self._rep.subscribers and now - self._last_push_mono >= PUSH_INTERVAL_S:
-            self._push_health(snap, now)   # keepalive: the same verdict again
-        if self._ctl is not None and (self._last_hb_mono is None
-                                      or now - self._last_hb_mono >= self.cfg.heartbeat_s):
-            self._ctl.send(MsgType.HEARTBEAT, {"node": self.cfg.node, "health": snap.verdict.value,
-                                               "source": "agent"})
+            self._push_health(snap, now)  # keepalive: the same verdict again
+        if self._ctl is not None and (self._last_hb_mono is None or now - self._last_hb_mono >= self.cfg.heartbeat_s):
+            self._ctl.send(MsgType.HEARTBEAT, {"node": self.cfg.node, "health": snap.verdict.value, "source": "agent"})
             self._last_hb_mono = now
         if self._last_hb_mono is not None:
             self.metrics.heartbeat_age.labels(self.cfg.node).set(now - self._last_hb_mono)
 
     def _health_body(self, snap: Snapshot) -> dict[str, Any]:
-        return {"node": self.cfg.node, "verdict": snap.verdict.value,
-                "reasons": _bounded_reasons(snap.reasons), "detector": "resild-agent"}
+        return {
+            "node": self.cfg.node,
+            "verdict": snap.verdict.value,
+            "reasons": _bounded_reasons(snap.reasons),
+            "detector": "resild-agent",
+        }
 
     def _push_health(self, snap: Snapshot, now: float) -> None:
         self._last_push_mono = now
@@ -445,7 +468,7 @@ class Agent:
         while (got := self._ctl.recv(0)) is not None:
             _, msg = got
             if msg.type is MsgType.ERROR:
-                if msg.body.get("code") != self._last_ctl_error:   # once per streak, not per heartbeat
+                if msg.body.get("code") != self._last_ctl_error:  # once per streak, not per heartbeat
                     log.warning("controller: %s: %s", msg.body.get("code"), msg.body.get("detail"))
                 self._last_ctl_error = msg.body.get("code")
             elif msg.type is MsgType.FENCE:
@@ -474,7 +497,7 @@ class Agent:
             reply = seq.make(MsgType.HEALTH if msg.type is MsgType.SUBSCRIBE_HEALTH else MsgType.STATUS_REPLY, body)
         except ProtocolError as e:
             reply = seq.make(MsgType.ERROR, {"code": e.code, "detail": e.detail[:1024]})
-        except Exception as e:  # noqa: BLE001 - every request gets an answer, the loop goes on
+        except Exception as e:
             log.exception("status request failed")
             reply = seq.make(MsgType.ERROR, {"code": "internal", "detail": str(e)[:1024]})
         try:
@@ -492,7 +515,7 @@ class Agent:
         uid = 0 if peer is None else peer.uid
         if msg.type is MsgType.STATUS:
             return self.status()
-        if msg.type is MsgType.SUBSCRIBE_HEALTH:   # whoever may ask for STATUS may subscribe
+        if msg.type is MsgType.SUBSCRIBE_HEALTH:  # whoever may ask for STATUS may subscribe
             if self._rep is None:
                 raise ProtocolError("unexpected", "subscribe over the status socket")
             self._rep.subscribe_serving()
@@ -509,8 +532,13 @@ class Agent:
             except psutil.AccessDenied:
                 raise ProtocolError("forbidden", f"pid {pid} cannot be inspected") from None
             if uid != 0 and (owner != uid or pid == 1):
-                log.warning("uid %d (pid %d) tried to register pid %d of uid %d: refused",
-                            uid, peer.pid if peer else 0, pid, owner)
+                log.warning(
+                    "uid %d (pid %d) tried to register pid %d of uid %d: refused",
+                    uid,
+                    peer.pid if peer else 0,
+                    pid,
+                    owner,
+                )
                 raise ProtocolError("forbidden", f"pid {pid} is not yours: register your own processes only")
             name = _printable(str(b.get("name") or f"pid {pid}"), 128)
             now = time.monotonic()
@@ -538,21 +566,26 @@ class Agent:
 
     def _forget_exited(self, now: float) -> None:
         """Caller holds the lock. Exited processes are dropped after EXITED_KEEP_S."""
-        for pid in [p for p, w in self.procs.items()
-                    if w.exited_s is not None and now - w.exited_s > EXITED_KEEP_S]:
+        for pid in [p for p, w in self.procs.items() if w.exited_s is not None and now - w.exited_s > EXITED_KEEP_S]:
             del self.procs[pid]
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()
         with self._lock:
             snap = self.snap
-            procs = [{**asdict(w), "state": w.state.value,
-                      "idle_s": round(now - w.last_progress_s, 1)} for w in self.procs.values()]
+            procs = [
+                {**asdict(w), "state": w.state.value, "idle_s": round(now - w.last_progress_s, 1)}
+                for w in self.procs.values()
+            ]
         gpu = snap.outcomes.get("gpu")
         return {
-            "node": self.cfg.node, "verdict": snap.verdict.value, "reasons": _bounded_reasons(snap.reasons),
-            "probes": {n: {**o.result.to_dict(), "latency_s": round(o.latency_s, 4), "error": o.error}
-                       for n, o in snap.outcomes.items()},
+            "node": self.cfg.node,
+            "verdict": snap.verdict.value,
+            "reasons": _bounded_reasons(snap.reasons),
+            "probes": {
+                n: {**o.result.to_dict(), "latency_s": round(o.latency_s, 4), "error": o.error}
+                for n, o in snap.outcomes.items()
+            },
             "gpus": gpu.result.details.get("gpus", []) if gpu else [],
             "processes": procs,
             "controller": self.cfg.controller or None,
@@ -572,8 +605,14 @@ class Agent:
             if state is not w.state:
                 log.warning("watched process %s (pid %d): %s %s", w.name, w.pid, state.value, reason)
                 if self._ctl is not None:
-                    self._ctl.send(MsgType.EVENT, {"node": self.cfg.node, "name": f"process_{state.value}",
-                                                   "fields": {"pid": w.pid, "name": w.name, "reason": reason}})
+                    self._ctl.send(
+                        MsgType.EVENT,
+                        {
+                            "node": self.cfg.node,
+                            "name": f"process_{state.value}",
+                            "fields": {"pid": w.pid, "name": w.name, "reason": reason},
+                        },
+                    )
             w.state, w.reason = state, reason
             if state is ProcState.EXITED and w.exited_s is None:
                 w.exited_s = now

@@ -9,6 +9,7 @@ The environment namespace RESILD_* is shared with the launcher (RESILD_KEYS,
 RESILD_LOCAL_RANK, ... are set for workers), so unknown RESILD_* variables are
 ignored; only the names below are read.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,22 +39,22 @@ class ConfigError(ValueError):
 
 @dataclass
 class Config:
-    controller: str = ""                 # controller endpoint; "" = standalone
-    keys_dir: str = ""                   # CURVE key dir (resild keys DIR); "" = no CURVE
+    controller: str = ""  # controller endpoint; "" = standalone
+    keys_dir: str = ""  # CURVE key dir (resild keys DIR); "" = no CURVE
     node: str = field(default_factory=socket.gethostname)
     heartbeat_s: float = 2.0
     probe_interval_s: float = 10.0
-    probe_timeout_s: float = 10.0        # a probe slower than this counts as FAILED
+    probe_timeout_s: float = 10.0  # a probe slower than this counts as FAILED
     nvml_call_timeout_s: float = 2.0
-    hang_timeout_s: float = 300.0        # a watched process without progress this long is hung
-    metrics_port: int = 0                # 0 = no Prometheus endpoint
+    hang_timeout_s: float = 300.0  # a watched process without progress this long is hung
+    metrics_port: int = 0  # 0 = no Prometheus endpoint
     metrics_addr: str = "127.0.0.1"
     kmsg_path: str = "/dev/kmsg"
     state_dir: str = "/var/lib/resild"
     status_socket: str = "/run/resild/status.sock"
-    status_timeout_s: float = 3.0        # `resild status` waits this long for the daemon
-    status_group: str = "resild"         # the status socket is 0660 in this group ("" = any local user)
-    xid_overrides: dict[str, str] = field(default_factory=dict)   # {"43": "degraded"}
+    status_timeout_s: float = 3.0  # `resild status` waits this long for the daemon
+    status_group: str = "resild"  # the status socket is 0660 in this group ("" = any local user)
+    xid_overrides: dict[str, str] = field(default_factory=dict)  # {"43": "degraded"}
     probes: list[str] = field(default_factory=lambda: list(DEFAULT_PROBES))
     probe_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per probe name
 
@@ -65,15 +66,27 @@ class Config:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 _TYPES: dict[str, type] = {
-    "controller": str, "keys_dir": str, "node": str, "heartbeat_s": float,
-    "probe_interval_s": float, "probe_timeout_s": float, "nvml_call_timeout_s": float,
-    "hang_timeout_s": float, "metrics_port": int, "metrics_addr": str, "kmsg_path": str,
-    "state_dir": str, "status_socket": str, "status_timeout_s": float, "status_group": str, "xid_overrides": dict,
-    "probes": list, "probe_options": dict,
+    "controller": str,
+    "keys_dir": str,
+    "node": str,
+    "heartbeat_s": float,
+    "probe_interval_s": float,
+    "probe_timeout_s": float,
+    "nvml_call_timeout_s": float,
+    "hang_timeout_s": float,
+    "metrics_port": int,
+    "metrics_addr": str,
+    "kmsg_path": str,
+    "state_dir": str,
+    "status_socket": str,
+    "status_timeout_s": float,
+    "status_group": str,
+    "xid_overrides": dict,
+    "probes": list,
+    "probe_options": dict,
 }
 assert set(_TYPES) == set(_FIELDS), "every Config field needs a declared type"
-_TYPE_NAMES = {str: "a string", float: "a number", int: "an integer", dict: "a table",
-               list: "a list of strings"}
+_TYPE_NAMES = {str: "a string", float: "a number", int: "an integer", dict: "a table", list: "a list of strings"}
 
 
 def env_name(key: str) -> str:
@@ -94,7 +107,7 @@ def _check_type(source: str, key: str, value: Any) -> Any:
         if ok:
             try:
                 value = float(value)
-            except OverflowError:   # an integer too big for a float
+            except OverflowError:  # an integer too big for a float
                 ok = False
         if ok and not math.isfinite(value):
             raise ConfigError(source, f"key '{key}' must be a finite number, not {value!r}")
@@ -105,8 +118,7 @@ def _check_type(source: str, key: str, value: Any) -> Any:
     else:
         ok = isinstance(value, want)
     if not ok:
-        raise ConfigError(source, f"key '{key}' must be {_TYPE_NAMES[want]}, "
-                                  f"not {type(value).__name__} {value!r}")
+        raise ConfigError(source, f"key '{key}' must be {_TYPE_NAMES[want]}, not {type(value).__name__} {value!r}")
     return value
 
 
@@ -136,8 +148,14 @@ def _parse_env(source: str, key: str, text: str) -> Any:
 
 
 def _validate(source: str, cfg: Config) -> None:
-    for key in ("heartbeat_s", "probe_interval_s", "probe_timeout_s", "nvml_call_timeout_s",
-                "hang_timeout_s", "status_timeout_s"):
+    for key in (
+        "heartbeat_s",
+        "probe_interval_s",
+        "probe_timeout_s",
+        "nvml_call_timeout_s",
+        "hang_timeout_s",
+        "status_timeout_s",
+    ):
         if getattr(cfg, key) <= 0:
             raise ConfigError(source, f"key '{key}' must be > 0, not {getattr(cfg, key)!r}")
     if not 0 <= cfg.metrics_port <= 65535:
@@ -145,8 +163,9 @@ def _validate(source: str, cfg: Config) -> None:
     if not cfg.node:
         raise ConfigError(source, "key 'node' must not be empty")
     if "://" in cfg.status_socket and not cfg.status_socket.startswith("ipc://"):
-        raise ConfigError(source, f"key 'status_socket' must be a path (a local unix socket), "
-                                  f"not {cfg.status_socket!r}")
+        raise ConfigError(
+            source, f"key 'status_socket' must be a path (a local unix socket), not {cfg.status_socket!r}"
+        )
     try:
         validate_overrides(cfg.xid_overrides)
     except ValueError as e:
@@ -164,9 +183,11 @@ def _apply(cfg: Config, source: str, values: Mapping[str, Any]) -> None:
     _validate(source, cfg)
 
 
-def load_config(path: str | os.PathLike[str] | None = None,
-                env: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Any] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
     """Build the config. ``path=None`` reads DEFAULT_CONFIG_PATH if it exists
     (RESILD_CONFIG names another); an explicit path must exist.
     ``overrides``: command-line values (None entries are ignored)."""
@@ -187,11 +208,10 @@ def load_config(path: str | os.PathLike[str] | None = None,
             raise ConfigError(source, f"not valid TOML: {str(e).splitlines()[0] if str(e) else e}") from None
         except UnicodeDecodeError as e:
             raise ConfigError(source, f"not UTF-8 text (byte {e.start}): TOML files must be UTF-8") from None
-        except (ValueError, RecursionError) as e:   # tomllib's own limits, e.g. deep nesting
+        except (ValueError, RecursionError) as e:  # tomllib's own limits, e.g. deep nesting
             raise ConfigError(source, f"not valid TOML: {str(e)[:200]}") from None
         _apply(cfg, source, data)
-    env_values = {key: _parse_env(env_name(key), key, env[env_name(key)])
-                  for key in _FIELDS if env_name(key) in env}
+    env_values = {key: _parse_env(env_name(key), key, env[env_name(key)]) for key in _FIELDS if env_name(key) in env}
     for key, value in env_values.items():
         _apply(cfg, env_name(key), {key: value})
     cli = {k: v for k, v in (overrides or {}).items() if v is not None}

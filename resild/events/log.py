@@ -4,6 +4,7 @@ Listeners (``EventLog.listeners``) see every record as it is written: `resil-run
 live status line is one. They run on the controller's thread, so they must be cheap;
 one that raises is dropped (with a log line) rather than allowed to stop the job.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,9 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("resild.events")
 

@@ -12,7 +12,20 @@ from resild.health.verdict import node_verdict
 from resild.health.xid import HealthClass, XidClass, classify_xid, validate_overrides
 
 __all__ = [
-    "GpuStatus", "HealthClass", "HealthEvent", "KmsgFollower", "KmsgXid", "NvmlProbe",
-    "NvmlUnavailable", "RemapStatus", "Verdict", "XidClass", "classify_xid", "node_verdict",
-    "parse_xid_line", "pci_bus_key", "validate_overrides", "worst",
+    "GpuStatus",
+    "HealthClass",
+    "HealthEvent",
+    "KmsgFollower",
+    "KmsgXid",
+    "NvmlProbe",
+    "NvmlUnavailable",
+    "RemapStatus",
+    "Verdict",
+    "XidClass",
+    "classify_xid",
+    "node_verdict",
+    "parse_xid_line",
+    "pci_bus_key",
+    "validate_overrides",
+    "worst",
 ]

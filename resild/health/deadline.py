@@ -43,7 +43,7 @@ class _Worker:
                 return
             try:
                 job.result = job.fn(*job.args)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
+            except BaseException as e:
                 job.error = e
             job.done.set()
             if self.abandoned:
@@ -57,18 +57,18 @@ class DeadlineRunner:
         self._thread_name = thread_name
         self._lock = threading.Lock()
         self._worker: _Worker | None = None
-        self._stuck: dict[Hashable, tuple[_Job, float]] = {}   # key -> (job, since monotonic)
+        self._stuck: dict[Hashable, tuple[_Job, float]] = {}  # key -> (job, since monotonic)
         self._longest_s = 0.0
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float,
-             key: Hashable | None = None, name: str | None = None) -> Any:
+    def call(
+        self, fn: Callable[..., Any], *args: Any, timeout_s: float, key: Hashable | None = None, name: str | None = None
+    ) -> Any:
         """``fn(*args)``, or CallTimeout after ``timeout_s``; exceptions of fn propagate."""
         name = name or getattr(fn, "__name__", "call")
         if key is not None and (stuck := self._stuck.get(key)) is not None:
             job, since = stuck
             if not job.done.is_set():
-                raise CallTimeout(f"an earlier call ({job.name}) has not returned for "
-                                  f"{time.monotonic() - since:.1f} s")
+                raise CallTimeout(f"an earlier call ({job.name}) has not returned for {time.monotonic() - since:.1f} s")
             self._stuck.pop(key, None)
         self._longest_s = max(self._longest_s, timeout_s)
         # Every holder gives the lock up within its own deadline: the wait is bounded.
@@ -81,7 +81,7 @@ class DeadlineRunner:
             self._worker.jobs.put(job)
             if not job.done.wait(timeout_s):
                 self._worker.abandoned = True
-                self._worker.jobs.put(None)   # in case the call returns right now
+                self._worker.jobs.put(None)  # in case the call returns right now
                 self._worker = None
                 if key is not None:
                     self._stuck[key] = (job, time.monotonic())

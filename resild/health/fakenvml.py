@@ -42,13 +42,11 @@ def build_fake_nvml(out_dir: Path, *, old_driver: bool = False) -> Path:
         # leave a half-written library where the loader can find it.
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".fake_nvml.", suffix=".so")
         os.close(fd)
-        cmd = [gcc, "-shared", "-fPIC", "-O1", "-Wall", "-fvisibility=hidden", *flags,
-               "-o", tmp, str(src), "-lpthread"]
+        cmd = [gcc, "-shared", "-fPIC", "-O1", "-Wall", "-fvisibility=hidden", *flags, "-o", tmp, str(src), "-lpthread"]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
-                raise RuntimeError(f"building the fake NVML library failed: {' '.join(cmd)}\n"
-                                   f"{proc.stderr.strip()}")
+                raise RuntimeError(f"building the fake NVML library failed: {' '.join(cmd)}\n{proc.stderr.strip()}")
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
@@ -66,8 +64,7 @@ def _up_to_date(target: Path, flags_file: Path, src: Path, flags: list[str]) -> 
         return False
 
 
-def fake_nvml_env(lib_dir: Path, control_path: Path,
-                  base: Mapping[str, str] | None = None) -> dict[str, str]:
+def fake_nvml_env(lib_dir: Path, control_path: Path, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for a child process that should load the fake library."""
     env = dict(os.environ if base is None else base)
     old = env.get("LD_LIBRARY_PATH")

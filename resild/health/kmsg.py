@@ -24,16 +24,18 @@ log = logging.getLogger(__name__)
 # /dev/kmsg, "[ 123.456]" from dmesg, a syslog prefix.
 _XID_RE = re.compile(
     r"NVRM: Xid \((?:PCI:)?(?P<bus>[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-7])?)\)"
-    r":[ \t]*(?P<xid>[0-9]{1,6})(?![0-9])(?:,[ \t]*(?P<msg>.*))?", re.ASCII)
-MAX_LINE = 4096      # a kernel record is at most ~1 KiB; anything longer is cut before parsing
+    r":[ \t]*(?P<xid>[0-9]{1,6})(?![0-9])(?:,[ \t]*(?P<msg>.*))?",
+    re.ASCII,
+)
+MAX_LINE = 4096  # a kernel record is at most ~1 KiB; anything longer is cut before parsing
 MAX_PARTIAL = 1 << 16
 
 
 @dataclass(frozen=True)
 class KmsgXid:
-    pci_bus_id: str   # as logged, e.g. "0000:05:00"
+    pci_bus_id: str  # as logged, e.g. "0000:05:00"
     xid: int
-    message: str      # the rest of the line after the code
+    message: str  # the rest of the line after the code
 
 
 def parse_xid_line(line: str) -> KmsgXid | None:
@@ -50,7 +52,7 @@ def pci_bus_key(bus_id: str) -> str:
     Matches kmsg's "0000:05:00" with NVML's "00000000:05:00.0".
     """
     parts = bus_id.strip().lower().split(".")[0].split(":")
-    if len(parts) == 2:   # "bus:device" without domain
+    if len(parts) == 2:  # "bus:device" without domain
         parts = ["0", *parts]
     if len(parts) != 3:
         raise ValueError(f"not a PCI bus id: {bus_id!r}")
@@ -67,9 +69,14 @@ class KmsgFollower:
     ``retry_interval_s`` — until ``stop()``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], on_xid: Callable[[KmsgXid], None],
-                 on_error: Callable[[BaseException], None] | None = None,
-                 poll_interval_s: float = 0.1, retry_interval_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        on_xid: Callable[[KmsgXid], None],
+        on_error: Callable[[BaseException], None] | None = None,
+        poll_interval_s: float = 0.1,
+        retry_interval_s: float = 5.0,
+    ) -> None:
         self.path = os.fspath(path)
         self._on_xid = on_xid
         self._on_error = on_error
@@ -82,8 +89,7 @@ class KmsgFollower:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("KmsgFollower already started")
-        self._thread = threading.Thread(target=self._run, name=f"kmsg-follow:{self.path}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"kmsg-follow:{self.path}", daemon=True)
         self._thread.start()
 
     def wait_opened(self, timeout_s: float) -> bool:
@@ -109,7 +115,7 @@ class KmsgFollower:
                 # written meanwhile to a plain file are still read.
                 self._follow(skip_to_end=first)
                 first = False
-            except Exception as e:  # noqa: BLE001 - the thread must survive anything
+            except Exception as e:
                 self._report(e)
                 self._stop.wait(self._retry_interval_s)
 
@@ -138,7 +144,7 @@ class KmsgFollower:
             except BlockingIOError:
                 continue
             except OSError as e:
-                if e.errno == errno.EPIPE:   # records overwritten before we read them
+                if e.errno == errno.EPIPE:  # records overwritten before we read them
                     log.warning("kmsg: records lost (ring buffer overrun)")
                     continue
                 raise
@@ -155,26 +161,26 @@ class KmsgFollower:
             if not chunk:
                 st_size = os.stat(self.path).st_size
                 if st_size < pos or os.stat(self.path).st_ino != os.fstat(fd).st_ino:
-                    return   # truncated or replaced: reopen from the start
+                    return  # truncated or replaced: reopen from the start
                 self._stop.wait(self._poll_interval_s)
                 continue
             pos += len(chunk)
             *lines, partial = (partial + chunk).split(b"\n")
-            partial = partial[-MAX_PARTIAL:]   # a newline-less flood must not grow without bound
+            partial = partial[-MAX_PARTIAL:]  # a newline-less flood must not grow without bound
             for raw in lines:
                 self._line(raw.decode("utf-8", "replace"))
 
     def _line(self, line: str) -> None:
         try:
             xid = parse_xid_line(line)
-        except Exception as e:  # noqa: BLE001 - one odd line must not stop following
+        except Exception as e:
             self._report(e)
             return
         if xid is None:
             return
         try:
             self._on_xid(xid)
-        except Exception as e:  # noqa: BLE001 - a callback bug must not end following
+        except Exception as e:
             self._report(e)
 
     def _report(self, exc: BaseException) -> None:
@@ -183,5 +189,5 @@ class KmsgFollower:
             return
         try:
             self._on_error(exc)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("kmsg follower %s: on_error raised", self.path)

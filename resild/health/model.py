@@ -12,8 +12,8 @@ class Verdict(str, enum.Enum):
     """Health of one GPU or of a whole node, ordered HEALTHY < DEGRADED < FAILED."""
 
     HEALTHY = "healthy"
-    DEGRADED = "degraded"   # usable, but should be fixed (drain when convenient)
-    FAILED = "failed"       # must not run work: fence and replace the node
+    DEGRADED = "degraded"  # usable, but should be fixed (drain when convenient)
+    FAILED = "failed"  # must not run work: fence and replace the node
 
     @property
     def severity(self) -> int:
@@ -83,8 +83,8 @@ class HealthEvent:
     reason: str
     t_mono: float
     t_wall: float
-    xid_class: str | None = None   # "app_error" | "degraded" | "failed" for Xid events
-    action: str | None = None      # NVIDIA's recommended action, when known
+    xid_class: str | None = None  # "app_error" | "degraded" | "failed" for Xid events
+    action: str | None = None  # NVIDIA's recommended action, when known
 
     def to_dict(self) -> dict[str, Any]:
         return _to_jsonable(self)

@@ -57,7 +57,7 @@ EVENT_GPU_UNAVAILABLE = 0x4000
 EVENT_RECOVERY_ACTION = 0x8000
 WATCHED_EVENTS = EVENT_XID | EVENT_DOUBLE_BIT_ECC | EVENT_GPU_UNAVAILABLE | EVENT_RECOVERY_ACTION
 
-FIELD_GPU_RECOVERY_ACTION = 230   # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+FIELD_GPU_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
 _TEMPERATURE_GPU = 0
 _MEMORY_ERROR_UNCORRECTED = 1
 _VOLATILE_ECC = 0
@@ -102,12 +102,12 @@ class _NoError(Exception):
     pass
 
 
-_SKIP = object()   # a read returned nothing usable (metric unsupported or failed)
+_SKIP = object()  # a read returned nothing usable (metric unsupported or failed)
 
 
 @dataclass(frozen=True)
 class _Finding:
-    key: str          # identity, for reporting each problem once
+    key: str  # identity, for reporting each problem once
     kind: str
     code: int | None
     verdict: Verdict
@@ -118,7 +118,7 @@ class _Finding:
 class _Gpu:
     index: int
     handle: Any = None
-    addr: Any = None                          # identity of the handle (see _handle_key)
+    addr: Any = None  # identity of the handle (see _handle_key)
     uuid: str | None = None
     name: str | None = None
     pci_bus_id: str | None = None
@@ -127,7 +127,7 @@ class _Gpu:
     last_xid: int | None = None
     last_xid_wall: float | None = None
     xid_seen_mono: dict[int, float] = field(default_factory=dict)
-    nvlinks: list[int] | None = None          # None: not scanned yet
+    nvlinks: list[int] | None = None  # None: not scanned yet
     unsupported: set[str] = field(default_factory=set)
     pcie_samples: deque[tuple[float, int]] = field(default_factory=deque)
 
@@ -146,20 +146,25 @@ class NvmlProbe:
     ``event_wait_s``: how long one event wait blocks (bounds ``stop()``).
     """
 
-    def __init__(self, nvml: Any = None,
-                 xid_overrides: Mapping[int | str, str | HealthClass] | None = None,
-                 call_timeout_s: float = 2.0,
-                 on_event: Callable[[HealthEvent], None] | None = None,
-                 *, event_wait_s: float = 0.5, init_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        nvml: Any = None,
+        xid_overrides: Mapping[int | str, str | HealthClass] | None = None,
+        call_timeout_s: float = 2.0,
+        on_event: Callable[[HealthEvent], None] | None = None,
+        *,
+        event_wait_s: float = 0.5,
+        init_timeout_s: float = 30.0,
+    ) -> None:
         self._nvml = nvml
-        self._overrides = validate_overrides(xid_overrides)   # bad config fails here
+        self._overrides = validate_overrides(xid_overrides)  # bad config fails here
         self._call_timeout_s = call_timeout_s
         self._on_event = on_event
         self._event_wait_s = event_wait_s
         self._init_timeout_s = init_timeout_s
         self._nvml_error: type[BaseException] = _NoError
-        self._calls = DeadlineRunner("nvml-call")   # the one lock around NVML calls
-        self._state_lock = threading.RLock()    # around per-GPU bookkeeping
+        self._calls = DeadlineRunner("nvml-call")  # the one lock around NVML calls
+        self._state_lock = threading.RLock()  # around per-GPU bookkeeping
         self._poll_lock = threading.RLock()
         self._gpus: list[_Gpu] = []
         self._by_addr: dict[Any, _Gpu] = {}
@@ -188,8 +193,9 @@ class NvmlProbe:
             try:
                 import pynvml
             except ImportError as e:
-                raise NvmlUnavailable("NVML unavailable: the nvidia-ml-py package "
-                                      "(module pynvml) is not installed") from e
+                raise NvmlUnavailable(
+                    "NVML unavailable: the nvidia-ml-py package (module pynvml) is not installed"
+                ) from e
             self._nvml = pynvml
         self._nvml_error = getattr(self._nvml, "NVMLError", _NoError)
         try:
@@ -199,7 +205,8 @@ class NvmlProbe:
         except Exception as e:
             raise NvmlUnavailable(
                 f"NVML unavailable: nvmlInit failed: {_describe(e)}. Is the NVIDIA driver "
-                f"loaded and libnvidia-ml.so.1 on the library path?") from e
+                f"loaded and libnvidia-ml.so.1 on the library path?"
+            ) from e
         self._initialised = True
         try:
             self._enumerate()
@@ -211,8 +218,7 @@ class NvmlProbe:
             # they left behind must show up in the counters now.
             self.poll()
             if self.events_enabled:
-                self._event_thread = threading.Thread(target=self._event_loop,
-                                                      name="nvml-events", daemon=True)
+                self._event_thread = threading.Thread(target=self._event_loop, name="nvml-events", daemon=True)
                 self._event_thread.start()
         except BaseException:
             self.stop()
@@ -274,12 +280,10 @@ class NvmlProbe:
             st.verdict = worst(*(f.verdict for f in findings))
             st.reasons = [f.reason for f in findings if f.verdict is not Verdict.HEALTHY]
             st.last_xid, st.last_xid_wall = g.last_xid, g.last_xid_wall
-            new = [f for f in found
-                   if f.verdict is not Verdict.HEALTHY and f.key not in g.reported]
+            new = [f for f in found if f.verdict is not Verdict.HEALTHY and f.key not in g.reported]
             # Forget what cleared, so it is reported again if it comes back.
             g.reported = {f.key for f in findings}
-        events = [self._event(g.index, f.kind, f.code, f.verdict, f.reason, t_mono, t_wall)
-                  for f in new]
+        events = [self._event(g.index, f.kind, f.code, f.verdict, f.reason, t_mono, t_wall) for f in new]
         return copy.deepcopy(st), events
 
     def _read_all(self, g: _Gpu, st: GpuStatus, found: list[_Finding]) -> None:
@@ -288,34 +292,54 @@ class NvmlProbe:
             st.temperature_c = int(v)
         if (v := self._read(g, found, "nvmlDeviceGetPowerUsage", h)) is not _SKIP:
             st.power_w = int(v) / 1000.0
-        v = self._read(g, found, "nvmlDeviceGetTotalEccErrors", h,
-                       _MEMORY_ERROR_UNCORRECTED, _VOLATILE_ECC)
+        v = self._read(g, found, "nvmlDeviceGetTotalEccErrors", h, _MEMORY_ERROR_UNCORRECTED, _VOLATILE_ECC)
         if v is not _SKIP:
             st.ecc_uncorrected = int(v)
             if st.ecc_uncorrected > 0:
                 # Degraded, not failed: after a contained error (Xid 94) the GPU
                 # keeps working until its rows are remapped at the next reset.
                 # A new count is a new finding, so every increase is reported.
-                found.append(_Finding(f"ecc_uncorrected:{st.ecc_uncorrected}", "ecc_uncorrected",
-                                      st.ecc_uncorrected, Verdict.DEGRADED,
-                                      f"{st.ecc_uncorrected} uncorrected ECC errors since driver load"))
+                found.append(
+                    _Finding(
+                        f"ecc_uncorrected:{st.ecc_uncorrected}",
+                        "ecc_uncorrected",
+                        st.ecc_uncorrected,
+                        Verdict.DEGRADED,
+                        f"{st.ecc_uncorrected} uncorrected ECC errors since driver load",
+                    )
+                )
         if (v := self._read(g, found, "nvmlDeviceGetRemappedRows", h)) is not _SKIP:
             corr, unc, pending, failure = (int(x) for x in v)
             st.remap = RemapStatus(corr, unc, bool(pending), bool(failure))
             if failure:
-                found.append(_Finding("remap_failure", "remap_failure", None, Verdict.FAILED,
-                                      "row remapping failed (like Xid 64): reset GPU"))
+                found.append(
+                    _Finding(
+                        "remap_failure",
+                        "remap_failure",
+                        None,
+                        Verdict.FAILED,
+                        "row remapping failed (like Xid 64): reset GPU",
+                    )
+                )
             elif pending:
-                found.append(_Finding("remap_pending", "remap_pending", None, Verdict.DEGRADED,
-                                      "row remap pending: reset GPU when convenient"))
+                found.append(
+                    _Finding(
+                        "remap_pending",
+                        "remap_pending",
+                        None,
+                        Verdict.DEGRADED,
+                        "row remap pending: reset GPU when convenient",
+                    )
+                )
         if g.nvlinks is None:
             self._scan_nvlinks(g, found)
         for link in g.nvlinks or []:
             v = self._read(g, found, "nvmlDeviceGetNvLinkState", h, link, cache_unsupported=False)
             if v is not _SKIP and not v:
                 st.nvlink_down.append(link)
-                found.append(_Finding(f"nvlink_down:{link}", "nvlink_down", link, Verdict.FAILED,
-                                      f"NVLink {link} down"))
+                found.append(
+                    _Finding(f"nvlink_down:{link}", "nvlink_down", link, Verdict.FAILED, f"NVLink {link} down")
+                )
         if (v := self._read(g, found, "nvmlDeviceGetPcieReplayCounter", h)) is not _SKIP:
             st.pcie_replays = int(v)
             if (f := self._pcie_rate(g, st.pcie_replays)) is not None:
@@ -325,20 +349,25 @@ class NvmlProbe:
             st.throttle_reasons = [n for bit, n in CLOCK_EVENT_NAMES.items() if mask & bit]
             if mask & DEGRADING_CLOCK_EVENTS:
                 names = [n for bit, n in CLOCK_EVENT_NAMES.items() if mask & bit & DEGRADING_CLOCK_EVENTS]
-                found.append(_Finding("clock_event:" + ",".join(names), "clock_event", mask,
-                                      Verdict.DEGRADED, "clocks slowed: " + ", ".join(names)))
+                found.append(
+                    _Finding(
+                        "clock_event:" + ",".join(names),
+                        "clock_event",
+                        mask,
+                        Verdict.DEGRADED,
+                        "clocks slowed: " + ", ".join(names),
+                    )
+                )
         action = self._read_recovery_action(g, found)
         if action is not None:
             st.recovery_action = action
             verdict, reason = classify_recovery_action(action)
             if verdict is not Verdict.HEALTHY:
-                found.append(_Finding(f"recovery_action:{action}", "recovery_action", action,
-                                      verdict, reason))
+                found.append(_Finding(f"recovery_action:{action}", "recovery_action", action, verdict, reason))
 
     def _read_clock_events(self, g: _Gpu, found: list[_Finding]) -> Any:
         # ...ClocksEventReasons is the R535+ name; older drivers only have ...ThrottleReasons.
-        for fn in ("nvmlDeviceGetCurrentClocksEventReasons",
-                   "nvmlDeviceGetCurrentClocksThrottleReasons"):
+        for fn in ("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons"):
             if fn not in g.unsupported:
                 v = self._read(g, found, fn, g.handle)
                 if v is not _SKIP or fn not in g.unsupported:
@@ -355,41 +384,51 @@ class NvmlProbe:
         if rc == 0:
             return int(_field_value(v))
         if rc in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _INVALID_ARGUMENT):
-            g.unsupported.add(fn)   # driver predates field 230
+            g.unsupported.add(fn)  # driver predates field 230
         elif rc in _LOST_CODES:
             self._mark_lost(g, rc, f"{fn}[{FIELD_GPU_RECOVERY_ACTION}]")
             raise _Abort
         else:
-            found.append(_Finding(f"probe_error:{fn}", "probe_error", rc, Verdict.FAILED,
-                                  f"probe error: {fn}[{FIELD_GPU_RECOVERY_ACTION}] returned {rc}"))
+            found.append(
+                _Finding(
+                    f"probe_error:{fn}",
+                    "probe_error",
+                    rc,
+                    Verdict.FAILED,
+                    f"probe error: {fn}[{FIELD_GPU_RECOVERY_ACTION}] returned {rc}",
+                )
+            )
         return None
 
     def _pcie_rate(self, g: _Gpu, count: int) -> _Finding | None:
         now = time.monotonic()
         samples = g.pcie_samples
         if samples and count < samples[-1][1]:
-            samples.clear()   # counter reset
+            samples.clear()  # counter reset
         samples.append((now, count))
         while len(samples) > 1 and now - samples[0][0] > PCIE_REPLAY_WINDOW_S:
             samples.popleft()
         rise = count - samples[0][1]
         if rise > PCIE_REPLAY_MAX_PER_WINDOW:
-            return _Finding("pcie_replay", "pcie_replay", rise, Verdict.DEGRADED,
-                            f"{rise} PCIe replays in the last {PCIE_REPLAY_WINDOW_S:.0f} s "
-                            f"(more than {PCIE_REPLAY_MAX_PER_WINDOW})")
+            return _Finding(
+                "pcie_replay",
+                "pcie_replay",
+                rise,
+                Verdict.DEGRADED,
+                f"{rise} PCIe replays in the last {PCIE_REPLAY_WINDOW_S:.0f} s "
+                f"(more than {PCIE_REPLAY_MAX_PER_WINDOW})",
+            )
         return None
 
-    def _read(self, g: _Gpu, found: list[_Finding], fn: str, *args: Any,
-              cache_unsupported: bool = True) -> Any:
+    def _read(self, g: _Gpu, found: list[_Finding], fn: str, *args: Any, cache_unsupported: bool = True) -> Any:
         """One metric read with the fail-closed rules; returns _SKIP if there is no value."""
         if fn in g.unsupported:
             return _SKIP
         try:
             return self._call(g, fn, *args)
         except CallTimeout as e:
-            found.append(_Finding("probe_timeout", "probe_timeout", None, Verdict.FAILED,
-                                  f"probe timeout: {e}"))
-            raise _Abort from None   # the GPU is wedged: do not queue more calls on it
+            found.append(_Finding("probe_timeout", "probe_timeout", None, Verdict.FAILED, f"probe timeout: {e}"))
+            raise _Abort from None  # the GPU is wedged: do not queue more calls on it
         except _Missing:
             g.unsupported.add(fn)
             return _SKIP
@@ -402,8 +441,9 @@ class NvmlProbe:
             if code in _LOST_CODES:
                 self._mark_lost(g, code, fn)
                 raise _Abort from None
-            found.append(_Finding(f"probe_error:{fn}", "probe_error", code, Verdict.FAILED,
-                                  f"probe error: {fn}: {_describe(e)}"))
+            found.append(
+                _Finding(f"probe_error:{fn}", "probe_error", code, Verdict.FAILED, f"probe error: {fn}: {_describe(e)}")
+            )
             return _SKIP
 
     # -- NVML calls -------------------------------------------------------------
@@ -413,13 +453,18 @@ class NvmlProbe:
         fn = getattr(self._nvml, fn_name, None)
         if fn is None:
             raise _Missing(fn_name)
-        return self._calls.call(fn, *args, key=None if g is None else g.index, name=fn_name,
-                                timeout_s=self._call_timeout_s if timeout_s is None else timeout_s)
+        return self._calls.call(
+            fn,
+            *args,
+            key=None if g is None else g.index,
+            name=fn_name,
+            timeout_s=self._call_timeout_s if timeout_s is None else timeout_s,
+        )
 
     def _quiet_call(self, fn_name: str, *args: Any) -> None:
         try:
             self._call(None, fn_name, *args)
-        except Exception as e:  # noqa: BLE001 - shutdown is best effort
+        except Exception as e:
             log.debug("%s failed during stop: %s", fn_name, _describe(e))
 
     def _code(self, exc: BaseException) -> int | None:
@@ -433,7 +478,7 @@ class NvmlProbe:
     def _enumerate(self) -> None:
         try:
             self.driver_version = _text(self._call(None, "nvmlSystemGetDriverVersion"))
-        except Exception as e:  # noqa: BLE001 - informational only
+        except Exception as e:
             log.info("cannot read the NVIDIA driver version: %s", _describe(e))
         try:
             count = int(self._call(None, "nvmlDeviceGetCount"))
@@ -449,8 +494,16 @@ class NvmlProbe:
                 if code in _LOST_CODES:
                     self._mark_lost(g, code, "nvmlDeviceGetHandleByIndex")
                 else:
-                    self._add_sticky(g, _Finding("no_handle", "probe_error", code, Verdict.FAILED,
-                                                 f"probe error: no NVML handle: {_describe(e)}"))
+                    self._add_sticky(
+                        g,
+                        _Finding(
+                            "no_handle",
+                            "probe_error",
+                            code,
+                            Verdict.FAILED,
+                            f"probe error: no NVML handle: {_describe(e)}",
+                        ),
+                    )
                 continue
             g.addr = _handle_key(g.handle)
             if g.addr is not None:
@@ -471,7 +524,7 @@ class NvmlProbe:
             return None
         try:
             return self._call(g, fn, *args)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             code = self._code(e)
             if code in _LOST_CODES:
                 self._mark_lost(g, code, fn)
@@ -480,9 +533,8 @@ class NvmlProbe:
     def _register_events(self) -> None:
         try:
             self._event_set = self._call(None, "nvmlEventSetCreate")
-        except Exception as e:  # noqa: BLE001 - events are an optimisation over polling
-            log.warning("NVML events unavailable (%s): relying on polling and the kernel log",
-                        _describe(e))
+        except Exception as e:
+            log.warning("NVML events unavailable (%s): relying on polling and the kernel log", _describe(e))
             return
         registered = 0
         for g in self._gpus:
@@ -490,18 +542,18 @@ class NvmlProbe:
                 continue
             try:
                 supported = int(self._call(g, "nvmlDeviceGetSupportedEventTypes", g.handle))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if self._code(e) in _LOST_CODES:
                     self._mark_lost(g, self._code(e), "nvmlDeviceGetSupportedEventTypes")
                     continue
-                supported = WATCHED_EVENTS   # unknown: ask for all, registration decides
+                supported = WATCHED_EVENTS  # unknown: ask for all, registration decides
             mask = WATCHED_EVENTS & supported
             if not mask:
                 continue
             try:
                 self._call(g, "nvmlDeviceRegisterEvents", g.handle, mask, self._event_set)
                 registered += 1
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if self._code(e) in _LOST_CODES:
                     self._mark_lost(g, self._code(e), "nvmlDeviceRegisterEvents")
                 else:
@@ -514,7 +566,7 @@ class NvmlProbe:
         try:
             self._scan_nvlinks(g, [])
         except _Abort:
-            pass   # left unscanned; poll rescans and reports the GPU's state
+            pass  # left unscanned; poll rescans and reports the GPU's state
 
     def _scan_nvlinks(self, g: _Gpu, found: list[_Finding]) -> None:
         """Finds the GPU's NVLinks. Watches them all if any is up at the scan.
@@ -531,22 +583,28 @@ class NvmlProbe:
             try:
                 up = self._call(g, fn, g.handle, link)
             except CallTimeout as e:
-                found.append(_Finding("probe_timeout", "probe_timeout", None, Verdict.FAILED,
-                                      f"probe timeout: {e}"))
+                found.append(_Finding("probe_timeout", "probe_timeout", None, Verdict.FAILED, f"probe timeout: {e}"))
                 raise _Abort from None
             except _Missing:
                 break
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 code = self._code(e)
                 if code in _LOST_CODES:
                     self._mark_lost(g, code, fn)
                     raise _Abort from None
                 if code == _NOT_SUPPORTED and link > 0:
-                    continue   # a hole in the link numbering
+                    continue  # a hole in the link numbering
                 if code in (_NOT_SUPPORTED, _INVALID_ARGUMENT, _FUNCTION_NOT_FOUND):
-                    break      # no NVLink, or past the last link
-                found.append(_Finding(f"probe_error:{fn}", "probe_error", code, Verdict.FAILED,
-                                      f"probe error: {fn}({link}): {_describe(e)}"))
+                    break  # no NVLink, or past the last link
+                found.append(
+                    _Finding(
+                        f"probe_error:{fn}",
+                        "probe_error",
+                        code,
+                        Verdict.FAILED,
+                        f"probe error: {fn}({link}): {_describe(e)}",
+                    )
+                )
                 return
             (active if up else inactive).append(link)
         g.nvlinks = sorted(active + inactive) if active else []
@@ -558,11 +616,11 @@ class NvmlProbe:
     def _event_loop(self) -> None:
         wait_ms = max(1, int(self._event_wait_s * 1000))
         failures = 0
-        reported_code: object = _SKIP   # sentinel: nothing reported in this streak
+        reported_code: object = _SKIP  # sentinel: nothing reported in this streak
         while not self._stop.is_set():
             try:
                 data = self._wait_event(wait_ms)
-            except Exception as e:  # noqa: BLE001 - the thread must survive anything
+            except Exception as e:
                 code = self._code(e)
                 if code == _TIMEOUT:
                     failures, reported_code = 0, _SKIP
@@ -570,17 +628,27 @@ class NvmlProbe:
                 failures += 1
                 if code in _LOST_CODES:
                     self._find_lost_gpus()
-                elif code != reported_code:   # once per streak and code, not per retry
+                elif code != reported_code:  # once per streak and code, not per retry
                     reported_code = code
-                    self._emit([self._event(None, "event_wait_error", code, Verdict.DEGRADED,
-                                            f"NVML event wait failing ({_describe(e)}); "
-                                            f"relying on polling", time.monotonic(), time.time())])
+                    self._emit(
+                        [
+                            self._event(
+                                None,
+                                "event_wait_error",
+                                code,
+                                Verdict.DEGRADED,
+                                f"NVML event wait failing ({_describe(e)}); relying on polling",
+                                time.monotonic(),
+                                time.time(),
+                            )
+                        ]
+                    )
                 self._stop.wait(min(5.0, 0.05 * 2 ** min(failures, 7)))
                 continue
             failures, reported_code = 0, _SKIP
             try:
                 self._emit(self._handle_event(data))
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("error while handling an NVML event")
 
     def _wait_event(self, wait_ms: int) -> Any:
@@ -599,48 +667,57 @@ class NvmlProbe:
             if ev is not None:
                 events.append(ev)
         if etype & EVENT_DOUBLE_BIT_ECC:
-            events.append(self._sticky_event(g, "ecc_dbe", None, Verdict.FAILED,
-                                             "double-bit ECC error (NVML event)", t_mono, t_wall))
+            events.append(
+                self._sticky_event(
+                    g, "ecc_dbe", None, Verdict.FAILED, "double-bit ECC error (NVML event)", t_mono, t_wall
+                )
+            )
         if etype & EVENT_GPU_UNAVAILABLE:
-            events.append(self._sticky_event(g, "gpu_unavailable", None, Verdict.FAILED,
-                                             "GPU unavailable (NVML event)", t_mono, t_wall))
+            events.append(
+                self._sticky_event(
+                    g, "gpu_unavailable", None, Verdict.FAILED, "GPU unavailable (NVML event)", t_mono, t_wall
+                )
+            )
         if etype & EVENT_RECOVERY_ACTION:
             verdict, reason = classify_recovery_action(edata)
-            events.append(self._sticky_event(g, "recovery_action", edata, verdict,
-                                             reason + " (NVML event)", t_mono, t_wall))
+            events.append(
+                self._sticky_event(g, "recovery_action", edata, verdict, reason + " (NVML event)", t_mono, t_wall)
+            )
         return events
 
-    def _sticky_event(self, g: _Gpu | None, kind: str, code: int | None, verdict: Verdict,
-                      reason: str, t_mono: float, t_wall: float) -> HealthEvent:
+    def _sticky_event(
+        self, g: _Gpu | None, kind: str, code: int | None, verdict: Verdict, reason: str, t_mono: float, t_wall: float
+    ) -> HealthEvent:
         if g is not None and verdict is not Verdict.HEALTHY:
             self._add_sticky(g, _Finding(f"{kind}:{code}", kind, code, verdict, reason))
         return self._event(g.index if g else None, kind, code, verdict, reason, t_mono, t_wall)
 
-    def _apply_xid(self, g: _Gpu | None, code: int, source: str,
-                   t_mono: float, t_wall: float) -> HealthEvent | None:
+    def _apply_xid(self, g: _Gpu | None, code: int, source: str, t_mono: float, t_wall: float) -> HealthEvent | None:
         xc = classify_xid(code, self._overrides)
         verdict, reason = xc.verdict, f"{xc.reason} ({source})"
         if code == XID_RECOVERY_ACTION_CHANGED and g is not None and not xc.overridden:
             try:
                 action = self._read_recovery_action(g, []) if not g.lost else None
             except _Abort:
-                action = None   # lost or wedged: reported by _mark_lost / the next poll
+                action = None  # lost or wedged: reported by _mark_lost / the next poll
             if action is not None:
                 verdict, why = classify_recovery_action(action)
                 reason = f"Xid {code} ({xc.description}): {why} ({source})"
         if g is None:
-            return self._event(None, "xid", code, verdict, reason, t_mono, t_wall,
-                               xid_class=xc.health_class.value, action=xc.action)
+            return self._event(
+                None, "xid", code, verdict, reason, t_mono, t_wall, xid_class=xc.health_class.value, action=xc.action
+            )
         with self._state_lock:
             g.last_xid, g.last_xid_wall = code, t_wall
             seen = g.xid_seen_mono.get(code)
             if seen is not None and t_mono - seen < XID_DEDUP_WINDOW_S:
                 return None
-            g.xid_seen_mono[code] = t_mono   # window from the last report, so repeats resurface
+            g.xid_seen_mono[code] = t_mono  # window from the last report, so repeats resurface
             if verdict is not Verdict.HEALTHY:
                 self._add_sticky(g, _Finding(f"xid:{code}", "xid", code, verdict, reason))
-        return self._event(g.index, "xid", code, verdict, reason, t_mono, t_wall,
-                           xid_class=xc.health_class.value, action=xc.action)
+        return self._event(
+            g.index, "xid", code, verdict, reason, t_mono, t_wall, xid_class=xc.health_class.value, action=xc.action
+        )
 
     def ingest_kmsg_xid(self, xid: KmsgXid) -> HealthEvent | None:
         """Feeds an Xid seen in the kernel log (KmsgFollower's on_xid).
@@ -652,8 +729,7 @@ class NvmlProbe:
             g = self._by_bus.get(pci_bus_key(xid.pci_bus_id))
         except ValueError:
             g = None
-        ev = self._apply_xid(g, xid.xid, f"kernel log: {xid.message}".rstrip(": "),
-                             time.monotonic(), time.time())
+        ev = self._apply_xid(g, xid.xid, f"kernel log: {xid.message}".rstrip(": "), time.monotonic(), time.time())
         if ev is not None:
             self._emit([ev])
         return ev
@@ -665,7 +741,7 @@ class NvmlProbe:
                 continue
             try:
                 self._call(g, "nvmlDeviceGetTemperature", g.handle, _TEMPERATURE_GPU)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if self._code(e) in _LOST_CODES:
                     self._mark_lost(g, self._code(e), "nvmlDeviceGetTemperature")
 
@@ -673,11 +749,11 @@ class NvmlProbe:
 
     def _mark_lost(self, g: _Gpu, code: int | None, fn: str) -> None:
         what = _LOST_CODES.get(code or 0, "GPU lost")
-        finding = _Finding("gpu_lost", "gpu_lost", code, Verdict.FAILED,
-                           f"{what}: {fn} returned {code}")
+        finding = _Finding("gpu_lost", "gpu_lost", code, Verdict.FAILED, f"{what}: {fn} returned {code}")
         if self._add_sticky(g, finding):
-            self._emit([self._event(g.index, "gpu_lost", code, Verdict.FAILED, finding.reason,
-                                    time.monotonic(), time.time())])
+            self._emit(
+                [self._event(g.index, "gpu_lost", code, Verdict.FAILED, finding.reason, time.monotonic(), time.time())]
+            )
 
     def _add_sticky(self, g: _Gpu, finding: _Finding) -> bool:
         """Records a finding for the probe's life; False if it was already there."""
@@ -688,10 +764,27 @@ class NvmlProbe:
             g.reported.add(finding.key)
             return True
 
-    def _event(self, gpu_index: int | None, kind: str, code: int | None, verdict: Verdict,
-               reason: str, t_mono: float, t_wall: float, **extra: Any) -> HealthEvent:
-        return HealthEvent(gpu_index=gpu_index, kind=kind, code=code, verdict=verdict,
-                           reason=reason, t_mono=t_mono, t_wall=t_wall, **extra)
+    def _event(
+        self,
+        gpu_index: int | None,
+        kind: str,
+        code: int | None,
+        verdict: Verdict,
+        reason: str,
+        t_mono: float,
+        t_wall: float,
+        **extra: Any,
+    ) -> HealthEvent:
+        return HealthEvent(
+            gpu_index=gpu_index,
+            kind=kind,
+            code=code,
+            verdict=verdict,
+            reason=reason,
+            t_mono=t_mono,
+            t_wall=t_wall,
+            **extra,
+        )
 
     def _emit(self, events: list[HealthEvent]) -> None:
         for ev in events:
@@ -700,7 +793,7 @@ class NvmlProbe:
                 continue
             try:
                 self._on_event(ev)
-            except Exception:  # noqa: BLE001 - a callback bug must not stop the probe
+            except Exception:
                 log.exception("on_event callback failed for %s", ev)
 
 
@@ -717,8 +810,9 @@ def _handle_key(handle: Any) -> Any:
 
 def _field_value(v: Any) -> float | int:
     """The value of an nvmlFieldValue_t by its valueType."""
-    attr = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal",
-            6: "usVal"}.get(int(v.valueType), "ullVal")
+    attr = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}.get(
+        int(v.valueType), "ullVal"
+    )
     return getattr(v.value, attr)
 
 

@@ -9,6 +9,7 @@ Fail closed: a probe that raises, or does not answer within its timeout, is
 FAILED — never healthy. A probe still stuck in its previous check is not run
 again (that would pile up threads); it stays FAILED until it returns.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -54,11 +55,12 @@ EventSink = Callable[[HealthEvent], None]
 
 # -- running, fail closed ---------------------------------------------------------
 
+
 @dataclass
 class Outcome:
     result: ProbeResult
     latency_s: float
-    error: bool          # raised, timed out, or still stuck: counted in metrics
+    error: bool  # raised, timed out, or still stuck: counted in metrics
 
 
 class ProbeRunner:
@@ -76,14 +78,15 @@ class ProbeRunner:
     def run(self) -> Outcome:
         t0 = time.monotonic()
         if self._busy is not None and self._busy.is_alive():
-            return Outcome(ProbeResult(Verdict.FAILED, [
-                f"probe {self.name} is still stuck in its previous check"]), 0.0, True)
+            return Outcome(
+                ProbeResult(Verdict.FAILED, [f"probe {self.name} is still stuck in its previous check"]), 0.0, True
+            )
         box: dict[str, Any] = {}
 
         def call() -> None:
             try:
                 box["result"] = self.probe.check()
-            except BaseException as e:  # noqa: BLE001 - reported as FAILED below
+            except BaseException as e:
                 box["error"] = e
 
         t = threading.Thread(target=call, name=f"probe:{self.name}", daemon=True)
@@ -92,24 +95,33 @@ class ProbeRunner:
         latency_s = time.monotonic() - t0
         if t.is_alive():
             self._busy = t
-            return Outcome(ProbeResult(Verdict.FAILED, [
-                f"probe {self.name} timed out after {self.timeout_s:g}s"]), latency_s, True)
+            return Outcome(
+                ProbeResult(Verdict.FAILED, [f"probe {self.name} timed out after {self.timeout_s:g}s"]), latency_s, True
+            )
         if "error" in box:
             e = box["error"]
-            return Outcome(ProbeResult(Verdict.FAILED, [
-                f"probe {self.name} raised {type(e).__name__}: {e}"]), latency_s, True)
+            return Outcome(
+                ProbeResult(Verdict.FAILED, [f"probe {self.name} raised {type(e).__name__}: {e}"]), latency_s, True
+            )
         res = box.get("result")
         if not isinstance(res, ProbeResult) or not isinstance(res.verdict, Verdict):
-            return Outcome(ProbeResult(Verdict.FAILED, [
-                f"probe {self.name} returned {type(res).__name__}, not a ProbeResult"]), latency_s, True)
+            return Outcome(
+                ProbeResult(Verdict.FAILED, [f"probe {self.name} returned {type(res).__name__}, not a ProbeResult"]),
+                latency_s,
+                True,
+            )
         return Outcome(res, latency_s, False)
 
 
 def aggregate(results: Mapping[str, ProbeResult]) -> tuple[Verdict, list[str]]:
     """Node verdict: the worst probe verdict, with every unhealthy probe's reasons."""
     verdict = worst(*(r.verdict for r in results.values()))
-    reasons = [reason for r in results.values() if r.verdict is not Verdict.HEALTHY
-               for reason in (r.reasons or [r.verdict.value])]
+    reasons = [
+        reason
+        for r in results.values()
+        if r.verdict is not Verdict.HEALTHY
+        for reason in (r.reasons or [r.verdict.value])
+    ]
     return verdict, reasons
 
 
@@ -123,13 +135,14 @@ def fault_summary(results: Mapping[str, ProbeResult]) -> str:
                 xid = st.get("last_xid")
                 for reason in st.get("reasons") or []:
                     if xid is not None and reason.startswith(f"Xid {xid} ("):
-                        desc = reason[len(f"Xid {xid} ("):].split(")", 1)[0]
+                        desc = reason[len(f"Xid {xid} (") :].split(")", 1)[0]
                         return f"GPU {st['index']} Xid {xid} {desc}"
                 return f"GPU {st['index']} {(st.get('reasons') or [verdict.value])[0]}"
     return reasons[0] if reasons else verdict.value
 
 
 # -- built-in: GPU via NVML ---------------------------------------------------------
+
 
 class GpuProbe:
     """NvmlProbe as a Probe. NVML events reach ``on_event`` at once (the daemon
@@ -138,9 +151,14 @@ class GpuProbe:
 
     name = "gpu"
 
-    def __init__(self, xid_overrides: Mapping[str, str] | None = None,
-                 call_timeout_s: float = 2.0, init_timeout_s: float = 10.0,
-                 on_event: EventSink | None = None, nvml: Any = None) -> None:
+    def __init__(
+        self,
+        xid_overrides: Mapping[str, str] | None = None,
+        call_timeout_s: float = 2.0,
+        init_timeout_s: float = 10.0,
+        on_event: EventSink | None = None,
+        nvml: Any = None,
+    ) -> None:
         self._overrides = dict(xid_overrides or {})
         self._call_timeout_s = call_timeout_s
         self._init_timeout_s = init_timeout_s
@@ -155,9 +173,13 @@ class GpuProbe:
         with self._lock:
             if self.nvml is not None:
                 return
-            p = NvmlProbe(nvml=self._nvml_module, xid_overrides=self._overrides,
-                          call_timeout_s=self._call_timeout_s, on_event=self._on_event,
-                          init_timeout_s=self._init_timeout_s)
+            p = NvmlProbe(
+                nvml=self._nvml_module,
+                xid_overrides=self._overrides,
+                call_timeout_s=self._call_timeout_s,
+                on_event=self._on_event,
+                init_timeout_s=self._init_timeout_s,
+            )
             try:
                 p.start()
             except NvmlUnavailable as e:
@@ -181,9 +203,15 @@ class GpuProbe:
             return ProbeResult(Verdict.FAILED, [self._error], {"gpus": []})
         statuses: list[GpuStatus] = self.nvml.poll()
         verdict, reasons = node_verdict(statuses)
-        return ProbeResult(verdict, reasons, {"gpus": [s.to_dict() for s in statuses],
-                                              "driver": self.nvml.driver_version,
-                                              "events_enabled": self.nvml.events_enabled})
+        return ProbeResult(
+            verdict,
+            reasons,
+            {
+                "gpus": [s.to_dict() for s in statuses],
+                "driver": self.nvml.driver_version,
+                "events_enabled": self.nvml.events_enabled,
+            },
+        )
 
 
 def _bus_keys(statuses: Iterable[GpuStatus]) -> set[str]:
@@ -198,6 +226,7 @@ def _bus_keys(statuses: Iterable[GpuStatus]) -> set[str]:
 
 # -- built-in: Xid lines in the kernel log -------------------------------------------
 
+
 class KmsgXidProbe:
     """Xids in the kernel log: the buffer since boot at start(), then new lines.
 
@@ -209,9 +238,14 @@ class KmsgXidProbe:
     name = "kmsg"
     MAX_SCAN_BYTES = 4 << 20
 
-    def __init__(self, path: str, xid_overrides: Mapping[str, str] | None = None,
-                 gpu: GpuProbe | None = None, follow: bool = False,
-                 on_event: EventSink | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        xid_overrides: Mapping[str, str] | None = None,
+        gpu: GpuProbe | None = None,
+        follow: bool = False,
+        on_event: EventSink | None = None,
+    ) -> None:
         self.path = path
         self._overrides = dict(xid_overrides or {})
         self._gpu = gpu
@@ -236,8 +270,7 @@ class KmsgXidProbe:
             self._error = f"cannot read kernel log {self.path}: {e.strerror or e}"
             return
         if self._follow:
-            self._follower = KmsgFollower(self.path, on_xid=self._on_xid,
-                                          on_error=self._on_follow_error)
+            self._follower = KmsgFollower(self.path, on_xid=self._on_xid, on_error=self._on_follow_error)
             self._follower.start()
 
     def stop(self) -> None:
@@ -257,16 +290,26 @@ class KmsgXidProbe:
             self._seen.append({"pci_bus_id": xid.pci_bus_id, "xid": xid.xid, "message": xid.message})
             del self._seen[:-32]
         if gpu_nvml is not None and key in self._gpu.bus_keys():
-            gpu_nvml.ingest_kmsg_xid(xid)   # emits its own HealthEvent
+            gpu_nvml.ingest_kmsg_xid(xid)  # emits its own HealthEvent
             return
         xc = classify_xid(xid.xid, self._overrides)
         reason = f"PCI {xid.pci_bus_id}: {xc.reason} (kernel log)"
         with self._lock:
             self._findings[(key, xid.xid)] = (xc.verdict, reason)
         if live and self._on_event is not None and xc.verdict is not Verdict.HEALTHY:
-            self._on_event(HealthEvent(None, "xid", xid.xid, xc.verdict, reason,
-                                       time.monotonic(), time.time(),
-                                       xid_class=xc.health_class.value, action=xc.action))
+            self._on_event(
+                HealthEvent(
+                    None,
+                    "xid",
+                    xid.xid,
+                    xc.verdict,
+                    reason,
+                    time.monotonic(),
+                    time.time(),
+                    xid_class=xc.health_class.value,
+                    action=xc.action,
+                )
+            )
 
     def check(self) -> ProbeResult:
         self.start()
@@ -293,7 +336,7 @@ def _read_existing(path: str, limit: int) -> Iterable[str]:
             except BlockingIOError:
                 break
             except OSError as e:
-                if e.errno == 32:   # EPIPE: ring buffer overrun, keep reading
+                if e.errno == 32:  # EPIPE: ring buffer overrun, keep reading
                     continue
                 raise
             if not chunk:
@@ -308,6 +351,7 @@ def _read_existing(path: str, limit: int) -> Iterable[str]:
 
 
 # -- loading -------------------------------------------------------------------------
+
 
 class _BrokenProbe:
     """Stands in for a probe that could not be loaded or built: always FAILED."""
@@ -327,8 +371,7 @@ def plugin_factories() -> dict[str, importlib.metadata.EntryPoint]:
 BUILTIN_PROBES = ("gpu", "kmsg")
 
 
-def build_probes(cfg: Config, *, on_event: EventSink | None = None,
-                 follow: bool = False) -> list[Probe]:
+def build_probes(cfg: Config, *, on_event: EventSink | None = None, follow: bool = False) -> list[Probe]:
     """The configured probes, in config order (the GPU probe first: kmsg feeds it).
 
     An unknown name is a ConfigError (a typo must not silently drop a check);
@@ -345,8 +388,9 @@ def build_probes(cfg: Config, *, on_event: EventSink | None = None,
     for name in dict.fromkeys(names):
         opts = dict(cfg.probe_options.get(name, {}))
         if name == "gpu":
-            gpu = GpuProbe(cfg.xid_overrides, cfg.nvml_call_timeout_s,
-                           init_timeout_s=cfg.probe_timeout_s, on_event=on_event)
+            gpu = GpuProbe(
+                cfg.xid_overrides, cfg.nvml_call_timeout_s, init_timeout_s=cfg.probe_timeout_s, on_event=on_event
+            )
             probes.append(gpu)
         elif name == "kmsg":
             probes.append(KmsgXidProbe(cfg.kmsg_path, cfg.xid_overrides, gpu, follow, on_event))
@@ -356,7 +400,7 @@ def build_probes(cfg: Config, *, on_event: EventSink | None = None,
                 if not isinstance(probe, Probe):
                     raise TypeError(f"factory returned {type(probe).__name__}, not a Probe")
                 probes.append(probe)
-            except Exception as e:  # noqa: BLE001 - fail closed, see _BrokenProbe
+            except Exception as e:
                 log.error("probe %s cannot be loaded: %s", name, e)
                 probes.append(_BrokenProbe(name, f"{type(e).__name__}: {e}"))
     return probes
@@ -370,7 +414,7 @@ def start_probes(probes: Iterable[Probe]) -> None:
             continue
         try:
             start()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.error("probe %s failed to start: %s", getattr(p, "name", p), e)
 
 
@@ -380,7 +424,7 @@ def stop_probes(probes: Iterable[Probe]) -> None:
         if stop is not None:
             try:
                 stop()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("probe %s failed to stop", getattr(p, "name", p))
 
 

@@ -17,16 +17,18 @@ from resild.health.model import Verdict
 
 
 class HealthClass(str, enum.Enum):
-    APP_ERROR = "app_error"   # the application faulted; the GPU is fine: restart its ranks
-    DEGRADED = "degraded"     # keep running, fix at the next convenient point
-    FAILED = "failed"         # the GPU (node) must be fenced and replaced
+    APP_ERROR = "app_error"  # the application faulted; the GPU is fine: restart its ranks
+    DEGRADED = "degraded"  # keep running, fix at the next convenient point
+    FAILED = "failed"  # the GPU (node) must be fenced and replaced
 
     @property
     def verdict(self) -> Verdict:
         """The GPU verdict this class implies (an app error leaves the GPU healthy)."""
-        return {HealthClass.APP_ERROR: Verdict.HEALTHY,
-                HealthClass.DEGRADED: Verdict.DEGRADED,
-                HealthClass.FAILED: Verdict.FAILED}[self]
+        return {
+            HealthClass.APP_ERROR: Verdict.HEALTHY,
+            HealthClass.DEGRADED: Verdict.DEGRADED,
+            HealthClass.FAILED: Verdict.FAILED,
+        }[self]
 
 
 _A, _D, _F = HealthClass.APP_ERROR, HealthClass.DEGRADED, HealthClass.FAILED
@@ -77,9 +79,9 @@ class XidClass:
     health_class: HealthClass
     action: str
     description: str
-    known: bool          # False: not in the table, classified by the unknown-code rule
-    overridden: bool     # True: class set by config, not by the table
-    reason: str          # one line for logs, drain reasons and events
+    known: bool  # False: not in the table, classified by the unknown-code rule
+    overridden: bool  # True: class set by config, not by the table
+    reason: str  # one line for logs, drain reasons and events
 
     @property
     def verdict(self) -> Verdict:
@@ -87,9 +89,13 @@ class XidClass:
 
 
 _CLASS_ALIASES = {
-    "app_error": _A, "app": _A, "app-error": _A,
+    "app_error": _A,
+    "app": _A,
+    "app-error": _A,
     "degraded": _D,
-    "failed": _F, "fail": _F, "node_failed": _F,
+    "failed": _F,
+    "fail": _F,
+    "node_failed": _F,
 }
 
 
@@ -99,12 +105,10 @@ def parse_health_class(value: str | HealthClass) -> HealthClass:
         return value
     if isinstance(value, str) and value.strip().lower() in _CLASS_ALIASES:
         return _CLASS_ALIASES[value.strip().lower()]
-    raise ValueError(f"invalid Xid class {value!r}: expected one of "
-                     f"'app_error', 'degraded', 'failed'")
+    raise ValueError(f"invalid Xid class {value!r}: expected one of 'app_error', 'degraded', 'failed'")
 
 
-def validate_overrides(overrides: Mapping[int | str, str | HealthClass] | None
-                       ) -> dict[int, HealthClass]:
+def validate_overrides(overrides: Mapping[int | str, str | HealthClass] | None) -> dict[int, HealthClass]:
     """Checks config overrides ({79: "failed"}); keys may be ints or numeric strings."""
     result: dict[int, HealthClass] = {}
     for key, value in (overrides or {}).items():
@@ -121,8 +125,7 @@ def validate_overrides(overrides: Mapping[int | str, str | HealthClass] | None
     return result
 
 
-def classify_xid(code: int,
-                 overrides: Mapping[int | str, str | HealthClass] | None = None) -> XidClass:
+def classify_xid(code: int, overrides: Mapping[int | str, str | HealthClass] | None = None) -> XidClass:
     """Class of one Xid: the table, then config overrides; unknown codes are DEGRADED."""
     checked = validate_overrides(overrides)
     row = XID_TABLE.get(code)
@@ -138,9 +141,15 @@ def classify_xid(code: int,
         reason += "; not in the Xid table, degraded by default"
     if overridden:
         reason += " [class overridden by config]"
-    return XidClass(code=code, health_class=health_class, action=action,
-                    description=description, known=row is not None,
-                    overridden=overridden, reason=reason)
+    return XidClass(
+        code=code,
+        health_class=health_class,
+        action=action,
+        description=description,
+        known=row is not None,
+        overridden=overridden,
+        reason=reason,
+    )
 
 
 # Field 230 (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) value -> (class, meaning).

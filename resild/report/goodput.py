@@ -20,6 +20,7 @@ A fault's start is known when it was injected (`fault_injected`); otherwise it i
 then counts as 0 and the lost time shows up as idle). Worker events carry the worker's clock
 in ``t_mono`` and the log's in ``t_log``: durations come from the worker, instants from the log.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,15 +39,15 @@ class EventFileError(ValueError):
 @dataclass
 class FailureBreakdown:
     index: int
-    kind: str                 # "node failure", "spare lost", "re-form" (transient; no node lost)
+    kind: str  # "node failure", "spare lost", "re-form" (transient; no node lost)
     node: str | None
     cause: str
     detector: str
-    fault: str | None         # the injected fault's spec, when injected
-    fault_time_from: str      # "injected", "collective failure" or "detection" (start unknown)
-    t_fault: float            # seconds since job start
-    phases: dict[str, float] = field(default_factory=dict)   # PHASES → seconds (clipped: no overlap)
-    recovery_s: float | None = None                          # fault → full strength; None: not recovered
+    fault: str | None  # the injected fault's spec, when injected
+    fault_time_from: str  # "injected", "collective failure" or "detection" (start unknown)
+    t_fault: float  # seconds since job start
+    phases: dict[str, float] = field(default_factory=dict)  # PHASES → seconds (clipped: no overlap)
+    recovery_s: float | None = None  # fault → full strength; None: not recovered
     committed_step: int | None = None
     resumed_step: int | None = None
     steps_redone: int = 0
@@ -59,7 +60,7 @@ class FailureBreakdown:
 
 @dataclass
 class Breakdown:
-    outcome: str              # finished / failed / incomplete (no end event: still running or killed)
+    outcome: str  # finished / failed / incomplete (no end event: still running or killed)
     reason: str
     nodes: int
     active_nodes: int
@@ -72,21 +73,26 @@ class Breakdown:
     idle_s: float
     shutdown_s: float
     phase_totals: dict[str, float]
-    steps: int                # steps committed after the first one (each counted once)
-    step_s: float | None      # median step time
-    goodput: float | None     # productive / wall
+    steps: int  # steps committed after the first one (each counted once)
+    step_s: float | None  # median step time
+    goodput: float | None  # productive / wall
     training_goodput: float | None  # steps x median step / (first → last commit), as resil-run prints
-    gpu_goodput: float | None       # productive GPU-time / every allocated GPU's time (spares idle too)
+    gpu_goodput: float | None  # productive GPU-time / every allocated GPU's time (spares idle too)
     failures: list[FailureBreakdown]
-    step_line: list[tuple[float, int]]     # (seconds since start, committed step)
-    spares_line: list[tuple[float, int]]   # (seconds since start, spares left)
+    step_line: list[tuple[float, int]]  # (seconds since start, committed step)
+    spares_line: list[tuple[float, int]]  # (seconds since start, spares left)
     jobs_in_file: int = 1
     job_index: int = 1
 
     def parts(self) -> list[tuple[str, float]]:
-        return [("productive steps", self.productive_s), ("start-up", self.startup_s),
-                ("recovery", self.recovery_s), ("redone steps", self.redone_s),
-                ("idle / slow steps", self.idle_s), ("shutdown", self.shutdown_s)]
+        return [
+            ("productive steps", self.productive_s),
+            ("start-up", self.startup_s),
+            ("recovery", self.recovery_s),
+            ("redone steps", self.redone_s),
+            ("idle / slow steps", self.idle_s),
+            ("shutdown", self.shutdown_s),
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -119,11 +125,15 @@ def load_events(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError as e:
             if n == len(lines) and not text.endswith("\n"):
                 break  # the last line of a log still being written
-            raise EventFileError(f"{p}:{n}: not JSON ({e.msg}); expected one event per line "
-                                 "as written by resil-run --events") from None
-        if not isinstance(rec, dict) or not isinstance(rec.get("event"), str) \
-                or not isinstance(rec.get("t_mono"), (int, float)):
-            raise EventFileError(f"{p}:{n}: not a resild event (needs \"event\" and \"t_mono\")")
+            raise EventFileError(
+                f"{p}:{n}: not JSON ({e.msg}); expected one event per line as written by resil-run --events"
+            ) from None
+        if (
+            not isinstance(rec, dict)
+            or not isinstance(rec.get("event"), str)
+            or not isinstance(rec.get("t_mono"), (int, float))
+        ):
+            raise EventFileError(f'{p}:{n}: not a resild event (needs "event" and "t_mono")')
         out.append(rec)
     if not out:
         raise EventFileError(f"{p}: empty (no events)")
@@ -160,10 +170,14 @@ def step_time(events: list[dict], fin: dict | None) -> float | None:
     steps as consecutive pairs, which can only make its median too large; progress windows
     average a few steps, which can only make theirs a little larger than a true median."""
     prog = [e for e in events if e["event"] == "progress"]
-    rates = [(_t(b) - _t(a)) / (b["step"] - a["step"]) for a, b in zip(prog, prog[1:])
-             if a.get("epoch") == b.get("epoch") and b["step"] > a["step"]]
-    cands = ([float(fin["step_s"])] if fin is not None and fin.get("step_s") else []) + \
-        ([median(rates)] if rates else [])
+    rates = [
+        (_t(b) - _t(a)) / (b["step"] - a["step"])
+        for a, b in zip(prog, prog[1:])
+        if a.get("epoch") == b.get("epoch") and b["step"] > a["step"]
+    ]
+    cands = ([float(fin["step_s"])] if fin is not None and fin.get("step_s") else []) + (
+        [median(rates)] if rates else []
+    )
     return min(cands) if cands else None
 
 
@@ -211,8 +225,14 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
         steps = max((int(e["step"]) for e in commits), default=0) - (int(first_commit["step"]) if first_commit else 0)
     line: list[tuple[float, int]] = []
     for e in ev:
-        s = {"progress": "step", "full_strength_step": "step", "resumed": "step", "rank_done": "step",
-             "failure_detected": "committed_step", "fault_injected": "step"}.get(e["event"])
+        s = {
+            "progress": "step",
+            "full_strength_step": "step",
+            "resumed": "step",
+            "rank_done": "step",
+            "failure_detected": "committed_step",
+            "fault_injected": "step",
+        }.get(e["event"])
         if s and isinstance(e.get(s), int):
             line.append((rel(_t(e)), int(e[s])))
     if fin is not None and t_last is not None and isinstance(fin.get("final_step"), int):
@@ -260,12 +280,28 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     if fin is not None and step_s and fin.get("train_s"):
         training_goodput = min(1.0, steps * step_s / float(fin["train_s"]))
     return Breakdown(
-        outcome=outcome, reason=reason, nodes=len(all_nodes), active_nodes=len(active), initial_spares=len(spares),
-        wall_s=wall, startup_s=startup, productive_s=productive, recovery_s=recov, redone_s=redone, idle_s=idle,
-        shutdown_s=shutdown, phase_totals=totals, steps=steps, step_s=step_s,
-        goodput=productive / wall if wall > 0 else None, training_goodput=training_goodput,
+        outcome=outcome,
+        reason=reason,
+        nodes=len(all_nodes),
+        active_nodes=len(active),
+        initial_spares=len(spares),
+        wall_s=wall,
+        startup_s=startup,
+        productive_s=productive,
+        recovery_s=recov,
+        redone_s=redone,
+        idle_s=idle,
+        shutdown_s=shutdown,
+        phase_totals=totals,
+        steps=steps,
+        step_s=step_s,
+        goodput=productive / wall if wall > 0 else None,
+        training_goodput=training_goodput,
         gpu_goodput=productive * n_act / (wall * n_all) if wall > 0 else None,
-        failures=failures, step_line=line, spares_line=spares_line)
+        failures=failures,
+        step_line=line,
+        spares_line=spares_line,
+    )
 
 
 def _failures(ev: list[dict], t0: float, step_s: float | None, layout: set[str]) -> list[FailureBreakdown]:
@@ -275,7 +311,7 @@ def _failures(ev: list[dict], t0: float, step_s: float | None, layout: set[str])
     prev_end = t0
     for e in ev:
         if e["event"] == "membership":
-            layout = set((e.get("layout") or {}))
+            layout = set(e.get("layout") or {})
         if e["event"] not in ("failure_detected", "reform"):
             continue
         t_det = _t(e)
@@ -283,8 +319,12 @@ def _failures(ev: list[dict], t0: float, step_s: float | None, layout: set[str])
         # The fault that led here: the latest injection on that node not yet matched.
         fault = None
         for x in ev:
-            if x["event"] == "fault_injected" and id(x) not in used_faults and _t(x) <= t_det \
-                    and (node is None or x.get("node") == node):
+            if (
+                x["event"] == "fault_injected"
+                and id(x) not in used_faults
+                and _t(x) <= t_det
+                and (node is None or x.get("node") == node)
+            ):
                 fault = x
         if fault is not None:
             used_faults.add(id(fault))
@@ -304,11 +344,19 @@ def _failures(ev: list[dict], t0: float, step_s: float | None, layout: set[str])
             ep = assigned.get("epoch") if assigned else None
             fenced = _first(ev, "node_fenced", after=t_det, node=node)
             t_fence = _t(fenced) if fenced else t_det
-        f = FailureBreakdown(index=len(out) + 1, kind=kind, node=node, cause=str(e.get("cause") or e.get("reason", "")),
-                             detector=str(e.get("detector", "probe" if kind == "re-form" else "")),
-                             fault=fault.get("spec") if fault else None, fault_time_from=src,
-                             t_fault=t_fault - t0, committed_step=e.get("committed_step"), epoch=ep,
-                             spares_left=assigned.get("spares_left") if assigned else None)
+        f = FailureBreakdown(
+            index=len(out) + 1,
+            kind=kind,
+            node=node,
+            cause=str(e.get("cause") or e.get("reason", "")),
+            detector=str(e.get("detector", "probe" if kind == "re-form" else "")),
+            fault=fault.get("spec") if fault else None,
+            fault_time_from=src,
+            t_fault=t_fault - t0,
+            committed_step=e.get("committed_step"),
+            epoch=ep,
+            spares_left=assigned.get("spares_left") if assigned else None,
+        )
         bounds = [t_fault, t_det, t_fence]
         if kind == "spare lost":
             f.phases = {}  # training never stopped
@@ -341,7 +389,7 @@ def _failures(ev: list[dict], t0: float, step_s: float | None, layout: set[str])
             else:
                 bounds += [t_fence] * 3  # never back to full strength: the rest is the job stopping
         else:
-            bounds += [t_fence] * 3      # no spare: the job stopped (counted as shutdown)
+            bounds += [t_fence] * 3  # no spare: the job stopped (counted as shutdown)
         out.append(f)
         timed.append((f, bounds))
         prev_end = bounds[-1]
@@ -373,8 +421,10 @@ def format_breakdown(b: Breakdown) -> str:
         lines.append(f"(the file holds {b.jobs_in_file} jobs; this is job {b.job_index}: --job N picks another)")
     step = "-" if b.step_s is None else f"{b.step_s * 1000:.1f} ms"
     lines.append(f"job {b.outcome}: {b.reason}")
-    lines.append(f"{b.nodes} nodes ({b.active_nodes} training, {b.initial_spares} hot spares), "
-                 f"{b.steps} steps, median step {step}, wall {b.wall_s:.2f} s")
+    lines.append(
+        f"{b.nodes} nodes ({b.active_nodes} training, {b.initial_spares} hot spares), "
+        f"{b.steps} steps, median step {step}, wall {b.wall_s:.2f} s"
+    )
     lines.append("")
     lines.append(f"{'where the time went':<26}{'seconds':>10}{'share':>9}")
     for name, v in b.parts():
@@ -387,17 +437,25 @@ def format_breakdown(b: Breakdown) -> str:
                 lines.append(f"{'  ' + p:<26}{b.phase_totals[p]:>10.3f}")
     lines.append(f"{'total (wall)':<26}{b.wall_s:>10.3f}{'100.0%':>9}")
     lines.append("")
-    lines.append(f"goodput {_pct(b.goodput)} of wall time; {_pct(b.training_goodput)} of the training window "
-                 f"(first -> last committed step); {_pct(b.gpu_goodput)} of all allocated "
-                 f"GPU time, counting the idle hot spares")
+    lines.append(
+        f"goodput {_pct(b.goodput)} of wall time; {_pct(b.training_goodput)} of the training window "
+        f"(first -> last committed step); {_pct(b.gpu_goodput)} of all allocated "
+        f"GPU time, counting the idle hot spares"
+    )
     if b.failures:
         lines.append("")
-        hdr = (f"{'#':>2} {'at':>8} {'node':<13} {'fault':<22} {'detector':<13}"
-               + "".join(f"{p:>11}" for p in PHASES) + f"{'recovery':>10}{'redone':>7}{'replayed':>10}{'spares':>7}")
+        hdr = (
+            f"{'#':>2} {'at':>8} {'node':<13} {'fault':<22} {'detector':<13}"
+            + "".join(f"{p:>11}" for p in PHASES)
+            + f"{'recovery':>10}{'redone':>7}{'replayed':>10}{'spares':>7}"
+        )
         lines.append(hdr)
         for f in b.failures:
-            ph = "".join(f"{_s(f.phases.get(p)):>11}" for p in PHASES) if f.phases else \
-                "".join(f"{'-':>11}" for _ in PHASES)
+            ph = (
+                "".join(f"{_s(f.phases.get(p)):>11}" for p in PHASES)
+                if f.phases
+                else "".join(f"{'-':>11}" for _ in PHASES)
+            )
             mb = f"{f.bytes_replayed / 1e6:.1f}MB" if f.bytes_replayed else "-"
             what = f.fault or ("(" + f.kind + ")")
             note = []
@@ -407,9 +465,10 @@ def format_breakdown(b: Breakdown) -> str:
                 note.append("interrupted by the next failure")
             if f.kind == "spare lost":
                 note.append("a spare failed; training went on")
-            lines.append(f"{f.index:>2} {f.t_fault:>7.2f}s {str(f.node or '-'):<13} {what:<22} {f.detector:<13}"
-                         f"{ph}{_s(f.recovery_s):>10}{f.steps_redone:>7}{mb:>10}"
-                         f"{'-' if f.spares_left is None else f.spares_left:>7}"
-                         + (f"  ({'; '.join(note)})" if note else ""))
+            lines.append(
+                f"{f.index:>2} {f.t_fault:>7.2f}s {str(f.node or '-'):<13} {what:<22} {f.detector:<13}"
+                f"{ph}{_s(f.recovery_s):>10}{f.steps_redone:>7}{mb:>10}"
+                f"{'-' if f.spares_left is None else f.spares_left:>7}" + (f"  ({'; '.join(note)})" if note else "")
+            )
         lines.append("   at: seconds after job start; phases in seconds; recovery = fault -> first full-strength step")
     return "\n".join(lines)

@@ -3,6 +3,7 @@
 Kept apart from `resild.report.goodput` so the analysis imports nothing heavy; matplotlib is
 imported only when a picture is asked for.
 """
+
 from __future__ import annotations
 
 import base64
@@ -13,10 +14,21 @@ from pathlib import Path
 
 from resild.report.goodput import PHASES, Breakdown, format_breakdown
 
-PHASE_COLORS = {"detection": "#d62728", "fence": "#ff7f0e", "re-form": "#bcbd22", "replay": "#1f77b4",
-                "first step": "#9467bd"}
-PART_COLORS = {"productive steps": "#2ca02c", "start-up": "#7f7f7f", "recovery": "#d62728",
-               "redone steps": "#ff7f0e", "idle / slow steps": "#c7c7c7", "shutdown": "#aec7e8"}
+PHASE_COLORS = {
+    "detection": "#d62728",
+    "fence": "#ff7f0e",
+    "re-form": "#bcbd22",
+    "replay": "#1f77b4",
+    "first step": "#9467bd",
+}
+PART_COLORS = {
+    "productive steps": "#2ca02c",
+    "start-up": "#7f7f7f",
+    "recovery": "#d62728",
+    "redone steps": "#ff7f0e",
+    "idle / slow steps": "#c7c7c7",
+    "shutdown": "#aec7e8",
+}
 MAX_GANTT_ROWS = 12
 
 
@@ -26,16 +38,29 @@ def render_png(b: Breakdown, title: str = "") -> bytes:
 
     fig = Figure(figsize=(12, 7.2), dpi=110)
     FigureCanvasAgg(fig)
-    gs = fig.add_gridspec(2, 2, height_ratios=[3, 1.5], width_ratios=[1.6, 1], hspace=0.5, wspace=0.25,
-                          bottom=0.2, top=0.9, left=0.08, right=0.93)
+    gs = fig.add_gridspec(
+        2,
+        2,
+        height_ratios=[3, 1.5],
+        width_ratios=[1.6, 1],
+        hspace=0.5,
+        wspace=0.25,
+        bottom=0.2,
+        top=0.9,
+        left=0.08,
+        right=0.93,
+    )
     _timeline(fig.add_subplot(gs[0, :]), b)
     _gantt(fig.add_subplot(gs[1, 0]), b)
     _parts(fig.add_subplot(gs[1, 1]), b)
     gp = "-" if b.goodput is None else f"{b.goodput * 100:.1f}%"
     tg = "-" if b.training_goodput is None else f"{b.training_goodput * 100:.1f}%"
     n = len([f for f in b.failures if f.kind != "spare lost"])
-    fig.suptitle(f"{title + ': ' if title else ''}job {b.outcome}, {b.steps} steps, {n} failure(s) — goodput {gp} "
-                 f"of wall time, {tg} of the training window", fontsize=12)
+    fig.suptitle(
+        f"{title + ': ' if title else ''}job {b.outcome}, {b.steps} steps, {n} failure(s) — goodput {gp} "
+        f"of wall time, {tg} of the training window",
+        fontsize=12,
+    )
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
@@ -45,8 +70,16 @@ def _timeline(ax, b: Breakdown) -> None:
     ax.set_title("committed step against wall time; faults, recovery phases and spares left", fontsize=10)
     if b.startup_s > 0:
         ax.axvspan(0, b.startup_s, color=PART_COLORS["start-up"], alpha=0.15, lw=0)
-        ax.text(b.startup_s / 2, 0.97, "start-up", transform=ax.get_xaxis_transform(), ha="center", va="top",
-                fontsize=8, color="#555555")
+        ax.text(
+            b.startup_s / 2,
+            0.97,
+            "start-up",
+            transform=ax.get_xaxis_transform(),
+            ha="center",
+            va="top",
+            fontsize=8,
+            color="#555555",
+        )
     if b.step_line:
         ts, steps = zip(*b.step_line)
         ax.plot(ts, steps, color=PART_COLORS["productive steps"], lw=1.8, label="committed step")
@@ -56,8 +89,17 @@ def _timeline(ax, b: Breakdown) -> None:
         label = f"#{f.index} {f.fault or f.kind}"
         if f.recovery_s is not None:
             label += f"\n{f.recovery_s * 1000:.0f} ms to full strength"
-        ax.annotate(label, (x, 0.5), xycoords=("data", "axes fraction"), xytext=(4, 0),
-                    textcoords="offset points", fontsize=7.5, color="#d62728", rotation=90, va="center")
+        ax.annotate(
+            label,
+            (x, 0.5),
+            xycoords=("data", "axes fraction"),
+            xytext=(4, 0),
+            textcoords="offset points",
+            fontsize=7.5,
+            color="#d62728",
+            rotation=90,
+            va="center",
+        )
         t = x
         for p in PHASES:  # sub-second on a minutes-long line: drawn, and readable in the panel below
             d = f.phases.get(p, 0.0)
@@ -102,8 +144,9 @@ def _gantt(ax, b: Breakdown) -> None:
     ax.set_xlim(right=ax.get_xlim()[1] * 1.25)
     ax.legend(fontsize=7, ncol=len(PHASES), loc="lower center", bbox_to_anchor=(0.5, 1.12), frameon=False)
     if len(b.failures) > len(rows):
-        ax.text(1, -0.3, f"first {len(rows)} of {len(b.failures)} failures", transform=ax.transAxes,
-                ha="right", fontsize=7)
+        ax.text(
+            1, -0.3, f"first {len(rows)} of {len(b.failures)} failures", transform=ax.transAxes, ha="right", fontsize=7
+        )
 
 
 def _parts(ax, b: Breakdown) -> None:
@@ -123,13 +166,15 @@ def _parts(ax, b: Breakdown) -> None:
 def render_html(b: Breakdown, title: str = "") -> str:
     png = base64.b64encode(render_png(b, title)).decode("ascii")
     name = html.escape(title or "resild job report")
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{name}</title>\n"
-            "<style>body{font-family:sans-serif;margin:2em}pre{font-size:12px;background:#f6f6f6;padding:1em}"
-            "</style></head><body>\n"
-            f"<h1>{name}</h1>\n<img alt=\"timeline\" style=\"max-width:100%\" src=\"data:image/png;base64,{png}\">\n"
-            f"<h2>Where the time went</h2>\n<pre>{html.escape(format_breakdown(b))}</pre>\n"
-            "<details><summary>JSON</summary><pre>"
-            f"{html.escape(json.dumps(b.to_dict(), indent=1))}</pre></details>\n</body></html>\n")
+    return (
+        f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{name}</title>\n'
+        "<style>body{font-family:sans-serif;margin:2em}pre{font-size:12px;background:#f6f6f6;padding:1em}"
+        "</style></head><body>\n"
+        f'<h1>{name}</h1>\n<img alt="timeline" style="max-width:100%" src="data:image/png;base64,{png}">\n'
+        f"<h2>Where the time went</h2>\n<pre>{html.escape(format_breakdown(b))}</pre>\n"
+        "<details><summary>JSON</summary><pre>"
+        f"{html.escape(json.dumps(b.to_dict(), indent=1))}</pre></details>\n</body></html>\n"
+    )
 
 
 def write_plot(b: Breakdown, path: Path, title: str = "") -> None:

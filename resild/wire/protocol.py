@@ -11,6 +11,7 @@ typed class (`BODY_TYPES`), so handlers never see a malformed body. Keys a
 body class does not name are passed through (peers of the same protocol
 version may add optional fields) but still obey the generic limits.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,8 @@ from typing import Any
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20  # control messages only; state travels over torch collectives
-MAX_INT = (1 << 53) - 1    # JSON numbers stay exact in every peer's parser up to here
-MAX_DEPTH = 16             # nesting of a body: a deep frame must not exhaust a handler's stack
+MAX_INT = (1 << 53) - 1  # JSON numbers stay exact in every peer's parser up to here
+MAX_DEPTH = 16  # nesting of a body: a deep frame must not exhaust a handler's stack
 
 
 class MsgType(str, Enum):
@@ -39,7 +40,7 @@ class MsgType(str, Enum):
     EVENT = "event"
     DONE = "done"
     FAILED = "failed"  # the worker is about to die of an exception: do not wait for its exit
-    FATAL = "fatal"    # the job cannot go on (e.g. every replica of a shard lost): stop it
+    FATAL = "fatal"  # the job cannot go on (e.g. every replica of a shard lost): stop it
     # controller -> peers
     WELCOME = "welcome"
     MEMBERSHIP = "membership"
@@ -70,15 +71,25 @@ class ProtocolError(Exception):
 
 # ---- typed bodies ---------------------------------------------------------------------
 
-def _f(kind: str, *, lo: float = 0, hi: float = MAX_INT, max_len: int = 256, required: bool = False,
-       choices: tuple[str, ...] | None = None) -> Any:
+
+def _f(
+    kind: str,
+    *,
+    lo: float = 0,
+    hi: float = MAX_INT,
+    max_len: int = 256,
+    required: bool = False,
+    choices: tuple[str, ...] | None = None,
+) -> Any:
     """A body field: `kind` is str | int | float | bool | strs (list of str) | obj (JSON object)."""
-    return field(default=None, metadata={"kind": kind, "lo": lo, "hi": hi, "max_len": max_len,
-                                         "required": required, "choices": choices})
+    return field(
+        default=None,
+        metadata={"kind": kind, "lo": lo, "hi": hi, "max_len": max_len, "required": required, "choices": choices},
+    )
 
 
-NODE = 256        # node names, detectors, states
-TEXT = 4096       # reasons, error texts (truncated by senders, refused beyond this)
+NODE = 256  # node names, detectors, states
+TEXT = 4096  # reasons, error texts (truncated by senders, refused beyond this)
 PID = (1 << 31) - 1
 RANK = (1 << 31) - 1
 
@@ -115,18 +126,22 @@ def _check_field(name: str, v: Any, m: Any) -> Any:
         if not isinstance(v, int) or isinstance(v, bool) or not m["lo"] <= v <= m["hi"]:
             raise ProtocolError("bad_body", f"{name} must be an integer in [{m['lo']}, {m['hi']}]")
     elif kind == "float":
-        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
-                or not m["lo"] <= v <= m["hi"]):
+        if (
+            not isinstance(v, (int, float))
+            or isinstance(v, bool)
+            or not math.isfinite(v)
+            or not m["lo"] <= v <= m["hi"]
+        ):
             raise ProtocolError("bad_body", f"{name} must be a finite number in [{m['lo']}, {m['hi']}]")
         v = float(v)
     elif kind == "bool":
         if not isinstance(v, bool):
             raise ProtocolError("bad_body", f"{name} must be true or false")
     elif kind == "strs":
-        if (not isinstance(v, list) or len(v) > 256
-                or not all(isinstance(x, str) and len(x) <= m["max_len"] for x in v)):
-            raise ProtocolError("bad_body", f"{name} must be a list of at most 256 strings "
-                                            f"of at most {m['max_len']} characters")
+        if not isinstance(v, list) or len(v) > 256 or not all(isinstance(x, str) and len(x) <= m["max_len"] for x in v):
+            raise ProtocolError(
+                "bad_body", f"{name} must be a list of at most 256 strings of at most {m['max_len']} characters"
+            )
         v = list(v)
     elif kind == "obj":
         if not isinstance(v, dict):
@@ -163,6 +178,7 @@ class Health(Body):
 @dataclass(frozen=True)
 class RegisterWorker(Body):
     """To the controller: node + local_rank + pid; to a node daemon: pid + name."""
+
     local_rank: int | None = _f("int", hi=1 << 16)
     pid: int | None = _f("int", lo=1, hi=PID)
     name: str | None = _f("str", max_len=128)
@@ -171,6 +187,7 @@ class RegisterWorker(Body):
 @dataclass(frozen=True)
 class Progress(Body):
     """To the controller: rank/epoch/step/state; to a node daemon: pid + step."""
+
     rank: int | None = _f("int", hi=RANK)
     epoch: int | None = _f("int")
     step: int | None = _f("int")
@@ -184,15 +201,23 @@ class Progress(Body):
 # peer can never forge a controller event (failure_detected, job_finished, ...).
 PEER_EVENTS: dict[str, dict[str, Any]] = {
     "group_reformed": {"seconds": _f("float", hi=1e9, required=True).metadata},
-    "state_replayed": {"bytes": _f("int", required=True).metadata,
-                       "seconds": _f("float", hi=1e9, required=True).metadata},
+    "state_replayed": {
+        "bytes": _f("int", required=True).metadata,
+        "seconds": _f("float", hi=1e9, required=True).metadata,
+    },
     "resumed": {"step": _f("int", required=True).metadata, "seconds": _f("float", hi=1e9).metadata},
-    "process_running": {}, "process_exited": {}, "process_zombie": {}, "process_hung": {},
+    "process_running": {},
+    "process_exited": {},
+    "process_zombie": {},
+    "process_hung": {},
 }
 WORKER_EVENT_PREFIX = "worker."
 _EVENT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-_EVENT_COMMON = {"rank": _f("int", hi=RANK).metadata, "epoch": _f("int").metadata,
-                 "t_mono": _f("float", lo=-1e12, hi=1e12).metadata}
+_EVENT_COMMON = {
+    "rank": _f("int", hi=RANK).metadata,
+    "epoch": _f("int").metadata,
+    "t_mono": _f("float", lo=-1e12, hi=1e12).metadata,
+}
 _EVENT_RESERVED = ("node", "event", "t_wall")  # set by the controller's event log
 
 
@@ -261,8 +286,11 @@ class MembershipBody(Body):
         m = super().from_dict(raw)
         assert isinstance(m, MembershipBody) and m.node_ranks is not None and m.world_size is not None
         for n, ranks in m.node_ranks.items():
-            if len(n) > NODE or not isinstance(ranks, list) or not all(
-                    isinstance(r, int) and not isinstance(r, bool) and 0 <= r < m.world_size for r in ranks):
+            if (
+                len(n) > NODE
+                or not isinstance(ranks, list)
+                or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < m.world_size for r in ranks)
+            ):
                 raise ProtocolError("bad_body", f"node_ranks[{n[:64]!r}] must be a list of ranks < world_size")
         return m
 
@@ -293,6 +321,7 @@ class Lease(Body):
     follows the highest term it has heard); `store` is that leader's rendezvous store;
     `interval_s` how often leases come (a node gives up after its controller timeout,
     and never sooner than 3 intervals)."""
+
     term: int | None = _f("int", required=True)
     leader: int | None = _f("int", hi=64)  # the leader's place in the controller endpoint list
     interval_s: float | None = _f("float", hi=3600.0)
@@ -308,11 +337,23 @@ class ErrorBody(Body):
 
 
 BODY_TYPES: dict[MsgType, type[Body]] = {
-    MsgType.REGISTER_NODE: RegisterNode, MsgType.HEARTBEAT: Heartbeat, MsgType.WORKER_EXIT: WorkerExit,
-    MsgType.HEALTH: Health, MsgType.REGISTER_WORKER: RegisterWorker, MsgType.PROGRESS: Progress,
-    MsgType.EVENT: Event, MsgType.DONE: Done, MsgType.FAILED: Failed, MsgType.FATAL: Fatal,
-    MsgType.WELCOME: Welcome, MsgType.MEMBERSHIP: MembershipBody, MsgType.FENCE: Fence,
-    MsgType.SHUTDOWN: Shutdown, MsgType.INJECT: Inject, MsgType.ERROR: ErrorBody, MsgType.LEASE: Lease,
+    MsgType.REGISTER_NODE: RegisterNode,
+    MsgType.HEARTBEAT: Heartbeat,
+    MsgType.WORKER_EXIT: WorkerExit,
+    MsgType.HEALTH: Health,
+    MsgType.REGISTER_WORKER: RegisterWorker,
+    MsgType.PROGRESS: Progress,
+    MsgType.EVENT: Event,
+    MsgType.DONE: Done,
+    MsgType.FAILED: Failed,
+    MsgType.FATAL: Fatal,
+    MsgType.WELCOME: Welcome,
+    MsgType.MEMBERSHIP: MembershipBody,
+    MsgType.FENCE: Fence,
+    MsgType.SHUTDOWN: Shutdown,
+    MsgType.INJECT: Inject,
+    MsgType.ERROR: ErrorBody,
+    MsgType.LEASE: Lease,
 }  # PING, STATUS, STATUS_REPLY and types without a class: generic checks only
 
 
@@ -333,9 +374,16 @@ class Message:
 
 def encode(msg: Message) -> bytes:
     return json.dumps(
-        {"v": msg.v, "type": msg.type.value, "sender": msg.sender, "seq": msg.seq,
-         "deadline": msg.deadline, "body": msg.body},
-        separators=(",", ":"), allow_nan=False,
+        {
+            "v": msg.v,
+            "type": msg.type.value,
+            "sender": msg.sender,
+            "seq": msg.seq,
+            "deadline": msg.deadline,
+            "body": msg.body,
+        },
+        separators=(",", ":"),
+        allow_nan=False,
     ).encode()
 
 

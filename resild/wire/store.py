@@ -1,5 +1,6 @@
 """What the controller keeps in the job's rendezvous store (torch's TCPStore, hosted
 by the controller, or by each standby replica: the store moves with the leader)."""
+
 from __future__ import annotations
 
 from typing import Any

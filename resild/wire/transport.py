@@ -21,6 +21,7 @@ The node daemon's local status socket is a plain AF_UNIX stream socket
 (`UnixServer`, `local_request`): length-prefixed protocol frames, the peer's
 uid/pid from SO_PEERCRED, bounded clients, frames and idle time.
 """
+
 from __future__ import annotations
 
 import errno
@@ -32,9 +33,10 @@ import socket
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -45,10 +47,10 @@ from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolErro
 
 log = logging.getLogger(__name__)
 
-ADMIN = "client"           # identity of DIR/client.key, the operator's (`resild cluster`): may ask
-                           # for status, speaks for no node (name kept from the one-key layout)
+ADMIN = "client"  # identity of DIR/client.key, the operator's (`resild cluster`): may ask
+# for status, speaks for no node (name kept from the one-key layout)
 NODE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
-MAX_SENDERS = 65536        # high-water marks kept (oldest forgotten first)
+MAX_SENDERS = 65536  # high-water marks kept (oldest forgotten first)
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ class _KeyAuthenticator(ThreadAuthenticator):
     """ZAP handler: accepts exactly the keys in authorized/ and reports the file's
     name as the connection's User-Id (readable on every received frame)."""
 
-    RESCAN_S = 0.5   # an unknown key re-reads authorized/ at most this often
+    RESCAN_S = 0.5  # an unknown key re-reads authorized/ at most this often
 
     def __init__(self, ctx: zmq.Context, authorized: Path) -> None:
         super().__init__(ctx, log=logging.getLogger("resild.auth"))
@@ -140,7 +142,7 @@ class _KeyAuthenticator(ThreadAuthenticator):
             except (OSError, ValueError) as e:
                 log.error("ignoring unreadable key %s: %s", f, e)
                 continue
-            ids[pub] = f.stem   # load_certificate returns the z85 text
+            ids[pub] = f.stem  # load_certificate returns the z85 text
         self.user_ids = ids
 
     def _dir_mtime(self) -> int:
@@ -149,9 +151,10 @@ class _KeyAuthenticator(ThreadAuthenticator):
         except OSError:
             return -1
 
-    def callback(self, domain: str, z85_key: bytes) -> bool:   # credentials provider
-        if z85_key not in self.user_ids and (self._dir_mtime() != self._mtime_ns
-                                             or time.monotonic() - self._scanned_s >= self.RESCAN_S):
+    def callback(self, domain: str, z85_key: bytes) -> bool:  # credentials provider
+        if z85_key not in self.user_ids and (
+            self._dir_mtime() != self._mtime_ns or time.monotonic() - self._scanned_s >= self.RESCAN_S
+        ):
             self._scan()
         ok = z85_key in self.user_ids
         if not ok:
@@ -177,17 +180,19 @@ class Channel:
         self.rejected = 0  # frames dropped as malformed / wrong version / expired / replayed / forged
         self._hwm: OrderedDict[tuple[str, str], int] = OrderedDict()
 
-    def send(self, mtype: MsgType, body: dict | None = None, *, to: bytes | None = None,
-             ttl_s: float | None = None) -> None:
+    def send(
+        self, mtype: MsgType, body: dict | None = None, *, to: bytes | None = None, ttl_s: float | None = None
+    ) -> None:
         try:
             frame = encode(self.seq.make(mtype, body, ttl_s))
-        except (TypeError, ValueError) as e:   # not JSON, or NaN: a bug on our side, not the peer's
+        except (TypeError, ValueError) as e:  # not JSON, or NaN: a bug on our side, not the peer's
             log.error("cannot send %s: %s", mtype.value, e)
             return
-        if len(frame) > MAX_FRAME_BYTES:       # the peer's MAXMSGSIZE would drop the connection
+        if len(frame) > MAX_FRAME_BYTES:  # the peer's MAXMSGSIZE would drop the connection
             log.error("not sending %s: %d bytes > %d", mtype.value, len(frame), MAX_FRAME_BYTES)
-            frame = encode(self.seq.make(MsgType.ERROR, {"code": "too_large",
-                                                          "detail": f"{mtype.value} reply too large"}))
+            frame = encode(
+                self.seq.make(MsgType.ERROR, {"code": "too_large", "detail": f"{mtype.value} reply too large"})
+            )
         try:
             if self.router:
                 assert to is not None, "a ROUTER send needs the peer identity"
@@ -206,8 +211,13 @@ class Channel:
         self.rejected += 1
         # A flood of bad frames must not become a flood of log lines (a full disk next).
         if self.rejected <= 100 or self.rejected % 1000 == 0:
-            log.warning("rejected frame from %r: %s: %s%s", ident[:64] if ident else ident, code, detail,
-                        f" ({self.rejected} rejected so far)" if self.rejected >= 100 else "")
+            log.warning(
+                "rejected frame from %r: %s: %s%s",
+                ident[:64] if ident else ident,
+                code,
+                detail,
+                f" ({self.rejected} rejected so far)" if self.rejected >= 100 else "",
+            )
         if self.router and ident is not None:
             self.send(MsgType.ERROR, {"code": code, "detail": detail}, to=ident)
 
@@ -348,7 +358,7 @@ class ControllerSet:
         return self.endpoints[self.leader] if self.leader is not None else ",".join(self.endpoints)
 
     def send(self, mtype: MsgType, body: dict | None = None, *, ttl_s: float | None = None) -> None:
-        for c in ([self.chans[self.leader]] if self.leader is not None else self.chans):
+        for c in [self.chans[self.leader]] if self.leader is not None else self.chans:
             c.send(mtype, body, ttl_s=ttl_s)
 
     def send_all(self, mtype: MsgType, body: dict | None = None, *, ttl_s: float | None = None) -> None:
@@ -401,8 +411,9 @@ def unix_path(endpoint: str) -> str | None:
     return None if "://" in endpoint else endpoint
 
 
-def local_request(endpoint: str, mtype: MsgType, body: dict | None = None,
-                  timeout_s: float = 3.0, ctx: zmq.Context | None = None) -> Message | None:
+def local_request(
+    endpoint: str, mtype: MsgType, body: dict | None = None, timeout_s: float = 3.0, ctx: zmq.Context | None = None
+) -> Message | None:
     """One request/reply with a node daemon's local socket; None when nothing
     answers in time. A fresh connection each time: a lost reply never wedges the next.
     (`ctx` is accepted for callers of the former ZeroMQ version and unused.)"""
@@ -455,6 +466,7 @@ def _recv_exact(s: socket.socket, n: int, deadline: float) -> bytes:
 @dataclass(frozen=True)
 class Peer:
     """Who is on the other end of a unix socket, as the kernel says (SO_PEERCRED)."""
+
     pid: int
     uid: int
     gid: int
@@ -481,15 +493,24 @@ class UnixServer:
     read from until it does. `handler(frame, peer)` returns the reply frame and
     must not raise (an exception closes that connection only, and is logged)."""
 
-    def __init__(self, path: str, handler: Callable[[bytes, Peer], bytes], *, mode: int = 0o660,
-                 gid: int | None = None, max_clients: int = 128, max_per_uid: int = 32,
-                 idle_timeout_s: float = 10.0, max_request_bytes: int = 64 << 10) -> None:
+    def __init__(
+        self,
+        path: str,
+        handler: Callable[[bytes, Peer], bytes],
+        *,
+        mode: int = 0o660,
+        gid: int | None = None,
+        max_clients: int = 128,
+        max_per_uid: int = 32,
+        idle_timeout_s: float = 10.0,
+        max_request_bytes: int = 64 << 10,
+    ) -> None:
         self.path, self.handler = path, handler
         self.max_request_bytes = max_request_bytes
         self.max_clients, self.max_per_uid, self.idle_timeout_s = max_clients, max_per_uid, idle_timeout_s
         self.refused = 0
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-        old_umask = os.umask(0o177)   # never world-writable, not even between bind and chmod
+        old_umask = os.umask(0o177)  # never world-writable, not even between bind and chmod
         try:
             self.sock.bind(path)
         finally:
@@ -518,10 +539,10 @@ class UnixServer:
                 if events & zmq.POLLOUT:
                     self._flush(c)
                     if fd in self.conns and not c.outbuf:
-                        self._serve(c)   # requests that arrived while the reply was pending
+                        self._serve(c)  # requests that arrived while the reply was pending
                 if fd in self.conns and events & (zmq.POLLIN | zmq.POLLERR):
                     self._read(c)
-        except Exception:  # noqa: BLE001 - one client's trouble never stops the server
+        except Exception:
             log.exception("local socket: dropping a client after an error")
             if fd in self.conns:
                 self._close(self.conns[fd])
@@ -542,7 +563,7 @@ class UnixServer:
 
     # -- internals -------------------------------------------------------------------
     def _accept(self) -> None:
-        for _ in range(64):   # bounded: a flood of connects must not starve the caller's loop
+        for _ in range(64):  # bounded: a flood of connects must not starve the caller's loop
             try:
                 s, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -559,8 +580,13 @@ class UnixServer:
             if len(self.conns) >= self.max_clients or (peer.uid != 0 and same_uid >= self.max_per_uid):
                 self.refused += 1
                 if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
-                    log.warning("local socket: refused a client of uid %d (pid %d): %d connections open "
-                                "(%d refused so far)", peer.uid, peer.pid, len(self.conns), self.refused)
+                    log.warning(
+                        "local socket: refused a client of uid %d (pid %d): %d connections open (%d refused so far)",
+                        peer.uid,
+                        peer.pid,
+                        len(self.conns),
+                        self.refused,
+                    )
                 s.close()
                 continue
             c = _Conn(s, peer, time.monotonic())
@@ -587,14 +613,13 @@ class UnixServer:
         while not c.outbuf and len(c.inbuf) >= _LEN.size:
             n = _LEN.unpack_from(c.inbuf)[0]
             if n > self.max_request_bytes:
-                log.warning("local socket: uid %d pid %d announced a %d-byte frame: closed",
-                            c.peer.uid, c.peer.pid, n)
+                log.warning("local socket: uid %d pid %d announced a %d-byte frame: closed", c.peer.uid, c.peer.pid, n)
                 self._close(c)
                 return
             if len(c.inbuf) < _LEN.size + n:
                 return
-            frame = bytes(c.inbuf[_LEN.size:_LEN.size + n])
-            del c.inbuf[:_LEN.size + n]
+            frame = bytes(c.inbuf[_LEN.size : _LEN.size + n])
+            del c.inbuf[: _LEN.size + n]
             reply = self.handler(frame, c.peer)
             c.outbuf += _LEN.pack(len(reply)) + reply
             self._flush(c)
@@ -627,6 +652,7 @@ class UnixServer:
 
 # ---- the rendezvous store's listening socket --------------------------------------------
 
+
 def store_listen_fd(host: str, *, cluster: bool) -> tuple[int, int]:
     """A TCP listening socket on exactly `host`'s address, for torch's TCPStore
     (`master_listen_fd=`), which would otherwise listen on every interface. The
@@ -641,8 +667,12 @@ def store_listen_fd(host: str, *, cluster: bool) -> tuple[int, int]:
     if cluster and (ip.startswith("127.") or ip == "::1"):
         # Other nodes could never connect to a loopback listener: a Debian-style
         # /etc/hosts maps the FQDN to 127.0.1.1. Listen everywhere, and say so.
-        log.warning("advertised host %s resolves to %s on this host: the rendezvous store listens on "
-                    "every interface; set RESILD_CONTROLLER_HOST to this host's job-network address", host, ip)
+        log.warning(
+            "advertised host %s resolves to %s on this host: the rendezvous store listens on "
+            "every interface; set RESILD_CONTROLLER_HOST to this host's job-network address",
+            host,
+            ip,
+        )
         family, addr = socket.AF_INET, ("0.0.0.0", 0)
     s = socket.socket(family, socket.SOCK_STREAM)
     try:

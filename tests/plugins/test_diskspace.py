@@ -10,9 +10,17 @@ from resild_diskspace import DiskspaceProbe, Thresholds, Usage, judge_usage, mak
 GiB = 2**30
 
 
-@pytest.mark.parametrize("free, verdict", [(50, Verdict.HEALTHY), (10, Verdict.HEALTHY),
-                                           (9, Verdict.DEGRADED), (2, Verdict.DEGRADED),
-                                           (1, Verdict.FAILED), (0, Verdict.FAILED)])
+@pytest.mark.parametrize(
+    "free, verdict",
+    [
+        (50, Verdict.HEALTHY),
+        (10, Verdict.HEALTHY),
+        (9, Verdict.DEGRADED),
+        (2, Verdict.DEGRADED),
+        (1, Verdict.FAILED),
+        (0, Verdict.FAILED),
+    ],
+)
 def test_fraction_thresholds(free: int, verdict: Verdict) -> None:
     v, why = judge_usage(Usage("/dev/shm", 100 * GiB, free * GiB), Thresholds())
     assert v is verdict
@@ -43,11 +51,13 @@ def test_probe_worst_path_and_unstattable_fails_closed() -> None:
 
 
 def test_real_statvfs_and_options(tmp_path) -> None:
-    probe = make_probe({"paths": [str(tmp_path)], "degraded_free_fraction": 0.0,
-                        "failed_free_fraction": 0.0})
+    probe = make_probe({"paths": [str(tmp_path)], "degraded_free_fraction": 0.0, "failed_free_fraction": 0.0})
     assert probe.check().verdict is Verdict.HEALTHY
     with pytest.raises(ValueError, match="thresholds"):
         make_probe({"degraded_free_fraction": 0.01, "failed_free_fraction": 0.5})
-    [p] = build_probes(Config(probes=["diskspace"], probe_options={"diskspace": {"paths": [str(tmp_path)],
-                                                                              "degraded_free_fraction": 0}}))
+    [p] = build_probes(
+        Config(
+            probes=["diskspace"], probe_options={"diskspace": {"paths": [str(tmp_path)], "degraded_free_fraction": 0}}
+        )
+    )
     assert p.name == "diskspace"

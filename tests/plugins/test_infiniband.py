@@ -26,8 +26,10 @@ def test_all_active_is_healthy(tmp_path: Path) -> None:
     assert res.details["ports"] == {"mlx5_0/1": "ACTIVE", "mlx5_1/1": "ACTIVE"}
 
 
-@pytest.mark.parametrize("state, verdict", [("2: INIT", Verdict.DEGRADED), ("3: ARMED", Verdict.DEGRADED),
-                                            ("1: DOWN", Verdict.FAILED), ("", Verdict.FAILED)])
+@pytest.mark.parametrize(
+    "state, verdict",
+    [("2: INIT", Verdict.DEGRADED), ("3: ARMED", Verdict.DEGRADED), ("1: DOWN", Verdict.FAILED), ("", Verdict.FAILED)],
+)
 def test_port_not_active(tmp_path: Path, state: str, verdict: Verdict) -> None:
     root = fake_sysfs(tmp_path, {"mlx5_0/1": "4: ACTIVE", "mlx5_1/1": state})
     res = InfinibandProbe(root).check()

@@ -71,18 +71,22 @@ def test_check_xid79_exit_2_and_drain(node, tmp_path: Path) -> None:
     assert p.returncode == 2, p.stderr
     assert "gpu3: Xid 79 (GPU has fallen off the bus)" in p.stdout
     args = (tmp_path / "scontrol.args").read_text().splitlines()
-    assert args == ["update", "NodeName=gpu-n7", "State=DRAIN",
-                    "Reason=resild: GPU 3 Xid 79 GPU has fallen off the bus"]
+    assert args == [
+        "update",
+        "NodeName=gpu-n7",
+        "State=DRAIN",
+        "Reason=resild: GPU 3 Xid 79 GPU has fallen off the bus",
+    ]
 
 
 def test_check_without_nvml_fails_closed(tmp_path: Path) -> None:
-    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))   # no libnvidia-ml here
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))  # no libnvidia-ml here
     conf = tmp_path / "c.toml"
     conf.write_text(f'kmsg_path = "{tmp_path}/none"\n')
     p = run("check", "--config", str(conf), "--json", env=env)
     body = json.loads(p.stdout)
     assert p.returncode == 2 and body["probes"]["gpu"]["verdict"] == "failed"
-    assert body["probes"]["kmsg"]["verdict"] == "degraded"   # unreadable log: blind, not broken
+    assert body["probes"]["kmsg"]["verdict"] == "degraded"  # unreadable log: blind, not broken
 
 
 def test_user_mistakes_are_one_line_no_traceback(tmp_path: Path) -> None:
@@ -101,21 +105,42 @@ def test_user_mistakes_are_one_line_no_traceback(tmp_path: Path) -> None:
 
 
 def test_status_without_daemon_exit_3(tmp_path: Path) -> None:
-    p = run("status", "--socket", str(tmp_path / "nobody.sock"), "--timeout", "0.3",
-            "--config", str(tmp_path / "x.toml"), env=dict(os.environ))
+    p = run(
+        "status",
+        "--socket",
+        str(tmp_path / "nobody.sock"),
+        "--timeout",
+        "0.3",
+        "--config",
+        str(tmp_path / "x.toml"),
+        env=dict(os.environ),
+    )
     # An explicit missing config is a config error; without --config, only the socket matters.
     assert p.returncode == 2
-    p = run("status", "--socket", str(tmp_path / "nobody.sock"), "--timeout", "0.3",
-            env={k: v for k, v in os.environ.items() if k != "RESILD_CONFIG"})
+    p = run(
+        "status",
+        "--socket",
+        str(tmp_path / "nobody.sock"),
+        "--timeout",
+        "0.3",
+        env={k: v for k, v in os.environ.items() if k != "RESILD_CONFIG"},
+    )
     assert p.returncode == 3
-    assert p.stderr.strip() == (f"resild: no resild daemon answered on ipc://{tmp_path}/nobody.sock "
-                                f"within 0.3s (is `resild daemon` running?)")
+    assert p.stderr.strip() == (
+        f"resild: no resild daemon answered on ipc://{tmp_path}/nobody.sock within 0.3s (is `resild daemon` running?)"
+    )
 
 
 def test_cluster_against_real_controller(tmp_path: Path) -> None:
     keys = generate_keys(tmp_path / "keys")
-    ctrl = Controller(ControllerConfig(bind="tcp://127.0.0.1:0"), active=["n1", "n2"], spares=["n3"],
-                      nproc_per_node=2, keys=keys, events=EventLog(None))
+    ctrl = Controller(
+        ControllerConfig(bind="tcp://127.0.0.1:0"),
+        active=["n1", "n2"],
+        spares=["n3"],
+        nproc_per_node=2,
+        keys=keys,
+        events=EventLog(None),
+    )
     t = threading.Thread(target=ctrl.run, daemon=True)
     t.start()
     try:

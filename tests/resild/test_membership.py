@@ -1,4 +1,5 @@
 """Membership deltas and the O(1) indexes: pure, no sockets."""
+
 from __future__ import annotations
 
 import pytest
@@ -85,11 +86,11 @@ def test_a_node_view_names_its_ranks_and_follows_deltas() -> None:
     assert v.node_ranks == {"n1": (2, 3)} and v.world_size == 8 and v.rank_of("n1", 1) == 3
     assert Membership.from_dict(v.to_dict()) == v
     m2 = m1.replace("n3", "s0")
-    assert v.apply_delta(m2.delta_from(m1)) == m2.view("n1")        # others' moves: just the epoch
+    assert v.apply_delta(m2.delta_from(m1)) == m2.view("n1")  # others' moves: just the epoch
     assert m1.view("n3").apply_delta(m2.delta_from(m1)) == m2.view("s0")  # (never sent: n3 is fenced)
     assert m1.view("zz").node_ranks == {} and m1.view("zz").rank_of("zz", 0) is None
     with pytest.raises(DeltaMismatch):
-        v.apply_delta(m2.replace("n0", "s1").delta_from(m2))        # missed epoch 2
+        v.apply_delta(m2.replace("n0", "s1").delta_from(m2))  # missed epoch 2
 
 
 def test_full_layout_round_trips() -> None:

@@ -165,8 +165,9 @@ def _job_fields(lab: SlurmLab, jid: str) -> dict[str, str]:
     return dict(re.findall(r"\b(JobState|Reason|Restarts|NodeList|BatchHost)=(\S+)", out))
 
 
-def _wait_job(lab: SlurmLab, jid: str, pred: Callable[[dict[str, str]], bool], timeout: float,
-              what: str) -> dict[str, str]:
+def _wait_job(
+    lab: SlurmLab, jid: str, pred: Callable[[dict[str, str]], bool], timeout: float, what: str
+) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     while not pred(info := _job_fields(lab, jid)):
         if time.monotonic() > deadline:
@@ -214,11 +215,16 @@ srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 bash -c 'sleep 300; : {t
         _wait_for(lambda: all(tasks(n) for n in nodes), 30, "the step's tasks on every node")
         lab.crash(host)
         t0 = time.monotonic()
-        info = _wait_job(lab, jid, lambda i: host not in expand_nodelist(i["NodeList"]), 30,
-                         f"{host} cut out of the job")
+        info = _wait_job(
+            lab, jid, lambda i: host not in expand_nodelist(i["NodeList"]), 30, f"{host} cut out of the job"
+        )
         cut_s = time.monotonic() - t0
-        assert (info["JobState"], info["Reason"], info["BatchHost"], info["Restarts"]) == \
-            ("RUNNING", "None", host, "0"), info
+        assert (info["JobState"], info["Reason"], info["BatchHost"], info["Restarts"]) == (
+            "RUNNING",
+            "None",
+            host,
+            "0",
+        ), info
         assert lab.node_state(host).startswith("down")
         time.sleep(2.0)
         assert _job_fields(lab, jid)["JobState"] == "RUNNING"
@@ -228,8 +234,7 @@ srun --no-kill --kill-on-bad-exit=0 --ntasks-per-node=1 bash -c 'sleep 300; : {t
             time.sleep(2.0)
             assert _job_fields(lab, jid)["JobState"] == "RUNNING" and all(tasks(n) for n in others)
             lab.run(["scontrol", "requeue", jid])
-            info = _wait_job(lab, jid, lambda i: i["JobState"] == "PENDING" and i["Restarts"] == "1", 15,
-                             "requeued")
+            info = _wait_job(lab, jid, lambda i: i["JobState"] == "PENDING" and i["Restarts"] == "1", 15, "requeued")
             end = f"PENDING (Reason={info['Reason']}) after scontrol requeue"
         else:
             res = lab.run(["scontrol", "requeue", jid], check=False)

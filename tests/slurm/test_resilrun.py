@@ -4,6 +4,7 @@ Each job: 3 nodes (2 active x 1 rank + 1 hot spare) unless said otherwise.
 Node failures are real: every process in the node's namespace is killed
 (crash) or stopped (freeze), slurmd included.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,9 +26,21 @@ STEPS = 150
 
 
 class Job:
-    def __init__(self, lab: SlurmLab, tmp: Path, nodes: int = 3, spares: int = 1, extra: str = "",
-                 steps: int = STEPS, run_dir: bool = True, train: str = "", requeue: bool = True,
-                 minutes: int = 5, node_logs: bool = False, after: str = "") -> None:
+    def __init__(
+        self,
+        lab: SlurmLab,
+        tmp: Path,
+        nodes: int = 3,
+        spares: int = 1,
+        extra: str = "",
+        steps: int = STEPS,
+        run_dir: bool = True,
+        train: str = "",
+        requeue: bool = True,
+        minutes: int = 5,
+        node_logs: bool = False,
+        after: str = "",
+    ) -> None:
         self.lab, self.tmp = lab, tmp
         tmp.mkdir(parents=True, exist_ok=True)
         script = tmp / "job.sh"
@@ -214,8 +227,10 @@ def test_requeue_on_exhaustion_puts_the_reason_in_the_comment(lab: SlurmLab, tmp
             break
         time.sleep(0.3)
     lab.run(["scancel", job.jid], check=False)  # do not let the requeued job run again
-    assert "Restarts=1" in info and f"Comment=resild: no spare left: {victim} failed" in info, \
-        (info, (tmp_path / "slurm.out").read_text()[-2000:])
+    assert "Restarts=1" in info and f"Comment=resild: no spare left: {victim} failed" in info, (
+        info,
+        (tmp_path / "slurm.out").read_text()[-2000:],
+    )
 
 
 def test_default_run_dir_is_unique_per_cluster_job_and_run(lab: SlurmLab, tmp_path: Path) -> None:
@@ -315,23 +330,29 @@ def test_batch_host_crash_releases_the_job(lab: SlurmLab, tmp_path: Path, requeu
     assert all("exit 75" in ln for ln in said), said
 
     if requeue:
-        info = wait_job(lab, job.jid, lambda i: i["Restarts"] == "1" and i["JobState"] in ("PENDING", "RUNNING"),
-                        CONTROLLER_TIMEOUT_S + 30, "requeued")
+        info = wait_job(
+            lab,
+            job.jid,
+            lambda i: i["Restarts"] == "1" and i["JobState"] in ("PENDING", "RUNNING"),
+            CONTROLLER_TIMEOUT_S + 30,
+            "requeued",
+        )
         end_s = time.monotonic() - t0
         comment = job_comment(lab, job.jid)
         lab.run(["scancel", job.jid], check=False)  # do not let the requeued job run again
-        assert comment.startswith("resild: controller lost (no word from tcp://") and "batch host down?" in comment, \
+        assert comment.startswith("resild: controller lost (no word from tcp://") and "batch host down?" in comment, (
             comment
+        )
         assert not said or any("requeued Slurm job " + job.jid in ln for ln in said), said
         assert not any("cancel" in ln for ln in said), said
         end = f"requeued ({info['JobState']}, Reason={info['Reason']}) after {end_s:.1f}s"
     else:
-        info = wait_job(lab, job.jid, lambda i: i["JobState"] == "CANCELLED", CONTROLLER_TIMEOUT_S + 30,
-                        "CANCELLED")
+        info = wait_job(lab, job.jid, lambda i: i["JobState"] == "CANCELLED", CONTROLLER_TIMEOUT_S + 30, "CANCELLED")
         end_s = time.monotonic() - t0
         assert info["Restarts"] == "0", info
-        assert not said or any("Requested operation is presently disabled" in ln and "cancelled it" in ln
-                               for ln in said), said
+        assert not said or any(
+            "Requested operation is presently disabled" in ln and "cancelled it" in ln for ln in said
+        ), said
         end = f"CANCELLED after {end_s:.1f}s (time limit 120 s)"
     assert end_s < 60, end
     assert not (tmp_path / "rc").exists()  # the batch script never got past resil-run
@@ -359,21 +380,26 @@ def test_controller_killed_node_processes_exit_on_the_lease(lab: SlurmLab, tmp_p
     said = [v[0] for v in lines.values() if v]
     assert all("exit 75" in ln for ln in said), said
     assert any("requeued Slurm job " + job.jid in ln for ln in said), said
-    info = wait_job(lab, job.jid, lambda i: i["Restarts"] == "1" and i["JobState"] in ("PENDING", "RUNNING"), 30,
-                    "requeued")
+    info = wait_job(
+        lab, job.jid, lambda i: i["Restarts"] == "1" and i["JobState"] in ("PENDING", "RUNNING"), 30, "requeued"
+    )
     end_s = time.monotonic() - t0
     comment = job_comment(lab, job.jid)
     lab.run(["scancel", job.jid], check=False)
     assert comment.startswith("resild: controller lost (no word from tcp://"), comment
-    print(f"\ncontroller SIGKILLed: every node process and worker gone after {gone_s:.1f}s, job requeued "
-          f"({info['JobState']}) after {end_s:.1f}s", *said, sep="\n  ")
+    print(
+        f"\ncontroller SIGKILLed: every node process and worker gone after {gone_s:.1f}s, job requeued "
+        f"({info['JobState']}) after {end_s:.1f}s",
+        *said,
+        sep="\n  ",
+    )
 
 
 @pytest.mark.timeout(120)
 def test_node_crash_before_the_first_step_is_replaced_by_the_spare(lab: SlurmLab, tmp_path: Path) -> None:
     # workers start 4 s late, so the node dies after it registered and before the first epoch
     slow = tmp_path / "slow_train.sh"
-    slow.write_text(f"#!/bin/bash\nsleep 4\nexec {sys.executable} {REPO}/examples/train.py \"$@\"\n")
+    slow.write_text(f'#!/bin/bash\nsleep 4\nexec {sys.executable} {REPO}/examples/train.py "$@"\n')
     slow.chmod(0o755)
     job = Job(lab, tmp_path, train=str(slow), steps=60)
     host = job.wait_event(lambda e: e["event"] == "job_started")["controller_host"]

@@ -7,6 +7,7 @@ cuts it out of the job and leaves the rest running; a standby leads, a spare
 takes the lost ranks, the job finishes bitwise identical, and the leader ends
 the allocation itself (resil-run died with the batch host).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,5 +58,7 @@ def test_batch_host_crash_under_standby_controllers(lab: SlurmLab, tmp_path: Pat
     while any(job_procs(lab, n, tmp_path) for n in others) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(job_procs(lab, n, tmp_path) for n in others), {n: job_procs(lab, n, tmp_path) for n in others}
-    print(f"\nbatch host {host} crashed; leader moved: {moved}; spare {sa['spare']} took its ranks; "
-          f"job ended as {info['JobState']} {ended_s:.1f}s after the crash")
+    print(
+        f"\nbatch host {host} crashed; leader moved: {moved}; spare {sa['spare']} took its ranks; "
+        f"job ended as {info['JobState']} {ended_s:.1f}s after the crash"
+    )

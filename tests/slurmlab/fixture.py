@@ -229,7 +229,10 @@ def slurm_cluster(n_nodes: int, lab: str | os.PathLike[str] | None = None) -> It
         t0 = time.monotonic()
         try:
             res = subprocess.run(
-                [str(HERE / "up.sh"), str(n_nodes)], env=script_env, capture_output=True, text=True,
+                [str(HERE / "up.sh"), str(n_nodes)],
+                env=script_env,
+                capture_output=True,
+                text=True,
                 timeout=UP_TIMEOUT_S,
             )
         except subprocess.TimeoutExpired:

@@ -7,6 +7,7 @@ which goes silent (hung). Every membership received is a line in STUB_OUT/<node>
 STUB_LATE=<node>/<lr> makes that worker connect to the relay only after the controller
 sent it epoch 1 directly (a worker that joins its relay late).
 """
+
 from __future__ import annotations
 
 import json
@@ -48,9 +49,18 @@ def main() -> int:
             return
         got = Membership.from_dict(msg.body)
         with out.open("a") as f:
-            f.write(json.dumps({"source": source, "epoch": got.epoch, "t": time.monotonic(),
-                                "world_size": got.world_size,
-                                "layout": {n: list(r) for n, r in got.node_ranks.items()}}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "source": source,
+                        "epoch": got.epoch,
+                        "t": time.monotonic(),
+                        "world_size": got.world_size,
+                        "layout": {n: list(r) for n, r in got.node_ranks.items()},
+                    }
+                )
+                + "\n"
+            )
         if m is None or got.epoch > m.epoch:
             m, rank = got, got.rank_of(node, lr)
 
@@ -69,12 +79,12 @@ def main() -> int:
         if step < steps and now >= next_commit:
             step += 1
             next_commit = now + 0.05
-            relay.send(MsgType.PROGRESS, {"node": node, "rank": rank, "epoch": m.epoch, "step": step,
-                                          "state": "commit"})
+            relay.send(
+                MsgType.PROGRESS, {"node": node, "rank": rank, "epoch": m.epoch, "step": step, "state": "commit"}
+            )
         elif step >= steps and not waiting and rank != hang_rank:
             waiting = True
-            relay.send(MsgType.PROGRESS, {"node": node, "rank": rank, "epoch": m.epoch, "step": step,
-                                          "state": "wait"})
+            relay.send(MsgType.PROGRESS, {"node": node, "rank": rank, "epoch": m.epoch, "step": step, "state": "wait"})
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Real processes throughout: `resild daemon` with the fake NVML library, and the
 health source in a child process (the fake library is found through LD_LIBRARY_PATH,
 which only a fresh process reads).
 """
+
 from __future__ import annotations
 
 import ctypes.util
@@ -16,8 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -52,9 +54,15 @@ src.stop()
 
 class Helper:
     def __init__(self, env: dict[str, str], nvml_control: Path | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", HELPER, "n1", str(nvml_control or "")], cwd=REPO,
-                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HELPER, "n1", str(nvml_control or "")],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -106,8 +114,10 @@ def fake_nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _conf(tmp_path: Path, extra: str = "") -> Path:
     (tmp_path / "kmsg").write_text("")
     conf = tmp_path / "resild.toml"
-    conf.write_text(f'node = "gpu-n1"\nkmsg_path = "{tmp_path}/kmsg"\nstate_dir = "{tmp_path}"\n'
-                    f'status_socket = "{tmp_path}/status.sock"\nstatus_group = ""\nprobe_interval_s = 30\n{extra}')
+    conf.write_text(
+        f'node = "gpu-n1"\nkmsg_path = "{tmp_path}/kmsg"\nstate_dir = "{tmp_path}"\n'
+        f'status_socket = "{tmp_path}/status.sock"\nstatus_group = ""\nprobe_interval_s = 30\n{extra}'
+    )
     return conf
 
 
@@ -121,8 +131,14 @@ def _env(fake_nvml_dir: Path, ctl: Path, conf: Path, **extra: str) -> dict[str, 
 
 
 def _start_daemon(conf: Path, env: dict[str, str], tmp_path: Path) -> subprocess.Popen:
-    d = subprocess.Popen([sys.executable, "-m", "resild.cli", "daemon", "--config", str(conf)], env=env,
-                         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    d = subprocess.Popen(
+        [sys.executable, "-m", "resild.cli", "daemon", "--config", str(conf)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 20
     while local_request(f"ipc://{tmp_path}/status.sock", MsgType.STATUS, timeout_s=0.5) is None:
         assert d.poll() is None and time.monotonic() < deadline, d.stdout.read() if d.stdout else ""
@@ -143,7 +159,7 @@ def test_with_a_daemon_the_job_subscribes_and_never_opens_nvml(tmp_path: Path, f
     # The child could load the fake NVML (same environment as the daemon): it must not.
     env = _env(fake_nvml_dir, ctl, conf)
     daemon = _start_daemon(conf, env, tmp_path)
-    helper = Helper(env)   # the socket comes from the config, as the daemon reads it
+    helper = Helper(env)  # the socket comes from the config, as the daemon reads it
     try:
         opened = helper.expect(lambda m: m["kind"] == "opened")
         assert opened["type"] == "DaemonHealth" and not opened["nvml"]
@@ -170,7 +186,8 @@ def test_with_a_daemon_the_job_subscribes_and_never_opens_nvml(tmp_path: Path, f
 
 @pytest.mark.parametrize("override, verdict", [("", "failed"), ('xid_overrides = { "79" = "degraded" }', "degraded")])
 def test_without_a_daemon_the_simulated_node_runs_the_configured_probes(
-        tmp_path: Path, fake_nvml_dir: Path, override: str, verdict: str) -> None:
+    tmp_path: Path, fake_nvml_dir: Path, override: str, verdict: str
+) -> None:
     """The local demo's path: `--inject xid79:nodeN` through the NVML stand-in turns into a
     HEALTH change within ~1 s, judged with the config's Xid overrides."""
     ctl = tmp_path / "nvml.ctl"
@@ -180,7 +197,7 @@ def test_without_a_daemon_the_simulated_node_runs_the_configured_probes(
     try:
         opened = helper.expect(lambda m: m["kind"] == "opened")
         assert opened["type"] == "InProcessHealth" and opened["nvml"]
-        assert opened["probes"] == ["gpu"]   # no host kernel log for a simulated node
+        assert opened["probes"] == ["gpu"]  # no host kernel log for a simulated node
         assert opened["poll"]["verdict"] == "healthy"
         with open(ctl, "a") as f:
             f.write("event 1 xid 79\n")
@@ -195,7 +212,8 @@ def test_without_a_daemon_the_simulated_node_runs_the_configured_probes(
 
 
 def test_without_a_daemon_a_real_node_follows_the_kernel_log_with_overrides(
-        tmp_path: Path, fake_nvml_dir: Path) -> None:
+    tmp_path: Path, fake_nvml_dir: Path
+) -> None:
     """Not simulated: the configured kernel log is followed too, and an override makes
     Xid 43 (an application error by default) fail the node."""
     ctl = tmp_path / "nvml.ctl"
@@ -215,17 +233,20 @@ def test_without_a_daemon_a_real_node_follows_the_kernel_log_with_overrides(
 
 
 def test_without_nvml_or_a_readable_kernel_log_the_node_is_not_failed(tmp_path: Path) -> None:
-    conf = _conf(tmp_path)   # probes gpu and kmsg; the environment points kmsg at no file
+    conf = _conf(tmp_path)  # probes gpu and kmsg; the environment points kmsg at no file
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RESILD_", "FAKE_NVML", "LD_LIBRARY_PATH"))}
-    env.update(RESILD_CONFIG=str(conf), RESILD_KMSG_PATH=str(tmp_path / "missing"),
-               **{DAEMON_SOCKET_ENV: str(tmp_path / "no-daemon.sock")})
+    env.update(
+        RESILD_CONFIG=str(conf),
+        RESILD_KMSG_PATH=str(tmp_path / "missing"),
+        **{DAEMON_SOCKET_ENV: str(tmp_path / "no-daemon.sock")},
+    )
     helper = Helper(env)
     try:
         opened = helper.expect(lambda m: m["kind"] == "opened")
         assert opened["type"] == "InProcessHealth"
-        if ctypes.util.find_library("nvidia-ml") is None:   # a machine without a GPU driver
+        if ctypes.util.find_library("nvidia-ml") is None:  # a machine without a GPU driver
             assert opened["probes"] == [] and opened["poll"] is None
-        else:   # a real GPU here: its probe runs, the unreadable log is still left out
+        else:  # a real GPU here: its probe runs, the unreadable log is still left out
             assert opened["probes"] == ["gpu"]
         helper.close()
     finally:
@@ -233,11 +254,15 @@ def test_without_nvml_or_a_readable_kernel_log_the_node_is_not_failed(tmp_path: 
 
 
 def test_plugin_probes_from_the_config_apply_in_process(tmp_path: Path) -> None:
-    conf = _conf(tmp_path, f'probes = ["diskspace"]\n[probe_options.diskspace]\npaths = ["{tmp_path}"]\n'
-                           'failed_free_bytes = 1152921504606846976\n')   # 1 EiB free: never
+    conf = _conf(
+        tmp_path,
+        f'probes = ["diskspace"]\n[probe_options.diskspace]\npaths = ["{tmp_path}"]\n'
+        "failed_free_bytes = 1152921504606846976\n",
+    )  # 1 EiB free: never
     changes: list[dict] = []
-    src = open_health_source("n1", changes.append, env={"RESILD_CONFIG": str(conf),
-                                                        DAEMON_SOCKET_ENV: str(tmp_path / "none.sock")})
+    src = open_health_source(
+        "n1", changes.append, env={"RESILD_CONFIG": str(conf), DAEMON_SOCKET_ENV: str(tmp_path / "none.sock")}
+    )
     try:
         assert isinstance(src, InProcessHealth) and [p.name for p in src.probes] == ["diskspace"]
         body = src.poll()
@@ -251,8 +276,9 @@ def test_a_bad_config_is_reported_unknown_not_raised(tmp_path: Path) -> None:
     conf = tmp_path / "resild.toml"
     conf.write_text("hearbeat_s = 2\n")
     changes: list[dict] = []
-    src = open_health_source("n1", changes.append, env={"RESILD_CONFIG": str(conf),
-                                                        DAEMON_SOCKET_ENV: str(tmp_path / "none.sock")})
+    src = open_health_source(
+        "n1", changes.append, env={"RESILD_CONFIG": str(conf), DAEMON_SOCKET_ENV: str(tmp_path / "none.sock")}
+    )
     src.stop()
     assert isinstance(src, InProcessHealth)
     assert changes and changes[0]["verdict"] == "unknown" and "hearbeat_s" in changes[0]["reasons"][0]
@@ -261,8 +287,8 @@ def test_a_bad_config_is_reported_unknown_not_raised(tmp_path: Path) -> None:
 def test_a_stale_daemon_socket_falls_back_to_in_process(tmp_path: Path) -> None:
     stale = tmp_path / "stale.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.bind(str(stale))   # a dead daemon's socket file: nothing listens
-    conf = _conf(tmp_path, 'probes = []\n')
+        s.bind(str(stale))  # a dead daemon's socket file: nothing listens
+    conf = _conf(tmp_path, "probes = []\n")
     src = open_health_source("n1", lambda b: None, env={"RESILD_CONFIG": str(conf), DAEMON_SOCKET_ENV: str(stale)})
     src.stop()
     assert isinstance(src, InProcessHealth) and not isinstance(src, DaemonHealth) and src.poll() is None

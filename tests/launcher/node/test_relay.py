@@ -1,5 +1,6 @@
 """The node-local relay: pure parts (layout tracking, commit aggregation), the socket
 pair, and the whole path (real controller, real node processes, stub workers)."""
+
 from __future__ import annotations
 
 import json
@@ -11,12 +12,12 @@ from pathlib import Path
 import pytest
 import zmq
 
-from launcher.run.local import LocalCluster
 from launcher.node.relay import CommitAggregator, LayoutTracker, RelayClient, RelayServer, wait_for
+from launcher.run.local import LocalCluster
 from resild.controller.loop import Controller, ControllerConfig, JobResult
+from resild.controller.policy import PolicyConfig
 from resild.events.log import EventLog
 from resild.membership import Membership
-from resild.controller.policy import PolicyConfig
 from resild.wire.protocol import MsgType
 from resild.wire.transport import generate_keys
 
@@ -26,6 +27,7 @@ STUB = Path(__file__).with_name("relay_stub.py")
 
 
 # ---- LayoutTracker -----------------------------------------------------------------------
+
 
 def test_tracker_applies_deltas_and_asks_for_the_full_layout_after_a_gap() -> None:
     m1 = Membership.initial(["a", "b", "c"], 2)
@@ -44,10 +46,11 @@ def test_tracker_applies_deltas_and_asks_for_the_full_layout_after_a_gap() -> No
 
 # ---- CommitAggregator ------------------------------------------------------------------------
 
+
 def test_one_report_per_node_commit() -> None:
     a = CommitAggregator(interval_s=0.1, expected=2, _last_epoch=1)  # epoch 1 already reported
     a.add(0, 1, 5, now=10.0)
-    assert not a.due(10.0)           # rank 1 has not committed step 5 yet
+    assert not a.due(10.0)  # rank 1 has not committed step 5 yet
     a.add(1, 1, 5, now=10.001)
     assert a.due(10.001)
     assert a.take(10.001) == {"epoch": 1, "state": "commit", "commits": {"0": 5, "1": 5}}
@@ -78,15 +81,16 @@ def test_a_new_epoch_drops_stale_commits_and_reports_at_once() -> None:
     a.add(0, 1, 7, now=0.0)
     a.add(1, 1, 7, now=0.0)
     a.take(0.0)
-    a.add(0, 1, 8, now=0.2)          # epoch 1, then the re-form: epoch 2
+    a.add(0, 1, 8, now=0.2)  # epoch 1, then the re-form: epoch 2
     a.add(0, 2, 7, now=0.3)
-    assert a.due(0.3)                # first commit of a new epoch: not held back for the others
+    assert a.due(0.3)  # first commit of a new epoch: not held back for the others
     assert a.take(0.3) == {"epoch": 2, "state": "commit", "commits": {"0": 7}}
-    a.add(1, 1, 9, now=0.31)         # a late commit of the old epoch is ignored
+    a.add(1, 1, 9, now=0.31)  # a late commit of the old epoch is ignored
     assert a.take(0.5) is None
 
 
 # ---- the socket pair -------------------------------------------------------------------------
+
 
 def _pump(srv: RelayServer, until: float) -> list:
     got = []
@@ -101,10 +105,10 @@ def test_a_worker_that_connects_late_gets_the_current_full_layout(tmp_path: Path
     ctx = zmq.Context()
     srv = RelayServer(ctx, "n0", run_dir=str(tmp_path))
     try:
-        assert (Path(srv.endpoint[len("ipc://"):]).stat().st_mode & 0o777) == 0o600
+        assert (Path(srv.endpoint[len("ipc://") :]).stat().st_mode & 0o777) == 0o600
         early = RelayClient(srv.endpoint, "n0/w0/1", local_rank=0, ctx=ctx)
         _pump(srv, time.monotonic() + 0.3)
-        assert early.recv(0) is None     # nothing to give yet
+        assert early.recv(0) is None  # nothing to give yet
         m1 = Membership.initial(["n0", "n1"], 2)
         m2 = m1.replace("n1", "s")
         srv.set_membership(m1)
@@ -130,23 +134,28 @@ def test_a_worker_that_connects_late_gets_the_current_full_layout(tmp_path: Path
 
 # ---- end to end: controller + node processes + stub workers ---------------------------------------
 
+
 def _records(out: Path, name: str) -> list[dict]:
     f = out / f"{name}.jsonl"
     return [json.loads(x) for x in f.read_text().splitlines()] if f.exists() else []
 
 
 def test_relayed_path_hang_names_the_rank_late_worker_and_spare_get_full_layouts(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
     monkeypatch.setenv("STUB_OUT", str(out))
-    monkeypatch.setenv("STUB_HANG_RANK", "3")      # local-node1, local rank 1
+    monkeypatch.setenv("STUB_HANG_RANK", "3")  # local-node1, local rank 1
     monkeypatch.setenv("STUB_LATE", "node0/1")
     monkeypatch.setenv("RESILD_EXIT_GRACE_S", "2")
     keys = generate_keys(tmp_path / "keys")
     events = EventLog(None)
-    cfg = ControllerConfig(policy=PolicyConfig(heartbeat_timeout_s=10.0, hang_timeout_s=1.5),
-                           store_addr="127.0.0.1:1", start_timeout_s=60.0)
+    cfg = ControllerConfig(
+        policy=PolicyConfig(heartbeat_timeout_s=10.0, hang_timeout_s=1.5),
+        store_addr="127.0.0.1:1",
+        start_timeout_s=60.0,
+    )
     ctl = Controller(cfg, ["node0", "node1"], ["node2"], 2, keys, events)
     cluster = LocalCluster(["node0", "node1", "node2"], 2, [sys.executable, str(STUB)], tmp_path)
     cluster.start(ctl.endpoint, keys.path, 0.1)
@@ -172,8 +181,8 @@ def test_relayed_path_hang_names_the_rank_late_worker_and_spare_get_full_layouts
     assert fail["node"] == "node1" and fail["detector"] == "hang", fail
     assert "rank 3 " in fail["cause"], fail  # the relayed waits and aggregated commits named the hung rank
     mem = {e["epoch"]: e for e in ev if e["event"] == "membership"}
-    assert mem[2]["delta"] == 1 and mem[2]["view"] == 1, mem[2]   # node0 held epoch 1, node2 did not
-    assert mem[2]["direct"] == 0, mem[2]                          # every worker is behind its relay now
+    assert mem[2]["delta"] == 1 and mem[2]["view"] == 1, mem[2]  # node0 held epoch 1, node2 did not
+    assert mem[2]["direct"] == 0, mem[2]  # every worker is behind its relay now
     for n in names:
         got = [r for r in _records(out, n) if r["epoch"] == 2 and r["source"] == "relay"]
         assert got[0]["layout"] == want[n.split("-")[0]] and got[0]["world_size"] == 4, got

@@ -1,4 +1,5 @@
 """Helpers for end-to-end runs of resil-run as a real process tree."""
+
 from __future__ import annotations
 
 import json
@@ -40,15 +41,45 @@ def _marked(mark: str) -> list[psutil.Process]:
     return out
 
 
-def run_job(tmp: Path, *args: str, nodes: int = 3, spares: int = 1, nproc: int = 1, steps: int = STEPS,
-            timeout_s: float = 150.0, script: Path = TRAIN) -> RunResult:
+def run_job(
+    tmp: Path,
+    *args: str,
+    nodes: int = 3,
+    spares: int = 1,
+    nproc: int = 1,
+    steps: int = STEPS,
+    timeout_s: float = 150.0,
+    script: Path = TRAIN,
+) -> RunResult:
     """Run resil-run, then assert that it left no process behind."""
     mark = uuid.uuid4().hex
     tmp.mkdir(parents=True, exist_ok=True)
     ev, save = tmp / "events.jsonl", tmp / "final.pt"
-    cmd = [sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", str(nodes), "--spares", str(spares),
-           "--nproc-per-node", str(nproc), "--events", str(ev), "--run-dir", str(tmp / "run"), "--json", *args,
-           "--", sys.executable, str(script), "--steps", str(steps), "--save", str(save)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher.run.cli",
+        "--local",
+        "--nodes",
+        str(nodes),
+        "--spares",
+        str(spares),
+        "--nproc-per-node",
+        str(nproc),
+        "--events",
+        str(ev),
+        "--run-dir",
+        str(tmp / "run"),
+        "--json",
+        *args,
+        "--",
+        sys.executable,
+        str(script),
+        "--steps",
+        str(steps),
+        "--save",
+        str(save),
+    ]
     env = dict(os.environ, RESILD_TEST_MARK=mark, PYTHONUNBUFFERED="1")
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
     deadline = time.monotonic() + 5.0

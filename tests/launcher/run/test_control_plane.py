@@ -1,6 +1,7 @@
 """The control plane's own failures, end to end with real processes: the controller
 frozen or killed (the lease), a node lost during start-up (a spare takes its place).
 """
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import psutil
 import pytest
@@ -25,14 +26,43 @@ pytestmark = pytest.mark.timeout(180)
 class LiveJob:
     """resil-run started in the background, so a test can act on it while it runs."""
 
-    def __init__(self, tmp: Path, *args: str, nodes: int = 3, spares: int = 1, steps: int = STEPS,
-                 script: Path = TRAIN, quiet: bool = True) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *args: str,
+        nodes: int = 3,
+        spares: int = 1,
+        steps: int = STEPS,
+        script: Path = TRAIN,
+        quiet: bool = True,
+    ) -> None:
         self.mark = uuid.uuid4().hex
         tmp.mkdir(parents=True, exist_ok=True)
         self.ev, self.save = tmp / "events.jsonl", tmp / "final.pt"
-        cmd = [sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", str(nodes), "--spares", str(spares),
-               "--events", str(self.ev), "--run-dir", str(tmp / "run"), "--json", *(["-q"] if quiet else []), *args,
-               "--", sys.executable, str(script), "--steps", str(steps), "--save", str(self.save)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "launcher.run.cli",
+            "--local",
+            "--nodes",
+            str(nodes),
+            "--spares",
+            str(spares),
+            "--events",
+            str(self.ev),
+            "--run-dir",
+            str(tmp / "run"),
+            "--json",
+            *(["-q"] if quiet else []),
+            *args,
+            "--",
+            sys.executable,
+            str(script),
+            "--steps",
+            str(steps),
+            "--save",
+            str(self.save),
+        ]
         env = dict(os.environ, RESILD_TEST_MARK=self.mark, PYTHONUNBUFFERED="1")
         self.err = open(tmp / "stderr.txt", "w+")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.err, text=True)
@@ -161,7 +191,9 @@ def test_killing_the_leader_controller_loses_nothing(tmp_path: Path) -> None:
     # The old leader's death made one new leader; the job's end made none (the last leader
     # stands the standbys down), and the summary's step time is the reference's, not skew.
     assert [e["pid"] for e in r.events if e["event"] == "controller_leader"] == [first["pid"], second["pid"]]
-    assert f"controller replica {first['index']} lost; replica {second['index']} leads now" in r.stderr, r.stderr[-2000:]
+    assert f"controller replica {first['index']} lost; replica {second['index']} leads now" in r.stderr, r.stderr[
+        -2000:
+    ]
     assert "back at full strength" in r.stderr and "raft" not in r.stderr  # Raft's chatter is in the replica logs
     assert 0.5 < r.summary["job"]["step_s"] / ref.summary["job"]["step_s"] < 2.0, (r.summary, ref.summary)
     # No worker restarted: the survivors registered again with the new leader, same pids.

@@ -1,5 +1,6 @@
 """Live status of resil-run: the StatusLine listener, the event log's throttle and listeners,
 --quiet wiring, the Slurm --no-kill warning, and one real local job end to end."""
+
 from __future__ import annotations
 
 import io
@@ -12,9 +13,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from launcher.run.slurm_mode import (
+    allocation_survives_node_failure,
+    no_kill_from_job_json,
+    no_kill_from_script,
+    warn_if_allocation_dies_with_a_node,
+)
 from launcher.run.status import StatusLine
-from launcher.run.slurm_mode import (allocation_survives_node_failure, no_kill_from_job_json, no_kill_from_script,
-                                 warn_if_allocation_dies_with_a_node)
 from resild.events.log import EventLog
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,11 +47,15 @@ def feed(line: StatusLine, clock: Clock, events: list[dict]) -> None:
 def test_a_new_controller_leader_is_shown() -> None:
     out, clock = io.StringIO(), Clock()
     line = StatusLine(out, tty=False, clock=clock)
-    feed(line, clock, [
-        ev("controller_leader", 0.0, index=0, pid=11, host="n1", term=1, restored=0),
-        ev("job_started", 0.1, nodes=["a", "b"]),
-        ev("controller_leader", 9.0, index=2, pid=13, host="n3", term=3, restored=7),
-    ])
+    feed(
+        line,
+        clock,
+        [
+            ev("controller_leader", 0.0, index=0, pid=11, host="n1", term=1, restored=0),
+            ev("job_started", 0.1, nodes=["a", "b"]),
+            ev("controller_leader", 9.0, index=2, pid=13, host="n3", term=3, restored=7),
+        ],
+    )
     assert out.getvalue().splitlines() == [
         "resil-run: controller replica 0 leads (pid 11 on n1, term 1)",
         "resil-run: [    8.9s] controller replica 0 lost; replica 2 leads now (pid 13 on n3, term 3, "
@@ -57,14 +66,20 @@ def test_a_new_controller_leader_is_shown() -> None:
 JOB = [
     ev("job_started", 0.0, nodes=["a", "b", "c", "d"]),
     ev("worker_registered", 10.0, node="a", local_rank=0),
-    ev("worker_registered", 11.0, node="a", local_rank=1),   # within 5 s: not printed
+    ev("worker_registered", 11.0, node="a", local_rank=1),  # within 5 s: not printed
     ev("membership", 20.0, epoch=1, layout={"a": [0, 1], "b": [2, 3]}),
     ev("progress", 21.0, step=10, epoch=1),
-    ev("progress", 21.5, step=20, epoch=1),     # 20 steps/s; too soon to print (every 5 s)
-    ev("progress", 26.5, step=120, epoch=1),    # 5 s later: printed
+    ev("progress", 21.5, step=20, epoch=1),  # 20 steps/s; too soon to print (every 5 s)
+    ev("progress", 26.5, step=120, epoch=1),  # 5 s later: printed
     ev("fault_injected", 27.0, node="b", spec="kill:b@130"),
-    ev("failure_detected", 27.03, node="b", cause="b failed: worker 0 exited with signal 9",
-       detector="process-exit", committed_step=130),
+    ev(
+        "failure_detected",
+        27.03,
+        node="b",
+        cause="b failed: worker 0 exited with signal 9",
+        detector="process-exit",
+        committed_step=130,
+    ),
     ev("spare_assigned", 27.04, spare="c", failed="b", epoch=2, spares_left=1),
     ev("membership", 27.05, epoch=2, layout={"a": [0, 1], "c": [2, 3]}),
     ev("full_strength_step", 27.25, epoch=2, step=131),
@@ -85,8 +100,9 @@ def test_status_line_says_what_matters():
     assert "c takes over b's ranks (epoch 2), 1 spare(s) left" in lines[3]
     assert "back at full strength at step 131, 0.25s after the fault" in lines[4]
     assert "hot spare d lost: d failed: Xid 79; 0 spare(s) left" in lines[5]
-    assert lines[6].endswith("step 240 (20.0 steps/s), epoch 2, spares 0/2, "
-                             "last failure: b (process-exit) recovered in 0.25s")
+    assert lines[6].endswith(
+        "step 240 (20.0 steps/s), epoch 2, spares 0/2, last failure: b (process-exit) recovered in 0.25s"
+    )
     assert len(lines) == 7
 
 
@@ -137,9 +153,16 @@ def test_quiet_turns_the_status_off(monkeypatch):
 SCRIPT = "#!/bin/bash\n#SBATCH -N 5\n{directive}\n\nresil-run --spares 1 -- python train.py\n#SBATCH --no-kill\n"
 
 
-@pytest.mark.parametrize("directive,want", [
-    ("#SBATCH --no-kill", True), ("#SBATCH -k", True), ("#SBATCH --no-kill=off", False),
-    ("#SBATCH --time=1:00:00  # no kill here", None), ("", None)])
+@pytest.mark.parametrize(
+    "directive,want",
+    [
+        ("#SBATCH --no-kill", True),
+        ("#SBATCH -k", True),
+        ("#SBATCH --no-kill=off", False),
+        ("#SBATCH --time=1:00:00  # no kill here", None),
+        ("", None),
+    ],
+)
 def test_no_kill_from_script_reads_directives_before_the_first_command(directive, want):
     assert no_kill_from_script(SCRIPT.format(directive=directive)) is want
 
@@ -158,8 +181,12 @@ def test_no_kill_sources_in_order():
     script = runner({"scontrol write batch_script 7": SCRIPT.format(directive="")})
     assert allocation_survives_node_failure("7", {}, script)[0] is None
     assert allocation_survives_node_failure("7", {"SBATCH_NO_KILL": "1"}, script)[0] is True
-    with_submit = runner({"scontrol write batch_script 7": SCRIPT.format(directive=""),
-                          "scontrol show job 7": "JobId=7\n   SubmitLine=sbatch -N 5 job.sh\n"})
+    with_submit = runner(
+        {
+            "scontrol write batch_script 7": SCRIPT.format(directive=""),
+            "scontrol show job 7": "JobId=7\n   SubmitLine=sbatch -N 5 job.sh\n",
+        }
+    )
     assert allocation_survives_node_failure("7", {}, with_submit)[0] is False
     assert allocation_survives_node_failure("7", {}, runner({}))[0] is None
 
@@ -183,11 +210,34 @@ def test_warning_printed_at_start():
 def test_real_local_job_status_json_and_report(tmp_path: Path):
     events = tmp_path / "events.jsonl"
     r = subprocess.run(
-        [sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", "3", "--spares", "1", "--nproc-per-node", "1",
-         "--events", str(events), "--json", "--inject", "kill:node1@30", "--",
-         sys.executable, str(REPO / "examples/train.py"), "--steps", "80"],
-        cwd=REPO, capture_output=True, text=True, timeout=280,
-        env={**os.environ, "PYTHONPATH": str(REPO)})  # workers import this tree's launcher, not another checkout
+        [
+            sys.executable,
+            "-m",
+            "launcher.run.cli",
+            "--local",
+            "--nodes",
+            "3",
+            "--spares",
+            "1",
+            "--nproc-per-node",
+            "1",
+            "--events",
+            str(events),
+            "--json",
+            "--inject",
+            "kill:node1@30",
+            "--",
+            sys.executable,
+            str(REPO / "examples/train.py"),
+            "--steps",
+            "80",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # workers import this tree's launcher, not another checkout
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout)  # nothing but the JSON on stdout
     assert summary["exit_code"] == 0
@@ -195,6 +245,7 @@ def test_real_local_job_status_json_and_report(tmp_path: Path):
     assert "failure: local-node1 failed" in r.stderr and "back at full strength" in r.stderr
 
     from resild.report.goodput import PHASES, analyze, load_events
+
     b = analyze(load_events(events))
     # steps counts commits after the first one the controller saw (node processes may aggregate
     # progress reports, so the first seen can be step 2 or 3)

@@ -3,12 +3,12 @@
 Every recovered run must end bitwise identical to the failure-free reference,
 lose no committed step, keep healthy workers' PIDs, and leave no process behind.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 import torch
 
 from .conftest import RunResult, assert_bitwise_equal, run_job
@@ -46,14 +46,17 @@ def check_recovered(r: RunResult, reference: RunResult, n_failures: int) -> list
     return fs
 
 
-@pytest.mark.parametrize("fault,detector", [
-    ("kill:node1@20", "process-exit"),
-    ("exception:node0@20", "exception"),
-    ("hang:node1@20", "hang"),
-    ("nodeloss:node0@20", "process-exit"),
-    ("xid79:node1@20", "nvml-xid"),   # GPU fell off the bus, through the NVML stand-in and real pynvml
-    ("xid48:node0@20", "nvml-xid"),   # double-bit ECC
-])
+@pytest.mark.parametrize(
+    "fault,detector",
+    [
+        ("kill:node1@20", "process-exit"),
+        ("exception:node0@20", "exception"),
+        ("hang:node1@20", "hang"),
+        ("nodeloss:node0@20", "process-exit"),
+        ("xid79:node1@20", "nvml-xid"),  # GPU fell off the bus, through the NVML stand-in and real pynvml
+        ("xid48:node0@20", "nvml-xid"),  # double-bit ECC
+    ],
+)
 def test_single_fault_is_survived_bitwise(tmp_path: Path, reference: RunResult, fault: str, detector: str) -> None:
     r = run_job(tmp_path, "--inject", fault, "--hang-timeout", "2")
     (f,) = check_recovered(r, reference, 1)
@@ -84,8 +87,10 @@ def test_no_spare_left_fails_cleanly_with_one_line(tmp_path: Path) -> None:
     r = run_job(tmp_path, "--inject", "kill:node1@10", nodes=2, spares=0, timeout_s=60)
     assert r.rc == 1
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("resil-run: job failed:")]
-    assert lines == ["resil-run: job failed: no spare left: local-node1 failed "
-                     f"({lines[0].split('(', 1)[1]}"] and "signal" in lines[0]
+    assert (
+        lines == [f"resil-run: job failed: no spare left: local-node1 failed ({lines[0].split('(', 1)[1]}"]
+        and "signal" in lines[0]
+    )
     assert r.final is None
 
 

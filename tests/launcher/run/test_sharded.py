@@ -3,6 +3,7 @@ resil-run, node processes and gloo. 5 nodes x 2 ranks with one hot spare: 8
 ranks, 2 replica groups x 4 shards. Every recovered run must end bitwise
 identical to the failure-free run, with no committed step lost and no process
 left behind (run_job checks that)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -59,15 +60,19 @@ def check(r: RunResult, ref: RunResult, n_failures: int) -> list[dict]:
     return fs
 
 
-@pytest.mark.parametrize("fault,detector", [
-    ("kill:node1@10", "process-exit"),
-    ("exception:node2@10", "exception"),
-    ("hang:node3@10", "hang"),
-    ("nodeloss:node0@10", "process-exit"),
-    ("xid79:node1@10", "nvml-xid"),
-])
-def test_hsdp_node_loss_is_recovered_bitwise(tmp_path: Path, hsdp_reference: RunResult, fault: str,
-                                             detector: str) -> None:
+@pytest.mark.parametrize(
+    "fault,detector",
+    [
+        ("kill:node1@10", "process-exit"),
+        ("exception:node2@10", "exception"),
+        ("hang:node3@10", "hang"),
+        ("nodeloss:node0@10", "process-exit"),
+        ("xid79:node1@10", "nvml-xid"),
+    ],
+)
+def test_hsdp_node_loss_is_recovered_bitwise(
+    tmp_path: Path, hsdp_reference: RunResult, fault: str, detector: str
+) -> None:
     r = hsdp(tmp_path, "--inject", fault, "--hang-timeout", "3")
     (f,) = check(r, hsdp_reference, 1)
     assert f["detector"] == detector
@@ -114,7 +119,6 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
 
 
 @pytest.mark.parametrize("fault", ["kill:node1@9", "exception:node0@9"])
-def test_ddp_amp_accumulation_clipping_recovered_bitwise(tmp_path: Path, ddp_reference: RunResult,
-                                                          fault: str) -> None:
+def test_ddp_amp_accumulation_clipping_recovered_bitwise(tmp_path: Path, ddp_reference: RunResult, fault: str) -> None:
     r = run_job(tmp_path, "--inject", fault, nodes=3, spares=1, nproc=2, steps=STEPS, script=DDP_AMP)
     check(r, ddp_reference, 1)

@@ -59,8 +59,13 @@ def test_allocation_in_batch_script() -> None:
 
 def test_allocation_in_step_has_no_batch_host() -> None:
     # inside a step SLURM_NNODES is the step's node count, not the job's
-    env = {**BATCH_ENV, "SLURMD_NODENAME": "node3", "SLURM_STEP_ID": "0", "SLURM_NNODES": "1",
-           "SLURM_RESTART_COUNT": "2"}
+    env = {
+        **BATCH_ENV,
+        "SLURMD_NODENAME": "node3",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NNODES": "1",
+        "SLURM_RESTART_COUNT": "2",
+    }
     a = allocation_from_env(env)
     assert a is not None
     assert (a.node, a.step_id, a.batch_host, a.restart_count) == ("node3", "0", None, 2)
@@ -208,8 +213,10 @@ def test_drain_timeout_and_missing_binary(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 # -- the default run directory of resil-run under Slurm (launcher/run/slurm_mode.py) -----------------
-SHOW_JOB = "JobId=42 JobName=x\n   SubmitTime=2026-11-30T13:54:43 EligibleTime=2026-11-30T13:56:44\n" \
-           "   StartTime=2026-11-30T13:56:44 EndTime=Unknown Deadline=N/A\n"
+SHOW_JOB = (
+    "JobId=42 JobName=x\n   SubmitTime=2026-11-30T13:54:43 EligibleTime=2026-11-30T13:56:44\n"
+    "   StartTime=2026-11-30T13:56:44 EndTime=Unknown Deadline=N/A\n"
+)
 
 
 def _runner(show_job: str | None = SHOW_JOB, config: str | None = "ClusterName             = fromconfig\n"):
@@ -218,11 +225,13 @@ def _runner(show_job: str | None = SHOW_JOB, config: str | None = "ClusterName  
     def run(argv: list[str]) -> str | None:
         calls.append(argv)
         return show_job if argv[:3] == ["scontrol", "show", "job"] else config
+
     return run, calls
 
 
 def test_run_dir_name_has_cluster_job_restarts_and_start_time() -> None:
     from launcher.run.slurm_mode import default_run_dir_name
+
     run, calls = _runner()
     env = {**BATCH_ENV, "SLURM_CLUSTER_NAME": "resildlab"}
     assert default_run_dir_name("42", env, run) == "resildlab-job-42-r0-20261130T135644"
@@ -233,10 +242,12 @@ def test_run_dir_name_has_cluster_job_restarts_and_start_time() -> None:
 
 def test_run_dir_name_differs_for_a_reused_job_id_and_a_requeue() -> None:
     from launcher.run.slurm_mode import default_run_dir_name
+
     env = {**BATCH_ENV, "SLURM_CLUSTER_NAME": "c"}
     first = default_run_dir_name("42", env, _runner()[0])
-    later = default_run_dir_name("42", env, _runner(SHOW_JOB.replace("StartTime=2026-11-30T13:56:44",
-                                                                      "StartTime=2026-12-01T08:00:00"))[0])
+    later = default_run_dir_name(
+        "42", env, _runner(SHOW_JOB.replace("StartTime=2026-11-30T13:56:44", "StartTime=2026-12-01T08:00:00"))[0]
+    )
     requeued = default_run_dir_name("42", {**env, "SLURM_RESTART_COUNT": "1"}, _runner()[0])
     other_cluster = default_run_dir_name("42", {**env, "SLURM_CLUSTER_NAME": "d"}, _runner()[0])
     assert len({first, later, requeued, other_cluster}) == 4
@@ -244,6 +255,7 @@ def test_run_dir_name_differs_for_a_reused_job_id_and_a_requeue() -> None:
 
 def test_run_dir_name_fallbacks() -> None:
     from launcher.run.slurm_mode import default_run_dir_name
+
     now = 1_700_000_000.0
     stamp = __import__("time").strftime("%Y%m%dT%H%M%S", __import__("time").localtime(now))
     # no SLURM_CLUSTER_NAME: scontrol show config
@@ -280,6 +292,7 @@ def _err(stderr: str, rc: int | None = 1) -> SlurmError:
 )
 def test_after_requeue_decision(err: SlurmError | None, decision: str) -> None:
     from launcher.node.lease import after_requeue
+
     assert after_requeue(err) == decision
 
 
@@ -302,6 +315,7 @@ class _FakeSlurm:
 
     def release(self, mode: str = "requeue") -> str:
         from launcher.node.lease import release_job
+
         return release_job("42", "controller lost (x)", mode, requeue=self.requeue, cancel=self.cancel, timeout_s=7)
 
 
@@ -313,8 +327,9 @@ def test_release_requeues_and_does_not_cancel() -> None:
 
 def test_release_not_requeueable_cancels_and_says_so() -> None:
     f = _FakeSlurm(_err("Requested operation is presently disabled for job 42"))
-    assert f.release() == ("could not requeue Slurm job 42 (Requested operation is presently disabled for job 42): "
-                           "cancelled it")
+    assert f.release() == (
+        "could not requeue Slurm job 42 (Requested operation is presently disabled for job 42): cancelled it"
+    )
     assert [c[0] for c in f.calls] == ["requeue", "cancel"] and f.calls[1][2] == 7
 
 
@@ -332,8 +347,10 @@ def test_release_modes_and_a_failing_scancel() -> None:
     assert f.release("cancel") == "cancelled Slurm job 42" and [c[0] for c in f.calls] == ["cancel"]
     f = _FakeSlurm()
     assert f.release("none") == "left Slurm job 42 alone (RESILD_ON_CONTROLLER_LOST=none)" and f.calls == []
-    f = _FakeSlurm(SlurmError("scontrol requeue 42 timed out after 7s", ["scontrol"], None),
-                   _err("scancel: error: Kill job error on job id 42: Access/permission denied"))
+    f = _FakeSlurm(
+        SlurmError("scontrol requeue 42 timed out after 7s", ["scontrol"], None),
+        _err("scancel: error: Kill job error on job id 42: Access/permission denied"),
+    )
     out = f.release()
     assert out.startswith("could not requeue Slurm job 42 (scontrol requeue 42 timed out after 7s): scancel 42 failed")
     assert "\n" not in out
@@ -343,6 +360,7 @@ def test_release_through_scontrol_and_scancel_argv(monkeypatch: pytest.MonkeyPat
     """The real slurm.requeue / slurm.cancel underneath: comment, requeue, then scancel --state=RUNNING
     (a plain scancel would cancel a requeue another node process just made), each with the timeout."""
     from launcher.node.lease import release_job
+
     seen: list[tuple[list[str], object]] = []
 
     def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
@@ -352,8 +370,9 @@ def test_release_through_scontrol_and_scancel_argv(monkeypatch: pytest.MonkeyPat
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(slurm.subprocess, "run", fake_run)
-    out = release_job("42", "controller lost (no word from tcp://10.0.0.1:5555 for 5.0s; batch host down?)",
-                      timeout_s=4)
+    out = release_job(
+        "42", "controller lost (no word from tcp://10.0.0.1:5555 for 5.0s; batch host down?)", timeout_s=4
+    )
     assert out.endswith("cancelled it")
     assert seen == [
         (["scontrol", "update", "JobId=42",
@@ -368,6 +387,7 @@ def test_release_through_scontrol_and_scancel_argv(monkeypatch: pytest.MonkeyPat
 
 def test_release_only_in_a_slurm_step_on_its_own_node() -> None:
     from launcher.node.lease import mode_from_env, slurm_job_id
+
     step = {**BATCH_ENV, "SLURMD_NODENAME": "node3", "SLURM_STEP_ID": "0"}
     assert slurm_job_id(step, "node3") == "42"
     assert slurm_job_id(BATCH_ENV, "node1") is None  # no step: not started by srun

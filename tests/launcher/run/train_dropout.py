@@ -1,6 +1,7 @@
 """examples/train.py with dropout and a stateful data cursor: the abandoned step of a
 recovery consumes random numbers and advances the cursor, so a recovered run is only
 bitwise identical if the runtime rewinds both to the last commit and replays them."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import launcher  # noqa: E402
-from train import build_model, make_batch  # noqa: E402
+from train import build_model, make_batch
+
+import launcher
 
 
 class Cursor:
@@ -45,8 +47,16 @@ def main() -> None:
         F.mse_loss(model(x), y).backward()
         job.commit()
     if args.save and job.rank == 0:
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": job.step,
-                    "cursor": cursor.pos, "rng": torch.get_rng_state()}, args.save)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "step": job.step,
+                "cursor": cursor.pos,
+                "rng": torch.get_rng_state(),
+            },
+            args.save,
+        )
     job.close()
 
 

@@ -1,4 +1,5 @@
 """The training runtime's link to the node daemon, against a real `resild daemon`."""
+
 from __future__ import annotations
 
 import subprocess
@@ -35,12 +36,19 @@ def test_registered_rank_is_watched_and_a_stall_is_reported_hung(tmp_path: Path)
     (tmp_path / "kmsg").write_text("")
     sock = tmp_path / "status.sock"
     conf = tmp_path / "resild.toml"
-    conf.write_text(f'node = "n1"\nkmsg_path = "{tmp_path}/kmsg"\nstate_dir = "{tmp_path}"\n'
-                    f'status_socket = "{sock}"\nhang_timeout_s = 1.0\n')
+    conf.write_text(
+        f'node = "n1"\nkmsg_path = "{tmp_path}/kmsg"\nstate_dir = "{tmp_path}"\n'
+        f'status_socket = "{sock}"\nhang_timeout_s = 1.0\n'
+    )
     env = fake_nvml_env(build_fake_nvml(tmp_path / "lib"), ctl)
     env.pop("NOTIFY_SOCKET", None)
-    daemon = subprocess.Popen([sys.executable, "-m", "resild.cli", "daemon", "--config", str(conf)], env=env,
-                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "resild.cli", "daemon", "--config", str(conf)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     step = [0]
     link = AgentLink(f"ipc://{sock}", "n1/rank0", lambda: step[0], interval_s=0.1, timeout_s=0.5)
     try:

@@ -1,6 +1,7 @@
 """Pure parts of the commit/recovery protocol: the step agreement with roll-forward,
 multi-source replay plans, slicing; and the data cursor that rewinds without
 touching the training RNG."""
+
 from __future__ import annotations
 
 import hashlib
@@ -77,9 +78,13 @@ def _rng() -> str:
 
 def _loader() -> ResumableLoader:
     from torchdata.stateful_dataloader import StatefulDataLoader
+
     ds = TensorDataset(torch.arange(40.0).view(20, 2))
-    return ResumableLoader(StatefulDataLoader(ds, batch_size=3, sampler=DistributedSampler(
-        ds, num_replicas=2, rank=1, shuffle=True, seed=3)))
+    return ResumableLoader(
+        StatefulDataLoader(
+            ds, batch_size=3, sampler=DistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=3)
+        )
+    )
 
 
 @pytest.mark.parametrize("consumed", [1, 3, 4, 9])
@@ -88,13 +93,13 @@ def test_resumable_loader_resumes_exactly_across_epochs_and_never_touches_the_rn
     a = _loader()
     for _ in range(consumed):
         next(a)
-    skel, buf = flatten(a.state_dict())          # the replay path: JSON skeleton + bytes
+    skel, buf = flatten(a.state_dict())  # the replay path: JSON skeleton + bytes
     expected = [next(a)[0].tolist() for _ in range(5)]
     b = _loader()
     torch.manual_seed(1)
     before = _rng()
     b.load_state_dict(unflatten(skel, buf))
-    b.state_dict()                                # asked right after loading (resild captures it)
+    b.state_dict()  # asked right after loading (resild captures it)
     got = [next(b)[0].tolist() for _ in range(5)]
     assert got == expected
     assert _rng() == before
@@ -114,6 +119,7 @@ for step in job.steps(3):
 def test_committing_twice_in_one_step_is_a_clear_error(tmp_path) -> None:
     import subprocess
     import sys
+
     p = subprocess.run([sys.executable, "-c", SOLO_TWICE], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert p.returncode != 0
     assert "job.commit() called twice in step 0" in p.stderr

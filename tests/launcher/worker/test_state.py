@@ -22,8 +22,13 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
 
 def test_round_trip_is_bitwise_and_keeps_key_types() -> None:
     m, opt, sched = _trained()
-    state = {"model": m.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
-             "rng": torch.get_rng_state(), "tuple": (1, "x", None, 2.5, True)}
+    state = {
+        "model": m.state_dict(),
+        "optim": opt.state_dict(),
+        "sched": sched.state_dict(),
+        "rng": torch.get_rng_state(),
+        "tuple": (1, "x", None, 2.5, True),
+    }
     skel, buf = flatten(state)
     assert buf.dtype == torch.uint8
     out = unflatten(skel, buf)

@@ -1,4 +1,5 @@
 """Pure parts of the controller."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,9 +13,9 @@ def test_median_step_counts_one_nodes_consecutive_steps_only() -> None:
     pts = []
     for k in range(10):
         base = 5 * k
-        pts.append((base + 1, 0.080 * k, "a"))           # A reports step base+1
-        pts.append((base + 2, 0.080 * k + 0.004, "b"))   # B reports base+2, 4 ms later
-        pts.append((base + 3, 0.080 * k + 0.020, "b"))   # B's next step, 16 ms after its last
+        pts.append((base + 1, 0.080 * k, "a"))  # A reports step base+1
+        pts.append((base + 2, 0.080 * k + 0.004, "b"))  # B reports base+2, 4 ms later
+        pts.append((base + 3, 0.080 * k + 0.020, "b"))  # B's next step, 16 ms after its last
     assert median_step_s(pts) == pytest.approx(0.016)
     assert median_step_s([(1, 0.0, "a"), (2, 0.004, "b")]) is None  # no same-node pair: unknown
     assert median_step_s([]) is None

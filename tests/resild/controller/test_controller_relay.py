@@ -2,19 +2,20 @@
 sockets, no processes): one message per node per epoch, deltas to nodes holding the
 previous epoch, its view to a node that does not (or that says it missed one), the
 full layout directly only to workers not behind a relay, aggregated commits, hang blame."""
+
 from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import zmq
 
 from resild.controller.loop import Controller, ControllerConfig, JobResult
+from resild.controller.policy import PolicyConfig
 from resild.events.log import EventLog
 from resild.membership import Membership
-from resild.controller.policy import PolicyConfig
 from resild.wire.protocol import Message, MsgType
 from resild.wire.transport import Channel, connect
 
@@ -48,8 +49,9 @@ def wait_event(events: EventLog, name: str, timeout_s: float = 10.0) -> dict:
 def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Controller, EventLog, zmq.Context]]:
     events = EventLog(None)
     hang_s = getattr(request, "param", 30.0)
-    cfg = ControllerConfig(policy=PolicyConfig(heartbeat_timeout_s=30.0, hang_timeout_s=hang_s), resync_s=1.5,
-                           store_addr="127.0.0.1:1")
+    cfg = ControllerConfig(
+        policy=PolicyConfig(heartbeat_timeout_s=30.0, hang_timeout_s=hang_s), resync_s=1.5, store_addr="127.0.0.1:1"
+    )
     ctl = Controller(cfg, ["a", "b"], ["s0", "s1"], 2, None, events)
     th = threading.Thread(target=ctl.run, daemon=True)
     th.start()
@@ -66,10 +68,10 @@ def test_deltas_full_layouts_resync_and_direct_workers(cluster: tuple[Controller
     ctl, events, ctx = cluster
     nodes = {n: connect(ctx, ctl.endpoint, None, f"{n}/node") for n in ("a", "b", "s0", "s1")}
     for n, ch in nodes.items():
-        relayed = [] if n == "b" else [0, 1]   # b's workers talk to the controller directly
+        relayed = [] if n == "b" else [0, 1]  # b's workers talk to the controller directly
         ch.send(MsgType.REGISTER_NODE, {"node": n, "pid": 1, "nproc": 2, "epoch": 0, "relayed": relayed})
     time.sleep(0.2)
-    for n in ("a", "s0", "s1"):   # relayed workers register (over the node's socket here)
+    for n in ("a", "s0", "s1"):  # relayed workers register (over the node's socket here)
         for lr in (0, 1):
             nodes[n].send(MsgType.REGISTER_WORKER, {"node": n, "local_rank": lr, "pid": 1})
     b_workers = [connect(ctx, ctl.endpoint, None, f"b/w{lr}/1") for lr in (0, 1)]
@@ -85,14 +87,18 @@ def test_deltas_full_layouts_resync_and_direct_workers(cluster: tuple[Controller
     for w in b_workers:
         (m,) = memberships(drain(w))
         assert Membership.from_dict(m.body) == m1
-    assert memberships(drain(nodes["s0"], 0.05)) == []   # spares hold no ranks
+    assert memberships(drain(nodes["s0"], 0.05)) == []  # spares hold no ranks
 
     # b fails: a held epoch 1 -> a delta; s0 held nothing -> its view.
     nodes["b"].send(MsgType.WORKER_EXIT, {"node": "b", "local_rank": 0, "pid": 1, "returncode": -9})
     m2 = m1.replace("b", "s0")
     (d,) = memberships(drain(nodes["a"]))
-    assert d.type == MsgType.MEMBERSHIP_DELTA and d.body == {"epoch": 2, "base": 1, "world_size": 4,
-                                                            "moves": {"b": "s0"}}
+    assert d.type == MsgType.MEMBERSHIP_DELTA and d.body == {
+        "epoch": 2,
+        "base": 1,
+        "world_size": 4,
+        "moves": {"b": "s0"},
+    }
     assert m1.apply_delta(d.body) == m2 and m1.view("a").apply_delta(d.body) == m2.view("a")
     (f,) = memberships(drain(nodes["s0"]))
     assert f.type == MsgType.MEMBERSHIP and Membership.from_dict(f.body) == m2.view("s0")
@@ -121,7 +127,7 @@ def test_deltas_full_layouts_resync_and_direct_workers(cluster: tuple[Controller
     # A direct worker registering late gets the full layout directly; a relayed one does not.
     late = connect(ctx, ctl.endpoint, None, "s0/wlate/1")
     late.send(MsgType.REGISTER_WORKER, {"node": "s0", "local_rank": 1, "pid": 1})
-    assert memberships(drain(late)) == []    # s0 relays local rank 1: its node hands it over
+    assert memberships(drain(late)) == []  # s0 relays local rank 1: its node hands it over
     nodes["s0"].send(MsgType.HEARTBEAT, {"node": "s0", "epoch": 2, "relayed": [0]})
     time.sleep(0.1)
     late.send(MsgType.REGISTER_WORKER, {"node": "s0", "local_rank": 1, "pid": 1})
@@ -131,7 +137,8 @@ def test_deltas_full_layouts_resync_and_direct_workers(cluster: tuple[Controller
 
 @pytest.mark.parametrize("cluster", [1.0], indirect=True)  # hang timeout
 def test_aggregated_commits_and_relayed_waits_name_the_hung_rank(
-        cluster: tuple[Controller, EventLog, zmq.Context]) -> None:
+    cluster: tuple[Controller, EventLog, zmq.Context],
+) -> None:
     ctl, events, ctx = cluster
     nodes = {n: connect(ctx, ctl.endpoint, None, f"{n}/node") for n in ("a", "b", "s0")}
     for n, ch in nodes.items():

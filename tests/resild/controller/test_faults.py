@@ -5,12 +5,15 @@ import pytest
 from resild.controller.faults import Fault, FaultSpecError, Injector, parse_fault
 
 
-@pytest.mark.parametrize("spec,expect", [
-    ("kill:node1@40", Fault("kill", "node1", 40)),
-    ("xid79:node2@120", Fault("xid79", "node2", 120)),
-    ("hang:local-node0@200+0.5", Fault("hang", "local-node0", 200, 0.5)),
-    ("kill:node2@e2", Fault("kill", "node2", 0, epoch=2)),
-])
+@pytest.mark.parametrize(
+    "spec,expect",
+    [
+        ("kill:node1@40", Fault("kill", "node1", 40)),
+        ("xid79:node2@120", Fault("xid79", "node2", 120)),
+        ("hang:local-node0@200+0.5", Fault("hang", "local-node0", 200, 0.5)),
+        ("kill:node2@e2", Fault("kill", "node2", 0, epoch=2)),
+    ],
+)
 def test_parse(spec: str, expect: Fault) -> None:
     assert parse_fault(spec) == expect
 

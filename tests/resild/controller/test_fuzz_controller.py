@@ -1,6 +1,7 @@
 """Fuzzing the controller: every message type with arbitrary bodies, decoded the way the
 wire decodes them, against an in-process controller's handlers. No body that decode
 accepts may make a handler raise, and the end-of-run table must still be computable."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,21 @@ from tests.resild.wire.test_fuzz_protocol import bodies
 
 pytestmark = pytest.mark.timeout(180)
 NODES = ["n0", "n1", "n2"]
-PEER_TYPES = [MsgType.REGISTER_NODE, MsgType.HEARTBEAT, MsgType.WORKER_EXIT, MsgType.HEALTH,
-              MsgType.REGISTER_WORKER, MsgType.PROGRESS, MsgType.EVENT, MsgType.DONE, MsgType.FAILED,
-              MsgType.FATAL, MsgType.STATUS, MsgType.PING, MsgType.ERROR]
+PEER_TYPES = [
+    MsgType.REGISTER_NODE,
+    MsgType.HEARTBEAT,
+    MsgType.WORKER_EXIT,
+    MsgType.HEALTH,
+    MsgType.REGISTER_WORKER,
+    MsgType.PROGRESS,
+    MsgType.EVENT,
+    MsgType.DONE,
+    MsgType.FAILED,
+    MsgType.FATAL,
+    MsgType.STATUS,
+    MsgType.PING,
+    MsgType.ERROR,
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,22 +51,36 @@ def _controller(ctx: zmq.Context) -> Controller:
     now = time.monotonic()
     for i, n in enumerate(NODES):
         ctl._handle(f"{n}/node".encode(), _msg(MsgType.REGISTER_NODE, {"node": n, "pid": 100 + i}), now)
-        ctl._handle(f"{n}/w0/1".encode(), _msg(MsgType.REGISTER_WORKER, {"node": n, "local_rank": 0, "pid": 200 + i}),
-                    now)
+        ctl._handle(
+            f"{n}/w0/1".encode(), _msg(MsgType.REGISTER_WORKER, {"node": n, "local_rank": 0, "pid": 200 + i}), now
+        )
     assert ctl.view.membership is not None
     return ctl
 
 
 def _msg(mtype: MsgType, body: dict[str, Any]) -> Message:
-    frame = json.dumps({"v": PROTOCOL_VERSION, "type": mtype.value, "sender": "x", "seq": 1, "deadline": 1e10,
-                        "body": body}, allow_nan=True).encode()
+    frame = json.dumps(
+        {"v": PROTOCOL_VERSION, "type": mtype.value, "sender": "x", "seq": 1, "deadline": 1e10, "body": body},
+        allow_nan=True,
+    ).encode()
     return decode(frame)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(msgs=st.lists(st.tuples(st.sampled_from(PEER_TYPES), st.sampled_from(NODES + ["zz", ""]),
-                               st.sampled_from(["/node", "/w0/1", "/agent"]), bodies), min_size=1, max_size=6))
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    msgs=st.lists(
+        st.tuples(
+            st.sampled_from(PEER_TYPES),
+            st.sampled_from(NODES + ["zz", ""]),
+            st.sampled_from(["/node", "/w0/1", "/agent"]),
+            bodies,
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_no_accepted_body_breaks_a_handler(ctx, msgs) -> None:
     ctl = _controller(ctx)
     try:
@@ -64,9 +91,9 @@ def test_no_accepted_body_breaks_a_handler(ctx, msgs) -> None:
                 msg = _msg(mtype, body)
             except ProtocolError:
                 continue
-            ctl._handle(f"{node}{suffix}".encode(), msg, time.monotonic())   # must not raise
+            ctl._handle(f"{node}{suffix}".encode(), msg, time.monotonic())  # must not raise
             ctl._tick(time.monotonic())
-        failures, job = summarize(ctl.events.records)   # the end-of-run table survives anything
+        failures, job = summarize(ctl.events.records)  # the end-of-run table survives anything
         format_table(failures, job)
         json.dumps(ctl.status())
     finally:
@@ -77,8 +104,9 @@ def test_a_worker_event_cannot_break_the_end_of_run_table(ctx) -> None:
     """A worker EVENT named failure_detected without `cause` broke the table."""
     ctl = _controller(ctx)
     try:
-        ctl._handle(b"n0/w0/1", _msg(MsgType.EVENT, {"node": "n0", "name": "failure_detected", "fields": {}}),
-                    time.monotonic())
+        ctl._handle(
+            b"n0/w0/1", _msg(MsgType.EVENT, {"node": "n0", "name": "failure_detected", "fields": {}}), time.monotonic()
+        )
         assert ctl.events.records[-1]["event"] == "worker.failure_detected"
         failures, job = summarize(ctl.events.records)
         assert failures == [] and "no failures" in format_table(failures, job)
@@ -89,11 +117,14 @@ def test_a_worker_event_cannot_break_the_end_of_run_table(ctx) -> None:
 def test_the_loop_survives_a_handler_that_raises(ctx, monkeypatch, caplog) -> None:
     ctl = _controller(ctx)
     try:
+
         def boom(*_: Any) -> None:
             raise OverflowError("cannot convert float infinity to integer")
+
         monkeypatch.setattr(ctl, "_handle", boom)
-        ctl._dispatch(b"n0/w0/1", _msg(MsgType.PROGRESS, {"node": "n0", "rank": 0, "epoch": 1, "step": 1}),
-                      time.monotonic())
+        ctl._dispatch(
+            b"n0/w0/1", _msg(MsgType.PROGRESS, {"node": "n0", "rank": 0, "epoch": 1, "step": 1}), time.monotonic()
+        )
         assert "handling progress from x failed" in caplog.text and ctl.result is None
     finally:
         ctl.server.close()

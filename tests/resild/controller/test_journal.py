@@ -47,7 +47,7 @@ def test_a_failing_disk_is_loud_surfaced_and_survived(tmp_path: Path, caplog) ->
     assert not j.healthy and j.errors == 2 and "No space left" in (j.last_error or "")
     assert j.status()["healthy"] is False
     assert "JOURNAL WRITE FAILED" in caplog.text
-    assert [e["event"] for e in events.records] == ["journal_error"]   # once per failure streak
+    assert [e["event"] for e in events.records] == ["journal_error"]  # once per failure streak
     j._f = real
     assert j.append({"action": "replace_node", "node": "d"}) and j.healthy
     j.close()

@@ -1,21 +1,31 @@
 """Pure policy tests: an injected clock, no sockets, no processes."""
+
 from __future__ import annotations
 
 import pytest
 
+from resild.controller.policy import (
+    Action,
+    PolicyConfig,
+    check_done,
+    check_timeouts,
+    on_node_failure,
+    on_worker_exception,
+    pick_spare,
+)
 from resild.membership import ClusterView, IllegalTransition, Membership, NodeRole, NodeView, RankProgress
-from resild.controller.policy import (Action, PolicyConfig, check_done, check_timeouts, on_node_failure, on_worker_exception,
-                           pick_spare)
 
 CFG = PolicyConfig(heartbeat_timeout_s=2.0, hang_timeout_s=5.0)
 
 
 def view(now: float = 100.0, spares: int = 1, warm: bool = True) -> ClusterView:
-    nodes = {n: NodeView(n, NodeRole.ACTIVE, 2, registered=True, last_heartbeat_s=now, workers_ready=2)
-             for n in ("a", "b")}
+    nodes = {
+        n: NodeView(n, NodeRole.ACTIVE, 2, registered=True, last_heartbeat_s=now, workers_ready=2) for n in ("a", "b")
+    }
     for i in range(spares):
-        nodes[f"s{i}"] = NodeView(f"s{i}", NodeRole.SPARE, 2, registered=True, last_heartbeat_s=now,
-                                  workers_ready=2 if warm else 0)
+        nodes[f"s{i}"] = NodeView(
+            f"s{i}", NodeRole.SPARE, 2, registered=True, last_heartbeat_s=now, workers_ready=2 if warm else 0
+        )
     v = ClusterView(nodes, Membership.initial(["a", "b"], 2), epoch_started_s=now, last_commit_s=now)
     for r in range(4):
         v.progress[r] = RankProgress(step=10, epoch=1, state="commit", t_s=now)
@@ -61,8 +71,8 @@ def test_warm_spare_is_preferred() -> None:
 def test_heartbeat_loss_after_timeout_only() -> None:
     v = view(now=100.0)
     v.beat("a", 99.0)
-    assert check_timeouts(101.0, v, CFG).action == Action.NONE          # 2.0 s silent: not yet
-    d = check_timeouts(101.5, v, CFG)                                   # 2.5 s silent
+    assert check_timeouts(101.0, v, CFG).action == Action.NONE  # 2.0 s silent: not yet
+    d = check_timeouts(101.5, v, CFG)  # 2.5 s silent
     assert d.action == Action.REPLACE_NODE and d.node == "a" and d.detector == "heartbeat"
 
 
@@ -115,7 +125,7 @@ def test_membership_replace_rejects_nonsense() -> None:
 
 
 def test_probe_unanswered_by_the_deadline_fails_that_node_only() -> None:
-    v = view(now=100.0)            # last heartbeats at 100.0
+    v = view(now=100.0)  # last heartbeats at 100.0
     v.probe_sent_s, v.probe_epoch, v.probe_targets = 100.05, 1, frozenset({"a", "b"})
     v.beat("a", 100.1)  # answered the ping
     assert check_timeouts(100.3, v, CFG).action == Action.NONE  # still within probe_timeout_s (0.5 s)
@@ -191,6 +201,7 @@ def test_transient_collective_failure_reforms_with_the_same_layout() -> None:
 
 def test_start_up_silence_is_judged_with_the_longer_start_timeout() -> None:
     from resild.controller.policy import check_heartbeats
+
     v = view(now=100.0)
     v.membership = None
     v.beat("a", 90.0)  # silent 10 s: past the heartbeat timeout, within the start-up one

@@ -1,19 +1,21 @@
 """A controller taking over from a journal (a standby's replicated copy): what it
 rebuilds, and how peers follow a new leader."""
+
 from __future__ import annotations
 
 import zmq
 
+from resild.controller.faults import parse_fault
 from resild.controller.loop import Controller, ControllerConfig
 from resild.events.log import EventLog
-from resild.controller.faults import parse_fault
 from resild.membership import Membership, NodeRole
 from resild.wire.transport import ControllerSet
 
 
 def _controller(faults: list[str] = ()) -> Controller:
-    return Controller(ControllerConfig(), ["a", "b"], ["s0", "s1"], 2, None, EventLog(),
-                      faults=[parse_fault(f) for f in faults])
+    return Controller(
+        ControllerConfig(), ["a", "b"], ["s0", "s1"], 2, None, EventLog(), faults=[parse_fault(f) for f in faults]
+    )
 
 
 def test_restore_rebuilds_roles_epoch_floor_and_fired_faults() -> None:
@@ -22,8 +24,14 @@ def test_restore_rebuilds_roles_epoch_floor_and_fired_faults() -> None:
     records = [
         {"action": "start", "membership": m1.to_dict()},
         {"action": "fault_fired", "spec": "kill:b@10"},
-        {"action": "replace_node", "node": "b", "spare": "s0", "membership": m2.to_dict(), "committed_step": 12,
-         "reason": "b failed"},
+        {
+            "action": "replace_node",
+            "node": "b",
+            "spare": "s0",
+            "membership": m2.to_dict(),
+            "committed_step": 12,
+            "reason": "b failed",
+        },
         {"action": "leader", "index": 1},  # unknown to restore: ignored
     ]
     ctl = _controller(["kill:b@10", "kill:a@50"])
@@ -32,7 +40,11 @@ def test_restore_rebuilds_roles_epoch_floor_and_fired_faults() -> None:
         v = ctl.view
         assert v.membership == m2
         assert {n: x.role for n, x in v.nodes.items()} == {
-            "a": NodeRole.ACTIVE, "b": NodeRole.FENCED, "s0": NodeRole.ACTIVE, "s1": NodeRole.SPARE}
+            "a": NodeRole.ACTIVE,
+            "b": NodeRole.FENCED,
+            "s0": NodeRole.ACTIVE,
+            "s1": NodeRole.SPARE,
+        }
         assert ctl.max_step == 12 and ctl.result is None
         assert [str(f) for f in ctl.injector.pending] == ["kill:a@50"]  # fired once, ever
         # Every node still in the job is expected to speak within the heartbeat timeout.
@@ -57,8 +69,13 @@ def test_restore_before_the_first_epoch_keeps_start_up_replacements() -> None:
 def test_restore_of_a_finished_job_keeps_its_verdict() -> None:
     ctl = _controller()
     try:
-        ctl.restore([{"action": "start", "membership": Membership.initial(["a", "b"], 2).to_dict()},
-                     {"action": "finish", "reason": "all 4 ranks finished"}], now=1.0)
+        ctl.restore(
+            [
+                {"action": "start", "membership": Membership.initial(["a", "b"], 2).to_dict()},
+                {"action": "finish", "reason": "all 4 ranks finished"},
+            ],
+            now=1.0,
+        )
         assert ctl.result is not None and ctl.result.exit_code == 0
     finally:
         ctl.server.close()

@@ -22,20 +22,27 @@ def test_defaults_without_file(tmp_path: Path) -> None:
 
 
 def test_precedence_defaults_file_env_cli(tmp_path: Path) -> None:
-    p = write(tmp_path, 'heartbeat_s = 5\nprobe_interval_s = 7.5\nnode = "fromfile"\n'
-                        'metrics_port = 9100\n[xid_overrides]\n43 = "degraded"\n'
-                        '[probe_options.diskspace]\npaths = ["/"]\n')
-    env = {"RESILD_PROBE_INTERVAL_S": "3", "RESILD_NODE": "fromenv", "RESILD_PROBES": "gpu, diskspace",
-           "RESILD_KEYS": "ignored: shared namespace with the launcher"}
+    p = write(
+        tmp_path,
+        'heartbeat_s = 5\nprobe_interval_s = 7.5\nnode = "fromfile"\n'
+        'metrics_port = 9100\n[xid_overrides]\n43 = "degraded"\n'
+        '[probe_options.diskspace]\npaths = ["/"]\n',
+    )
+    env = {
+        "RESILD_PROBE_INTERVAL_S": "3",
+        "RESILD_NODE": "fromenv",
+        "RESILD_PROBES": "gpu, diskspace",
+        "RESILD_KEYS": "ignored: shared namespace with the launcher",
+    }
     cfg = load_config(p, env=env, overrides={"node": "fromcli", "metrics_port": None})
-    assert cfg.heartbeat_s == 5.0 and isinstance(cfg.heartbeat_s, float)   # file
-    assert cfg.probe_interval_s == 3.0                                      # env over file
-    assert cfg.node == "fromcli"                                            # cli over env
-    assert cfg.metrics_port == 9100                                         # None = not given
+    assert cfg.heartbeat_s == 5.0 and isinstance(cfg.heartbeat_s, float)  # file
+    assert cfg.probe_interval_s == 3.0  # env over file
+    assert cfg.node == "fromcli"  # cli over env
+    assert cfg.metrics_port == 9100  # None = not given
     assert cfg.probes == ["gpu", "diskspace"]
     assert cfg.xid_overrides == {"43": "degraded"}
     assert cfg.probe_options == {"diskspace": {"paths": ["/"]}}
-    assert cfg.hang_timeout_s == Config().hang_timeout_s                    # default
+    assert cfg.hang_timeout_s == Config().hang_timeout_s  # default
 
 
 def test_config_env_var_names_the_file(tmp_path: Path) -> None:
@@ -43,18 +50,21 @@ def test_config_env_var_names_the_file(tmp_path: Path) -> None:
     assert load_config(None, env={"RESILD_CONFIG": str(p)}).heartbeat_s == 9.0
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("hearbeat_s = 1\n", "unknown key 'hearbeat_s' (did you mean 'heartbeat_s'?)"),
-    ("zzz = 1\n", "unknown key 'zzz'"),
-    ('heartbeat_s = "fast"\n', "key 'heartbeat_s' must be a number, not str 'fast'"),
-    ("metrics_port = 1.5\n", "key 'metrics_port' must be an integer"),
-    ("metrics_port = true\n", "key 'metrics_port' must be an integer"),
-    ("probes = [1, 2]\n", "key 'probes' must be a list of strings"),
-    ("heartbeat_s = 0\n", "key 'heartbeat_s' must be > 0"),
-    ("metrics_port = 70000\n", "key 'metrics_port' must be 0..65535"),
-    ('[xid_overrides]\n79 = "fatal"\n', "key 'xid_overrides': invalid Xid override for Xid 79"),
-    ("heartbeat_s = \n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("hearbeat_s = 1\n", "unknown key 'hearbeat_s' (did you mean 'heartbeat_s'?)"),
+        ("zzz = 1\n", "unknown key 'zzz'"),
+        ('heartbeat_s = "fast"\n', "key 'heartbeat_s' must be a number, not str 'fast'"),
+        ("metrics_port = 1.5\n", "key 'metrics_port' must be an integer"),
+        ("metrics_port = true\n", "key 'metrics_port' must be an integer"),
+        ("probes = [1, 2]\n", "key 'probes' must be a list of strings"),
+        ("heartbeat_s = 0\n", "key 'heartbeat_s' must be > 0"),
+        ("metrics_port = 70000\n", "key 'metrics_port' must be 0..65535"),
+        ('[xid_overrides]\n79 = "fatal"\n', "key 'xid_overrides': invalid Xid override for Xid 79"),
+        ("heartbeat_s = \n", "not valid TOML"),
+    ],
+)
 def test_file_errors_are_one_line_naming_file_and_key(tmp_path: Path, text: str, expected: str) -> None:
     p = write(tmp_path, text)
     with pytest.raises(ConfigError) as ei:
@@ -78,8 +88,9 @@ def test_explicit_missing_file_is_an_error(tmp_path: Path) -> None:
         load_config(tmp_path / "absent.toml", env={})
 
 
-@pytest.mark.parametrize("text", ["status_timeout_s = nan\n", "heartbeat_s = inf\n", "hang_timeout_s = -inf\n",
-                                  "probe_timeout_s = +nan\n"])
+@pytest.mark.parametrize(
+    "text", ["status_timeout_s = nan\n", "heartbeat_s = inf\n", "hang_timeout_s = -inf\n", "probe_timeout_s = +nan\n"]
+)
 def test_non_finite_floats_are_refused(tmp_path: Path, text: str) -> None:
     """`status_timeout_s = nan` was accepted and then crashed `resild status`."""
     with pytest.raises(ConfigError, match="must be a finite number") as ei:
@@ -104,10 +115,12 @@ def test_non_utf8_file_is_one_line(tmp_path: Path) -> None:
 def test_non_utf8_file_from_the_cli_prints_no_traceback(tmp_path: Path) -> None:
     import subprocess
     import sys
+
     p = tmp_path / "resild.toml"
     p.write_bytes(b"\xff\xfe\x00garbage")
-    out = subprocess.run([sys.executable, "-m", "resild.cli", "status", "--config", str(p)],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "resild.cli", "status", "--config", str(p)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "not UTF-8" in out.stderr
 
@@ -123,13 +136,38 @@ def test_resil_run_start_timeout_flag(tmp_path: Path) -> None:
     import subprocess
     import sys
     import time
+
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", "2", "--spares", "0", "-q",
-                          "--start-timeout", "2", "--run-dir", str(tmp_path / "run"), "--",
-                          sys.executable, "-c", "import time; time.sleep(60)"],
-                         capture_output=True, text=True, timeout=100)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launcher.run.cli",
+            "--local",
+            "--nodes",
+            "2",
+            "--spares",
+            "0",
+            "-q",
+            "--start-timeout",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--",
+            sys.executable,
+            "-c",
+            "import time; time.sleep(60)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert out.returncode == 1 and "start timed out after 2s" in out.stderr, out.stderr
     assert time.monotonic() - t0 < 60
-    bad = subprocess.run([sys.executable, "-m", "launcher.run.cli", "--local", "--start-timeout", "nan", "--", "true"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "launcher.run.cli", "--local", "--start-timeout", "nan", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from resild.daemon.config import Config
 from resild.daemon.agent import Agent, ProcState, Watched, judge_process, local_request, sd_notify, watchdog_interval_s
+from resild.daemon.config import Config
 from resild.health.fakenvml import build_fake_nvml, fake_nvml_env
 from resild.health.model import Verdict
 from resild.health.probes import ProbeResult, ProbeRunner, aggregate
@@ -28,6 +28,7 @@ RESILD = [sys.executable, "-m", "resild.cli"]
 
 
 # -- fail-closed probe running -----------------------------------------------------------
+
 
 class Flip:
     name = "flip"
@@ -46,27 +47,38 @@ class Flip:
         return ProbeResult(self.verdict, [] if self.verdict is Verdict.HEALTHY else ["flip is broken"])
 
 
-@pytest.mark.parametrize("mode, why", [("raise", "raised RuntimeError: sensor exploded"),
-                                       ("hang", "timed out after 0.2s"),
-                                       ("junk", "returned str, not a ProbeResult")])
+@pytest.mark.parametrize(
+    "mode, why",
+    [
+        ("raise", "raised RuntimeError: sensor exploded"),
+        ("hang", "timed out after 0.2s"),
+        ("junk", "returned str, not a ProbeResult"),
+    ],
+)
 def test_probe_that_misbehaves_is_failed(mode: str, why: str) -> None:
     p = Flip()
     p.mode = mode
     r = ProbeRunner(p, timeout_s=0.2)
     out = r.run()
     assert out.error and out.result.verdict is Verdict.FAILED and why in out.result.reasons[0]
-    if mode == "hang":   # still stuck: not run again, still FAILED
+    if mode == "hang":  # still stuck: not run again, still FAILED
         again = r.run()
         assert again.result.verdict is Verdict.FAILED and "still stuck" in again.result.reasons[0]
 
 
 def test_aggregate_worst_with_reasons() -> None:
-    v, reasons = aggregate({"a": ProbeResult(Verdict.HEALTHY), "b": ProbeResult(Verdict.DEGRADED, ["b slow"]),
-                            "c": ProbeResult(Verdict.FAILED, ["c dead"])})
+    v, reasons = aggregate(
+        {
+            "a": ProbeResult(Verdict.HEALTHY),
+            "b": ProbeResult(Verdict.DEGRADED, ["b slow"]),
+            "c": ProbeResult(Verdict.FAILED, ["c dead"]),
+        }
+    )
     assert v is Verdict.FAILED and reasons == ["b slow", "c dead"]
 
 
 # -- pure process judgement ---------------------------------------------------------------
+
 
 def test_judge_process() -> None:
     w = Watched(pid=10, name="train", create_time=0.0, last_progress_s=100.0)
@@ -75,11 +87,12 @@ def test_judge_process() -> None:
     assert state is ProcState.HUNG and "no progress for 61s" in why
     assert judge_process(101.0, w, True, True, 60.0)[0] is ProcState.ZOMBIE
     assert judge_process(101.0, w, False, False, 60.0)[0] is ProcState.EXITED
-    w.state = ProcState.EXITED   # exit is final, even if the pid shows up again
+    w.state = ProcState.EXITED  # exit is final, even if the pid shows up again
     assert judge_process(101.0, w, True, False, 60.0)[0] is ProcState.EXITED
 
 
 # -- systemd ---------------------------------------------------------------------------
+
 
 def test_sd_notify_and_watchdog(tmp_path: Path) -> None:
     path = str(tmp_path / "notify")
@@ -119,13 +132,21 @@ def test_systemd_unit() -> None:
 
 # -- the agent in-process, against a real ROUTER ------------------------------------------
 
+
 def test_agent_reports_health_and_heartbeats_and_watches(tmp_path: Path) -> None:
     keys = generate_keys(tmp_path / "keys", nodes=["n1"])
     ctx = zmq.Context()
     server = Server(ctx, "tcp://127.0.0.1:0", keys)
-    cfg = Config(controller=server.endpoint, keys_dir=str(keys.node("n1").path), node="n1", heartbeat_s=0.2,
-                 probe_interval_s=30, hang_timeout_s=0.6, state_dir=str(tmp_path),
-                 status_socket=str(tmp_path / "s.sock"))
+    cfg = Config(
+        controller=server.endpoint,
+        keys_dir=str(keys.node("n1").path),
+        node="n1",
+        heartbeat_s=0.2,
+        probe_interval_s=30,
+        hang_timeout_s=0.6,
+        state_dir=str(tmp_path),
+        status_socket=str(tmp_path / "s.sock"),
+    )
     flip = Flip()
     agent = Agent(cfg, probes=[flip], ctx=ctx)
     agent.start()
@@ -133,6 +154,7 @@ def test_agent_reports_health_and_heartbeats_and_watches(tmp_path: Path) -> None
     t.start()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
+
         def expect(mtype: MsgType, timeout_s: float = 3.0) -> dict:
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
@@ -141,12 +163,11 @@ def test_agent_reports_health_and_heartbeats_and_watches(tmp_path: Path) -> None
                     return got[1].body
             raise AssertionError(f"no {mtype.value} within {timeout_s}s")
 
-        assert expect(MsgType.HEALTH) == {"node": "n1", "verdict": "healthy", "reasons": [],
-                                          "detector": "resild-agent"}
+        assert expect(MsgType.HEALTH) == {"node": "n1", "verdict": "healthy", "reasons": [], "detector": "resild-agent"}
         assert expect(MsgType.HEARTBEAT)["health"] == "healthy"
         flip.verdict = Verdict.FAILED
         t0 = time.monotonic()
-        agent._trigger.set()   # what an NVML event does
+        agent._trigger.set()  # what an NVML event does
         body = expect(MsgType.HEALTH)
         assert body["verdict"] == "failed" and body["reasons"] == ["flip is broken"]
         assert time.monotonic() - t0 < 1.0
@@ -156,7 +177,7 @@ def test_agent_reports_health_and_heartbeats_and_watches(tmp_path: Path) -> None
         assert reply is not None and reply.body == {"ok": True}
         bad = local_request(ep, MsgType.REGISTER_WORKER, {"pid": "x"})
         assert bad is not None and bad.type is MsgType.ERROR
-        time.sleep(1.3)   # > hang_timeout_s without progress
+        time.sleep(1.3)  # > hang_timeout_s without progress
         st = local_request(ep, MsgType.STATUS).body
         assert st["verdict"] == "failed" and st["processes"][0]["state"] == "hung"
         assert local_request(ep, MsgType.PROGRESS, {"pid": sleeper.pid, "step": 7}).body == {"ok": True}
@@ -176,6 +197,7 @@ def test_agent_reports_health_and_heartbeats_and_watches(tmp_path: Path) -> None
 
 # -- `resild daemon` + `resild status --json` with the fake NVML -------------------------
 
+
 @pytest.fixture(scope="module")
 def fake_nvml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_fake_nvml(tmp_path_factory.mktemp("fake_nvml"))
@@ -189,16 +211,29 @@ def test_daemon_status_turns_failed_on_xid79(tmp_path: Path, fake_nvml_dir: Path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    conf.write_text(f'node = "gpu-n1"\nmetrics_port = {port}\nkmsg_path = "{tmp_path}/kmsg"\nstate_dir = "{tmp_path}"\n'
-                    f'status_socket = "{tmp_path}/status.sock"\nprobe_interval_s = 30\n')
+    conf.write_text(
+        f'node = "gpu-n1"\nmetrics_port = {port}\nkmsg_path = "{tmp_path}/kmsg"\nstate_dir = "{tmp_path}"\n'
+        f'status_socket = "{tmp_path}/status.sock"\nprobe_interval_s = 30\n'
+    )
     env = fake_nvml_env(fake_nvml_dir, ctl)
     env.pop("NOTIFY_SOCKET", None)
-    daemon = subprocess.Popen([*RESILD, "daemon", "--config", str(conf)], env=env, cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    daemon = subprocess.Popen(
+        [*RESILD, "daemon", "--config", str(conf)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
     def status() -> tuple[int, dict]:
-        p = subprocess.run([*RESILD, "status", "--config", str(conf), "--json", "--timeout", "2"],
-                           env=env, capture_output=True, text=True, timeout=20)
+        p = subprocess.run(
+            [*RESILD, "status", "--config", str(conf), "--json", "--timeout", "2"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         return p.returncode, (json.loads(p.stdout) if p.stdout else {"stderr": p.stderr})
 
     try:
@@ -222,8 +257,9 @@ def test_daemon_status_turns_failed_on_xid79(tmp_path: Path, fake_nvml_dir: Path
         gpu1 = body["gpus"][1]
         assert gpu1["verdict"] == "failed" and gpu1["last_xid"] == 79
         assert any("Xid 79" in r for r in body["reasons"])
-        text = subprocess.run([*RESILD, "status", "--config", str(conf)], env=env,
-                              capture_output=True, text=True, timeout=20)
+        text = subprocess.run(
+            [*RESILD, "status", "--config", str(conf)], env=env, capture_output=True, text=True, timeout=20
+        )
         assert text.returncode == 2 and "node gpu-n1: FAILED" in text.stdout and "79 @" in text.stdout
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'resild_xid_total{code="79",gpu="1",node="gpu-n1"} 1.0' in metrics
@@ -252,6 +288,7 @@ from resild.wire.protocol import MAX_FRAME_BYTES, Sequencer, decode, encode  # n
 def public_dir():
     """A directory other users can traverse (pytest's tmp_path is under a 0700 one)."""
     import tempfile
+
     d = Path(tempfile.mkdtemp(prefix="resild-test-", dir="/tmp"))
     os.chmod(d, 0o755)
     yield d
@@ -260,8 +297,14 @@ def public_dir():
 
 @pytest.fixture
 def agent(public_dir: Path):
-    cfg = Config(node="n1", probe_interval_s=30, hang_timeout_s=60, state_dir=str(public_dir),
-                 status_socket=str(public_dir / "s.sock"), status_group="")
+    cfg = Config(
+        node="n1",
+        probe_interval_s=30,
+        hang_timeout_s=60,
+        state_dir=str(public_dir),
+        status_socket=str(public_dir / "s.sock"),
+        status_group="",
+    )
     a = Agent(cfg, probes=[Flip()], ctx=zmq.Context())
     a.start()
     t = threading.Thread(target=a.run, daemon=True)
@@ -310,15 +353,21 @@ def test_malformed_requests_never_stop_the_status_socket(agent: Agent) -> None:
         ctx.term()
     _alive(agent)
     frame = encode(Sequencer("x").make(MsgType.STATUS))
-    for junk in (b"\xff" * 10, struct.pack("!I", 1 << 31), struct.pack("!I", 5) + b"junk!",
-                 struct.pack("!I", len(frame)) + frame[:10], b"", struct.pack("!I", 0)):
+    for junk in (
+        b"\xff" * 10,
+        struct.pack("!I", 1 << 31),
+        struct.pack("!I", 5) + b"junk!",
+        struct.pack("!I", len(frame)) + frame[:10],
+        b"",
+        struct.pack("!I", 0),
+    ):
         _raw(path, junk, read=False)
         _alive(agent)
     # Pipelined requests on one connection: each gets its reply, in order.
     two = struct.pack("!I", len(frame)) + frame
     out = _raw(path, two + two + struct.pack("!I", 3) + b"bad")
     n = struct.unpack("!I", out[:4])[0]
-    assert decode(out[4:4 + n]).type is MsgType.STATUS_REPLY
+    assert decode(out[4 : 4 + n]).type is MsgType.STATUS_REPLY
     # A request too big for the socket is refused before it is buffered.
     big = encode(Sequencer("x").make(MsgType.REGISTER_WORKER, {"pid": os.getpid(), "name": "n" * 600_000}))
     assert local_request(ep, MsgType.REGISTER_WORKER, {"pid": os.getpid(), "name": "n" * 600_000}) is None
@@ -346,7 +395,7 @@ def test_clients_are_capped_and_idle_ones_dropped(agent: Agent, monkeypatch) -> 
         time.sleep(0.5)
         server = agent._rep
         assert server is not None and len(server.conns) <= server.max_clients and server.refused > 0
-        assert len(os.listdir("/proc/self/fd")) < 1100 + 400   # the daemon's share stays bounded
+        assert len(os.listdir("/proc/self/fd")) < 1100 + 400  # the daemon's share stays bounded
     finally:
         for s in flood:
             s.close()
@@ -357,20 +406,20 @@ def test_clients_are_capped_and_idle_ones_dropped(agent: Agent, monkeypatch) -> 
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(path)
         s.settimeout(3.0)
-        assert s.recv(10) == b""   # closed by the daemon
+        assert s.recv(10) == b""  # closed by the daemon
 
 
 def _as_nobody(fn) -> tuple[str, ...]:
     """Run fn() in a forked child with uid/gid nobody; returns what it printed."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:   # child: no pytest, no threads of ours that matter
+    if pid == 0:  # child: no pytest, no threads of ours that matter
         try:
             os.close(r)
             os.setgid(65534)
             os.setuid(65534)
             out = fn()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             out = (f"child error {e!r}",)
         os.write(w, json.dumps(list(out)).encode())
         os._exit(0)
@@ -384,7 +433,7 @@ def _as_nobody(fn) -> tuple[str, ...]:
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_a_non_root_peer_may_register_only_its_own_processes(agent: Agent) -> None:
     ep = agent.cfg.status_endpoint
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])   # root's
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # root's
     try:
         assert local_request(ep, MsgType.REGISTER_WORKER, {"pid": victim.pid, "name": "root's"}).body == {"ok": True}
 
@@ -392,16 +441,19 @@ def test_a_non_root_peer_may_register_only_its_own_processes(agent: Agent) -> No
             def code(mtype: MsgType, body: dict) -> str:
                 rep = local_request(ep, mtype, body, timeout_s=2.0)
                 return "none" if rep is None else rep.body.get("code", "ok")
-            return (code(MsgType.REGISTER_WORKER, {"pid": 1, "name": "init"}),
-                    code(MsgType.REGISTER_WORKER, {"pid": victim.pid, "name": "x"}),
-                    code(MsgType.PROGRESS, {"pid": victim.pid, "step": 99}),   # hiding a real hang
-                    code(MsgType.REGISTER_WORKER, {"pid": os.getpid(), "name": "me\x1b[2J"}),
-                    code(MsgType.STATUS, {}))
+
+            return (
+                code(MsgType.REGISTER_WORKER, {"pid": 1, "name": "init"}),
+                code(MsgType.REGISTER_WORKER, {"pid": victim.pid, "name": "x"}),
+                code(MsgType.PROGRESS, {"pid": victim.pid, "step": 99}),  # hiding a real hang
+                code(MsgType.REGISTER_WORKER, {"pid": os.getpid(), "name": "me\x1b[2J"}),
+                code(MsgType.STATUS, {}),
+            )
 
         assert _as_nobody(attack) == ("forbidden", "forbidden", "forbidden", "ok", "ok")
         procs = {p["pid"]: p for p in local_request(ep, MsgType.STATUS).body["processes"]}
         assert 1 not in procs and procs[victim.pid]["step"] is None and procs[victim.pid]["name"] == "root's"
-        assert [p["name"] for p in procs.values() if p["uid"] == 65534] == ["me?[2J"]   # no escapes
+        assert [p["name"] for p in procs.values() if p["uid"] == 65534] == ["me?[2J"]  # no escapes
     finally:
         victim.kill()
         victim.wait()
@@ -424,9 +476,14 @@ def test_watched_processes_are_capped(agent: Agent, monkeypatch) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_socket_is_group_only_when_the_group_exists(public_dir: Path) -> None:
-    group = grp.getgrgid(0).gr_name   # stands in for `resild`: exists, nobody is not in it
-    cfg = Config(node="n1", probe_interval_s=30, state_dir=str(public_dir), status_socket=str(public_dir / "g.sock"),
-                 status_group=group)
+    group = grp.getgrgid(0).gr_name  # stands in for `resild`: exists, nobody is not in it
+    cfg = Config(
+        node="n1",
+        probe_interval_s=30,
+        state_dir=str(public_dir),
+        status_socket=str(public_dir / "g.sock"),
+        status_group=group,
+    )
     a = Agent(cfg, probes=[Flip()], ctx=zmq.Context())
     a.start()
     t = threading.Thread(target=a.run, daemon=True)
@@ -434,6 +491,7 @@ def test_socket_is_group_only_when_the_group_exists(public_dir: Path) -> None:
     try:
         st = os.stat(cfg.status_socket)
         assert st.st_mode & 0o777 == 0o660 and st.st_gid == 0
+
         def try_connect() -> tuple[str, ...]:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 try:
@@ -462,6 +520,7 @@ def test_unit_runs_unprivileged_with_a_file_limit() -> None:
 
 # -- health subscriptions: one health source per node (issue 10) --------------------------
 
+
 def _subscribe(path: str, timeout_s: float = 3.0) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout_s)
@@ -483,6 +542,7 @@ def _next_frame(s: socket.socket, timeout_s: float = 3.0):
                 raise ConnectionError("closed")
             buf += chunk
         return buf
+
     return decode(exact(struct.unpack("!I", exact(4))[0]))
 
 
@@ -492,12 +552,20 @@ def test_daemon_pushes_a_verdict_change_to_a_subscriber(tmp_path: Path, fake_nvm
     ctl.write_text("gpus 2\n")
     (tmp_path / "kmsg").write_text("")
     conf = tmp_path / "resild.toml"
-    conf.write_text(f'node = "gpu-n1"\nkmsg_path = "{tmp_path}/kmsg"\nstate_dir = "{tmp_path}"\n'
-                    f'status_socket = "{tmp_path}/status.sock"\nstatus_group = ""\nprobe_interval_s = 30\n')
+    conf.write_text(
+        f'node = "gpu-n1"\nkmsg_path = "{tmp_path}/kmsg"\nstate_dir = "{tmp_path}"\n'
+        f'status_socket = "{tmp_path}/status.sock"\nstatus_group = ""\nprobe_interval_s = 30\n'
+    )
     env = fake_nvml_env(fake_nvml_dir, ctl)
     env.pop("NOTIFY_SOCKET", None)
-    daemon = subprocess.Popen([*RESILD, "daemon", "--config", str(conf)], env=env, cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    daemon = subprocess.Popen(
+        [*RESILD, "daemon", "--config", str(conf)],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 15
         while local_request(f"ipc://{tmp_path}/status.sock", MsgType.STATUS, timeout_s=0.5) is None:
@@ -510,7 +578,7 @@ def test_daemon_pushes_a_verdict_change_to_a_subscriber(tmp_path: Path, fake_nvm
             with open(ctl, "a") as f:
                 f.write("event 1 xid 79\n")
             t0 = time.monotonic()
-            push = _next_frame(sub, timeout_s=3.0)   # pushed, not asked for
+            push = _next_frame(sub, timeout_s=3.0)  # pushed, not asked for
             assert time.monotonic() - t0 < 2.0
             assert push.type is MsgType.HEALTH and push.body["verdict"] == "failed"
             assert any("Xid 79" in r for r in push.body["reasons"])
@@ -523,6 +591,7 @@ def test_daemon_pushes_a_verdict_change_to_a_subscriber(tmp_path: Path, fake_nvm
 class Chatty:
     """A probe whose every verdict comes with ~64 KiB of reasons: a few pushes fill a
     socket buffer."""
+
     name = "chatty"
 
     def __init__(self) -> None:
@@ -535,8 +604,13 @@ class Chatty:
 
 @pytest.mark.timeout(60)
 def test_a_subscriber_that_stops_reading_does_not_stall_the_daemon(public_dir: Path) -> None:
-    cfg = Config(node="n1", probe_interval_s=30, state_dir=str(public_dir),
-                 status_socket=str(public_dir / "p.sock"), status_group="")
+    cfg = Config(
+        node="n1",
+        probe_interval_s=30,
+        state_dir=str(public_dir),
+        status_socket=str(public_dir / "p.sock"),
+        status_group="",
+    )
     probe = Chatty()
     a = Agent(cfg, probes=[probe], ctx=zmq.Context())
     a.start()
@@ -546,15 +620,15 @@ def test_a_subscriber_that_stops_reading_does_not_stall_the_daemon(public_dir: P
     a._rep.max_backlog_bytes = 256 << 10
     a._rep.stall_s = 1.0
     stuck = _subscribe(cfg.status_socket)
-    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # and never reads again
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and never reads again
     good = _subscribe(cfg.status_socket)
     try:
         assert _next_frame(good).body["reasons"][0].startswith("change 0 ")
         for n in range(1, 16):
             probe.n = n
-            a._trigger.set()   # what a probe's event does
+            a._trigger.set()  # what a probe's event does
             seen = _next_frame(good)
-            while not seen.body["reasons"][0].startswith(f"change {n} "):   # skip keepalives
+            while not seen.body["reasons"][0].startswith(f"change {n} "):  # skip keepalives
                 seen = _next_frame(good)
             t0 = time.monotonic()
             _alive(a)
@@ -562,10 +636,10 @@ def test_a_subscriber_that_stops_reading_does_not_stall_the_daemon(public_dir: P
         deadline = time.monotonic() + 5
         while a._rep.dropped_subscribers == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert a._rep.dropped_subscribers == 1 and len(a._rep.subscribers) == 1   # only the stuck one
+        assert a._rep.dropped_subscribers == 1 and len(a._rep.subscribers) == 1  # only the stuck one
         stuck.settimeout(3.0)
         with pytest.raises(ConnectionError):
-            while True:   # what was queued, then the end: the daemon closed it
+            while True:  # what was queued, then the end: the daemon closed it
                 _next_frame(stuck)
         # Subscriptions are capped: the next one past the cap is refused with a reason.
         a._rep.max_subscribers = 1

@@ -1,5 +1,6 @@
 """Fuzzing the config loader: any file content and any environment value either loads
 into a sane Config or is ONE ConfigError line; never a traceback, never a NaN."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,9 +17,31 @@ from resild.daemon.config import _TYPES, Config, ConfigError, env_name, load_con
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 KEYS = sorted(_TYPES)
-toml_values = st.sampled_from(["nan", "inf", "-inf", "+nan", "0", "-1", "1e308", "1e309", "2.5", "true", '"x"',
-                               '"/tmp/s.sock"', '"tcp://h:1"', "[]", '["gpu"]', "[1]", "{}", '{a = 1}', "1979-05-27",
-                               "0x10", "99999999999999999999999"]) | st.text(max_size=12)
+toml_values = st.sampled_from(
+    [
+        "nan",
+        "inf",
+        "-inf",
+        "+nan",
+        "0",
+        "-1",
+        "1e308",
+        "1e309",
+        "2.5",
+        "true",
+        '"x"',
+        '"/tmp/s.sock"',
+        '"tcp://h:1"',
+        "[]",
+        '["gpu"]',
+        "[1]",
+        "{}",
+        "{a = 1}",
+        "1979-05-27",
+        "0x10",
+        "99999999999999999999999",
+    ]
+) | st.text(max_size=12)
 
 
 def _check(cfg: Config) -> None:
@@ -54,8 +77,13 @@ def test_any_key_value_lines(pairs: list[tuple[str, str]]) -> None:
 
 
 @SETTINGS
-@given(st.dictionaries(st.sampled_from(KEYS), st.text(max_size=20)
-                       | st.sampled_from(["nan", "inf", "1e999", "-0", "3", "a=b", "79=failed"]), max_size=4))
+@given(
+    st.dictionaries(
+        st.sampled_from(KEYS),
+        st.text(max_size=20) | st.sampled_from(["nan", "inf", "1e999", "-0", "3", "a=b", "79=failed"]),
+        max_size=4,
+    )
+)
 def test_any_environment(values: dict[str, str]) -> None:
     env = {env_name(k): v for k, v in values.items() if "\x00" not in v}
     _load(b"", env)

@@ -1,5 +1,6 @@
 """Fuzzing the node daemon's local socket handler: any frame from any peer gets one
 bounded, decodable reply; a non-root peer never gets another user's process watched."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resild.daemon.config import Config
 from resild.daemon.agent import Agent
+from resild.daemon.config import Config
 from resild.wire.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, decode
 from resild.wire.transport import Peer
 from tests.resild.daemon.test_daemon import Flip
@@ -35,7 +36,7 @@ def agent(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sleeper():
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])   # a root-owned process
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a root-owned process
     yield p
     p.kill()
     p.wait()
@@ -44,22 +45,28 @@ def sleeper():
 def _reply(agent: Agent, frame: bytes, peer: Peer):
     out = agent._handle_local(frame, peer)
     assert isinstance(out, bytes) and len(out) <= MAX_FRAME_BYTES
-    msg = decode(out)   # always a well-formed reply
+    msg = decode(out)  # always a well-formed reply
     assert msg.type in (MsgType.STATUS_REPLY, MsgType.ERROR)
     return msg
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(st.binary(max_size=2048))
 def test_any_bytes(agent: Agent, frame: bytes) -> None:
     _reply(agent, frame, USER)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(mtype=st.sampled_from(list(MsgType)), body=bodies, pid=st.sampled_from(["self", "root", 1, 0, -1, None])
-       | json_values, root=st.booleans())
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    mtype=st.sampled_from(list(MsgType)),
+    body=bodies,
+    pid=st.sampled_from(["self", "root", 1, 0, -1, None]) | json_values,
+    root=st.booleans(),
+)
 def test_any_body_any_peer(agent: Agent, sleeper, mtype: MsgType, body: dict, pid, root: bool) -> None:
     if pid == "self":
         pid = os.getpid()
@@ -67,8 +74,10 @@ def test_any_body_any_peer(agent: Agent, sleeper, mtype: MsgType, body: dict, pi
         pid = sleeper.pid
     if pid is not None:
         body = {**body, "pid": pid}
-    frame = json.dumps({"v": PROTOCOL_VERSION, "type": mtype.value, "sender": "x", "seq": 1, "deadline": 1e10,
-                        "body": body}, allow_nan=True).encode()
+    frame = json.dumps(
+        {"v": PROTOCOL_VERSION, "type": mtype.value, "sender": "x", "seq": 1, "deadline": 1e10, "body": body},
+        allow_nan=True,
+    ).encode()
     try:
         decode(frame)
     except ProtocolError:

@@ -1,4 +1,5 @@
 """EventTail: following an event file that is still being written."""
+
 from __future__ import annotations
 
 import json

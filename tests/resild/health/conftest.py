@@ -34,14 +34,21 @@ ScenarioRunner = Callable[..., dict[str, Any]]
 def run_scenario(fake_nvml_dir: Path, tmp_path: Path) -> ScenarioRunner:
     """Runs probe_scenario.py in a child with the fake library; returns its JSON."""
 
-    def run(control: list[str], steps: list[dict], *, lib_dir: Path | None = None,
-            timeout_s: float = 20.0) -> dict[str, Any]:
+    def run(
+        control: list[str], steps: list[dict], *, lib_dir: Path | None = None, timeout_s: float = 20.0
+    ) -> dict[str, Any]:
         ctl = tmp_path / "nvml.ctl"
         ctl.write_text("".join(line + "\n" for line in control))
         env = fake_nvml_env(lib_dir or fake_nvml_dir, ctl)
         env["PYTHONPATH"] = str(REPO) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        proc = subprocess.run([sys.executable, str(SCENARIO), json.dumps(steps)], env=env,
-                              capture_output=True, text=True, timeout=timeout_s, cwd=tmp_path)
+        proc = subprocess.run(
+            [sys.executable, str(SCENARIO), json.dumps(steps)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, f"scenario failed:\n{proc.stdout}\n{proc.stderr}"
         return json.loads(proc.stdout.strip().splitlines()[-1])
 

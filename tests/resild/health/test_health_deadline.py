@@ -28,7 +28,7 @@ def test_results_errors_and_timeouts() -> None:
             runner.call(lambda: 1, timeout_s=1.0, key="gpu1")
         assert time.monotonic() - t0 < 0.05
         assert runner.call(lambda: 7, timeout_s=1.0, key="gpu0") == 7
-        release.set()                         # the stuck call returns: the key works again
+        release.set()  # the stuck call returns: the key works again
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             try:

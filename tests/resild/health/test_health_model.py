@@ -17,14 +17,18 @@ def test_worst() -> None:
 
 
 def test_to_dict_is_json() -> None:
-    st = GpuStatus(index=1, uuid="GPU-x", verdict=Verdict.DEGRADED, reasons=["r"],
-                   remap=RemapStatus(1, 0, True, False), nvlink_down=[3])
+    st = GpuStatus(
+        index=1,
+        uuid="GPU-x",
+        verdict=Verdict.DEGRADED,
+        reasons=["r"],
+        remap=RemapStatus(1, 0, True, False),
+        nvlink_down=[3],
+    )
     d = json.loads(json.dumps(st.to_dict()))
     assert d["verdict"] == "degraded"
-    assert d["remap"] == {"corrected_rows": 1, "uncorrected_rows": 0, "pending": True,
-                          "failure": False}
-    ev = HealthEvent(gpu_index=None, kind="xid", code=79, verdict=Verdict.FAILED, reason="r",
-                     t_mono=1.0, t_wall=2.0)
+    assert d["remap"] == {"corrected_rows": 1, "uncorrected_rows": 0, "pending": True, "failure": False}
+    ev = HealthEvent(gpu_index=None, kind="xid", code=79, verdict=Verdict.FAILED, reason="r", t_mono=1.0, t_wall=2.0)
     assert json.loads(json.dumps(ev.to_dict()))["verdict"] == "failed"
 
 

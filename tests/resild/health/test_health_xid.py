@@ -66,7 +66,7 @@ def test_table_has_exactly_the_reference_rows() -> None:
 
 
 def test_verdicts() -> None:
-    assert classify_xid(13).verdict is Verdict.HEALTHY   # app error: the GPU itself is fine
+    assert classify_xid(13).verdict is Verdict.HEALTHY  # app error: the GPU itself is fine
     assert classify_xid(63).verdict is Verdict.DEGRADED
     assert classify_xid(79).verdict is Verdict.FAILED
 
@@ -83,14 +83,13 @@ def test_overrides() -> None:
     assert classify_xid(43, overrides).health_class is D
     assert classify_xid(43, overrides).overridden
     assert "overridden" in classify_xid(43, overrides).reason
-    assert classify_xid(13, overrides).health_class is F       # string key, any case
-    assert classify_xid(999, overrides).health_class is A      # unknown code, overridden
-    assert classify_xid(31, overrides).health_class is A       # untouched row
+    assert classify_xid(13, overrides).health_class is F  # string key, any case
+    assert classify_xid(999, overrides).health_class is A  # unknown code, overridden
+    assert classify_xid(31, overrides).health_class is A  # untouched row
     assert classify_xid(79, {79: "app_error"}).verdict is Verdict.HEALTHY
 
 
-@pytest.mark.parametrize("bad", [{79: "fatal"}, {79: 3}, {79: None}, {"x79": "failed"},
-                                 {-1: "failed"}])
+@pytest.mark.parametrize("bad", [{79: "fatal"}, {79: 3}, {79: None}, {"x79": "failed"}, {-1: "failed"}])
 def test_invalid_override_raises_clear_error(bad: dict) -> None:
     with pytest.raises(ValueError, match="invalid Xid override"):
         classify_xid(79, bad)
@@ -103,11 +102,20 @@ def test_invalid_override_names_the_choices() -> None:
         validate_overrides({79: "fatal"})
 
 
-@pytest.mark.parametrize(("action", "verdict"), [
-    (0, Verdict.HEALTHY), (1, Verdict.FAILED), (2, Verdict.FAILED), (3, Verdict.FAILED),
-    (4, Verdict.DEGRADED), (5, Verdict.FAILED), (6, Verdict.FAILED), (7, Verdict.FAILED),
-    (42, Verdict.DEGRADED),
-])
+@pytest.mark.parametrize(
+    ("action", "verdict"),
+    [
+        (0, Verdict.HEALTHY),
+        (1, Verdict.FAILED),
+        (2, Verdict.FAILED),
+        (3, Verdict.FAILED),
+        (4, Verdict.DEGRADED),
+        (5, Verdict.FAILED),
+        (6, Verdict.FAILED),
+        (7, Verdict.FAILED),
+        (42, Verdict.DEGRADED),
+    ],
+)
 def test_recovery_actions(action: int, verdict: Verdict) -> None:
     v, reason = classify_recovery_action(action)
     assert v is verdict

@@ -1,4 +1,5 @@
 """resild.report.goodput on synthetic event logs: every number checked against hand-computed values."""
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ def one_failure_job() -> list[dict]:
         ev("node_registered", 100.5, node="n2", role="spare"),
         ev("membership", 101.0, epoch=1, layout={"n0": [0, 1], "n1": [2, 3]}),
         wev("resumed", 109.0, node="n0", rank=0, epoch=1, step=0, seconds=0.05),
-        ev("full_strength_step", 110.0, epoch=1, step=1, rank=0),       # start-up: 10 s
+        ev("full_strength_step", 110.0, epoch=1, step=1, rank=0),  # start-up: 10 s
         ev("progress", 112.0, step=20, epoch=1),
         ev("fault_injected", 114.0, kind="kill", node="n1", step=40, spec="kill:n1@40"),
         ev("failure_detected", 114.1, node="n1", cause="worker died", detector="process-exit", committed_step=40),
@@ -36,7 +37,7 @@ def one_failure_job() -> list[dict]:
         ev("spare_assigned", 114.16, spare="n2", failed="n1", epoch=2, ranks=[2, 3], spares_left=0),
         ev("membership", 114.17, epoch=2, layout={"n0": [0, 1], "n2": [2, 3]}),
         wev("group_reformed", 114.5, node="n0", rank=0, epoch=2, seconds=0.1, world_size=4),
-        wev("resumed", 114.5, node="n0", rank=0, epoch=2, step=38, seconds=0.3),   # formed at 114.3
+        wev("resumed", 114.5, node="n0", rank=0, epoch=2, step=38, seconds=0.3),  # formed at 114.3
         wev("state_replayed", 114.55, node="n2", rank=2, epoch=2, bytes=1000, seconds=0.15, step=38),
         ev("full_strength_step", 114.6, epoch=2, step=39, rank=1),
         ev("progress", 120.0, step=100, epoch=2),
@@ -58,13 +59,13 @@ def test_one_failure_every_part_and_phase():
     assert (f.steps_redone, f.redone_s) == (2, pytest.approx(0.14))
     assert f.bytes_replayed == 1000 and f.spares_left == 0
     assert b.productive_s == pytest.approx(199 * 0.07)
-    assert b.shutdown_s == pytest.approx(0.5)                       # last commit 110 + 15 → end 125.5
+    assert b.shutdown_s == pytest.approx(0.5)  # last commit 110 + 15 → end 125.5
     assert b.idle_s == pytest.approx(15.0 - 0.6 - 0.14 - 13.93)
     assert sum(v for _, v in b.parts()) == pytest.approx(b.wall_s)
     assert b.goodput == pytest.approx(13.93 / 25.5)
     assert b.training_goodput == pytest.approx(13.93 / 15.0)
     assert b.gpu_goodput == pytest.approx(13.93 * 2 / (25.5 * 3))  # the idle spare's GPUs are paid for too
-    assert b.spares_line == [(0.0, 1), (pytest.approx(14.16), 0)]   # spare_assigned
+    assert b.spares_line == [(0.0, 1), (pytest.approx(14.16), 0)]  # spare_assigned
     assert b.step_line[0] == (pytest.approx(9.0), 0) and (pytest.approx(25.0), 200) in b.step_line
     assert all(t1 <= t2 for (t1, _), (t2, _) in zip(b.step_line, b.step_line[1:]))
 
@@ -72,7 +73,7 @@ def test_one_failure_every_part_and_phase():
 def test_table_and_json_carry_the_numbers():
     b = analyze(one_failure_job())
     text = format_breakdown(b)
-    assert "54.6%" in text          # 13.93 / 25.5
+    assert "54.6%" in text  # 13.93 / 25.5
     assert "kill:n1@40" in text and "process-exit" in text
     d = json.loads(json.dumps(b.to_dict()))
     assert d["failures"][0]["phases"]["replay"] == pytest.approx(0.25)
@@ -80,8 +81,7 @@ def test_table_and_json_carry_the_numbers():
 
 
 def test_no_spare_left_job_failed():
-    evs = one_failure_job()[:9] + [
-        ev("job_failed", 114.2, reason="no spare left: n1 failed (worker died)")]
+    evs = one_failure_job()[:9] + [ev("job_failed", 114.2, reason="no spare left: n1 failed (worker died)")]
     evs[0]["nodes"] = ["n0", "n1"]
     evs = [e for e in evs if e.get("role") != "spare"]
     b = analyze(evs)
@@ -114,7 +114,7 @@ def test_fault_during_recovery_counts_each_second_once():
     b = analyze(evs)
     f1, f2 = b.failures
     assert f1.overlapped and not f2.overlapped
-    assert sum(f1.phases.values()) == pytest.approx(0.4)   # cut at the second fault
+    assert sum(f1.phases.values()) == pytest.approx(0.4)  # cut at the second fault
     assert sum(f2.phases.values()) == pytest.approx(0.6)
     assert b.recovery_s == pytest.approx(115.0 - 114.0)
 
@@ -138,8 +138,10 @@ def test_unknown_fault_time_falls_back_to_first_collective_failure():
 
 def test_several_jobs_in_one_file(tmp_path: Path):
     first = one_failure_job()
-    second = [dict(e, t_mono=e["t_mono"] + 1000, **({"t_log": e["t_log"] + 1000} if "t_log" in e else {}))
-              for e in one_failure_job()]
+    second = [
+        dict(e, t_mono=e["t_mono"] + 1000, **({"t_log": e["t_log"] + 1000} if "t_log" in e else {}))
+        for e in one_failure_job()
+    ]
     assert len(split_jobs(first + second)) == 2
     assert analyze(first + second).job_index == 2
     assert analyze(first + second, job=1).failures[0].t_fault == pytest.approx(14.0)
@@ -182,7 +184,7 @@ def test_load_errors_are_one_line(tmp_path: Path):
     with pytest.raises(EventFileError, match=r"e.jsonl:2: not JSON"):
         load_events(write(tmp_path, '{"event":"a","t_mono":1}\n{oops\n{"event":"b","t_mono":2}\n'))
     with pytest.raises(EventFileError, match=r":1: not a resild event"):
-        load_events(write(tmp_path, '[1, 2]\n'))
+        load_events(write(tmp_path, "[1, 2]\n"))
     with pytest.raises(EventFileError, match="not a text file"):
         p = tmp_path / "bin.jsonl"
         p.write_bytes(b"\xff\xfe\x00garbage")

@@ -1,5 +1,6 @@
 """bench/goodput_model.py: the failure-rate fit, the recovery cost and the simulation against
 closed-form expectations."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """`resild report`: table, --json, --plot PNG/HTML, and one-line errors."""
+
 from __future__ import annotations
 
 import json
@@ -49,18 +50,22 @@ def test_plot_png_and_html(events_file: Path, tmp_path: Path):
     assert "data:image/png;base64," in text and "where the time went" in text and "kill:n1@40" in text
 
 
-@pytest.mark.parametrize("content,msg", [
-    (None, "no such file"),
-    ("", "empty (no events)"),
-    ("{not json\n", "not JSON"),
-    ('{"no": "event"}\n', "not a resild event"),
-])
+@pytest.mark.parametrize(
+    "content,msg",
+    [
+        (None, "no such file"),
+        ("", "empty (no events)"),
+        ("{not json\n", "not JSON"),
+        ('{"no": "event"}\n', "not a resild event"),
+    ],
+)
 def test_errors_are_one_line_no_traceback(tmp_path: Path, content: str | None, msg: str):
     p = tmp_path / "e.jsonl"
     if content is not None:
         p.write_text(content)
-    r = subprocess.run([sys.executable, "-m", "resild.cli", "report", str(p)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "resild.cli", "report", str(p)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2
     assert msg in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 

@@ -1,4 +1,5 @@
 """Framing, versioning, typed bodies and authentication over real ZeroMQ sockets on loopback."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,18 @@ from pathlib import Path
 import pytest
 import zmq
 
-from resild.wire.protocol import (MAX_FRAME_BYTES, PROTOCOL_VERSION, Event, Message, MsgType, Progress, ProtocolError,
-                             Sequencer, decode, encode)
+from resild.wire.protocol import (
+    MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Event,
+    Message,
+    MsgType,
+    Progress,
+    ProtocolError,
+    Sequencer,
+    decode,
+    encode,
+)
 from resild.wire.transport import ADMIN, KeyDir, Server, connect, generate_keys
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,43 +39,63 @@ def test_round_trip() -> None:
     assert decode(encode(m)) == m
 
 
-@pytest.mark.parametrize("frame,code", [
-    (b"\xff\xfe", "malformed"),
-    (b"[1,2]", "malformed"),
-    (json.dumps({"v": 99, "type": "heartbeat", "sender": "x", "seq": 1, "deadline": 1}).encode(), "bad_version"),
-    (json.dumps({"v": PROTOCOL_VERSION, "type": "nope", "sender": "x", "seq": 1, "deadline": 1}).encode(), "bad_type"),
-    (json.dumps({"v": PROTOCOL_VERSION, "type": "heartbeat", "sender": "", "seq": 1, "deadline": 1}).encode(), "malformed"),
-    (json.dumps({"v": PROTOCOL_VERSION, "type": "heartbeat", "sender": "x", "seq": -1, "deadline": 1}).encode(), "malformed"),
-    (json.dumps({"v": PROTOCOL_VERSION, "type": "heartbeat", "sender": "x", "seq": 1, "deadline": 1, "body": []}).encode(), "malformed"),
-    (b"x" * (2 << 20), "too_large"),
-    # Non-finite numbers never get in (a NaN/infinite deadline never expires; an infinite
-    # rank crashed the controller with OverflowError).
-    (_frame("progress", {"node": "n", "rank": float("inf"), "epoch": 1, "step": 1}), "malformed"),
-    (_frame(deadline=float("nan")), "malformed"),
-    (_frame(deadline=float("inf")), "malformed"),
-    (_frame().replace(b'"deadline": 10000000000.0', b'"deadline": 1e400'), "malformed"),
-    (_frame(seq=1 << 60), "malformed"),
-    (_frame(v=True), "bad_version"),
-    (_frame(type=["heartbeat"]), "bad_type"),
-    (_frame(sender="s" * 300), "malformed"),
-    (_frame(body={"a": json.loads("[" * 20 + "1" + "]" * 20)}), "malformed"),
-    (_frame(body={"x": 1 << 70}), "malformed"),
-    # Typed bodies: ranges, types and lengths checked once, here.
-    (_frame("progress", {"node": "n", "rank": -1, "epoch": 1, "step": 1}), "bad_body"),
-    (_frame("progress", {"node": "n", "rank": "0", "epoch": 1, "step": 1}), "bad_body"),
-    (_frame("progress", {"node": "n", "rank": True, "epoch": 1, "step": 1}), "bad_body"),
-    (_frame("done", {"node": "n", "epoch": 1}), "bad_body"),
-    (_frame("health", {"node": "n", "verdict": "fine"}), "bad_body"),
-    (_frame("health", {"node": "n", "verdict": "failed", "reasons": "all of them"}), "bad_body"),
-    (_frame("register_worker", {"pid": 5, "name": "n" * 600_000}), "bad_body"),
-    (_frame("heartbeat", {"node": 7}), "bad_body"),
-    (_frame("event", {"node": "n", "name": "x y"}), "bad_body"),
-    (_frame("event", {"node": "n", "name": "resumed", "fields": {"epoch": 2}}), "bad_body"),
-    (_frame("event", {"node": "n", "name": "state_replayed", "fields": {"bytes": "many", "seconds": 1}}), "bad_body"),
-    (_frame("event", {"node": "n", "name": "x", "fields": {"node": "other"}}), "bad_body"),
-    (_frame("event", {"node": "n", "name": "x", "fields": {"t_mono": "soon"}}), "bad_body"),
-    (_frame("membership", {"epoch": 2, "world_size": 2, "node_ranks": {"a": [0, 5]}}), "bad_body"),
-])
+@pytest.mark.parametrize(
+    "frame,code",
+    [
+        (b"\xff\xfe", "malformed"),
+        (b"[1,2]", "malformed"),
+        (json.dumps({"v": 99, "type": "heartbeat", "sender": "x", "seq": 1, "deadline": 1}).encode(), "bad_version"),
+        (
+            json.dumps({"v": PROTOCOL_VERSION, "type": "nope", "sender": "x", "seq": 1, "deadline": 1}).encode(),
+            "bad_type",
+        ),
+        (
+            json.dumps({"v": PROTOCOL_VERSION, "type": "heartbeat", "sender": "", "seq": 1, "deadline": 1}).encode(),
+            "malformed",
+        ),
+        (
+            json.dumps({"v": PROTOCOL_VERSION, "type": "heartbeat", "sender": "x", "seq": -1, "deadline": 1}).encode(),
+            "malformed",
+        ),
+        (
+            json.dumps(
+                {"v": PROTOCOL_VERSION, "type": "heartbeat", "sender": "x", "seq": 1, "deadline": 1, "body": []}
+            ).encode(),
+            "malformed",
+        ),
+        (b"x" * (2 << 20), "too_large"),
+        # Non-finite numbers never get in (a NaN/infinite deadline never expires; an infinite
+        # rank crashed the controller with OverflowError).
+        (_frame("progress", {"node": "n", "rank": float("inf"), "epoch": 1, "step": 1}), "malformed"),
+        (_frame(deadline=float("nan")), "malformed"),
+        (_frame(deadline=float("inf")), "malformed"),
+        (_frame().replace(b'"deadline": 10000000000.0', b'"deadline": 1e400'), "malformed"),
+        (_frame(seq=1 << 60), "malformed"),
+        (_frame(v=True), "bad_version"),
+        (_frame(type=["heartbeat"]), "bad_type"),
+        (_frame(sender="s" * 300), "malformed"),
+        (_frame(body={"a": json.loads("[" * 20 + "1" + "]" * 20)}), "malformed"),
+        (_frame(body={"x": 1 << 70}), "malformed"),
+        # Typed bodies: ranges, types and lengths checked once, here.
+        (_frame("progress", {"node": "n", "rank": -1, "epoch": 1, "step": 1}), "bad_body"),
+        (_frame("progress", {"node": "n", "rank": "0", "epoch": 1, "step": 1}), "bad_body"),
+        (_frame("progress", {"node": "n", "rank": True, "epoch": 1, "step": 1}), "bad_body"),
+        (_frame("done", {"node": "n", "epoch": 1}), "bad_body"),
+        (_frame("health", {"node": "n", "verdict": "fine"}), "bad_body"),
+        (_frame("health", {"node": "n", "verdict": "failed", "reasons": "all of them"}), "bad_body"),
+        (_frame("register_worker", {"pid": 5, "name": "n" * 600_000}), "bad_body"),
+        (_frame("heartbeat", {"node": 7}), "bad_body"),
+        (_frame("event", {"node": "n", "name": "x y"}), "bad_body"),
+        (_frame("event", {"node": "n", "name": "resumed", "fields": {"epoch": 2}}), "bad_body"),
+        (
+            _frame("event", {"node": "n", "name": "state_replayed", "fields": {"bytes": "many", "seconds": 1}}),
+            "bad_body",
+        ),
+        (_frame("event", {"node": "n", "name": "x", "fields": {"node": "other"}}), "bad_body"),
+        (_frame("event", {"node": "n", "name": "x", "fields": {"t_mono": "soon"}}), "bad_body"),
+        (_frame("membership", {"epoch": 2, "world_size": 2, "node_ranks": {"a": [0, 5]}}), "bad_body"),
+    ],
+)
 def test_decode_rejects(frame: bytes, code: str) -> None:
     with pytest.raises(ProtocolError) as e:
         decode(frame)
@@ -74,7 +105,7 @@ def test_decode_rejects(frame: bytes, code: str) -> None:
 def test_typed_body_alongside_the_dict() -> None:
     m = decode(_frame("progress", {"node": "n", "rank": 3, "epoch": 2, "step": 9, "state": "commit", "extra": [1]}))
     assert m.typed == Progress(node="n", rank=3, epoch=2, step=9, state="commit")
-    assert m.body["extra"] == [1]   # unknown keys pass through for handlers that know them
+    assert m.body["extra"] == [1]  # unknown keys pass through for handlers that know them
 
 
 def test_worker_events_live_in_their_own_namespace() -> None:
@@ -88,7 +119,7 @@ def test_worker_events_live_in_their_own_namespace() -> None:
 
 def test_sequence_starts_above_a_previous_incarnation() -> None:
     a = Sequencer("n/node").make(MsgType.HEARTBEAT)
-    b = Sequencer("n/node").make(MsgType.HEARTBEAT)   # the same sender, restarted
+    b = Sequencer("n/node").make(MsgType.HEARTBEAT)  # the same sender, restarted
     assert b.seq > a.seq
 
 
@@ -130,7 +161,9 @@ def test_bad_frames_get_an_error_reply_and_the_server_keeps_serving(keys: KeyDir
     try:
         caplog.set_level(logging.WARNING)
         client.sock.send(b"not json at all")
-        client.sock.send(json.dumps({"v": 42, "type": "heartbeat", "sender": "c1", "seq": 1, "deadline": 1e12}).encode())
+        client.sock.send(
+            json.dumps({"v": 42, "type": "heartbeat", "sender": "c1", "seq": 1, "deadline": 1e12}).encode()
+        )
         client.sock.send_multipart([b"two", b"frames"])
         assert server.channel.recv(2.0) is None and server.channel.recv(2.0) is None
         assert server.channel.recv(2.0) is None
@@ -190,8 +223,8 @@ def test_identity_comes_from_the_key_not_the_body(keys: KeyDir, ctx, caplog) -> 
     caplog.set_level(logging.WARNING)
     server = Server(ctx, "tcp://127.0.0.1:0", keys)
     n1 = connect(ctx, server.endpoint, keys.node("n1"), "n1/node")
-    as_n2 = connect(ctx, server.endpoint, keys.node("n1"), "n2/node")     # n1's key, n2's name
-    admin = connect(ctx, server.endpoint, keys, "cli-1")                   # the operator key
+    as_n2 = connect(ctx, server.endpoint, keys.node("n1"), "n2/node")  # n1's key, n2's name
+    admin = connect(ctx, server.endpoint, keys, "cli-1")  # the operator key
     try:
         n1.send(MsgType.HEALTH, {"node": "n2", "verdict": "failed", "reasons": ["forged"]})
         as_n2.send(MsgType.HEALTH, {"node": "n2", "verdict": "failed"})
@@ -227,7 +260,7 @@ def test_replayed_frames_are_rejected(keys: KeyDir, ctx) -> None:
         for _ in range(3):
             n1.sock.send(frame)
         n1.sock.send(older)
-        assert server.channel.recv(2.0) is not None   # once
+        assert server.channel.recv(2.0) is not None  # once
         assert server.channel.recv(0.5) is None and server.channel.recv(0.5) is None
         assert server.channel.recv(0.5) is None
         assert server.channel.rejected == 3
@@ -247,7 +280,7 @@ def test_every_socket_has_a_size_limit_and_a_huge_frame_is_dropped(keys: KeyDir,
     try:
         for ch in (server.channel, big, ok):
             assert ch.sock.getsockopt(zmq.MAXMSGSIZE) == MAX_FRAME_BYTES
-        big.sock.send(b"x" * (8 * MAX_FRAME_BYTES))   # libzmq drops the connection, never buffers it
+        big.sock.send(b"x" * (8 * MAX_FRAME_BYTES))  # libzmq drops the connection, never buffers it
         ok.send(MsgType.HEARTBEAT, {"node": "n2"})
         got = server.channel.recv(2.0)
         assert got is not None and got[1].sender == "n2/node"

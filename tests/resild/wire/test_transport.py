@@ -1,5 +1,6 @@
 """Transport pieces that need no controller: per-node key directories under Slurm,
 the rendezvous store's listening address, the daemon's unix socket server."""
+
 from __future__ import annotations
 
 import os
@@ -21,13 +22,27 @@ pytestmark = pytest.mark.timeout(60)
 
 def test_each_slurm_node_gets_its_own_key_directory(tmp_path: Path) -> None:
     keys = generate_keys(tmp_path / "keys")
-    node_cmd = [sys.executable, "-c", "import sys; print(sys.argv[1:])", "--controller", "tcp://h:1",
-                "--keys", str(keys.path), "--nproc", "2", "--", "train.py", "--keys", "user-arg"]
+    node_cmd = [
+        sys.executable,
+        "-c",
+        "import sys; print(sys.argv[1:])",
+        "--controller",
+        "tcp://h:1",
+        "--keys",
+        str(keys.path),
+        "--nproc",
+        "2",
+        "--",
+        "train.py",
+        "--keys",
+        "user-arg",
+    ]
     argv = per_node_keys(node_cmd, ["gpu-a", "gpu-b"])
     assert sorted(p.name for p in (keys.path / "nodes").iterdir()) == ["gpu-a", "gpu-b"]
     assert sorted(p.stem for p in keys.authorized.iterdir()) == ["client", "gpu-a", "gpu-b"]
-    out = subprocess.run(argv, env=dict(os.environ, SLURMD_NODENAME="gpu-b"), capture_output=True, text=True,
-                         timeout=30).stdout
+    out = subprocess.run(
+        argv, env=dict(os.environ, SLURMD_NODENAME="gpu-b"), capture_output=True, text=True, timeout=30
+    ).stdout
     # Only the launcher's --keys changes; the training command's own arguments do not.
     assert f"'--keys', '{keys.path}/nodes/gpu-b'" in out and "'--keys', 'user-arg'" in out
 
@@ -47,6 +62,7 @@ def _listening(port: int) -> list[str]:
 def test_store_listens_on_the_given_address_only() -> None:
     """TCPStore listened on every interface, even for a local job."""
     import torch.distributed as dist
+
     fd, port = store_listen_fd("127.0.0.1", cluster=False)
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
     try:
@@ -77,6 +93,7 @@ def test_unix_server_request_reply_and_peer(tmp_path: Path) -> None:
     srv.register(poller)
     assert (tmp_path / "u.sock").stat().st_mode & 0o777 == 0o600
     import threading
+
     stop = threading.Event()
 
     def loop() -> None:
@@ -90,8 +107,8 @@ def test_unix_server_request_reply_and_peer(tmp_path: Path) -> None:
         rep = local_request(f"ipc://{tmp_path}/u.sock", MsgType.STATUS)
         assert rep is not None and rep.body == {"got": "status"}
         assert seen[0].pid == os.getpid() and seen[0].uid == os.getuid()
-        assert local_request("tcp://127.0.0.1:1", MsgType.STATUS) is None   # local sockets only
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:     # oversized announcement: closed
+        assert local_request("tcp://127.0.0.1:1", MsgType.STATUS) is None  # local sockets only
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # oversized announcement: closed
             s.connect(str(tmp_path / "u.sock"))
             s.sendall(struct.pack("!I", 1 << 30))
             s.settimeout(2)
