@@ -189,8 +189,9 @@ class RelayClient:
 
     Messages received are MEMBERSHIP (a layout for Membership.from_dict, never a
     delta: the node's view, which names this node's ranks and the world size; a
-    worker needs `rank_of(node, local_rank)`, `world_size` and `epoch`) and SHUTDOWN. On connect it says hello, and the node answers with the current
-    membership, so a worker that starts (or reconnects) late is never behind."""
+    worker needs `rank_of(node, local_rank)`, `world_size` and `epoch`) and SHUTDOWN.
+    On connect it says hello, and the node answers with the current membership, so a
+    worker that starts (or reconnects) late is never behind."""
 
     def __init__(
         self, endpoint: str, sender: str, local_rank: int | None = None, ctx: zmq.Context | None = None

@@ -50,7 +50,7 @@ def _fake_nvml(spec: JobSpec) -> Path | None:
         return build_fake_nvml(spec.run_dir / "fake-nvml")
     except Exception as e:  # no compiler: GPU probes stay off in the simulation
         if any(f.xid is not None for f in spec.faults):
-            raise SystemExit(f"resil-run: cannot build the NVML stand-in needed for Xid injection: {e}")
+            raise SystemExit(f"resil-run: cannot build the NVML stand-in needed for Xid injection: {e}") from e
         return None
 
 
