@@ -64,7 +64,7 @@ def _raise_fd_limit() -> None:
 
 
 def _keys_for(keys_dir: str, node: str) -> Any:
-    from resild.wire.transport import KeyDir
+    from resild.wire.keys import KeyDir
 
     keys = KeyDir(Path(keys_dir))
     # Per-node keys where the transport has them (each node's key may speak only for it).
@@ -81,7 +81,7 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     from resild.controller.loop import Controller, ControllerConfig, JobResult
     from resild.controller.policy import PolicyConfig
     from resild.events.log import EventLog
-    from resild.wire.transport import KeyDir
+    from resild.wire.keys import KeyDir
 
     class TimedJournal(Journal):  # the decision includes its fsync: report it apart
         fsync_s: list[float] = []
@@ -158,7 +158,7 @@ def generator_main(
     conn: Any,
 ) -> None:
     _raise_fd_limit()
-    from resild.wire.transport import connect
+    from resild.wire.channel import connect
 
     ctx = zmq.Context(io_threads=1)
     ctx.MAX_SOCKETS = 4 * len(nodes) + 64
@@ -296,7 +296,8 @@ def generator_main(
 def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
     """Node process holding epoch E gets a delta -> all its P workers hold E+1 (the layout
     decoded and validated by each): the real RelayServer and RelayClients over ipc."""
-    from launcher.node.relay import LayoutTracker, RelayClient, RelayServer, wait_for
+    from launcher.node.relay import LayoutTracker, RelayServer
+    from launcher.worker.relay_client import RelayClient, wait_for
     from resild.membership import Membership
 
     ctx = zmq.Context()
@@ -343,7 +344,7 @@ def run_one(
     heartbeat_budget: float,
     heartbeat_timeout_s: float,
 ) -> dict[str, Any]:
-    from resild.wire.transport import generate_keys
+    from resild.wire.keys import generate_keys
 
     mp_ctx = mp.get_context("spawn")
     tmp = Path(tempfile.mkdtemp(prefix="resild-scale-"))

@@ -124,7 +124,7 @@ def status(config_path: str | None, status_socket: str | None, timeout_s: float 
       resild status            # table: node verdict, GPUs, watched processes
       resild status --json | jq .gpus
     """
-    from resild.daemon.agent import local_request
+    from resild.wire.local_socket import local_request
 
     cfg = _config(config_path, status_socket=status_socket, status_timeout_s=timeout_s)
     reply = local_request(cfg.status_endpoint, MsgType.STATUS, timeout_s=cfg.status_timeout_s)
@@ -305,7 +305,8 @@ def cluster(controller: str, keys_dir: str | None, timeout_s: float, as_json: bo
     """
     import zmq
 
-    from resild.wire.transport import KeyDir, connect
+    from resild.wire.channel import connect
+    from resild.wire.keys import KeyDir
 
     keys = KeyDir(Path(keys_dir)) if keys_dir else None
     ctx = zmq.Context()
@@ -425,7 +426,7 @@ def keys(directory: str, force: bool) -> None:
     Example:
       resild keys /etc/resild/keys   # then copy it to every node and the controller host
     """
-    from resild.wire.transport import generate_keys
+    from resild.wire.keys import generate_keys
 
     path = Path(directory)
     if (path / "server.key_secret").exists() and not force:

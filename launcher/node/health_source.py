@@ -55,8 +55,8 @@ from typing import Any
 from resild.daemon.config import Config, ConfigError, load_config
 from resild.health.model import HealthEvent
 from resild.health.probes import GpuProbe, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
+from resild.wire.local_socket import read_frame, send_frame, unix_path
 from resild.wire.protocol import Message, MsgType, ProtocolError, Sequencer
-from resild.wire.transport import read_frame, send_frame, unix_path
 
 log = logging.getLogger("resild.health_source")
 

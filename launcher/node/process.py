@@ -34,9 +34,10 @@ import zmq
 
 import launcher.node.lease as lease
 from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
-from launcher.procutil import die_with_parent
+from resild.procutil import die_with_parent
+from resild.wire.keys import KeyDir
+from resild.wire.leader import ControllerSet
 from resild.wire.protocol import Message, MsgType
-from resild.wire.transport import ControllerSet, KeyDir
 
 log = logging.getLogger("resild.node")
 

@@ -18,8 +18,8 @@ from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
 from resild.controller.policy import PolicyConfig
 from resild.events.log import EventLog
-from resild.wire.store import CommittedFloor
-from resild.wire.transport import generate_keys, store_listen_fd
+from resild.wire.keys import generate_keys
+from resild.wire.store import CommittedFloor, store_listen_fd
 
 
 @dataclass

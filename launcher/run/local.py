@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from launcher.procutil import die_with_parent
 from resild.controller.backend import Backend
-from resild.wire.transport import KeyDir, add_node_key
+from resild.procutil import die_with_parent
+from resild.wire.keys import KeyDir, add_node_key
 
 log = logging.getLogger("resild.local")
 

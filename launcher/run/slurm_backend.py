@@ -19,7 +19,7 @@ from pathlib import Path
 
 from resild import slurm
 from resild.controller.backend import Backend
-from resild.wire.transport import KeyDir, add_node_key
+from resild.wire.keys import KeyDir, add_node_key
 
 log = logging.getLogger("resild.slurm")
 

@@ -20,13 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher.procutil import die_with_parent
 from launcher.run.job import JobSpec, _fake_nvml, worker_timeouts
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, format_table, summarize
 from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.events.log import RECENT_PROGRESS, EventTail
-from resild.wire.transport import generate_keys
+from resild.procutil import die_with_parent
+from resild.wire.keys import generate_keys
 
 
 def run_replicated(

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import zmq
 
+from resild.wire.local_socket import local_request
 from resild.wire.protocol import MsgType
-from resild.wire.transport import local_request
 
 log = logging.getLogger("resild.agent_link")
 DEFAULT_SOCKET = "/run/resild/status.sock"

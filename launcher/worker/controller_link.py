@@ -24,8 +24,9 @@ import zmq
 
 from launcher.worker.stable_group import Interrupts
 from resild.membership import Membership
+from resild.wire.keys import KeyDir
+from resild.wire.leader import ControllerSet
 from resild.wire.protocol import MsgType
-from resild.wire.transport import ControllerSet, KeyDir
 
 log = logging.getLogger("resild.control")
 
@@ -116,7 +117,9 @@ class ControlLink:
         )
         relay = None
         if os.environ.get("RESILD_RELAY"):
-            from launcher.node.relay import RelayClient  # the node process relays membership and aggregates progress
+            from launcher.worker.relay_client import (
+                RelayClient,  # the node process relays membership and aggregates progress
+            )
 
             relay = RelayClient(os.environ["RESILD_RELAY"], f"{self.node}/w{self.local_rank}")
         poller = zmq.Poller()

@@ -42,8 +42,9 @@ from resild.controller.policy import (
 )
 from resild.events.log import EventLog
 from resild.membership import ClusterView, Membership, NodeRole, NodeView, RankProgress
+from resild.wire.channel import Server
+from resild.wire.keys import KeyDir
 from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, encode
-from resild.wire.transport import KeyDir, Server
 
 log = logging.getLogger("resild.controller")
 

@@ -47,8 +47,9 @@ from resild.controller.loop import Controller, ControllerConfig
 from resild.controller.policy import PolicyConfig
 from resild.events.log import EventLog
 from resild.procutil import die_with_parent
-from resild.wire.store import CommittedFloor
-from resild.wire.transport import KeyDir, Server, store_listen_fd
+from resild.wire.channel import Server
+from resild.wire.keys import KeyDir
+from resild.wire.store import CommittedFloor, store_listen_fd
 
 log = logging.getLogger("resild.replica")
 

@@ -51,15 +51,10 @@ from resild.daemon.config import Config
 from resild.daemon.metrics import Metrics
 from resild.health.model import HealthEvent, Verdict
 from resild.health.probes import Outcome, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
+from resild.wire.channel import connect
+from resild.wire.keys import KeyDir
+from resild.wire.local_socket import Peer, UnixServer, local_request, unix_path
 from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Sequencer, decode, encode
-from resild.wire.transport import (
-    KeyDir,
-    Peer,
-    UnixServer,
-    connect,
-    local_request,
-    unix_path,
-)
 
 log = logging.getLogger("resild.daemon")
 LOOP_TICK_S = 0.05  # bounds the delay from a verdict change to its HEALTH message

@@ -13,7 +13,7 @@ import pytest
 from resild.controller.loop import Controller, ControllerConfig, JobResult
 from resild.events.log import EventLog
 from resild.health.fakenvml import build_fake_nvml, fake_nvml_env
-from resild.wire.transport import generate_keys
+from resild.wire.keys import generate_keys
 
 RESILD = [sys.executable, "-m", "resild.cli"]
 XID79 = "NVRM: Xid (PCI:0000:{bus}:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."

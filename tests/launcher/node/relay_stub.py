@@ -18,10 +18,11 @@ from pathlib import Path
 
 import zmq
 
-from launcher.node.relay import RelayClient
+from launcher.worker.relay_client import RelayClient
 from resild.membership import Membership
+from resild.wire.channel import connect
+from resild.wire.keys import KeyDir
 from resild.wire.protocol import MsgType
-from resild.wire.transport import KeyDir, connect
 
 
 def main() -> int:

@@ -25,8 +25,8 @@ import pytest
 
 from launcher.node.health_source import DAEMON_SOCKET_ENV, DaemonHealth, InProcessHealth, open_health_source
 from resild.health.fakenvml import build_fake_nvml, fake_nvml_env
+from resild.wire.local_socket import local_request
 from resild.wire.protocol import MsgType
-from resild.wire.transport import local_request
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import zmq
 
-from launcher.node.relay import CommitAggregator, LayoutTracker, RelayClient, RelayServer, wait_for
+from launcher.node.relay import CommitAggregator, LayoutTracker, RelayServer
 from launcher.run.local import LocalCluster
+from launcher.worker.relay_client import RelayClient, wait_for
 from resild.controller.loop import Controller, ControllerConfig, JobResult
 from resild.controller.policy import PolicyConfig
 from resild.events.log import EventLog
 from resild.membership import Membership
+from resild.wire.keys import generate_keys
 from resild.wire.protocol import MsgType
-from resild.wire.transport import generate_keys
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from launcher.worker.agent_link import AgentLink, agent_endpoint
-from resild.daemon.agent import local_request
 from resild.health.fakenvml import build_fake_nvml, fake_nvml_env
+from resild.wire.local_socket import local_request
 from resild.wire.protocol import MsgType
 
 pytestmark = pytest.mark.timeout(60)

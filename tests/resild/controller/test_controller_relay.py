@@ -16,8 +16,8 @@ from resild.controller.loop import Controller, ControllerConfig, JobResult
 from resild.controller.policy import PolicyConfig
 from resild.events.log import EventLog
 from resild.membership import Membership
+from resild.wire.channel import Channel, connect
 from resild.wire.protocol import Message, MsgType
-from resild.wire.transport import Channel, connect
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ from resild.controller.faults import parse_fault
 from resild.controller.loop import Controller, ControllerConfig
 from resild.events.log import EventLog
 from resild.membership import Membership, NodeRole
-from resild.wire.transport import ControllerSet
+from resild.wire.leader import ControllerSet
 
 
 def _controller(faults: list[str] = ()) -> Controller:

@@ -15,13 +15,15 @@ from pathlib import Path
 import pytest
 import zmq
 
-from resild.daemon.agent import Agent, ProcState, Watched, judge_process, local_request, sd_notify, watchdog_interval_s
+from resild.daemon.agent import Agent, ProcState, Watched, judge_process, sd_notify, watchdog_interval_s
 from resild.daemon.config import Config
 from resild.health.fakenvml import build_fake_nvml, fake_nvml_env
 from resild.health.model import Verdict
 from resild.health.probes import ProbeResult, ProbeRunner, aggregate
+from resild.wire.channel import Server
+from resild.wire.keys import generate_keys
+from resild.wire.local_socket import local_request
 from resild.wire.protocol import MsgType
-from resild.wire.transport import Server, generate_keys
 
 REPO = Path(__file__).resolve().parents[3]
 RESILD = [sys.executable, "-m", "resild.cli"]

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from resild.daemon.agent import Agent
 from resild.daemon.config import Config
+from resild.wire.local_socket import Peer
 from resild.wire.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, decode
-from resild.wire.transport import Peer
 from tests.resild.daemon.test_daemon import Flip
 from tests.resild.wire.test_fuzz_protocol import bodies, json_values
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import zmq
 
+from resild.wire.channel import Server, connect
+from resild.wire.keys import ADMIN, KeyDir, generate_keys
 from resild.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -22,7 +24,6 @@ from resild.wire.protocol import (
     decode,
     encode,
 )
-from resild.wire.transport import ADMIN, KeyDir, Server, connect, generate_keys
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,8 +14,10 @@ import pytest
 import zmq
 
 from launcher.run.slurm_backend import per_node_keys
+from resild.wire.keys import generate_keys
+from resild.wire.local_socket import Peer, UnixServer, local_request
 from resild.wire.protocol import MsgType, Sequencer, decode, encode
-from resild.wire.transport import Peer, UnixServer, generate_keys, local_request, store_listen_fd
+from resild.wire.store import store_listen_fd
 
 pytestmark = pytest.mark.timeout(60)
 

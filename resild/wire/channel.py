@@ -1,0 +1,193 @@
+"""ZeroMQ ROUTER/DEALER with CURVE, and a typed channel over them.
+
+The controller binds a ROUTER (`Server`); agents, node processes and workers connect
+DEALERs (`connect`). The controller takes a message's node from the key that
+authenticated it: `Server`'s channel drops (ERROR reply + log) any message whose
+routing id, sender or body "node" names another node, and any replayed or
+reordered `seq` (per-sender high-water mark).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from resild.wire.keys import ADMIN, KeyDir, _KeyAuthenticator
+from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Sequencer, decode, encode
+
+log = logging.getLogger(__name__)
+
+MAX_SENDERS = 65536  # high-water marks kept (oldest forgotten first)
+
+
+class Channel:
+    """One socket plus framing. `recv` always takes a timeout; bad frames never raise.
+
+    With `authenticated` (a CURVE ROUTER) every message must come from a peer whose
+    routing id and sender are its key's identity (`node` or `node/...`) and whose body
+    "node", when present, is that identity; seq must rise per sender."""
+
+    def __init__(self, sock: zmq.Socket, sender: str, router: bool, authenticated: bool = False) -> None:
+        self.sock = sock
+        self.router = router
+        self.authenticated = authenticated
+        self.seq = Sequencer(sender)
+        self.rejected = 0  # frames dropped as malformed / wrong version / expired / replayed / forged
+        self._hwm: OrderedDict[tuple[str, str], int] = OrderedDict()
+
+    def send(
+        self, mtype: MsgType, body: dict | None = None, *, to: bytes | None = None, ttl_s: float | None = None
+    ) -> None:
+        try:
+            frame = encode(self.seq.make(mtype, body, ttl_s))
+        except (TypeError, ValueError) as e:  # not JSON, or NaN: a bug on our side, not the peer's
+            log.error("cannot send %s: %s", mtype.value, e)
+            return
+        if len(frame) > MAX_FRAME_BYTES:  # the peer's MAXMSGSIZE would drop the connection
+            log.error("not sending %s: %d bytes > %d", mtype.value, len(frame), MAX_FRAME_BYTES)
+            frame = encode(
+                self.seq.make(MsgType.ERROR, {"code": "too_large", "detail": f"{mtype.value} reply too large"})
+            )
+        try:
+            if self.router:
+                assert to is not None, "a ROUTER send needs the peer identity"
+                self.sock.send_multipart([to, frame], flags=zmq.NOBLOCK)
+            else:
+                self.sock.send(frame, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            # Peer gone or its queue is full: control traffic is best-effort,
+            # liveness is judged by heartbeats, not by send success.
+            log.debug("send %s dropped: peer queue full", mtype.value)
+
+    def poll(self, timeout_s: float) -> bool:
+        return bool(self.sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+
+    def _reject(self, ident: bytes | None, code: str, detail: str) -> None:
+        self.rejected += 1
+        # A flood of bad frames must not become a flood of log lines (a full disk next).
+        if self.rejected <= 100 or self.rejected % 1000 == 0:
+            log.warning(
+                "rejected frame from %r: %s: %s%s",
+                ident[:64] if ident else ident,
+                code,
+                detail,
+                f" ({self.rejected} rejected so far)" if self.rejected >= 100 else "",
+            )
+        if self.router and ident is not None:
+            self.send(MsgType.ERROR, {"code": code, "detail": detail}, to=ident)
+
+    def recv(self, timeout_s: float) -> tuple[bytes | None, Message] | None:
+        """Return (peer identity or None, message) or None on timeout or a dropped frame."""
+        if not self.poll(timeout_s):
+            return None
+        parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        ident = parts[0].bytes if self.router else None
+        if len(parts) != (2 if self.router else 1):
+            self._reject(ident, "malformed", f"{len(parts) - (1 if self.router else 0)} frames, expected 1")
+            return None
+        frame = parts[-1]
+        try:
+            msg = decode(frame.bytes)
+        except ProtocolError as e:
+            self._reject(ident, e.code, e.detail)
+            return None
+        user = ""
+        if self.authenticated:
+            try:
+                user = frame.get("User-Id")
+            except zmq.ZMQError:
+                user = ""
+            why = _forged(user, ident, msg)
+            if why:
+                self._reject(ident, "identity", why)
+                return None
+        if msg.expired():
+            self.rejected += 1
+            if self.rejected <= 100 or self.rejected % 1000 == 0:
+                log.warning("dropped expired %s from %s (seq %d)", msg.type.value, msg.sender, msg.seq)
+            return None
+        key = (user, msg.sender)
+        last = self._hwm.get(key)
+        if last is not None and msg.seq <= last:
+            self._reject(ident, "replay", f"seq {msg.seq} from {msg.sender} not above {last}")
+            return None
+        self._hwm[key] = msg.seq
+        self._hwm.move_to_end(key)
+        if len(self._hwm) > MAX_SENDERS:
+            self._hwm.popitem(last=False)
+        return ident, msg
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _forged(user: str, ident: bytes | None, msg: Message) -> str:
+    """Why this message does not come from who it says, or "" if it does."""
+    if not user:
+        return "no authenticated identity"
+    if ident is not None and ident != msg.sender.encode():
+        return f"routing id does not match sender {msg.sender!r}"
+    node = msg.body.get("node")
+    if user == ADMIN:
+        return f"the operator key speaks for no node (body names {str(node)[:64]!r})" if node is not None else ""
+    if msg.sender != user and not msg.sender.startswith(user + "/"):
+        return f"sender {msg.sender!r} is not {user!r}'s"
+    if node is not None and node != user:
+        return f"key of {user!r} cannot speak for node {str(node)[:64]!r}"
+    return ""
+
+
+def limit_frame_size(sock: zmq.Socket) -> None:
+    """For every socket carrying protocol frames; call before bind/connect (libzmq
+    copies the options then). libzmq drops a peer that sends a bigger frame before
+    buffering it: a 512 MiB frame would otherwise sit in memory until decode() refused it."""
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+
+
+def _set_curve_client(sock: zmq.Socket, keys: KeyDir) -> None:
+    pub, sec = keys.client()
+    sock.curve_publickey = pub
+    sock.curve_secretkey = sec
+    sock.curve_serverkey = keys.server_public()
+
+
+class Server:
+    """The controller's ROUTER, with a ZAP authenticator accepting only authorized keys."""
+
+    def __init__(self, ctx: zmq.Context, bind: str, keys: KeyDir | None, sender: str = "controller") -> None:
+        self.auth: ThreadAuthenticator | None = None
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        limit_frame_size(sock)
+        if keys is not None:
+            auth = _KeyAuthenticator(ctx, keys.authorized)
+            auth.start()
+            auth.configure_curve_callback(domain="*", credentials_provider=auth)
+            self.auth = auth
+            pub, sec = keys.server()
+            sock.curve_publickey, sock.curve_secretkey, sock.curve_server = pub, sec, True
+        sock.bind(bind)
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.channel = Channel(sock, sender, router=True, authenticated=keys is not None)
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.auth is not None:
+            self.auth.stop()
+
+
+def connect(ctx: zmq.Context, endpoint: str, keys: KeyDir | None, sender: str) -> Channel:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 10000)
+    limit_frame_size(sock)
+    sock.setsockopt_string(zmq.IDENTITY, sender)
+    if keys is not None:
+        _set_curve_client(sock, keys)
+    sock.connect(endpoint)
+    return Channel(sock, sender, router=False)
