@@ -79,9 +79,9 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     from resild.controller.backend import Backend
     from resild.controller.journal import Journal
     from resild.controller.loop import Controller, ControllerConfig, JobResult
-    from resild.controller.policy import PolicyConfig
     from resild.events.log import EventLog
     from resild.wire.keys import KeyDir
+    from resild.wire.settings import JobSettings
 
     class TimedJournal(Journal):  # the decision includes its fsync: report it apart
         fsync_s: list[float] = []
@@ -95,9 +95,14 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     ccfg = ControllerConfig(
         bind="tcp://127.0.0.1:0",
         store_addr="127.0.0.1:1",
-        policy=PolicyConfig(heartbeat_timeout_s=cfg["heartbeat_timeout_s"], hang_timeout_s=cfg["hang_timeout_s"]),
-        start_timeout_s=600.0,
-        heartbeat_budget_per_s=cfg["heartbeat_budget"],
+        settings=JobSettings(
+            heartbeat_timeout_s=cfg["heartbeat_timeout_s"],
+            hang_timeout_s=cfg["hang_timeout_s"],
+            start_timeout_s=600.0,
+            heartbeat_budget_per_s=cfg["heartbeat_budget"],
+            # leases as resil-run's default, kept above the heartbeat timeout (the settings nest)
+            controller_timeout_s=max(5.0, 2.5 * cfg["heartbeat_timeout_s"]),
+        ),
     )
     ctl = Controller(
         ccfg,
@@ -587,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         "--heartbeat-budget",
         type=float,
         default=2000.0,
-        help="controller's heartbeats/s budget (ControllerConfig.heartbeat_budget_per_s); 0: every node "
+        help="controller's heartbeats/s budget (JobSettings.heartbeat_budget_per_s); 0: every node "
         "heartbeats at --heartbeat-s whatever N",
     )
     p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="resil-run's default")

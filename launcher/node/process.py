@@ -10,7 +10,7 @@ epoch it holds, so the controller sends its view again if it missed an epoch.
 
     python -m launcher.node --node NODE --controller tcp://HOST:PORT --keys DIR --nproc N -- CMD...
 
-With --controller-timeout T, no word from the controller for T seconds (the lease) stops the
+With controller_timeout_s T in --settings, no word from the controller for T seconds (the lease) stops the
 workers and exits 75. In a Slurm job step (srun) it first releases the allocation, which Slurm
 would otherwise hold until the time limit when the batch host dies (launcher/node/lease.py):
 RESILD_ON_CONTROLLER_LOST=requeue (default: scontrol requeue with the reason in the job's
@@ -20,6 +20,7 @@ comment, else scancel when the job is not requeueable), cancel (scancel) or none
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import queue
@@ -38,6 +39,7 @@ from resild.procutil import die_with_parent
 from resild.wire.keys import KeyDir
 from resild.wire.leader import ControllerSet
 from resild.wire.protocol import Message, MsgType
+from resild.wire.settings import JobSettings
 
 log = logging.getLogger("resild.node")
 
@@ -62,18 +64,19 @@ class NodeProcess:
         keys: KeyDir | None,
         nproc: int,
         cmd: list[str],
-        heartbeat_s: float = 0.25,
+        settings: JobSettings | None = None,
         nvml_control: Path | None = None,
         probe_interval_s: float = 1.0,
-        controller_timeout_s: float = 0.0,
     ) -> None:
         self.node, self.nproc, self.cmd = node, nproc, cmd
-        self.heartbeat_s = heartbeat_s
+        settings = settings or JobSettings()
+        self.heartbeat_s = settings.heartbeat_interval_s  # the controller may ask for less often (WELCOME)
         self.controller = controller
         # The lease: with no word from the controller this long, stop the workers and exit,
-        # so a dead (or frozen) controller never leaves processes behind. 0: never.
-        self.controller_timeout_s = controller_timeout_s
-        self.lease_interval_s = 0.0
+        # so a dead (or frozen) controller never leaves processes behind. 0: never. Until
+        # the first LEASE it is --controller-timeout; then the controller says (at scale it
+        # leases less often and the wait grows: JobSettings.for_nodes, computed there once).
+        self.lease_timeout_s = settings.controller_timeout_s
         self.last_word_s = time.monotonic()
         self.ctx = zmq.Context()
         # One link per controller replica (comma-separated endpoints); sends go to the leader.
@@ -296,10 +299,9 @@ class NodeProcess:
             self.ch.send(MsgType.HEALTH, {"node": self.node, **body})
 
     def _lease_expired(self, now: float) -> bool:
-        if self.controller_timeout_s <= 0 or self.shutting_down_until is not None:
+        if self.lease_timeout_s <= 0 or self.shutting_down_until is not None:
             return False  # told to shut down: the controller is gone on purpose, workers finish
-        # Never sooner than 3 lease intervals: at scale the controller leases less often.
-        timeout_s = max(self.controller_timeout_s, 3 * self.lease_interval_s)
+        timeout_s = self.lease_timeout_s
         silent_s = now - self.last_word_s
         if silent_s <= timeout_s:
             return False
@@ -343,9 +345,9 @@ class NodeProcess:
                 self.exit_code = FENCED_EXIT
                 return
             if msg.type == MsgType.LEASE:
-                interval_s = msg.body.get("interval_s")
-                if isinstance(interval_s, (int, float)) and 0 < interval_s <= 3600:
-                    self.lease_interval_s = float(interval_s)
+                timeout_s = msg.body.get("timeout_s")
+                if isinstance(timeout_s, (int, float)) and timeout_s > 0:  # validated at decode
+                    self.lease_timeout_s = float(timeout_s)
                 continue
             if msg.type == MsgType.SHUTDOWN:
                 if self.shutting_down_until is None:
@@ -393,14 +395,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--controller", required=True)
     p.add_argument("--keys")
     p.add_argument("--nproc", type=int, required=True)
-    p.add_argument("--heartbeat-s", type=float, default=0.25)
-    p.add_argument("--nvml-control", type=Path)
     p.add_argument(
-        "--controller-timeout",
-        type=float,
-        default=0.0,
-        help="exit (code 75) after this many seconds without a word from the controller; 0: never",
+        "--settings",
+        type=_settings,
+        default=None,
+        help="the job's settings as JSON (resil-run's JobSettings; default: its defaults): heartbeat "
+        "interval, and the lease (exit 75 after controller_timeout_s without a word from the controller)",
     )
+    p.add_argument("--nvml-control", type=Path)
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -417,10 +419,16 @@ def main(argv: list[str] | None = None) -> int:
         keys,
         a.nproc,
         cmd,
-        a.heartbeat_s,
+        a.settings,
         a.nvml_control,
-        controller_timeout_s=a.controller_timeout,
     ).run()
+
+
+def _settings(text: str) -> JobSettings:
+    try:
+        return JobSettings.from_dict(json.loads(text))
+    except (ValueError, TypeError) as e:  # json.JSONDecodeError and SettingsError are ValueErrors
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 if __name__ == "__main__":

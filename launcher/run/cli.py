@@ -26,6 +26,7 @@ from pathlib import Path
 import click
 
 from resild.controller.faults import Fault, FaultSpecError, parse_fault
+from resild.wire.settings import JobSettings, SettingsError
 
 
 def _nan(param: click.Parameter) -> float:
@@ -166,6 +167,15 @@ def main(
             raise click.UsageError(f"cannot write --events {events}: {e.strerror}") from None
     if controllers == 2:
         raise click.UsageError("--controllers 2 survives no loss (Raft needs a majority): use 3")
+    try:  # the one place the job's timeouts are built; every process gets this object
+        settings = JobSettings(
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            hang_timeout_s=hang_timeout_s,
+            start_timeout_s=start_timeout_s,
+            controller_timeout_s=controller_timeout_s,
+        )
+    except SettingsError as e:
+        raise click.UsageError(str(e)) from None
     if not local:
         from launcher.run.slurm_mode import run_slurm  # imported lazily: local mode needs no Slurm
 
@@ -176,15 +186,12 @@ def main(
                 nproc_per_node=nproc_per_node,
                 inject=inject,
                 events=events,
-                hang_timeout_s=hang_timeout_s,
-                heartbeat_timeout_s=heartbeat_timeout_s,
+                settings=settings,
                 run_dir=run_dir,
                 as_json=as_json,
                 cmd=list(cmd),
                 requeue_on_exhaustion=requeue_on_exhaustion,
                 status=not quiet,
-                start_timeout_s=start_timeout_s,
-                controller_timeout_s=controller_timeout_s,
                 controllers=controllers,
             )
         )
@@ -207,10 +214,7 @@ def main(
         faults=faults,
         events_path=events,
         run_dir=rd,
-        hang_timeout_s=hang_timeout_s,
-        heartbeat_timeout_s=heartbeat_timeout_s,
-        start_timeout_s=start_timeout_s,
-        controller_timeout_s=controller_timeout_s,
+        settings=settings,
     )
     if controllers > 1:
         from launcher.run.standby import run_replicated

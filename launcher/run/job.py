@@ -16,9 +16,9 @@ from launcher.run.status import StatusLine, format_table, summarize
 from resild.controller.faults import Fault
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
-from resild.controller.policy import PolicyConfig
 from resild.events.log import EventLog
 from resild.wire.keys import generate_keys
+from resild.wire.settings import JobSettings
 from resild.wire.store import CommittedFloor, store_listen_fd
 
 
@@ -31,13 +31,9 @@ class JobSpec:
     run_dir: Path
     faults: list[Fault] = field(default_factory=list)
     events_path: Path | None = None
-    hang_timeout_s: float = 10.0
-    heartbeat_timeout_s: float = 2.0
-    heartbeat_s: float = 0.25
+    settings: JobSettings = field(default_factory=JobSettings)  # every timeout and interval, validated
     bind_host: str = "127.0.0.1"  # the address peers use to reach the controller and the store
     bind_any: bool = False  # listen on every interface (cluster mode)
-    start_timeout_s: float = 300.0  # every active node's workers registered within this, or the job fails
-    controller_timeout_s: float = 5.0  # node processes exit when no controller spoke for this long
 
 
 def _fake_nvml(spec: JobSpec) -> Path | None:
@@ -54,22 +50,10 @@ def _fake_nvml(spec: JobSpec) -> Path | None:
         return None
 
 
-def worker_timeouts(hang_timeout_s: float, heartbeat_timeout_s: float) -> dict[str, float]:
-    """Timeouts the workers use, derived from the controller's so that they nest:
-    a collective must not time out before the controller could have declared a
-    hang, and a rank must not give up on the notice before the collective did."""
-    collective_s = max(60.0, 3 * hang_timeout_s)
-    return {
-        "wait_report_s": min(1.0, hang_timeout_s / 4),
-        "collective_timeout_s": collective_s,
-        "notice_timeout_s": collective_s + 2 * hang_timeout_s + heartbeat_timeout_s + 60.0,
-    }
-
-
 def run_job(
     spec: JobSpec,
     as_json: bool = False,
-    backend_factory: Callable[[str, Path, float], Any] | None = None,
+    backend_factory: Callable[[str, Path], Any] | None = None,
     return_reason: bool = False,
     status: bool = True,
 ) -> Any:
@@ -88,11 +72,8 @@ def run_job(
     bind = f"tcp://{'*' if spec.bind_any else spec.bind_host}:0"
     cfg = ControllerConfig(
         bind=bind,
-        policy=PolicyConfig(heartbeat_timeout_s=spec.heartbeat_timeout_s, hang_timeout_s=spec.hang_timeout_s),
+        settings=spec.settings,
         store_addr=f"{spec.bind_host}:{store.port}",
-        start_timeout_s=spec.start_timeout_s,
-        controller_timeout_s=spec.controller_timeout_s,
-        worker=worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s),
     )
     ctl = Controller(
         cfg,
@@ -113,11 +94,11 @@ def run_job(
             spec.cmd,
             spec.run_dir,
             _fake_nvml(spec),
-            controller_timeout_s=spec.controller_timeout_s,
+            settings=spec.settings,
         )
-        backend.start(endpoint, keys.path, spec.heartbeat_s)
+        backend.start(endpoint, keys.path)
     else:
-        backend = backend_factory(endpoint, keys.path, spec.heartbeat_s)
+        backend = backend_factory(endpoint, keys.path)
         backend.start()
     ctl.backend = backend
     try:

@@ -7,6 +7,7 @@ that the node's GPU probe reads through the real nvidia-ml-py binding).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -18,6 +19,7 @@ from pathlib import Path
 from resild.controller.backend import Backend
 from resild.procutil import die_with_parent
 from resild.wire.keys import KeyDir, add_node_key
+from resild.wire.settings import JobSettings
 
 log = logging.getLogger("resild.local")
 
@@ -31,9 +33,9 @@ class LocalCluster(Backend):
         run_dir: Path,
         fake_nvml_dir: Path | None = None,
         gpus_per_node: int = 0,
-        controller_timeout_s: float = 0.0,
+        settings: JobSettings | None = None,
     ) -> None:
-        self.controller_timeout_s = controller_timeout_s
+        self.settings = settings or JobSettings()
         self.nodes, self.nproc, self.cmd, self.run_dir = nodes, nproc, cmd, run_dir
         self.fake_nvml_dir = fake_nvml_dir
         self.gpus_per_node = gpus_per_node
@@ -41,7 +43,7 @@ class LocalCluster(Backend):
         self._expected_exit: set[str] = set()
         self._reported: set[str] = set()
 
-    def start(self, controller: str, keys_dir: Path | None, heartbeat_s: float) -> None:
+    def start(self, controller: str, keys_dir: Path | None) -> None:
         # One key pair per node, all made before any node starts: each node process (and
         # its workers, through RESILD_KEYS) gets a directory with only its own secret key,
         # and the controller knows the node by that key (ZAP User-Id), not by what it says.
@@ -57,10 +59,8 @@ class LocalCluster(Backend):
                 controller,
                 "--nproc",
                 str(self.nproc),
-                "--heartbeat-s",
-                str(heartbeat_s),
-                "--controller-timeout",
-                str(self.controller_timeout_s),
+                "--settings",
+                json.dumps(self.settings.to_dict()),
             ]
             env = dict(os.environ)
             env.pop("RESILD_KEYS", None)  # never inherit another key directory

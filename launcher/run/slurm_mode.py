@@ -17,6 +17,7 @@ import click
 
 from resild import slurm
 from resild.controller.faults import FaultSpecError, parse_fault
+from resild.wire.settings import JobSettings
 
 # ---- will Slurm cancel the allocation when a node fails? -----------------------------------------
 # Without `sbatch --no-kill` Slurm revokes the whole allocation when one of its nodes fails, and
@@ -199,15 +200,12 @@ def run_slurm(
     nproc_per_node: int,
     inject: tuple[str, ...],
     events: Path | None,
-    hang_timeout_s: float,
-    heartbeat_timeout_s: float,
+    settings: JobSettings,
     run_dir: Path | None,
     as_json: bool,
     cmd: list[str],
     requeue_on_exhaustion: bool = False,
     status: bool = True,
-    start_timeout_s: float = 300.0,
-    controller_timeout_s: float = 5.0,
     controllers: int = 1,
 ) -> int:
     try:
@@ -245,7 +243,7 @@ def run_slurm(
     rd = run_dir or Path.cwd() / ".resild" / default_run_dir_name(alloc.job_id, os.environ)
     print(f"resil-run: run dir {rd}", file=sys.stderr, flush=True)
 
-    def node_cmd(endpoint: str, keys_dir: Path, heartbeat_s: float) -> list[str]:
+    def node_cmd(endpoint: str, keys_dir: Path) -> list[str]:
         return [
             sys.executable,
             "-m",
@@ -256,16 +254,14 @@ def run_slurm(
             str(keys_dir),
             "--nproc",
             str(nproc_per_node),
-            "--heartbeat-s",
-            str(heartbeat_s),
-            "--controller-timeout",
-            str(controller_timeout_s),
+            "--settings",
+            json.dumps(settings.to_dict()),
             "--",
             *cmd,
         ]
 
-    def make_backend(endpoint: str, keys_dir: Path, heartbeat_s: float) -> SlurmBackend:
-        return SlurmBackend(alloc, all_nodes, node_cmd(endpoint, keys_dir, heartbeat_s))
+    def make_backend(endpoint: str, keys_dir: Path) -> SlurmBackend:
+        return SlurmBackend(alloc, all_nodes, node_cmd(endpoint, keys_dir))
 
     spec = JobSpec(
         active=active,
@@ -275,12 +271,9 @@ def run_slurm(
         run_dir=rd,
         faults=faults,
         events_path=events,
-        hang_timeout_s=hang_timeout_s,
-        heartbeat_timeout_s=heartbeat_timeout_s,
+        settings=settings,
         bind_host=host,
         bind_any=True,
-        start_timeout_s=start_timeout_s,
-        controller_timeout_s=controller_timeout_s,
     )
     if controllers > 1:
         from launcher.run.standby import run_replicated

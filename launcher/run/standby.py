@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launcher.run.job import JobSpec, _fake_nvml, worker_timeouts
+from launcher.run.job import JobSpec, _fake_nvml
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, format_table, summarize
 from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
@@ -35,10 +35,10 @@ def run_replicated(
     as_json: bool = False,
     *,
     slurm_job: Any = None,
-    node_cmd: Callable[[str, Path, float], list[str]] | None = None,
+    node_cmd: Callable[[str, Path], list[str]] | None = None,
     status: bool = True,
 ) -> int:
-    """`slurm_job` (an Allocation) and `node_cmd(endpoints, keys_dir, heartbeat_s)` under
+    """`slurm_job` (an Allocation) and `node_cmd(endpoints, keys_dir)` under
     Slurm: the replicas run on the allocation's first N nodes (one srun step), the node
     processes as usual; otherwise every process runs on this machine."""
     rd = spec.run_dir
@@ -58,12 +58,7 @@ def run_replicated(
         "events": str(events_path),
         "run_dir": str(rd),
         "faults": [str(f) for f in spec.faults],
-        "controller": {
-            "policy": {"heartbeat_timeout_s": spec.heartbeat_timeout_s, "hang_timeout_s": spec.hang_timeout_s},
-            "worker": worker_timeouts(spec.hang_timeout_s, spec.heartbeat_timeout_s),
-            "start_timeout_s": spec.start_timeout_s,
-            "controller_timeout_s": spec.controller_timeout_s,
-        },
+        "settings": spec.settings.to_dict(),
     }
     if slurm_job is not None:
         if len(nodes_all) < n_controllers:
@@ -131,7 +126,7 @@ def run_replicated(
 
             assert node_cmd is not None
             backend = SlurmBackend(
-                slurm_job, nodes_all, node_cmd(",".join(endpoints), keys.path, spec.heartbeat_s), drain_nodes=False
+                slurm_job, nodes_all, node_cmd(",".join(endpoints), keys.path), drain_nodes=False
             )  # the leader drains
             backend.start()
             running = lambda: backend.proc.poll() is None  # noqa: E731
@@ -142,9 +137,9 @@ def run_replicated(
                 spec.cmd,
                 rd,
                 _fake_nvml(spec),
-                controller_timeout_s=spec.controller_timeout_s,
+                settings=spec.settings,
             )
-            backend.start(",".join(endpoints), keys.path, spec.heartbeat_s)
+            backend.start(",".join(endpoints), keys.path)
             running = lambda: any(p.poll() is None for p in backend.procs.values())  # noqa: E731
         # The leader decides; we wait for every node process to end (SHUTDOWN, fencing,
         # or their lease when no replica is left), telling the leader we are still here.

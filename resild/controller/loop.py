@@ -14,7 +14,6 @@ relays it to its own workers (launcher/node/relay.py). Only workers not behind a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -45,6 +44,7 @@ from resild.membership import ClusterView, Membership, NodeRole, NodeView, RankP
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, encode
+from resild.wire.settings import JobSettings
 
 log = logging.getLogger("resild.controller")
 
@@ -60,26 +60,17 @@ def median_step_s(commit_times: list[tuple[int, float, str | None]]) -> float | 
 @dataclass
 class ControllerConfig:
     bind: str = "tcp://127.0.0.1:0"
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # The job's timeouts (one owner: resil-run builds it once; see resild.wire.settings).
+    # The policy's view of them, and what the job's size changes, are derived in Controller.
+    settings: JobSettings = field(default_factory=JobSettings)
     tick_s: float = 0.02
     max_batch: int = 1000  # messages handled before the timeout checks run again
-    start_timeout_s: float = 300.0
-    # Heartbeats the controller accepts per second, all nodes together: past that, node
-    # processes are told to heartbeat less often (N / budget seconds) and the heartbeat
-    # timeout grows to 4 such intervals. 2,000 nodes at 0.25 s would be 8,000 messages/s
-    # before any progress; crashed nodes are still found at once (process exit, the
-    # liveness probe after a failed collective); only a frozen node takes longer. 0: off.
-    heartbeat_budget_per_s: float = 2000.0
     resync_s: float = 1.0  # a node still reporting an old epoch this long after a send gets its view again
     shutdown_timeout_s: float = 600.0  # at success: time for workers to finish (final save)
     wait_nodes_gone_s: float = 0.0  # > 0: at the end, wait until no node process has heartbeat for this long
     store_addr: str = ""
-    # Node processes exit when they hear nothing from a controller this long (the lease);
-    # leases go out every quarter of it. 0: no leases (node processes then never give up).
-    controller_timeout_s: float = 5.0
     term: int = 1  # rises with every leader (standby controllers); nodes follow the highest
     leader_index: int = 0  # this controller's place in the endpoint list node processes hold
-    worker: dict[str, Any] = field(default_factory=dict)  # runtime settings handed to workers
 
 
 @dataclass(frozen=True)
@@ -105,12 +96,10 @@ class Controller:
         leadership: Callable[[], bool] | None = None,
     ) -> None:
         self.nproc = nproc_per_node
-        n_nodes = len(active) + len(spares)
-        self.heartbeat_floor_s = n_nodes / cfg.heartbeat_budget_per_s if cfg.heartbeat_budget_per_s > 0 else 0.0
-        if 4 * self.heartbeat_floor_s > cfg.policy.heartbeat_timeout_s:
-            cfg = dataclasses.replace(
-                cfg, policy=dataclasses.replace(cfg.policy, heartbeat_timeout_s=4 * self.heartbeat_floor_s)
-            )
+        # What the job's size changes (heartbeat budget, lease interval, the nodes' wait),
+        # computed once here and told to the node processes (WELCOME, LEASE).
+        self.derived = cfg.settings.for_nodes(len(active) + len(spares))
+        self.policy = PolicyConfig.from_settings(cfg.settings, self.derived)
         self.cfg = cfg
         self.events = events
         self.journal = journal or Journal(None)
@@ -152,10 +141,8 @@ class Controller:
         self._awaiting_full_strength: int | None = None  # epoch whose first commit we wait for
         # (step, t, node) each time the job's step advanced
         self._commit_times: list[tuple[int, float, str | None]] = []
-        # Leases: one frame per node per interval. At scale (heartbeat budget) they get rarer
-        # still, 4 heartbeat intervals apart, and nodes wait 3 intervals before giving up
-        # (12 s at 2,000 nodes): a lease costs the controller a send per node.
-        self.lease_interval_s = max(cfg.controller_timeout_s / 4, 4 * self.heartbeat_floor_s)
+        # Leases: one frame per node per interval (at scale rarer still: a lease costs the
+        # controller a send per node; JobSettings.for_nodes).
         self._next_lease_s = 0.0
 
     # ---- main loop -------------------------------------------------------
@@ -193,24 +180,25 @@ class Controller:
         return self.result
 
     def _tick(self, now: float) -> None:
-        if self.cfg.controller_timeout_s > 0 and now >= self._next_lease_s:
+        if self.derived.lease_interval_s > 0 and now >= self._next_lease_s:
             self._send_leases()
-            self._next_lease_s = now + self.lease_interval_s
+            self._next_lease_s = now + self.derived.lease_interval_s
         for node, rc in self.backend.exited_nodes():
             self._decide(on_node_failure(self.view, node, f"node process exited with code {rc}", "process-exit"), now)
         if self.view.membership is None:
             # Start-up: a node lost now is replaced by a spare in the first epoch.
-            self._decide(check_heartbeats(now, self.view, self.cfg.policy), now)
-            if self.result is None and now - self._started > self.cfg.start_timeout_s:
+            self._decide(check_heartbeats(now, self.view, self.policy), now)
+            if self.result is None and now - self._started > self.cfg.settings.start_timeout_s:
                 missing = [
                     n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and v.workers_ready < v.nproc
                 ]
                 self.result = JobResult(
-                    1, f"start timed out after {self.cfg.start_timeout_s:.0f}s waiting for {', '.join(missing)}"
+                    1,
+                    f"start timed out after {self.cfg.settings.start_timeout_s:.0f}s waiting for {', '.join(missing)}",
                 )
             return
-        d = check_timeouts(now, self.view, self.cfg.policy)
-        if self.view.probe_sent_s is not None and now - self.view.probe_sent_s >= self.cfg.policy.probe_timeout_s:
+        d = check_timeouts(now, self.view, self.policy)
+        if self.view.probe_sent_s is not None and now - self.view.probe_sent_s >= self.policy.probe_timeout_s:
             self.view.probe_sent_s = None  # probe answered (or judged): done
         self._decide(d, now)
         self._fire_faults(now)
@@ -261,9 +249,9 @@ class Controller:
         self.view.beat(node.node_id, now)
         self._node_state(node, b)
         self.events.emit("node_registered", node=node.node_id, role=node.role.value, pid=b.get("pid"))
-        if self.heartbeat_floor_s > 0:  # the heartbeat interval this job size allows (heartbeat_budget_per_s)
-            self.ch.send(MsgType.WELCOME, {"heartbeat_s": self.heartbeat_floor_s}, to=ident)
-        if self.cfg.controller_timeout_s > 0:
+        if self.derived.heartbeat_interval_s > self.cfg.settings.heartbeat_interval_s:  # the budget at this size
+            self.ch.send(MsgType.WELCOME, {"heartbeat_s": self.derived.heartbeat_interval_s}, to=ident)
+        if self.derived.lease_interval_s > 0:
             self._send_raw(ident, self._lease_frame())
         m = self.view.membership
         if m is not None and node.node_id in m.node_ranks:  # a (re)started node process
@@ -331,7 +319,7 @@ class Controller:
         self.worker_ident[(node.node_id, lr)] = ident
         if not self._welcome_json:  # the same for every worker: encoded once per job
             self._welcome_json = json.dumps(
-                {"store": self.cfg.store_addr, **self.cfg.worker}, separators=(",", ":")
+                {"store": self.cfg.store_addr, **self.cfg.settings.worker_timeouts()}, separators=(",", ":")
             ).encode()
         self._send_raw(ident, self._frame(MsgType.WELCOME, self._welcome_json, ttl_s=10.0))
         m = self.view.membership
@@ -641,7 +629,8 @@ class Controller:
         body = {
             "term": self.cfg.term,
             "leader": self.cfg.leader_index,
-            "interval_s": round(self.lease_interval_s, 3),
+            "interval_s": round(self.derived.lease_interval_s, 3),
+            "timeout_s": round(self.derived.lease_timeout_s, 3),  # how long the node waits for the next
             "store": self.cfg.store_addr,
             "pid": os.getpid(),
             "host": socket.gethostname(),

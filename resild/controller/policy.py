@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from resild.membership import ClusterView, Membership, NodeRole, NodeView
+from resild.wire.settings import Derived, JobSettings
 
 
 class Action(str, Enum):
@@ -34,16 +35,28 @@ class Decision:
 NOTHING = Decision(Action.NONE, "")
 
 
+_DEFAULT = JobSettings()
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
-    heartbeat_timeout_s: float = 2.0
-    hang_timeout_s: float = 30.0
+    """The policy's view of the job's settings (`from_settings`); its defaults are
+    JobSettings' own, so every timeout has one owner."""
+
+    heartbeat_timeout_s: float = _DEFAULT.heartbeat_timeout_s  # at scale: Derived.heartbeat_timeout_s
+    hang_timeout_s: float = _DEFAULT.hang_timeout_s
     probe_timeout_s: float = 0.5  # a pinged node process must answer within this
-    join_timeout_s: float = 300.0  # a spare building its model and receiving state ("join") is not hung
-    # Before the first epoch a node is lost after this much silence (at least the heartbeat
-    # timeout): start-up (imports, thousands of registrations) can starve a node process
-    # for seconds, and nothing is waiting on it yet.
-    start_heartbeat_timeout_s: float = 15.0
+    join_timeout_s: float = _DEFAULT.join_timeout_s
+    start_heartbeat_timeout_s: float = _DEFAULT.start_heartbeat_timeout_s
+
+    @classmethod
+    def from_settings(cls, s: JobSettings, derived: Derived) -> PolicyConfig:
+        return cls(
+            heartbeat_timeout_s=derived.heartbeat_timeout_s,
+            hang_timeout_s=s.hang_timeout_s,
+            join_timeout_s=s.join_timeout_s,
+            start_heartbeat_timeout_s=s.start_heartbeat_timeout_s,
+        )
 
 
 def pick_spare(view: ClusterView, *, starting: bool = False) -> NodeView | None:

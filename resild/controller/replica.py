@@ -14,8 +14,8 @@ at its next tick without a word (the new leader speaks for the job).
 
 The spec (JSON, written by resil-run): active, spares, nproc, endpoints (ROUTER,
 one per replica), raft (host:port, one per replica), keys, events, run_dir,
-faults, and the controller's settings (policy, worker, start_timeout_s,
-controller_timeout_s).
+faults, and the job's settings (`settings`: resild.wire.settings.JobSettings as a
+dict, validated again here).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from resild.controller.backend import Backend
 from resild.controller.faults import parse_fault
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
-from resild.controller.policy import PolicyConfig
 from resild.events.log import EventLog
 from resild.procutil import die_with_parent
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
+from resild.wire.settings import JobSettings
 from resild.wire.store import CommittedFloor, store_listen_fd
 
 log = logging.getLogger("resild.replica")
@@ -325,14 +325,10 @@ def serve(spec: dict[str, Any], index: int) -> int:
     events = EventLog(Path(spec["events"]))
     floor = CommittedFloor(store)
     events.listeners.append(floor)
-    c = spec["controller"]
     cfg = ControllerConfig(
         bind=endpoint,
-        policy=PolicyConfig(**c["policy"]),
+        settings=JobSettings.from_dict(spec["settings"]),
         store_addr=f"{host}:{store.port}",
-        start_timeout_s=float(c["start_timeout_s"]),
-        controller_timeout_s=float(c["controller_timeout_s"]),
-        worker=dict(c["worker"]),
         term=term,
         leader_index=index,
         # Under Slurm nothing else tells us the node processes are gone

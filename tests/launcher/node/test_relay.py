@@ -16,11 +16,11 @@ from launcher.node.relay import CommitAggregator, LayoutTracker, RelayServer
 from launcher.run.local import LocalCluster
 from launcher.worker.relay_client import RelayClient, wait_for
 from resild.controller.loop import Controller, ControllerConfig, JobResult
-from resild.controller.policy import PolicyConfig
 from resild.events.log import EventLog
 from resild.membership import Membership
 from resild.wire.keys import generate_keys
 from resild.wire.protocol import MsgType
+from resild.wire.settings import JobSettings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -152,14 +152,17 @@ def test_relayed_path_hang_names_the_rank_late_worker_and_spare_get_full_layouts
     monkeypatch.setenv("RESILD_EXIT_GRACE_S", "2")
     keys = generate_keys(tmp_path / "keys")
     events = EventLog(None)
-    cfg = ControllerConfig(
-        policy=PolicyConfig(heartbeat_timeout_s=10.0, hang_timeout_s=1.5),
-        store_addr="127.0.0.1:1",
+    settings = JobSettings(
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=10.0,
+        hang_timeout_s=1.5,
         start_timeout_s=60.0,
+        controller_timeout_s=0,
     )
+    cfg = ControllerConfig(settings=settings, store_addr="127.0.0.1:1")
     ctl = Controller(cfg, ["node0", "node1"], ["node2"], 2, keys, events)
-    cluster = LocalCluster(["node0", "node1", "node2"], 2, [sys.executable, str(STUB)], tmp_path)
-    cluster.start(ctl.endpoint, keys.path, 0.1)
+    cluster = LocalCluster(["node0", "node1", "node2"], 2, [sys.executable, str(STUB)], tmp_path, settings=settings)
+    cluster.start(ctl.endpoint, keys.path)
     ctl.backend = cluster
     th = threading.Thread(target=ctl.run, daemon=True)
     th.start()

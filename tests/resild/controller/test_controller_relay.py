@@ -13,11 +13,11 @@ import pytest
 import zmq
 
 from resild.controller.loop import Controller, ControllerConfig, JobResult
-from resild.controller.policy import PolicyConfig
 from resild.events.log import EventLog
 from resild.membership import Membership
 from resild.wire.channel import Channel, connect
 from resild.wire.protocol import Message, MsgType
+from resild.wire.settings import JobSettings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +50,9 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Controller, EventL
     events = EventLog(None)
     hang_s = getattr(request, "param", 30.0)
     cfg = ControllerConfig(
-        policy=PolicyConfig(heartbeat_timeout_s=30.0, hang_timeout_s=hang_s), resync_s=1.5, store_addr="127.0.0.1:1"
+        settings=JobSettings(heartbeat_timeout_s=30.0, hang_timeout_s=hang_s, controller_timeout_s=0),
+        resync_s=1.5,
+        store_addr="127.0.0.1:1",
     )
     ctl = Controller(cfg, ["a", "b"], ["s0", "s1"], 2, None, events)
     th = threading.Thread(target=ctl.run, daemon=True)

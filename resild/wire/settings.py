@@ -1,0 +1,153 @@
+"""The job's timeouts and intervals: one validated, frozen object with one owner.
+
+`resil-run` builds a `JobSettings` once, from its command line; construction checks
+every value and the nesting rules, so a bad combination is one line naming both flags
+and nothing starts. The same object travels as a typed body (`to_dict`/`from_dict`,
+validated again on arrival) to the controller and its standby replicas, and the values
+derived from it are computed here, once:
+
+- `for_nodes(n)`: what the job's size changes (the controller's heartbeat budget):
+  the node processes' heartbeat interval, the effective node-loss timeout, how often
+  leases go out and how long a node process waits for one. The controller sends the
+  node processes these numbers (WELCOME, LEASE); they never derive them again.
+- `worker_timeouts()`: the workers' collective, report and notice timeouts (WELCOME).
+
+The nesting, checked at construction:
+    heartbeat interval < --heartbeat-timeout < --controller-timeout < collective timeout
+(a node must miss several heartbeats before it is lost; the controller must be able to
+declare a node lost before the nodes give up on the controller; and a collective must not
+time out before the controller has had its say).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# How each setting is named where a user sets it: errors speak the user's language.
+FLAGS = {
+    "heartbeat_interval_s": "the heartbeat interval",
+    "heartbeat_timeout_s": "--heartbeat-timeout",
+    "controller_timeout_s": "--controller-timeout",
+    "hang_timeout_s": "--hang-timeout",
+    "start_timeout_s": "--start-timeout",
+    "join_timeout_s": "the join timeout",
+    "start_heartbeat_timeout_s": "the start-up heartbeat timeout",
+    "heartbeat_budget_per_s": "the heartbeat budget",
+}
+MIN_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL collectives never time out sooner than this
+
+
+class SettingsError(ValueError):
+    """A bad setting or combination; the message is one line a user can act on."""
+
+
+def _num(v: float) -> str:
+    return f"{v:g}"
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values that follow from the settings and the job's size, computed once."""
+
+    heartbeat_interval_s: float  # node processes heartbeat this often
+    heartbeat_timeout_s: float  # a node silent this long is lost (never less than 4 intervals)
+    lease_interval_s: float  # the controller leases every node this often (0: no leases)
+    lease_timeout_s: float  # a node process that hears no controller this long stops (0: never)
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 2.0
+    controller_timeout_s: float = 5.0  # 0: no leases (node processes never give up on the controller)
+    hang_timeout_s: float = 10.0
+    start_timeout_s: float = 300.0  # every active node's workers registered within this, or the job fails
+    join_timeout_s: float = 300.0  # a spare building its model and receiving state is not hung
+    # Before the first epoch a node is lost only after this much silence: start-up (imports,
+    # thousands of registrations) can starve a node process for seconds, and nothing waits on it.
+    start_heartbeat_timeout_s: float = 15.0
+    # Heartbeats the controller accepts per second, all nodes together: past that, node
+    # processes heartbeat less often (N / budget seconds) and the node-loss timeout grows to
+    # 4 such intervals. 2,000 nodes at 0.25 s would be 8,000 messages/s before any progress.
+    # Crashed nodes are still found at once (process exit); only a frozen node takes longer. 0: off.
+    heartbeat_budget_per_s: float = 2000.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise SettingsError(f"{FLAGS[f.name]} must be a number of seconds, not {v!r}")
+            if not math.isfinite(v) or v < 0:
+                raise SettingsError(f"{FLAGS[f.name]} must be a finite number >= 0, not {v!r}")
+            object.__setattr__(self, f.name, float(v))
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "hang_timeout_s", "start_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"{FLAGS[name]} must be > 0, not {_num(getattr(self, name))}")
+        self._nest("heartbeat_interval_s", "heartbeat_timeout_s")
+        if self.controller_timeout_s > 0:
+            self._nest("heartbeat_timeout_s", "controller_timeout_s")
+            ctl_s, coll_s = self.controller_timeout_s, self.collective_timeout_s
+            if ctl_s >= coll_s:
+                raise SettingsError(
+                    f"--controller-timeout {_num(ctl_s)} must be less than the collective timeout ({_num(coll_s)}s: "
+                    f"the larger of {_num(MIN_COLLECTIVE_TIMEOUT_S)}s and 3 x --hang-timeout "
+                    f"{_num(self.hang_timeout_s)}): raise --hang-timeout or lower --controller-timeout"
+                )
+
+    def _nest(self, lo: str, hi: str) -> None:
+        lo_v, hi_v = getattr(self, lo), getattr(self, hi)
+        if lo_v >= hi_v:
+            raise SettingsError(
+                f"{FLAGS[lo]} {_num(lo_v)} must be less than {FLAGS[hi]} {_num(hi_v)} "
+                f"(they nest: heartbeat interval < --heartbeat-timeout < --controller-timeout < collective timeout)"
+            )
+
+    # ---- derived values ------------------------------------------------------------
+    @property
+    def collective_timeout_s(self) -> float:
+        """A collective must not time out before the controller could have declared a hang."""
+        return max(MIN_COLLECTIVE_TIMEOUT_S, 3 * self.hang_timeout_s)
+
+    def worker_timeouts(self) -> dict[str, float]:
+        """What the workers are told (WELCOME): the collective timeout, how often a blocked
+        rank reports, and how long a rank waits for the controller's notice after a failed
+        collective (past the collective timeout and the controller's own detection)."""
+        return {
+            "wait_report_s": min(1.0, self.hang_timeout_s / 4),
+            "collective_timeout_s": self.collective_timeout_s,
+            "notice_timeout_s": self.collective_timeout_s + 2 * self.hang_timeout_s + self.heartbeat_timeout_s + 60.0,
+        }
+
+    def for_nodes(self, n_nodes: int) -> Derived:
+        """The heartbeat budget at this job size: nodes heartbeat every N / budget seconds
+        at least, a node is lost after 4 such intervals at least, leases go out every
+        quarter of --controller-timeout but no more often than 4 heartbeat intervals, and a
+        node waits 3 lease intervals (never less than --controller-timeout)."""
+        floor_s = n_nodes / self.heartbeat_budget_per_s if self.heartbeat_budget_per_s > 0 else 0.0
+        interval_s = max(self.heartbeat_interval_s, floor_s)
+        timeout_s = max(self.heartbeat_timeout_s, 4 * floor_s)
+        if self.controller_timeout_s <= 0:
+            return Derived(interval_s, timeout_s, 0.0, 0.0)
+        lease_s = max(self.controller_timeout_s / 4, 4 * floor_s)
+        return Derived(interval_s, timeout_s, lease_s, max(self.controller_timeout_s, 3 * lease_s))
+
+    # ---- the typed body ------------------------------------------------------------
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> JobSettings:
+        """Validated like a command line: an unknown or missing key is an error, not a default."""
+        if not isinstance(d, dict):
+            raise SettingsError(f"job settings must be an object, not {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise SettingsError(f"unknown job setting(s): {', '.join(map(str, unknown))}")
+        missing = sorted(names - set(d))
+        if missing:
+            raise SettingsError(f"job settings lack: {', '.join(missing)}")
+        return cls(**d)
