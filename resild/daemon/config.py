@@ -1,13 +1,14 @@
-"""Node-agent configuration: defaults < TOML file < RESILD_* environment < command line.
+"""Node-agent configuration: defaults < TOML file < RESILD_CFG_* environment < command line.
 
 Every layer is checked the same way: an unknown key or a value of the wrong
 type is a ConfigError whose message is ONE line naming the source and the key,
 e.g. ``/etc/resild/resild.toml: unknown key 'hearbeat_s' (did you mean 'heartbeat_s'?)``.
 A config that silently ignores a typo is how health checks end up failing open.
 
-The environment namespace RESILD_* is shared with the launcher (RESILD_KEYS,
-RESILD_LOCAL_RANK, ... are set for workers), so unknown RESILD_* variables are
-ignored; only the names below are read.
+Configuration keys have their own environment prefix, RESILD_CFG_<KEY> (e.g.
+RESILD_CFG_PROBE_INTERVAL_S), apart from the variables the launcher sets for its
+workers (RESILD_NODE, RESILD_KEYS, ...: resild.wire.env lists them all), so an
+unknown RESILD_CFG_* variable is an error like an unknown key in the file.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from resild.health.xid import validate_overrides
+from resild.wire.env import CFG_PREFIX
 
 DEFAULT_CONFIG_PATH = Path("/etc/resild/resild.toml")
 DEFAULT_PROBES = ("gpu", "kmsg")
@@ -90,7 +92,7 @@ _TYPE_NAMES = {str: "a string", float: "a number", int: "an integer", dict: "a t
 
 
 def env_name(key: str) -> str:
-    return "RESILD_" + key.upper()
+    return CFG_PREFIX + key.upper()
 
 
 def _unknown(source: str, key: str) -> ConfigError:
@@ -211,6 +213,9 @@ def load_config(
         except (ValueError, RecursionError) as e:  # tomllib's own limits, e.g. deep nesting
             raise ConfigError(source, f"not valid TOML: {str(e)[:200]}") from None
         _apply(cfg, source, data)
+    for name in env:
+        if name.startswith(CFG_PREFIX) and name[len(CFG_PREFIX) :].lower() not in _FIELDS:
+            raise _unknown(name, name[len(CFG_PREFIX) :].lower())
     env_values = {key: _parse_env(env_name(key), key, env[env_name(key)]) for key in _FIELDS if env_name(key) in env}
     for key, value in env_values.items():
         _apply(cfg, env_name(key), {key: value})

@@ -237,7 +237,7 @@ def test_without_nvml_or_a_readable_kernel_log_the_node_is_not_failed(tmp_path: 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RESILD_", "FAKE_NVML", "LD_LIBRARY_PATH"))}
     env.update(
         RESILD_CONFIG=str(conf),
-        RESILD_KMSG_PATH=str(tmp_path / "missing"),
+        RESILD_CFG_KMSG_PATH=str(tmp_path / "missing"),
         **{DAEMON_SOCKET_ENV: str(tmp_path / "no-daemon.sock")},
     )
     helper = Helper(env)

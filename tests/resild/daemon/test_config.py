@@ -29,10 +29,11 @@ def test_precedence_defaults_file_env_cli(tmp_path: Path) -> None:
         '[probe_options.diskspace]\npaths = ["/"]\n',
     )
     env = {
-        "RESILD_PROBE_INTERVAL_S": "3",
-        "RESILD_NODE": "fromenv",
-        "RESILD_PROBES": "gpu, diskspace",
-        "RESILD_KEYS": "ignored: shared namespace with the launcher",
+        "RESILD_CFG_PROBE_INTERVAL_S": "3",
+        "RESILD_CFG_NODE": "fromenv",
+        "RESILD_CFG_PROBES": "gpu, diskspace",
+        "RESILD_NODE": "ignored: the launcher's variable for its workers, not a config key",
+        "RESILD_KEYS": "ignored: the launcher's",
     }
     cfg = load_config(p, env=env, overrides={"node": "fromcli", "metrics_port": None})
     assert cfg.heartbeat_s == 5.0 and isinstance(cfg.heartbeat_s, float)  # file
@@ -75,8 +76,8 @@ def test_file_errors_are_one_line_naming_file_and_key(tmp_path: Path, text: str,
 
 
 def test_env_and_cli_errors_name_their_source(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"^RESILD_HEARTBEAT_S: key 'heartbeat_s': cannot use 'soon'"):
-        load_config(None, env={"RESILD_HEARTBEAT_S": "soon"})
+    with pytest.raises(ConfigError, match=r"^RESILD_CFG_HEARTBEAT_S: key 'heartbeat_s': cannot use 'soon'"):
+        load_config(None, env={"RESILD_CFG_HEARTBEAT_S": "soon"})
     with pytest.raises(ConfigError, match=r"^--metrics-port: key 'metrics_port' must be an integer"):
         load_config(None, env={}, overrides={"metrics_port": "x"})
     with pytest.raises(ConfigError, match=r"^--bogus: unknown key 'bogus'"):
@@ -100,8 +101,8 @@ def test_non_finite_floats_are_refused(tmp_path: Path, text: str) -> None:
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-Infinity", "1e999"])
 def test_non_finite_env_values_are_refused(value: str) -> None:
-    with pytest.raises(ConfigError, match=r"^RESILD_STATUS_TIMEOUT_S: key 'status_timeout_s'"):
-        load_config(None, env={"RESILD_STATUS_TIMEOUT_S": value, "RESILD_CONFIG": "/dev/null"})
+    with pytest.raises(ConfigError, match=r"^RESILD_CFG_STATUS_TIMEOUT_S: key 'status_timeout_s'"):
+        load_config(None, env={"RESILD_CFG_STATUS_TIMEOUT_S": value, "RESILD_CONFIG": "/dev/null"})
 
 
 def test_non_utf8_file_is_one_line(tmp_path: Path) -> None:
@@ -171,3 +172,10 @@ def test_resil_run_start_timeout_flag(tmp_path: Path) -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_an_unknown_config_variable_is_an_error_naming_it() -> None:
+    with pytest.raises(
+        ConfigError, match=r"^RESILD_CFG_HEARTBAET_S: unknown key 'heartbaet_s' \(did you mean 'heartbeat_s'\?\)"
+    ):
+        load_config(None, env={"RESILD_CFG_HEARTBAET_S": "1", "RESILD_CONFIG": "/dev/null"})
