@@ -6,12 +6,11 @@ BIN     = $(VENV)/bin
 .PHONY: setup demo test bench clean
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# Pinned explicitly: an unpinned torch pulls a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	# constraints.txt pins torch (an unpinned torch pulls a multi-GB CUDA build): one place.
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	touch $@
 
 # The main job on the embedded local cluster: 2 active nodes x 2 ranks, 2 hot spares,

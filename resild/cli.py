@@ -405,6 +405,8 @@ def report(events_file: Path, as_json: bool, plot_path: Path | None, job_index: 
             write_plot(b, plot_path, title=events_file.name)
         except OSError as e:
             _fail(f"cannot write --plot {plot_path}: {e.strerror or e}", 2)
+        except ImportError as e:  # the `report` extra is not installed
+            _fail(f"--plot needs matplotlib ({e.name} is missing): pip install 'resild[report]'", 2)
     if as_json:
         click.echo(json.dumps(b.to_dict(), indent=2))
     else:

@@ -18,6 +18,7 @@ fault specs may say node0 for local-node0.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import sys
 import tempfile
@@ -167,6 +168,8 @@ def main(
             raise click.UsageError(f"cannot write --events {events}: {e.strerror}") from None
     if controllers == 2:
         raise click.UsageError("--controllers 2 survives no loss (Raft needs a majority): use 3")
+    if controllers > 1 and importlib.util.find_spec("pysyncobj") is None:
+        raise click.UsageError(f"--controllers {controllers} needs the standby extra: pip install 'resild[standby]'")
     try:  # the one place the job's timeouts are built; every process gets this object
         settings = JobSettings(
             heartbeat_timeout_s=heartbeat_timeout_s,
