@@ -27,7 +27,10 @@ demo: setup
 	$(BIN)/resild report runs/demo-events.jsonl --plot runs/demo-report.png
 
 test: setup
-	$(BIN)/ruff check --select F,E9 resild launcher plugins tests bench examples
+	$(BIN)/ruff format --check resild launcher plugins tests bench examples
+	$(BIN)/ruff check resild launcher plugins tests bench examples
+	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q
 
 bench: setup

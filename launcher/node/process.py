@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -40,6 +41,9 @@ from resild.wire.keys import KeyDir
 from resild.wire.leader import ControllerSet
 from resild.wire.protocol import Message, MsgType
 from resild.wire.settings import JobSettings
+
+if TYPE_CHECKING:  # imported when the probe starts (_start_probe)
+    from launcher.node.health_source import HealthSource
 
 log = logging.getLogger("resild.node")
 
@@ -92,7 +96,7 @@ class NodeProcess:
         self.health_q: queue.Queue[dict] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         self.nvml_control = nvml_control
-        self.probe = None
+        self.probe: HealthSource | None = None
         self.probe_interval_s = probe_interval_s
         self.exit_code: int | None = None
         self.exit_grace_s = float(os.environ.get("RESILD_EXIT_GRACE_S", "600"))
@@ -210,6 +214,7 @@ class NodeProcess:
             self.relay.close()
             self.ch.close()
             self.ctx.term()
+        assert self.exit_code is not None  # the loop ends only once it is set
         return self.exit_code
 
     # ---- relay: membership down, progress up ----------------------------------
@@ -294,6 +299,7 @@ class NodeProcess:
             self.ch.send(MsgType.PROGRESS, {"node": self.node, **body})
 
     def _poll_probe(self) -> None:
+        assert self.probe is not None
         body = self.probe.poll()
         if body is not None:  # None: no daemon and no probe applies here (e.g. no NVML)
             self.ch.send(MsgType.HEALTH, {"node": self.node, **body})

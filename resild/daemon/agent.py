@@ -51,7 +51,7 @@ from resild.daemon.config import Config
 from resild.daemon.metrics import Metrics
 from resild.health.model import HealthEvent, Verdict
 from resild.health.probes import Outcome, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
-from resild.wire.channel import connect
+from resild.wire.channel import Channel, connect
 from resild.wire.keys import KeyDir
 from resild.wire.local_socket import Peer, UnixServer, local_request, unix_path
 from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolError, Sequencer, decode, encode
@@ -292,7 +292,7 @@ class Agent:
         self._rep: PushServer | None = None
         self._push_seq = Sequencer(f"{cfg.node}/agent")
         self._last_push_mono = 0.0
-        self._ctl = None
+        self._ctl: Channel | None = None
         self._started_mono = time.monotonic()
         self._last_hb_mono: float | None = None
         self._sent_key: tuple[str, tuple[str, ...]] | None = None

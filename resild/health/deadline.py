@@ -64,7 +64,7 @@ class DeadlineRunner:
         self, fn: Callable[..., Any], *args: Any, timeout_s: float, key: Hashable | None = None, name: str | None = None
     ) -> Any:
         """``fn(*args)``, or CallTimeout after ``timeout_s``; exceptions of fn propagate."""
-        name = name or getattr(fn, "__name__", "call")
+        name = name or str(getattr(fn, "__name__", "call"))
         if key is not None and (stuck := self._stuck.get(key)) is not None:
             job, since = stuck
             if not job.done.is_set():

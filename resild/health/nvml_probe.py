@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from resild.health.kmsg import KmsgXid, pci_bus_key
 from resild.health.model import GpuStatus, HealthEvent, RemapStatus, Verdict, worst
 from resild.health.xid import (
     XID_RECOVERY_ACTION_CHANGED,
-    HealthClass,
+    XidOverrides,
     classify_recovery_action,
     classify_xid,
     validate_overrides,
@@ -149,7 +149,7 @@ class NvmlProbe:
     def __init__(
         self,
         nvml: Any = None,
-        xid_overrides: Mapping[int | str, str | HealthClass] | None = None,
+        xid_overrides: XidOverrides | None = None,
         call_timeout_s: float = 2.0,
         on_event: Callable[[HealthEvent], None] | None = None,
         *,
@@ -512,11 +512,11 @@ class NvmlProbe:
             g.name = _text(self._info(g, "nvmlDeviceGetName", g.handle))
             pci = self._info(g, "nvmlDeviceGetPciInfo", g.handle)
             if pci is not None:
-                g.pci_bus_id = _text(pci.busId)
+                g.pci_bus_id = bus_id = _text(pci.busId)
                 try:
-                    self._by_bus[pci_bus_key(g.pci_bus_id)] = g
+                    self._by_bus[pci_bus_key(bus_id or "")] = g
                 except ValueError:
-                    log.warning("GPU %d: unparsable PCI bus id %r", i, g.pci_bus_id)
+                    log.warning("GPU %d: unparsable PCI bus id %r", i, bus_id)
 
     def _info(self, g: _Gpu, fn: str, *args: Any) -> Any:
         """An identity read: None on any failure (poll reports the GPU's state)."""

@@ -281,7 +281,8 @@ class KmsgXidProbe:
         self._error = f"following kernel log {self.path}: {exc}"
 
     def _on_xid(self, xid: KmsgXid, live: bool = True) -> None:
-        gpu_nvml = self._gpu.nvml if self._gpu is not None else None
+        gpu = self._gpu
+        gpu_nvml = gpu.nvml if gpu is not None else None
         try:
             key = pci_bus_key(xid.pci_bus_id)
         except ValueError:
@@ -289,7 +290,7 @@ class KmsgXidProbe:
         with self._lock:
             self._seen.append({"pci_bus_id": xid.pci_bus_id, "xid": xid.xid, "message": xid.message})
             del self._seen[:-32]
-        if gpu_nvml is not None and key in self._gpu.bus_keys():
+        if gpu is not None and gpu_nvml is not None and key in gpu.bus_keys():
             gpu_nvml.ingest_kmsg_xid(xid)  # emits its own HealthEvent
             return
         xc = classify_xid(xid.xid, self._overrides)

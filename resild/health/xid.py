@@ -108,7 +108,12 @@ def parse_health_class(value: str | HealthClass) -> HealthClass:
     raise ValueError(f"invalid Xid class {value!r}: expected one of 'app_error', 'degraded', 'failed'")
 
 
-def validate_overrides(overrides: Mapping[int | str, str | HealthClass] | None) -> dict[int, HealthClass]:
+# Config overrides of the Xid table: {79: "failed"} or, from TOML, {"79": "failed"}.
+# (Mapping's key type is invariant: a union of the two mappings, not Mapping[int | str, ...].)
+XidOverrides = Mapping[int, str | HealthClass] | Mapping[str, str | HealthClass]
+
+
+def validate_overrides(overrides: XidOverrides | None) -> dict[int, HealthClass]:
     """Checks config overrides ({79: "failed"}); keys may be ints or numeric strings."""
     result: dict[int, HealthClass] = {}
     for key, value in (overrides or {}).items():
@@ -125,7 +130,7 @@ def validate_overrides(overrides: Mapping[int | str, str | HealthClass] | None) 
     return result
 
 
-def classify_xid(code: int, overrides: Mapping[int | str, str | HealthClass] | None = None) -> XidClass:
+def classify_xid(code: int, overrides: XidOverrides | None = None) -> XidClass:
     """Class of one Xid: the table, then config overrides; unknown codes are DEGRADED."""
     checked = validate_overrides(overrides)
     row = XID_TABLE.get(code)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -31,7 +32,7 @@ class Channel:
     routing id and sender are its key's identity (`node` or `node/...`) and whose body
     "node", when present, is that identity; seq must rise per sender."""
 
-    def __init__(self, sock: zmq.Socket, sender: str, router: bool, authenticated: bool = False) -> None:
+    def __init__(self, sock: zmq.SyncSocket, sender: str, router: bool, authenticated: bool = False) -> None:
         self.sock = sock
         self.router = router
         self.authenticated = authenticated
@@ -40,7 +41,7 @@ class Channel:
         self._hwm: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     def send(
-        self, mtype: MsgType, body: dict | None = None, *, to: bytes | None = None, ttl_s: float | None = None
+        self, mtype: MsgType, body: dict[str, Any] | None = None, *, to: bytes | None = None, ttl_s: float | None = None
     ) -> None:
         try:
             frame = encode(self.seq.make(mtype, body, ttl_s))
@@ -98,7 +99,8 @@ class Channel:
         user = ""
         if self.authenticated:
             try:
-                user = frame.get("User-Id")
+                got = frame.get("User-Id")  # a str property; int only for numeric options
+                user = got if isinstance(got, str) else ""
             except zmq.ZMQError:
                 user = ""
             why = _forged(user, ident, msg)
@@ -141,14 +143,14 @@ def _forged(user: str, ident: bytes | None, msg: Message) -> str:
     return ""
 
 
-def limit_frame_size(sock: zmq.Socket) -> None:
+def limit_frame_size(sock: zmq.SyncSocket) -> None:
     """For every socket carrying protocol frames; call before bind/connect (libzmq
     copies the options then). libzmq drops a peer that sends a bigger frame before
     buffering it: a 512 MiB frame would otherwise sit in memory until decode() refused it."""
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
 
 
-def _set_curve_client(sock: zmq.Socket, keys: KeyDir) -> None:
+def _set_curve_client(sock: zmq.SyncSocket, keys: KeyDir) -> None:
     pub, sec = keys.client()
     sock.curve_publickey = pub
     sock.curve_secretkey = sec
@@ -158,7 +160,7 @@ def _set_curve_client(sock: zmq.Socket, keys: KeyDir) -> None:
 class Server:
     """The controller's ROUTER, with a ZAP authenticator accepting only authorized keys."""
 
-    def __init__(self, ctx: zmq.Context, bind: str, keys: KeyDir | None, sender: str = "controller") -> None:
+    def __init__(self, ctx: zmq.SyncContext, bind: str, keys: KeyDir | None, sender: str = "controller") -> None:
         self.auth: ThreadAuthenticator | None = None
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -181,7 +183,7 @@ class Server:
             self.auth.stop()
 
 
-def connect(ctx: zmq.Context, endpoint: str, keys: KeyDir | None, sender: str) -> Channel:
+def connect(ctx: zmq.SyncContext, endpoint: str, keys: KeyDir | None, sender: str) -> Channel:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 10000)

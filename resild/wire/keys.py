@@ -104,7 +104,7 @@ class _KeyAuthenticator(ThreadAuthenticator):
 
     RESCAN_S = 0.5  # an unknown key re-reads authorized/ at most this often
 
-    def __init__(self, ctx: zmq.Context, authorized: Path) -> None:
+    def __init__(self, ctx: zmq.SyncContext, authorized: Path) -> None:
         super().__init__(ctx, log=logging.getLogger("resild.auth"))
         self.authorized = authorized
         self.user_ids: dict[bytes, str] = {}

@@ -19,7 +19,7 @@ class ControllerSet:
     ignored. Until a leader has spoken, sends go to every replica (only the leader acts
     on them); with one endpoint it is the leader from the start."""
 
-    def __init__(self, ctx: zmq.Context, endpoints: list[str], keys: KeyDir | None, sender: str) -> None:
+    def __init__(self, ctx: zmq.SyncContext, endpoints: list[str], keys: KeyDir | None, sender: str) -> None:
         if not endpoints or not all(endpoints):
             raise ValueError("no controller endpoint given")
         self.endpoints = list(endpoints)
@@ -28,18 +28,18 @@ class ControllerSet:
         self.term = 0
 
     @property
-    def socks(self) -> list[zmq.Socket]:
+    def socks(self) -> list[zmq.SyncSocket]:
         return [c.sock for c in self.chans]
 
     @property
     def leader_endpoint(self) -> str:
         return self.endpoints[self.leader] if self.leader is not None else ",".join(self.endpoints)
 
-    def send(self, mtype: MsgType, body: dict | None = None, *, ttl_s: float | None = None) -> None:
+    def send(self, mtype: MsgType, body: dict[str, Any] | None = None, *, ttl_s: float | None = None) -> None:
         for c in [self.chans[self.leader]] if self.leader is not None else self.chans:
             c.send(mtype, body, ttl_s=ttl_s)
 
-    def send_all(self, mtype: MsgType, body: dict | None = None, *, ttl_s: float | None = None) -> None:
+    def send_all(self, mtype: MsgType, body: dict[str, Any] | None = None, *, ttl_s: float | None = None) -> None:
         """Liveness and registration: a standby that takes over knows its peers at once."""
         for c in self.chans:
             c.send(mtype, body, ttl_s=ttl_s)

@@ -13,6 +13,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -32,7 +33,11 @@ def unix_path(endpoint: str) -> str | None:
 
 
 def local_request(
-    endpoint: str, mtype: MsgType, body: dict | None = None, timeout_s: float = 3.0, ctx: zmq.Context | None = None
+    endpoint: str,
+    mtype: MsgType,
+    body: dict[str, Any] | None = None,
+    timeout_s: float = 3.0,
+    ctx: zmq.SyncContext | None = None,
 ) -> Message | None:
     """One request/reply with a node daemon's local socket; None when nothing
     answers in time. A fresh connection each time: a lost reply never wedges the next.

@@ -42,7 +42,7 @@ def store_listen_fd(host: str, *, cluster: bool) -> tuple[int, int]:
         family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
         raise RuntimeError(f"cannot resolve the advertised host {host!r}: {e.strerror}") from None
-    ip = addr[0]
+    ip = str(addr[0])  # AF_INET/AF_INET6: the host's address as text
     if cluster and (ip.startswith("127.") or ip == "::1"):
         # Other nodes could never connect to a loopback listener: a Debian-style
         # /etc/hosts maps the FQDN to 127.0.1.1. Listen everywhere, and say so.
