@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test lab-doc bench clean
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
@@ -32,6 +32,11 @@ test: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q
+
+# The Slurm lab's documentation run: tests of Slurm's own behaviour (what resild works
+# around, docs/slurm-batch-host.md) whose timing is Slurm's; not part of the gate.
+lab-doc: setup
+	$(BIN)/pytest -q -m slurm_doc tests/slurm
 
 bench: setup
 	$(BIN)/python bench/recovery.py
