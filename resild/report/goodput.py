@@ -170,7 +170,7 @@ def step_time(events: list[dict], fin: dict | None) -> float | None:
     Commit reports aggregated per node (every 100 ms) leave the controller only the slow
     steps as consecutive pairs, which can only make its median too large; progress windows
     average a few steps, which can only make theirs a little larger than a true median."""
-    prog = [e for e in events if e["event"] == "progress"]
+    prog = [e for e in events if e["event"] == EventName.PROGRESS]
     rates = [
         (_t(b) - _t(a)) / (b["step"] - a["step"])
         for a, b in zip(prog, prog[1:])
