@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from resild.events.schema import EventName, event_time
+from resild.events.schema import EventName, JobFinished, event_time
 from resild.report.goodput import step_time
 from resild.report.recoveries import Recovery, recoveries
 
@@ -44,17 +44,18 @@ def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[
         for r in recoveries(events)
     ]
     job: dict[str, Any] = {}
-    fin = next((e for e in events if e.get("event") == EventName.JOB_FINISHED), None)
+    fin_rec = next((e for e in events if e.get("event") == EventName.JOB_FINISHED), None)
+    fin = JobFinished.from_record(fin_rec) if fin_rec is not None else None
     # The controller's median sees only the slow steps when commits are reported per node every
     # 100 ms; progress events give a second estimate (resild.report.goodput.step_time takes the smaller).
-    step_s = step_time(events, fin) if fin is not None else None
-    if fin is not None and step_s:
-        train_s = fin["train_s"]
+    step_s = step_time(events, fin_rec) if fin is not None else None
+    if fin is not None and step_s and fin.step is not None and fin.train_s is not None:
+        train_s = fin.train_s
         job = {
-            "steps": fin["step"],
+            "steps": fin.step,
             "step_s": step_s,
             "train_s": train_s,
-            "goodput": min(1.0, fin["step"] * step_s / train_s) if train_s > 0 else None,
+            "goodput": min(1.0, fin.step * step_s / train_s) if train_s > 0 else None,
         }
     return out, job
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-from resild.events.schema import EventName
+from resild.events.schema import EventName, Progress, as_float
 from resild.report.recoveries import BEFORE_START, NODE_FAILURE, PHASES, REFORM, SPARE_LOST, recoveries
 
 
@@ -164,21 +164,20 @@ def _first(events: list[dict], name: str, after: float = float("-inf"), **match:
     return None
 
 
-def step_time(events: list[dict], fin: dict | None) -> float | None:
+def step_time(events: list[dict[str, Any]], fin: dict[str, Any] | None) -> float | None:
     """The failure-free step time: the controller's median over consecutive commits, or the
     median seconds per step between progress points of one epoch, whichever is smaller.
     Commit reports aggregated per node (every 100 ms) leave the controller only the slow
     steps as consecutive pairs, which can only make its median too large; progress windows
     average a few steps, which can only make theirs a little larger than a true median."""
-    prog = [e for e in events if e["event"] == EventName.PROGRESS]
+    prog = [p for p in map(Progress.from_record, events) if p is not None and p.step is not None]
     rates = [
-        (_t(b) - _t(a)) / (b["step"] - a["step"])
+        (b.t - a.t) / (b.step - a.step)
         for a, b in zip(prog, prog[1:])
-        if a.get("epoch") == b.get("epoch") and b["step"] > a["step"]
+        if a.epoch == b.epoch and a.step is not None and b.step is not None and b.step > a.step
     ]
-    cands = ([float(fin["step_s"])] if fin is not None and fin.get("step_s") else []) + (
-        [median(rates)] if rates else []
-    )
+    fin_s = as_float(fin.get("step_s")) if fin is not None else None
+    cands = ([fin_s] if fin_s else []) + ([median(rates)] if rates else [])
     return min(cands) if cands else None
 
 
