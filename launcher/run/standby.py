@@ -25,6 +25,7 @@ from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, format_table, summarize
 from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.events.log import RECENT_PROGRESS, EventTail
+from resild.events.schema import EventName
 from resild.procutil import die_with_parent
 from resild.wire.keys import generate_keys
 
@@ -99,8 +100,8 @@ def run_replicated(
         nonlocal live
         led = False
         for e in tail.poll():
-            led = led or e.get("event") == "controller_leader"
-            (progress if e.get("event") == "progress" else seen).append(e)
+            led = led or e.get("event") == EventName.CONTROLLER_LEADER
+            (progress if e.get("event") == EventName.PROGRESS else seen).append(e)
             if live is not None and isinstance(e.get("t_wall"), (int, float)):
                 try:
                     live({**e, "t_log": e["t_wall"]})
@@ -195,7 +196,7 @@ def run_replicated(
                     "leaders": [
                         {k: e.get(k) for k in ("pid", "host", "term", "index", "restored")}
                         for e in records
-                        if e["event"] == "controller_leader"
+                        if e["event"] == EventName.CONTROLLER_LEADER
                     ],
                     "failures": [f.__dict__ for f in failures],
                 },

@@ -7,12 +7,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
+from resild.events.schema import EventName, JobFinished, event_time
 from resild.report.goodput import step_time
+from resild.report.recoveries import Recovery, recoveries
 
 
 @dataclass
 class FailureSummary:
-    node: str
+    node: str | None  # None for a re-form (no node lost)
     cause: str
     detector: str
     fault: str | None
@@ -24,51 +26,36 @@ class FailureSummary:
 
 
 def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[str, Any]]:
-    out: list[FailureSummary] = []
-    last_fault: dict[str, dict] = {}
-    for i, e in enumerate(events):
-        if e["event"] == "fault_injected":
-            last_fault[e["node"]] = e
-        if e["event"] != "failure_detected":
-            continue
-        fault = last_fault.pop(e["node"], None)
-        t0 = fault["t_mono"] if fault else e["t_mono"]
-        later = events[i + 1 :]
-        assigned = next((x for x in later if x["event"] == "spare_assigned" and x["failed"] == e["node"]), None)
-        full = resumed = None
-        replayed: list[dict] = []
-        if assigned is not None:
-            ep = assigned["epoch"]
-            full = next((x for x in later if x["event"] == "full_strength_step" and x["epoch"] >= ep), None)
-            resumed = next((x for x in later if x["event"] == "resumed" and x.get("epoch", 0) >= ep), None)
-            replayed = [x for x in later if x["event"] == "state_replayed" and x.get("epoch") == ep]
-        out.append(
-            FailureSummary(
-                node=e["node"],
-                cause=e["cause"],
-                detector=e.get("detector", ""),
-                fault=fault["spec"] if fault else None,
-                detect_s=(e["t_mono"] - fault["t_mono"]) if fault else None,
-                recovery_s=(full["t_mono"] - t0) if full else None,
-                # Negative would mean the survivors committed more steps before the notice (a GPU
-                # fault leaves processes running): nothing lost either way.
-                steps_lost=max(0, e["committed_step"] - resumed["step"]) if resumed else None,
-                bytes_replayed=sum(int(x["bytes"]) for x in replayed),
-                replay_s=max((float(x["seconds"]) for x in replayed), default=None),
-            )
+    # The recoveries come from resild.report.recoveries, as `resild report`'s do: the two agree.
+    out = [
+        FailureSummary(
+            node=r.node,
+            cause=r.cause,
+            detector=r.detector,
+            fault=r.fault,
+            detect_s=r.detect_s,
+            recovery_s=r.recovery_s,
+            # Negative would mean the survivors committed more steps before the notice (a GPU
+            # fault leaves processes running): nothing lost either way (recoveries clamps at 0).
+            steps_lost=r.steps_redone,
+            bytes_replayed=r.bytes_replayed,
+            replay_s=r.replay_s,
         )
+        for r in recoveries(events)
+    ]
     job: dict[str, Any] = {}
-    fin = next((e for e in events if e["event"] == "job_finished"), None)
+    fin_rec = next((e for e in events if e.get("event") == EventName.JOB_FINISHED), None)
+    fin = JobFinished.from_record(fin_rec) if fin_rec is not None else None
     # The controller's median sees only the slow steps when commits are reported per node every
     # 100 ms; progress events give a second estimate (resild.report.goodput.step_time takes the smaller).
-    step_s = step_time(events, fin) if fin is not None else None
-    if fin is not None and step_s:
-        train_s = fin["train_s"]
+    step_s = step_time(events, fin_rec) if fin is not None else None
+    if fin is not None and step_s and fin.step is not None and fin.train_s is not None:
+        train_s = fin.train_s
         job = {
-            "steps": fin["step"],
+            "steps": fin.step,
             "step_s": step_s,
             "train_s": train_s,
-            "goodput": min(1.0, fin["step"] * step_s / train_s) if train_s > 0 else None,
+            "goodput": min(1.0, fin.step * step_s / train_s) if train_s > 0 else None,
         }
     return out, job
 
@@ -87,7 +74,7 @@ def format_table(failures: list[FailureSummary], job: dict[str, Any]) -> str:
         for i, f in enumerate(failures, 1):
             mb = f"{f.bytes_replayed / 1e6:.1f}MB" if f.bytes_replayed else "-"
             lines.append(
-                f"{i:>2} {f.node:<13} {(f.fault or '-'):<22} {f.detector:<13} {_fmt(f.detect_s):>8} "
+                f"{i:>2} {(f.node or '-'):<13} {(f.fault or '-'):<22} {f.detector:<13} {_fmt(f.detect_s):>8} "
                 f"{_fmt(f.recovery_s):>9} {('-' if f.steps_lost is None else f.steps_lost):>4} {mb:>10}  {f.cause}"
             )
     else:
@@ -102,6 +89,25 @@ def format_table(failures: list[FailureSummary], job: dict[str, Any]) -> str:
 
 
 # ---- live status: one line while the job runs, driven by the event stream -----------------------
+_RECOVERY_EVENTS = frozenset(
+    {
+        EventName.JOB_STARTED,
+        EventName.NODE_REGISTERED,
+        EventName.MEMBERSHIP,
+        EventName.COLLECTIVE_FAILED,
+        EventName.FAULT_INJECTED,
+        EventName.FAILURE_DETECTED,
+        EventName.REFORM,
+        EventName.NODE_FENCED,
+        EventName.SPARE_ASSIGNED,
+        EventName.FULL_STRENGTH_STEP,
+        EventName.GROUP_REFORMED,
+        EventName.STATE_REPLAYED,
+        EventName.RESUMED,
+    }
+)
+
+
 class StatusLine:
     """An EventLog listener that keeps a person watching a long job informed.
 
@@ -131,7 +137,9 @@ class StatusLine:
         self.layout: set[str] = set()
         self.workers = 0
         self.leader: int | None = None  # the leading controller replica (--controllers N)
-        self._fault_t: float | None = None
+        # What the recoveries analysis reads (not progress): the recovery times shown are
+        # resild.report.recoveries', as in the end-of-run table and `resild report`.
+        self._recovery_events: list[dict[str, Any]] = []
         self._prev: tuple[float, int, int] | None = None  # (t, step, epoch) of the last progress point
         self._last_print = float("-inf")
         self._partial = False  # a rewritable line is on screen
@@ -140,15 +148,17 @@ class StatusLine:
     def __call__(self, e: dict[str, Any]) -> None:
         name = e.get("event")
         t = float(e.get("t_log", e.get("t_mono", self.clock())))
-        if name == "job_started":
+        if name in _RECOVERY_EVENTS:
+            self._recovery_events.append(e)
+        if name == EventName.JOB_STARTED:
             self.t0, self.nodes = t, list(e.get("nodes") or [])
-        elif name == "worker_registered" and self.epoch == 0:
+        elif name == EventName.WORKER_REGISTERED and self.epoch == 0:
             self.workers += 1  # start-up can take minutes at scale: show it moving
             if self.clock() - self._last_print >= self.every_s:
                 self._line(
                     f"starting: {self.workers} workers ready on {len(self.nodes)} nodes", t, permanent=not self.tty
                 )
-        elif name == "membership":
+        elif name == EventName.MEMBERSHIP:
             layout = e.get("layout") or {}
             self.layout = set(layout)
             first = self.epoch == 0
@@ -161,7 +171,7 @@ class StatusLine:
                     t,
                     permanent=True,
                 )
-        elif name == "progress":
+        elif name == EventName.PROGRESS:
             step, epoch = int(e["step"]), int(e.get("epoch", self.epoch))
             if self._prev is not None and epoch == self._prev[2] and t > self._prev[0] and step > self._prev[1]:
                 self.rate = (step - self._prev[1]) / (t - self._prev[0])
@@ -169,7 +179,7 @@ class StatusLine:
             self.step, self.epoch = step, epoch
             if self.clock() - self._last_print >= self.every_s:
                 self._line(self.status(), t, permanent=not self.tty)
-        elif name == "failure_detected":
+        elif name == EventName.FAILURE_DETECTED:
             node = e.get("node")
             if node not in self.layout:  # a hot spare failed: training goes on
                 self.spares = max(0, (self.spares or 0) - 1)
@@ -177,12 +187,10 @@ class StatusLine:
                 return
             self.step = int(e.get("committed_step", self.step))
             self.last_failure = f"{node} ({e.get('detector')})"
-            fault_t, self._fault_t = self._fault_t, None
-            self.recovering_since = fault_t if fault_t is not None and fault_t <= t else t
+            rec = self._latest_recovery()  # from the fault, when its start is known
+            self.recovering_since = rec.t_fault if rec is not None else t
             self._line(f"failure: {e.get('cause')} [{e.get('detector')}] at step {self.step}", t, permanent=True)
-        elif name == "fault_injected":
-            self._fault_t = t  # the recovery clock starts at the fault when we know it
-        elif name == "spare_assigned":
+        elif name == EventName.SPARE_ASSIGNED:
             self.spares = int(e.get("spares_left", self.spares or 0))
             self.awaiting_epoch = int(e["epoch"])
             self._line(
@@ -191,14 +199,18 @@ class StatusLine:
                 t,
                 permanent=True,
             )
-        elif name == "reform":
+        elif name == EventName.REFORM:
             self.awaiting_epoch = int(e["epoch"])
+            rec = self._latest_recovery()
+            self.last_failure = "re-form"
+            self.recovering_since = rec.t_fault if rec is not None else t
         elif (
-            name == "full_strength_step"
+            name == EventName.FULL_STRENGTH_STEP
             and self.awaiting_epoch is not None
             and int(e.get("epoch", 0)) >= self.awaiting_epoch
         ):
-            took = None if self.recovering_since is None else t - self.recovering_since
+            rec = self._latest_recovery()
+            took = rec.recovery_s if rec is not None and rec.t_first_step == event_time(e) else None
             self.last_failure = (
                 f"{self.last_failure or 're-form'} recovered in {took:.2f}s" if took is not None else self.last_failure
             )
@@ -209,7 +221,7 @@ class StatusLine:
                 t,
                 permanent=True,
             )
-        elif name == "controller_leader":
+        elif name == EventName.CONTROLLER_LEADER:
             where = f"pid {e.get('pid')} on {e.get('host')}, term {e.get('term')}"
             if self.leader is None:
                 self._line(f"controller replica {e.get('index')} leads ({where})", t, permanent=True)
@@ -221,8 +233,12 @@ class StatusLine:
                     permanent=True,
                 )
             self.leader = e.get("index")
-        elif name == "job_failed":
+        elif name == EventName.JOB_FAILED:
             self._line(f"job failed: {e.get('reason')}", t, permanent=True)
+
+    def _latest_recovery(self) -> Recovery | None:
+        recs = [r for r in recoveries(self._recovery_events) if r.stopped_training]
+        return recs[-1] if recs else None
 
     def status(self) -> str:
         rate = "-" if self.rate is None else f"{self.rate:.1f}"

@@ -46,6 +46,7 @@ from launcher.worker.replica_map import NoReplica, ReplicaMap
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
 from launcher.worker.state_transport import describe
 from launcher.worker.train_state import TrainState
+from resild.events.schema import EventName
 from resild.wire.protocol import MsgType
 
 log = logging.getLogger("resild.runtime")
@@ -316,7 +317,7 @@ class Job:
             try:
                 formed_s = self.rec.form(m.epoch, list(self.rec.groups.values()))
                 if self.rank == 0:
-                    self._event("group_reformed", seconds=round(formed_s, 4), world_size=self.world_size)
+                    self._event(EventName.GROUP_REFORMED, seconds=round(formed_s, 4), world_size=self.world_size)
                 if self.state is not None:
                     self._join(t0)
                 return
@@ -365,7 +366,7 @@ class Job:
             self.state.reset_hooks(got.aux.get("ddp_buckets"))
             print(f"resild: rank {self.rank} replayed {describe(got)}", file=sys.stderr, flush=True)
             self._event(
-                "state_replayed",
+                EventName.STATE_REPLAYED,
                 bytes=got.nbytes,
                 seconds=round(got.seconds, 4),
                 step=target,
@@ -378,7 +379,7 @@ class Job:
         if self.epoch > 1:
             self._progress("joined")
         if self.rank == 0 and self.epoch > 1:
-            self._event("resumed", step=target, seconds=round(time.monotonic() - t0, 4))
+            self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4))
 
     def _floor(self) -> int:
         """The newest step the controller knew committed at the last failure (the

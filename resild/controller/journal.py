@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from resild.events.schema import EventName
+
 log = logging.getLogger("resild.journal")
 
 
@@ -86,7 +88,9 @@ class Journal:
             pass
         if first and self.events is not None:
             try:
-                self.events.emit("journal_error", path=str(self.path), error=self.last_error, errors=self.errors)
+                self.events.emit(
+                    EventName.JOURNAL_ERROR, path=str(self.path), error=self.last_error, errors=self.errors
+                )
             except Exception:
                 log.exception("could not record the journal error as an event")
 

@@ -40,6 +40,7 @@ from resild.controller.policy import (
     on_worker_exception,
 )
 from resild.events.log import EventLog
+from resild.events.schema import EventName
 from resild.membership import ClusterView, Membership, NodeRole, NodeView, RankProgress
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
@@ -149,7 +150,10 @@ class Controller:
     def run(self) -> JobResult:
         if not self.restored:  # a standby taking over continues the job, it does not start it
             self.events.emit(
-                "job_started", endpoint=self.endpoint, nodes=list(self.view.nodes), controller_host=socket.gethostname()
+                EventName.JOB_STARTED,
+                endpoint=self.endpoint,
+                nodes=list(self.view.nodes),
+                controller_host=socket.gethostname(),
             )
         next_tick = 0.0
         try:
@@ -248,7 +252,7 @@ class Controller:
         node.registered, node.host_pid = True, b.get("pid")
         self.view.beat(node.node_id, now)
         self._node_state(node, b)
-        self.events.emit("node_registered", node=node.node_id, role=node.role.value, pid=b.get("pid"))
+        self.events.emit(EventName.NODE_REGISTERED, node=node.node_id, role=node.role.value, pid=b.get("pid"))
         if self.derived.heartbeat_interval_s > self.cfg.settings.heartbeat_interval_s:  # the budget at this size
             self.ch.send(MsgType.WELCOME, {"heartbeat_s": self.derived.heartbeat_interval_s}, to=ident)
         if self.derived.lease_interval_s > 0:
@@ -315,7 +319,7 @@ class Controller:
             node.workers_ready += 1
             if node.role == NodeRole.ACTIVE:
                 self._unregistered -= 1
-        self.events.emit("worker_registered", node=node.node_id, local_rank=lr, pid=b.get("pid"))
+        self.events.emit(EventName.WORKER_REGISTERED, node=node.node_id, local_rank=lr, pid=b.get("pid"))
         self.worker_ident[(node.node_id, lr)] = ident
         if not self._welcome_json:  # the same for every worker: encoded once per job
             self._welcome_json = json.dumps(
@@ -338,7 +342,7 @@ class Controller:
         if m is None or m.node_ranks.get(node.node_id) is None or rank not in m.node_ranks[node.node_id]:
             return  # stale sender
         if b.get("state") == "collective_failed" and self.view.probe_sent_s is None and epoch == m.epoch:
-            self.events.emit("collective_failed", rank=rank, epoch=epoch, error=str(b.get("error", ""))[:300])
+            self.events.emit(EventName.COLLECTIVE_FAILED, rank=rank, epoch=epoch, error=str(b.get("error", ""))[:300])
             self.view.probe_sent_s, self.view.probe_epoch = now, epoch
             targets = [n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and n in self.node_ident]
             self.view.probe_targets = frozenset(targets)
@@ -376,7 +380,7 @@ class Controller:
                 self.events.progress(step, epoch)  # throttled: step-vs-time line, live status
             if self._awaiting_full_strength == epoch and committed:
                 self._awaiting_full_strength = None
-                self.events.emit("full_strength_step", epoch=epoch, step=step, rank=rank)
+                self.events.emit(EventName.FULL_STRENGTH_STEP, epoch=epoch, step=step, rank=rank)
 
     def _on_event(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
         fields = dict(b.get("fields", {}))
@@ -400,7 +404,9 @@ class Controller:
         self.view.done_ranks.add(int(b["rank"]))
         if self.view.first_done_s is None:
             self.view.first_done_s = now
-        self.events.emit("rank_done", node=node.node_id, rank=int(b["rank"]), pid=b.get("pid"), step=b.get("step"))
+        self.events.emit(
+            EventName.RANK_DONE, node=node.node_id, rank=int(b["rank"]), pid=b.get("pid"), step=b.get("step")
+        )
         self._decide(check_done(self.view), now)
 
     def _node_done(self, node: NodeView) -> bool:
@@ -424,7 +430,11 @@ class Controller:
         )
         if d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node:
             self.events.emit(
-                "failure_detected", node=d.node, cause=d.reason, detector=d.detector, committed_step=self.max_step
+                EventName.FAILURE_DETECTED,
+                node=d.node,
+                cause=d.reason,
+                detector=d.detector,
+                committed_step=self.max_step,
             )
             self._fence(d.node, d.reason)
         if d.action == Action.REPLACE_NODE and d.membership is None:
@@ -436,7 +446,7 @@ class Controller:
                 max(0, self.view.nodes[n].nproc - self.view.nodes[n].workers_ready) for n in self._initial.node_ranks
             )
             self.events.emit(
-                "spare_assigned",
+                EventName.SPARE_ASSIGNED,
                 spare=d.spare,
                 failed=d.node,
                 epoch=self._initial.epoch,
@@ -450,7 +460,7 @@ class Controller:
             assert d.spare and d.membership
             self.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
             self.events.emit(
-                "spare_assigned",
+                EventName.SPARE_ASSIGNED,
                 spare=d.spare,
                 failed=d.node,
                 epoch=d.membership.epoch,
@@ -460,16 +470,16 @@ class Controller:
             self._apply_membership(d.membership, now)
         elif d.action == Action.REFORM:
             assert d.membership is not None
-            self.events.emit("reform", epoch=d.membership.epoch, reason=d.reason)
+            self.events.emit(EventName.REFORM, epoch=d.membership.epoch, reason=d.reason)
             self._apply_membership(d.membership, now)
         elif d.action == Action.FAIL_JOB:
-            self.events.emit("job_failed", reason=d.reason)
+            self.events.emit(EventName.JOB_FAILED, reason=d.reason)
             self.result = JobResult(1, d.reason)
         elif d.action == Action.FINISH:
             ct = self._commit_times
             train_s = ct[-1][1] - ct[0][1] if len(ct) > 1 else 0.0
             self.events.emit(
-                "job_finished",
+                EventName.JOB_FINISHED,
                 reason=d.reason,
                 step=ct[-1][0] - ct[0][0] if ct else 0,
                 final_step=self.max_step,
@@ -485,7 +495,7 @@ class Controller:
             self.ch.send(MsgType.FENCE, {"reason": reason}, to=self.node_ident[node_id])
         self.backend.fence(node_id, reason)
         self.backend.drain(node_id, reason)
-        self.events.emit("node_fenced", node=node_id, reason=reason)
+        self.events.emit(EventName.NODE_FENCED, node=node_id, reason=reason)
 
     def _start(self, now: float) -> None:
         """Every active worker registered: the first epoch, journaled like any decision."""
@@ -541,7 +551,7 @@ class Controller:
             self.view.epoch_started_s = self.view.last_commit_s = now
             self._awaiting_full_strength = m.epoch
         self.events.emit(
-            "controller_restored",
+            EventName.CONTROLLER_RESTORED,
             records=len(records),
             epoch=m.epoch if m else 0,
             fenced=sorted(n.node_id for n in self.view.nodes.values() if n.role == NodeRole.FENCED),
@@ -588,7 +598,7 @@ class Controller:
                         self._send_raw(wid, full)
                         n_direct += 1
         self.events.emit(
-            "membership",
+            EventName.MEMBERSHIP,
             epoch=m.epoch,
             layout=layout["node_ranks"],
             view=n_view,
@@ -649,7 +659,7 @@ class Controller:
         epoch = self.view.membership.epoch if self.view.membership else 0
         for f in self.injector.due(self.max_step, now, epoch):
             self.journal.append({"t_wall": time.time(), "action": "fault_fired", "spec": str(f)})  # fired once, ever
-            self.events.emit("fault_injected", kind=f.kind, node=f.node, step=self.max_step, spec=str(f))
+            self.events.emit(EventName.FAULT_INJECTED, kind=f.kind, node=f.node, step=self.max_step, spec=str(f))
             if f.kind == "exception":
                 ident = self.worker_ident.get((f.node, f.local_rank))
             else:

@@ -45,6 +45,7 @@ from resild.controller.faults import parse_fault
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
 from resild.events.log import EventLog
+from resild.events.schema import EventName
 from resild.procutil import die_with_parent
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
@@ -356,7 +357,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
         if ctl.max_step:
             floor.publish(ctl.max_step)
     events.emit(
-        "controller_leader",
+        EventName.CONTROLLER_LEADER,
         pid=os.getpid(),
         host=socket.gethostname(),
         term=term,

@@ -49,6 +49,7 @@ import zmq
 
 from resild.daemon.config import Config
 from resild.daemon.metrics import Metrics
+from resild.events.schema import EventName
 from resild.health.model import HealthEvent, Verdict
 from resild.health.probes import Outcome, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
 from resild.wire.channel import Channel, connect
@@ -604,7 +605,7 @@ class Agent:
                         MsgType.EVENT,
                         {
                             "node": self.cfg.node,
-                            "name": f"process_{state.value}",
+                            "name": EventName(f"process_{state.value}"),
                             "fields": {"pid": w.pid, "name": w.name, "reason": reason},
                         },
                     )

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from resild.events.schema import EventName
+
 log = logging.getLogger("resild.events")
 
 Listener = Callable[[dict[str, Any]], None]
@@ -35,7 +37,11 @@ class EventLog:
         self._last_progress: float | None = None
         self._f = open(path, "a", encoding="utf-8") if path is not None else None
 
-    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, event: EventName | str, **fields: Any) -> dict[str, Any]:
+        """Write one event. `event` is an EventName (a peer's "worker.<name>" events are
+        plain strings); the record holds the plain value, as files always have."""
+        if isinstance(event, EventName):
+            event = event.value
         now = time.monotonic()
         src = fields.pop("t_mono", None)
         rec = {"event": event, "t_mono": src or now, "t_wall": time.time(), **fields}
@@ -43,7 +49,7 @@ class EventLog:
             # The sender's clock (a worker's CLOCK_MONOTONIC: another host under Slurm);
             # t_log is when this log saw it, on the same clock as every controller event.
             rec["t_log"] = now
-        if event != "progress":
+        if event != EventName.PROGRESS:
             self.records.append(rec)
         else:  # weeks of 2/s would fill memory: the file has them all, memory the latest
             self.recent_progress.append(rec)
@@ -64,7 +70,7 @@ class EventLog:
         if self._last_progress is not None and now - self._last_progress < self.progress_interval_s:
             return None
         self._last_progress = now
-        return self.emit("progress", step=step, epoch=epoch)
+        return self.emit(EventName.PROGRESS, step=step, epoch=epoch)
 
     def close(self) -> None:
         if self._f is not None:

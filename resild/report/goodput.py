@@ -29,7 +29,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
-PHASES = ("detection", "fence", "re-form", "replay", "first step")
+from resild.events.schema import EventName, Progress, as_float
+from resild.report.recoveries import BEFORE_START, NODE_FAILURE, PHASES, REFORM, SPARE_LOST, recoveries
 
 
 class EventFileError(ValueError):
@@ -39,7 +40,7 @@ class EventFileError(ValueError):
 @dataclass
 class FailureBreakdown:
     index: int
-    kind: str  # "node failure", "spare lost", "re-form" (transient; no node lost)
+    kind: str  # "node failure", "spare lost", "re-form" (transient; no node lost), "before start"
     node: str | None
     cause: str
     detector: str
@@ -144,7 +145,7 @@ def split_jobs(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """--events appends: one file may hold several jobs, each starting with job_started."""
     jobs: list[list[dict[str, Any]]] = []
     for e in events:
-        if e["event"] == "job_started" or not jobs:
+        if e["event"] == EventName.JOB_STARTED or not jobs:
             jobs.append([])
         jobs[-1].append(e)
     return jobs
@@ -163,21 +164,20 @@ def _first(events: list[dict], name: str, after: float = float("-inf"), **match:
     return None
 
 
-def step_time(events: list[dict], fin: dict | None) -> float | None:
+def step_time(events: list[dict[str, Any]], fin: dict[str, Any] | None) -> float | None:
     """The failure-free step time: the controller's median over consecutive commits, or the
     median seconds per step between progress points of one epoch, whichever is smaller.
     Commit reports aggregated per node (every 100 ms) leave the controller only the slow
     steps as consecutive pairs, which can only make its median too large; progress windows
     average a few steps, which can only make theirs a little larger than a true median."""
-    prog = [e for e in events if e["event"] == "progress"]
+    prog = [p for p in map(Progress.from_record, events) if p is not None and p.step is not None]
     rates = [
-        (_t(b) - _t(a)) / (b["step"] - a["step"])
+        (b.t - a.t) / (b.step - a.step)
         for a, b in zip(prog, prog[1:])
-        if a.get("epoch") == b.get("epoch") and b["step"] > a["step"]
+        if a.epoch == b.epoch and a.step is not None and b.step is not None and b.step > a.step
     ]
-    cands = ([float(fin["step_s"])] if fin is not None and fin.get("step_s") else []) + (
-        [median(rates)] if rates else []
-    )
+    fin_s = as_float(fin.get("step_s")) if fin is not None else None
+    cands = ([fin_s] if fin_s else []) + ([median(rates)] if rates else [])
     return min(cands) if cands else None
 
 
@@ -193,45 +193,45 @@ def analyze(events: list[dict[str, Any]], job: int | None = None) -> Breakdown:
 
 
 def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
-    started = _first(ev, "job_started")
+    started = _first(ev, EventName.JOB_STARTED)
     t0 = _t(started) if started else _t(ev[0])
     rel = lambda t: t - t0  # noqa: E731
-    fin = _first(ev, "job_finished")
-    failed = _first(ev, "job_failed")
+    fin = _first(ev, EventName.JOB_FINISHED)
+    failed = _first(ev, EventName.JOB_FAILED)
     end_ev = fin or failed
     t_end = _t(end_ev) if end_ev else max(_t(e) for e in ev)
     outcome = "finished" if fin else "failed" if failed else "incomplete"
     reason = str((end_ev or {}).get("reason", "no job_finished/job_failed event: still running, or killed"))
 
-    m1 = _first(ev, "membership", epoch=1)
+    m1 = _first(ev, EventName.MEMBERSHIP, epoch=1)
     all_nodes = list((started or {}).get("nodes") or [])
     active = list((m1 or {}).get("layout") or {})
     if not all_nodes:
-        all_nodes = sorted({e["node"] for e in ev if e["event"] == "node_registered"})
+        all_nodes = sorted({e["node"] for e in ev if e["event"] == EventName.NODE_REGISTERED})
     if not active:
-        active = [e["node"] for e in ev if e["event"] == "node_registered" and e.get("role") == "active"]
+        active = [e["node"] for e in ev if e["event"] == EventName.NODE_REGISTERED and e.get("role") == "active"]
     spares = [n for n in all_nodes if n not in active]
 
     # -- the committed-step line and the first/last commit --------------------------------
-    first_commit = _first(ev, "full_strength_step", epoch=1) or _first(ev, "progress")
+    first_commit = _first(ev, EventName.FULL_STRENGTH_STEP, epoch=1) or _first(ev, EventName.PROGRESS)
     t_first = _t(first_commit) if first_commit else None
     step_s = step_time(ev, fin)
     if fin is not None and t_first is not None:
         t_last = t_first + float(fin.get("train_s") or 0.0)
         steps = int(fin.get("step") or 0)
     else:
-        commits = [e for e in ev if e["event"] in ("progress", "full_strength_step")]
+        commits = [e for e in ev if e["event"] in (EventName.PROGRESS, EventName.FULL_STRENGTH_STEP)]
         t_last = max((_t(e) for e in commits), default=None)
         steps = max((int(e["step"]) for e in commits), default=0) - (int(first_commit["step"]) if first_commit else 0)
     line: list[tuple[float, int]] = []
     for e in ev:
         s = {
-            "progress": "step",
-            "full_strength_step": "step",
-            "resumed": "step",
-            "rank_done": "step",
-            "failure_detected": "committed_step",
-            "fault_injected": "step",
+            EventName.PROGRESS: "step",
+            EventName.FULL_STRENGTH_STEP: "step",
+            EventName.RESUMED: "step",
+            EventName.RANK_DONE: "step",
+            EventName.FAILURE_DETECTED: "committed_step",
+            EventName.FAULT_INJECTED: "step",
         }.get(e["event"])
         if s and isinstance(e.get(s), int):
             line.append((rel(_t(e)), int(e[s])))
@@ -240,15 +240,15 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     line.sort()
 
     # -- failures -----------------------------------------------------------------------
-    failures = _failures(ev, t0, step_s, set(active))
+    failures = _failures(ev, t0, step_s)
 
     # -- spares left over time --------------------------------------------------------------
     spares_line = [(0.0, len(spares))]
     left = set(spares)
     for e in ev:
-        if e["event"] == "spare_assigned":
+        if e["event"] == EventName.SPARE_ASSIGNED:
             left.discard(e.get("spare"))
-        elif e["event"] == "node_fenced":
+        elif e["event"] == EventName.NODE_FENCED:
             left.discard(e.get("node"))
         else:
             continue
@@ -261,7 +261,7 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     recov = sum(sum(f.phases.values()) for f in failures)
     totals = {p: sum(f.phases.get(p, 0.0) for f in failures) for p in PHASES}
     redone = sum(f.redone_s for f in failures)
-    last_unrecovered = failures and failures[-1].recovery_s is None and failures[-1].kind != "spare lost"
+    last_unrecovered = failures and failures[-1].recovery_s is None and failures[-1].kind in (NODE_FAILURE, REFORM)
     if t_last is None or t_first is None:
         shutdown = 0.0
         window = 0.0
@@ -304,105 +304,34 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     )
 
 
-def _failures(ev: list[dict], t0: float, step_s: float | None, layout: set[str]) -> list[FailureBreakdown]:
+def _failures(ev: list[dict[str, Any]], t0: float, step_s: float | None) -> list[FailureBreakdown]:
+    """The recoveries (resild.report.recoveries: the rules resil-run's table uses too), with
+    times from the job's start and the redone steps' time at the median step."""
     out: list[FailureBreakdown] = []
-    used_faults: set[int] = set()
-    timed: list[tuple[FailureBreakdown, list[float]]] = []
-    prev_end = t0
-    for e in ev:
-        if e["event"] == "membership":
-            layout = set(e.get("layout") or {})
-        if e["event"] not in ("failure_detected", "reform"):
-            continue
-        t_det = _t(e)
-        node = e.get("node")
-        # The fault that led here: the latest injection on that node not yet matched.
-        fault = None
-        for x in ev:
-            if (
-                x["event"] == "fault_injected"
-                and id(x) not in used_faults
-                and _t(x) <= t_det
-                and (node is None or x.get("node") == node)
-            ):
-                fault = x
-        if fault is not None:
-            used_faults.add(id(fault))
-        coll = next((x for x in ev if x["event"] == "collective_failed" and prev_end <= _t(x) <= t_det), None)
-        if fault is not None:
-            t_fault, src = _t(fault), "injected"
-        elif coll is not None:
-            t_fault, src = _t(coll), "collective failure"
-        else:
-            t_fault, src = t_det, "detection"
-        if e["event"] == "reform":
-            kind, ep, assigned = "re-form", e.get("epoch"), None
-            t_fence = t_det
-        else:
-            assigned = _first(ev, "spare_assigned", after=t_det, failed=node)
-            kind = "node failure" if node in layout else "spare lost"
-            ep = assigned.get("epoch") if assigned else None
-            fenced = _first(ev, "node_fenced", after=t_det, node=node)
-            t_fence = _t(fenced) if fenced else t_det
-        f = FailureBreakdown(
-            index=len(out) + 1,
-            kind=kind,
-            node=node,
-            cause=str(e.get("cause") or e.get("reason", "")),
-            detector=str(e.get("detector", "probe" if kind == "re-form" else "")),
-            fault=fault.get("spec") if fault else None,
-            fault_time_from=src,
-            t_fault=t_fault - t0,
-            committed_step=e.get("committed_step"),
-            epoch=ep,
-            spares_left=assigned.get("spares_left") if assigned else None,
+    for r in recoveries(ev):
+        redone = r.steps_redone or 0
+        out.append(
+            FailureBreakdown(
+                index=r.index,
+                kind=r.kind,
+                node=r.node,
+                cause=r.cause,
+                detector=r.detector,
+                fault=r.fault,
+                fault_time_from=r.fault_time_from,
+                t_fault=r.t_fault - t0,
+                phases=dict(r.phases),
+                recovery_s=r.recovery_s,
+                committed_step=r.committed_step,
+                resumed_step=r.resumed_step,
+                steps_redone=redone,
+                redone_s=redone * (step_s or 0.0),
+                bytes_replayed=r.bytes_replayed,
+                spares_left=r.spares_left,
+                epoch=r.epoch,
+                overlapped=r.overlapped,
+            )
         )
-        bounds = [t_fault, t_det, t_fence]
-        if kind == "spare lost":
-            f.phases = {}  # training never stopped
-            out.append(f)
-            continue
-        if ep is not None:
-            later = [x for x in ev if _t(x) >= t_det]
-            full = next((x for x in later if x["event"] == "full_strength_step" and x.get("epoch", 0) >= ep), None)
-            resumed = _first(later, "resumed", epoch=ep)
-            reformed = _first(later, "group_reformed", epoch=ep)
-            replayed = [x for x in later if x["event"] == "state_replayed" and x.get("epoch") == ep]
-            f.bytes_replayed = sum(int(x.get("bytes", 0)) for x in replayed)
-            if full is not None:
-                t_full = _t(full)
-                t_res = _t(resumed) if resumed else t_full
-                # Replay ends when the last receiver has the state; it starts when rank 0's new
-                # group was formed (its recovery seconds minus its formation seconds, before t_res).
-                t_replayed = max([t_res] + [_t(x) for x in replayed])
-                if resumed is not None and reformed is not None:
-                    t_formed = t_res - max(0.0, float(resumed["seconds"]) - float(reformed["seconds"]))
-                else:
-                    t_formed = t_replayed - max((float(x["seconds"]) for x in replayed), default=0.0)
-                bounds += [t_formed, t_replayed, t_full]
-                f.recovery_s = t_full - t_fault
-                if resumed is not None:
-                    f.resumed_step = int(resumed["step"])
-                    if f.committed_step is not None:
-                        f.steps_redone = max(0, int(f.committed_step) - f.resumed_step)
-                        f.redone_s = f.steps_redone * (step_s or 0.0)
-            else:
-                bounds += [t_fence] * 3  # never back to full strength: the rest is the job stopping
-        else:
-            bounds += [t_fence] * 3  # no spare: the job stopped (counted as shutdown)
-        out.append(f)
-        timed.append((f, bounds))
-        prev_end = bounds[-1]
-    # Boundaries are made monotone and clipped at the next failure's start, so the phases
-    # of overlapping failures (a fault during a recovery) never count the same second twice.
-    for i, (f, b) in enumerate(timed):
-        nxt = timed[i + 1][0].t_fault + t0 if i + 1 < len(timed) else float("inf")
-        f.overlapped = nxt < b[-1]
-        cap = min(b[-1], nxt)
-        mono: list[float] = []
-        for x in b:
-            mono.append(min(max(x, mono[-1] if mono else x), cap))
-        f.phases = {p: mono[k + 1] - mono[k] for k, p in enumerate(PHASES)}
     return out
 
 
@@ -429,7 +358,7 @@ def format_breakdown(b: Breakdown) -> str:
     lines.append(f"{'where the time went':<26}{'seconds':>10}{'share':>9}")
     for name, v in b.parts():
         share = v / b.wall_s if b.wall_s > 0 else None
-        n = len([f for f in b.failures if f.kind != "spare lost"])
+        n = len([f for f in b.failures if f.kind in (NODE_FAILURE, REFORM)])
         label = f"recovery ({n} failure{'' if n == 1 else 's'})" if name == "recovery" else name
         lines.append(f"{label:<26}{v:>10.3f}{_pct(share):>9}")
         if name == "recovery":
@@ -463,8 +392,10 @@ def format_breakdown(b: Breakdown) -> str:
                 note.append(f"fault time from {f.fault_time_from}")
             if f.overlapped:
                 note.append("interrupted by the next failure")
-            if f.kind == "spare lost":
+            if f.kind == SPARE_LOST:
                 note.append("a spare failed; training went on")
+            if f.kind == BEFORE_START:
+                note.append("replaced before training started; counted in start-up")
             lines.append(
                 f"{f.index:>2} {f.t_fault:>7.2f}s {str(f.node or '-'):<13} {what:<22} {f.detector:<13}"
                 f"{ph}{_s(f.recovery_s):>10}{f.steps_redone:>7}{mb:>10}"

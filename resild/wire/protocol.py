@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
+from resild.events.schema import EventName
+
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 1 << 20  # control messages only; state travels over torch collectives
 MAX_INT = (1 << 53) - 1  # JSON numbers stay exact in every peer's parser up to here
@@ -200,16 +202,16 @@ class Progress(Body):
 # node daemon's process watch); any other peer event is renamed "worker.<name>", so a
 # peer can never forge a controller event (failure_detected, job_finished, ...).
 PEER_EVENTS: dict[str, dict[str, Any]] = {
-    "group_reformed": {"seconds": _f("float", hi=1e9, required=True).metadata},
-    "state_replayed": {
+    EventName.GROUP_REFORMED: {"seconds": _f("float", hi=1e9, required=True).metadata},
+    EventName.STATE_REPLAYED: {
         "bytes": _f("int", required=True).metadata,
         "seconds": _f("float", hi=1e9, required=True).metadata,
     },
-    "resumed": {"step": _f("int", required=True).metadata, "seconds": _f("float", hi=1e9).metadata},
-    "process_running": {},
-    "process_exited": {},
-    "process_zombie": {},
-    "process_hung": {},
+    EventName.RESUMED: {"step": _f("int", required=True).metadata, "seconds": _f("float", hi=1e9).metadata},
+    EventName.PROCESS_RUNNING: {},
+    EventName.PROCESS_EXITED: {},
+    EventName.PROCESS_ZOMBIE: {},
+    EventName.PROCESS_HUNG: {},
 }
 WORKER_EVENT_PREFIX = "worker."
 _EVENT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")

@@ -7,6 +7,8 @@ import logging
 import socket
 from typing import Any
 
+from resild.events.schema import EventName
+
 log = logging.getLogger(__name__)
 
 COMMITTED_KEY = "resild/committed"  # newest step the controller saw committed at a failure
@@ -22,7 +24,7 @@ class CommittedFloor:
         self.store = store
 
     def __call__(self, rec: dict[str, Any]) -> None:
-        if rec.get("event") == "failure_detected":
+        if rec.get("event") == EventName.FAILURE_DETECTED:
             self.publish(int(rec.get("committed_step") or 0))
 
     def publish(self, step: int) -> None:
