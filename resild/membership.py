@@ -160,7 +160,7 @@ class Membership:
         return Membership(1, len(active_nodes) * nproc_per_node, layout)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: a field written but never declared fails at once
 class NodeView:
     node_id: str
     role: NodeRole
@@ -175,7 +175,7 @@ class NodeView:
     relayed: frozenset[int] = frozenset()  # local ranks that get membership through the node's relay
     epoch_sent: int = 0  # last epoch sent to the node process (full or delta)
     epoch_have: int = 0  # last epoch the node process said it holds (heartbeats)
-    full_sent_s: float = -1e9  # when the full layout was last sent to it (resend throttle)
+    membership_sent_s: float = -1e9  # when an epoch (view or delta) was last sent to it (resend throttle)
 
     def set_role(self, role: NodeRole, reason: str = "") -> None:
         check_transition(self.role, role)
