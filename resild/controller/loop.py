@@ -40,8 +40,9 @@ from resild.controller.policy import (
     on_node_failure,
     on_worker_exception,
 )
+from resild.controller.view import ClusterView, NodeView, RankProgress
 from resild.events.log import EventLog
-from resild.membership import ClusterView, Membership, NodeRole, NodeView, RankProgress
+from resild.membership import Membership, NodeRole
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, encode

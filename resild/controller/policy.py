@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from resild.membership import ClusterView, Membership, NodeRole, NodeView
+from resild.controller.view import ClusterView, NodeView
+from resild.membership import Membership, NodeRole
 
 
 class Action(str, Enum):
