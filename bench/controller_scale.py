@@ -80,13 +80,14 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     from resild.controller.journal import Journal
     from resild.controller.loop import Controller, ControllerConfig, JobResult
     from resild.controller.policy import PolicyConfig
+    from resild.controller.records import Record
     from resild.events.log import EventLog
     from resild.wire.keys import KeyDir
 
     class TimedJournal(Journal):  # the decision includes its fsync: report it apart
         fsync_s: list[float] = []
 
-        def append(self, record: dict[str, Any]) -> None:
+        def append(self, record: Record) -> None:
             t = time.perf_counter()
             super().append(record)
             self.fsync_s.append(time.perf_counter() - t)

@@ -40,7 +40,9 @@ from resild.controller.policy import (
     on_node_failure,
     on_worker_exception,
 )
-from resild.controller.view import ClusterView, NodeView, RankProgress
+from resild.controller.records import FaultFired, Start, decided, parse_record
+from resild.controller.restore import Restored, fold
+from resild.controller.view import ClusterView, JobResult, NodeView, RankProgress
 from resild.events.log import EventLog
 from resild.membership import Membership, NodeRole
 from resild.wire.channel import Server
@@ -81,12 +83,6 @@ class ControllerConfig:
     term: int = 1  # rises with every leader (standby controllers); nodes follow the highest
     leader_index: int = 0  # this controller's place in the endpoint list node processes hold
     worker: dict[str, Any] = field(default_factory=dict)  # runtime settings handed to workers
-
-
-@dataclass(frozen=True)
-class JobResult:
-    exit_code: int
-    reason: str
 
 
 class Controller:
@@ -424,17 +420,7 @@ class Controller:
     def _decide(self, d: Decision, now: float) -> None:
         if d.action == Action.NONE:
             return
-        self.journal.append(
-            {
-                "t_wall": time.time(),
-                "action": d.action.value,
-                "reason": d.reason,
-                "node": d.node,
-                "spare": d.spare,
-                "membership": d.membership.to_dict() if d.membership else None,
-                "committed_step": self.max_step,
-            }
-        )
+        self.journal.append(decided(d, self.max_step, time.time()))
         if d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node:
             self.events.emit(
                 "failure_detected", node=d.node, cause=d.reason, detector=d.detector, committed_step=self.max_step
@@ -502,14 +488,7 @@ class Controller:
 
     def _start(self, now: float) -> None:
         """Every active worker registered: the first epoch, journaled like any decision."""
-        self.journal.append(
-            {
-                "t_wall": time.time(),
-                "action": "start",
-                "reason": "every active worker registered",
-                "membership": self._initial.to_dict(),
-            }
-        )
+        self.journal.append(Start(self._initial, "every active worker registered", time.time()))
         self._apply_membership(self._initial, now)
 
     def restore(self, records: list[dict[str, Any]], now: float) -> None:
@@ -519,25 +498,23 @@ class Controller:
         (they follow the highest lease term) and heartbeat within their interval: a
         node that does not is lost like any silent node."""
         self.restored = True
-        for rec in records:
-            action, node, spare = rec.get("action"), rec.get("node"), rec.get("spare")
-            mem = rec.get("membership")
-            if action == "fault_fired":
-                self.injector.pending = [f for f in self.injector.pending if str(f) != rec.get("spec")]
-                continue
-            if action in ("replace_node", "drop_spare", "fail_job") and node in self.view.nodes:
-                if self.view.nodes[node].role in (NodeRole.ACTIVE, NodeRole.SPARE):
-                    self.view.nodes[node].set_role(NodeRole.FENCED, str(rec.get("reason", "")))
-            if action == "replace_node" and spare in self.view.nodes:
-                if self.view.nodes[spare].role == NodeRole.SPARE:
-                    self.view.nodes[spare].set_role(NodeRole.ACTIVE)
-                if mem is None:  # a start-up replacement
-                    self._initial = self._initial.replace(node, spare, next_epoch=False)
-            if mem is not None and action in ("start", "replace_node", "reform"):
-                self.view.membership = Membership.from_dict(mem)
-            self.max_step = max(self.max_step, int(rec.get("committed_step") or 0))
-            if action in ("fail_job", "finish"):
-                self.result = JobResult(0 if action == "finish" else 1, str(rec.get("reason", "")))
+        nodes = self.view.nodes
+        initial = Restored(
+            {n: v.role for n, v in nodes.items()},
+            {n: v.reason for n, v in nodes.items()},
+            self._initial,
+            self.view.membership,
+            self.max_step,
+            self.result,
+        )
+        state = fold(map(parse_record, records), initial)
+        for node_id, role in state.roles.items():
+            if nodes[node_id].role != role:
+                nodes[node_id].set_role(role)
+            nodes[node_id].reason = state.reasons[node_id]
+        self._initial, self.view.membership = state.initial, state.membership
+        self.max_step, self.result = state.max_step, state.result
+        self.injector.pending = [f for f in self.injector.pending if str(f) not in state.fired]
         m = self.view.membership
         for n in self.view.nodes.values():
             if n.role in (NodeRole.ACTIVE, NodeRole.SPARE):
@@ -660,7 +637,7 @@ class Controller:
     def _fire_faults(self, now: float) -> None:
         epoch = self.view.membership.epoch if self.view.membership else 0
         for f in self.injector.due(self.max_step, now, epoch):
-            self.journal.append({"t_wall": time.time(), "action": "fault_fired", "spec": str(f)})  # fired once, ever
+            self.journal.append(FaultFired(str(f), time.time()))  # fired once, ever
             self.events.emit("fault_injected", kind=f.kind, node=f.node, step=self.max_step, spec=str(f))
             if f.kind == "exception":
                 ident = self.worker_ident.get((f.node, f.local_rank))

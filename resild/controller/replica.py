@@ -45,6 +45,7 @@ from resild.controller.faults import parse_fault
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
 from resild.controller.policy import PolicyConfig
+from resild.controller.records import Closed, Leader
 from resild.events.log import EventLog
 from resild.procutil import die_with_parent
 from resild.wire.channel import Server
@@ -112,11 +113,11 @@ class RaftLog(SyncObj):
     @replicated
     def _apply(self, record: dict[str, Any]) -> int:
         self.records.append(record)
-        self._file.append(record)
+        self._file.write(record)
         return len(self.records)
 
 
-CLOSED = "closed"  # the leader's last record: the job is over and its verdict written
+CLOSED = Closed.ACTION  # the leader's last record: the job is over and its verdict written
 
 
 def _closed(records: list[dict[str, Any]]) -> bool:
@@ -133,7 +134,7 @@ class RaftJournal(Journal):
         super().__init__(None)
         self.raft, self.timeout_s = raft, timeout_s
 
-    def append(self, record: dict[str, Any]) -> bool:
+    def write(self, record: dict[str, Any]) -> bool:
         try:
             self.raft._apply(record, sync=True, timeout=self.timeout_s)
         except SyncObjException as e:
@@ -308,7 +309,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
         if raft._isLeader():
             try:
                 raft._apply(
-                    {"action": "leader", "index": index, "pid": os.getpid(), "t_wall": time.time()},
+                    Leader(index, os.getpid(), time.time()).to_dict(),
                     sync=True,
                     timeout=2.0,
                 )
@@ -321,7 +322,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
         time.sleep(4 * APPEND_PERIOD_S)  # the last standby learns of `closed` from our appends
         raft.destroy()
         return 0
-    records = [r for r in raft.records if r.get("action") not in ("leader", CLOSED)]
+    records = [r for r in raft.records if r.get("action") not in (Leader.ACTION, CLOSED)]
     events = EventLog(Path(spec["events"]))
     floor = CommittedFloor(store)
     events.listeners.append(floor)
@@ -386,7 +387,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
     # (which would say the verdict again, late). Not committed (we die first): they take over,
     # which is right, since nodes might still need the SHUTDOWN.
     try:
-        raft._apply({"action": CLOSED, "index": index, "t_wall": time.time()}, sync=True, timeout=2.0)
+        raft._apply(Closed(index, time.time()).to_dict(), sync=True, timeout=2.0)
         time.sleep(4 * APPEND_PERIOD_S)  # followers learn the commit from our next append
     except SyncObjException as e:
         log.warning("replica %d: could not tell the standbys the job is over: %s", index, e.errorCode)

@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 from resild.membership import Membership, NodeRole, check_transition
 
 
+@dataclass(frozen=True)
+class JobResult:
+    exit_code: int
+    reason: str
+
+
 @dataclass(slots=True)  # slots: a field written but never declared fails at once
 class NodeView:
     node_id: str
