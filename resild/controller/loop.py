@@ -47,7 +47,24 @@ from resild.events.log import EventLog
 from resild.membership import Membership, NodeRole
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
-from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, encode
+from resild.wire.protocol import (
+    BODY_TYPES,
+    MAX_FRAME_BYTES,
+    Done,
+    Event,
+    Failed,
+    Fatal,
+    Health,
+    Heartbeat,
+    Message,
+    MsgType,
+    Progress,
+    ProtocolError,
+    RegisterNode,
+    RegisterWorker,
+    WorkerExit,
+    encode,
+)
 
 log = logging.getLogger("resild.controller")
 
@@ -131,7 +148,8 @@ class Controller:
         self._unregistered = len(active) * nproc_per_node  # active workers yet to register: O(1) start check
         self._full_json = b""  # the current membership's full layout, encoded once per epoch
         self._welcome_json = b""
-        self._handlers = {
+        # Each handler takes its message type's body class (protocol.BODY_TYPES), as decode built it.
+        self._handlers: dict[MsgType, Callable[[bytes, NodeView, Any, float], None]] = {
             MsgType.REGISTER_NODE: self._on_register_node,
             MsgType.HEARTBEAT: self._on_heartbeat,
             MsgType.WORKER_EXIT: self._on_worker_exit,
@@ -224,8 +242,8 @@ class Controller:
 
     def _handle(self, ident: bytes | None, msg: Message, now: float) -> None:
         assert ident is not None
-        b = msg.body
-        node_id = str(b.get("node", ""))
+        typed = msg.typed
+        node_id = typed.node or "" if typed is not None else str(msg.body.get("node", ""))
         node = self.view.nodes.get(node_id)
         if msg.type in (MsgType.STATUS,):
             self.ch.send(MsgType.STATUS_REPLY, self.status(), to=ident)
@@ -246,18 +264,20 @@ class Controller:
             )
             return
         try:
-            handler(ident, node, b, now)
-        except (KeyError, ValueError, TypeError) as e:
+            # decode made the typed body; a Message made some other way is validated here
+            body = typed if typed is not None else BODY_TYPES[msg.type].from_dict(msg.body)
+            handler(ident, node, body, now)
+        except (KeyError, ValueError, TypeError, ProtocolError) as e:
             # A well-framed message with a bad body: answer and log, never crash the job.
             log.warning("bad %s body from %s: %r", msg.type.value, msg.sender, e)
             self.ch.send(MsgType.ERROR, {"code": "bad_body", "detail": f"{msg.type.value}: {e!r}"}, to=ident)
 
-    def _on_register_node(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+    def _on_register_node(self, ident: bytes, node: NodeView, b: RegisterNode, now: float) -> None:
         self.node_ident[node.node_id] = ident
-        node.registered, node.host_pid = True, b.get("pid")
+        node.registered, node.host_pid = True, b.pid
         self.view.beat(node.node_id, now)
         self._node_state(node, b)
-        self.events.emit("node_registered", node=node.node_id, role=node.role.value, pid=b.get("pid"))
+        self.events.emit("node_registered", node=node.node_id, role=node.role.value, pid=b.pid)
         if self.heartbeat_floor_s > 0:  # the heartbeat interval this job size allows (heartbeat_budget_per_s)
             self.ch.send(MsgType.WELCOME, {"heartbeat_s": self.heartbeat_floor_s}, to=ident)
         if self.cfg.controller_timeout_s > 0:
@@ -266,7 +286,7 @@ class Controller:
         if m is not None and node.node_id in m.node_ranks:  # a (re)started node process
             self._send_view(node, ident, now)
 
-    def _on_heartbeat(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+    def _on_heartbeat(self, ident: bytes, node: NodeView, b: Heartbeat, now: float) -> None:
         # The node daemon may heartbeat too, but the job's liveness is its node process:
         # only that one refreshes the clock and receives FENCE/INJECT/SHUTDOWN.
         if not ident.endswith(b"/node"):
@@ -274,49 +294,52 @@ class Controller:
         self.node_ident[node.node_id] = ident
         self.view.beat(node.node_id, now)
         node.registered = True
-        if node.host_pid is None and isinstance(b.get("pid"), int):
-            node.host_pid = b["pid"]  # a standby that took over never saw the registration
-        if "health" in b:
-            node.health = str(b["health"])
+        if node.host_pid is None and b.pid is not None:
+            node.host_pid = b.pid  # a standby that took over never saw the registration
+        if b.health is not None:
+            node.health = b.health
         self._node_state(node, b)
         m = self.view.membership
         if (
             m is not None
             and node.epoch_have < m.epoch
-            and "epoch" in b
+            and b.epoch is not None
             and node.node_id in m.node_ranks
-            and (b.get("resync") or now - node.membership_sent_s > self.cfg.resync_s)
+            and (b.resync or now - node.membership_sent_s > self.cfg.resync_s)
         ):
             # It missed an epoch (a lost send, a delta it could not apply): its view again.
             self._send_view(node, ident, now)
 
     @staticmethod
-    def _node_state(node: NodeView, b: dict) -> None:
+    def _node_state(node: NodeView, b: RegisterNode | Heartbeat) -> None:
         """What a node process says about its relay: the epoch it holds, the local ranks
         it relays to (those need no direct sends)."""
-        if "epoch" in b:
-            node.epoch_have = int(b["epoch"])
-        if "relayed" in b:
-            node.relayed = frozenset(int(x) for x in b["relayed"])
+        if b.epoch is not None:
+            node.epoch_have = b.epoch
+        if b.relayed is not None:
+            node.relayed = frozenset(b.relayed)
 
-    def _on_worker_exit(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        rc = b.get("returncode")
+    def _on_worker_exit(self, ident: bytes, node: NodeView, b: WorkerExit, now: float) -> None:
+        rc = b.returncode
         if rc == 0 and node.role == NodeRole.ACTIVE and self._node_done(node):
             return
-        how = f"signal {-rc}" if isinstance(rc, int) and rc < 0 else f"code {rc}"
-        cause = f"worker {b.get('local_rank')} (pid {b.get('pid')}) exited with {how}"
+        how = f"signal {-rc}" if rc is not None and rc < 0 else f"code {rc}"
+        cause = f"worker {b.local_rank} (pid {b.pid}) exited with {how}"
         self._decide(on_node_failure(self.view, node.node_id, cause, "process-exit", worker_fault=True), now)
 
-    def _on_health(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        node.health = str(b.get("verdict", "unknown"))
+    def _on_health(self, ident: bytes, node: NodeView, b: Health, now: float) -> None:
+        node.health = b.verdict or "unknown"
         if node.health == "failed":
-            reasons = b.get("reasons") or ["GPU failed"]
+            reasons = b.reasons or ["GPU failed"]
             self._decide(
-                on_node_failure(self.view, node.node_id, "; ".join(reasons), str(b.get("detector", "gpu-probe"))), now
+                on_node_failure(
+                    self.view, node.node_id, "; ".join(reasons), b.detector if b.detector is not None else "gpu-probe"
+                ),
+                now,
             )
 
-    def _on_register_worker(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        lr = int(b.get("local_rank", -1))
+    def _on_register_worker(self, ident: bytes, node: NodeView, b: RegisterWorker, now: float) -> None:
+        lr = b.local_rank if b.local_rank is not None else -1
         if not 0 <= lr < node.nproc:
             self.ch.send(MsgType.ERROR, {"code": "bad_local_rank", "detail": f"local rank {lr} out of range"}, to=ident)
             return
@@ -324,7 +347,7 @@ class Controller:
             node.workers_ready += 1
             if node.role == NodeRole.ACTIVE:
                 self._unregistered -= 1
-        self.events.emit("worker_registered", node=node.node_id, local_rank=lr, pid=b.get("pid"))
+        self.events.emit("worker_registered", node=node.node_id, local_rank=lr, pid=b.pid)
         self.worker_ident[(node.node_id, lr)] = ident
         if not self._welcome_json:  # the same for every worker: encoded once per job
             self._welcome_json = json.dumps(
@@ -338,38 +361,40 @@ class Controller:
         elif m is None and self._unregistered <= 0:
             self._start(now)
 
-    def _on_progress(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        if "commits" in b:
-            self._on_commits(node, b, now)
+    def _on_progress(self, ident: bytes, node: NodeView, b: Progress, now: float) -> None:
+        if b.commits is not None:
+            self._on_commits(node, b.commits, b.epoch, now)
             return
-        rank, epoch, step = int(b["rank"]), int(b["epoch"]), int(b["step"])
+        rank, epoch, step = b.rank, b.epoch, b.step
+        if rank is None or epoch is None or step is None:
+            raise KeyError("rank, epoch and step are required")
         m = self.view.membership
         if m is None or m.node_ranks.get(node.node_id) is None or rank not in m.node_ranks[node.node_id]:
             return  # stale sender
-        if b.get("state") == "collective_failed" and self.view.probe_sent_s is None and epoch == m.epoch:
-            self.events.emit("collective_failed", rank=rank, epoch=epoch, error=str(b.get("error", ""))[:300])
+        if b.state == "collective_failed" and self.view.probe_sent_s is None and epoch == m.epoch:
+            self.events.emit("collective_failed", rank=rank, epoch=epoch, error=(b.error or "")[:300])
             self.view.probe_sent_s, self.view.probe_epoch = now, epoch
             targets = [n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and n in self.node_ident]
             self.view.probe_targets = frozenset(targets)
             for node_id in targets:
                 self.ch.send(MsgType.PING, {}, to=self.node_ident[node_id], ttl_s=1.0)
-        if b.get("state") == "joined" and epoch == m.epoch:
+        if b.state == "joined" and epoch == m.epoch:
             # A rank finished this epoch's recovery (the spare is last: it built its model
             # first). The stall clock starts now, not at the announcement.
             self.view.epoch_started_s = max(self.view.epoch_started_s, now)
-        self._rank_progress(rank, epoch, step, str(b.get("state", "compute")), m, now)
+        self._rank_progress(rank, epoch, step, b.state if b.state is not None else "compute", m, now)
 
-    def _on_commits(self, node: NodeView, b: dict, now: float) -> None:
+    def _on_commits(self, node: NodeView, commits: dict[int, int], epoch: int | None, now: float) -> None:
         """A node process's aggregate of its ranks' commits: {"commits": {rank: step}, "epoch"}."""
-        epoch = int(b["epoch"])
+        if epoch is None:
+            raise KeyError("epoch is required with commits")
         m = self.view.membership
         mine = m.node_ranks.get(node.node_id) if m is not None else None
         if m is None or mine is None:
             return  # stale sender
-        for r, step in dict(b["commits"]).items():
-            rank = int(r)
+        for rank, step in commits.items():
             if rank in mine:
-                self._rank_progress(rank, epoch, int(step), "commit", m, now)
+                self._rank_progress(rank, epoch, step, "commit", m, now)
 
     def _rank_progress(self, rank: int, epoch: int, step: int, state: str, m: Membership, now: float) -> None:
         p = self.view.progress.get(rank)
@@ -387,29 +412,27 @@ class Controller:
                 self._awaiting_full_strength = None
                 self.events.emit("full_strength_step", epoch=epoch, step=step, rank=rank)
 
-    def _on_event(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        fields = dict(b.get("fields", {}))
-        self.events.emit(str(b.get("name", "worker_event")), node=node.node_id, **fields)
+    def _on_event(self, ident: bytes, node: NodeView, b: Event, now: float) -> None:
+        self.events.emit(b.name or "worker_event", node=node.node_id, **(b.fields or {}))
 
-    def _on_failed(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        error = str(b.get("error", "an exception"))
-        cause = f"worker {b.get('local_rank')} (pid {b.get('pid')}) raised {error}"
+    def _on_failed(self, ident: bytes, node: NodeView, b: Failed, now: float) -> None:
+        error = b.error if b.error is not None else "an exception"
+        cause = f"worker {b.local_rank} (pid {b.pid}) raised {error}"
         self._decide(on_worker_exception(self.view, node.node_id, error, cause), now)
         self.view.exceptions_seen.append(error)
 
-    def _on_fatal(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        self._decide(
-            Decision(Action.FAIL_JOB, f"unrecoverable: {b.get('error', 'no reason given')}", detector="runtime"), now
-        )
+    def _on_fatal(self, ident: bytes, node: NodeView, b: Fatal, now: float) -> None:
+        error = b.error if b.error is not None else "no reason given"
+        self._decide(Decision(Action.FAIL_JOB, f"unrecoverable: {error}", detector="runtime"), now)
 
-    def _on_done(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+    def _on_done(self, ident: bytes, node: NodeView, b: Done, now: float) -> None:
         m = self.view.membership
-        if m is None or int(b["epoch"]) != m.epoch:
+        if m is None or b.epoch != m.epoch or b.rank is None:
             return  # sent before a re-form: the rank reports again in the new epoch
-        self.view.done_ranks.add(int(b["rank"]))
+        self.view.done_ranks.add(b.rank)
         if self.view.first_done_s is None:
             self.view.first_done_s = now
-        self.events.emit("rank_done", node=node.node_id, rank=int(b["rank"]), pid=b.get("pid"), step=b.get("step"))
+        self.events.emit("rank_done", node=node.node_id, rank=b.rank, pid=b.pid, step=b.step)
         self._decide(check_done(self.view), now)
 
     def _node_done(self, node: NodeView) -> bool:
