@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from typing import Any
 import zmq
 
 from resild.controller.backend import Backend
+from resild.controller.broadcast import Broadcaster
 from resild.controller.faults import Fault, Injector
 from resild.controller.journal import Journal
 from resild.controller.policy import (
@@ -42,6 +42,7 @@ from resild.controller.policy import (
 )
 from resild.controller.records import FaultFired, Start, decided, parse_record
 from resild.controller.restore import Restored, fold
+from resild.controller.status import status
 from resild.controller.view import ClusterView, JobResult, NodeView, RankProgress
 from resild.events.log import EventLog
 from resild.membership import Membership, NodeRole
@@ -49,7 +50,6 @@ from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.protocol import (
     BODY_TYPES,
-    MAX_FRAME_BYTES,
     Done,
     Event,
     Failed,
@@ -63,7 +63,6 @@ from resild.wire.protocol import (
     RegisterNode,
     RegisterWorker,
     WorkerExit,
-    encode,
 )
 
 log = logging.getLogger("resild.controller")
@@ -143,11 +142,10 @@ class Controller:
         nodes.update({n: NodeView(n, NodeRole.SPARE, nproc_per_node) for n in spares})
         self.view = ClusterView(nodes)
         self._initial = Membership.initial(active, nproc_per_node)
-        self.node_ident: dict[str, bytes] = {}
-        self.worker_ident: dict[tuple[str, int], bytes] = {}
+        self.bc = Broadcaster(self.ch, self.view, nproc_per_node)
+        self.node_ident = self.bc.node_ident
+        self.worker_ident = self.bc.worker_ident
         self._unregistered = len(active) * nproc_per_node  # active workers yet to register: O(1) start check
-        self._full_json = b""  # the current membership's full layout, encoded once per epoch
-        self._welcome_json = b""
         # Each handler takes its message type's body class (protocol.BODY_TYPES), as decode built it.
         self._handlers: dict[MsgType, Callable[[bytes, NodeView, Any, float], None]] = {
             MsgType.REGISTER_NODE: self._on_register_node,
@@ -209,7 +207,7 @@ class Controller:
 
     def _tick(self, now: float) -> None:
         if self.cfg.controller_timeout_s > 0 and now >= self._next_lease_s:
-            self._send_leases()
+            self.bc.send_leases(*self._lease())
             self._next_lease_s = now + self.lease_interval_s
         for node, rc in self.backend.exited_nodes():
             self._decide(on_node_failure(self.view, node, f"node process exited with code {rc}", "process-exit"), now)
@@ -281,10 +279,10 @@ class Controller:
         if self.heartbeat_floor_s > 0:  # the heartbeat interval this job size allows (heartbeat_budget_per_s)
             self.ch.send(MsgType.WELCOME, {"heartbeat_s": self.heartbeat_floor_s}, to=ident)
         if self.cfg.controller_timeout_s > 0:
-            self._send_raw(ident, self._lease_frame())
+            self.bc.send_raw(ident, self.bc.lease_frame(*self._lease()))
         m = self.view.membership
         if m is not None and node.node_id in m.node_ranks:  # a (re)started node process
-            self._send_view(node, ident, now)
+            self.bc.send_view(node, ident, now)
 
     def _on_heartbeat(self, ident: bytes, node: NodeView, b: Heartbeat, now: float) -> None:
         # The node daemon may heartbeat too, but the job's liveness is its node process:
@@ -308,7 +306,7 @@ class Controller:
             and (b.resync or now - node.membership_sent_s > self.cfg.resync_s)
         ):
             # It missed an epoch (a lost send, a delta it could not apply): its view again.
-            self._send_view(node, ident, now)
+            self.bc.send_view(node, ident, now)
 
     @staticmethod
     def _node_state(node: NodeView, b: RegisterNode | Heartbeat) -> None:
@@ -349,15 +347,15 @@ class Controller:
                 self._unregistered -= 1
         self.events.emit("worker_registered", node=node.node_id, local_rank=lr, pid=b.pid)
         self.worker_ident[(node.node_id, lr)] = ident
-        if not self._welcome_json:  # the same for every worker: encoded once per job
-            self._welcome_json = json.dumps(
+        if not self.bc.welcome_json:  # the same for every worker: encoded once per job
+            self.bc.welcome_json = json.dumps(
                 {"store": self.cfg.store_addr, **self.cfg.worker}, separators=(",", ":")
             ).encode()
-        self._send_raw(ident, self._frame(MsgType.WELCOME, self._welcome_json, ttl_s=10.0))
+        self.bc.send_raw(ident, self.bc.frame(MsgType.WELCOME, self.bc.welcome_json, ttl_s=10.0))
         m = self.view.membership
         if m is not None and node.node_id in m.node_ranks:
             if lr not in node.relayed:  # a relayed worker gets it from its node on its hello
-                self._send_raw(ident, self._frame(MsgType.MEMBERSHIP, self._full_json))
+                self.bc.send_layout(ident)
         elif m is None and self._unregistered <= 0:
             self._start(now)
 
@@ -549,7 +547,7 @@ class Controller:
         self._next_lease_s = 0.0
         self._unregistered = sum(self.view.nodes[n].nproc for n in self._initial.node_ranks)
         if m is not None:
-            self._full_json = json.dumps(m.to_dict(), separators=(",", ":")).encode()
+            self.bc.set_layout(m)
             # The hang clock starts at the takeover: ranks blocked then report again.
             self.view.epoch_started_s = self.view.last_commit_s = now
             self._awaiting_full_strength = m.epoch
@@ -570,92 +568,22 @@ class Controller:
         self.view.first_done_s = None
         self.view.epoch_started_s = now
         self._awaiting_full_strength = m.epoch
-        # Encoded once: one delta frame for every node holding the previous epoch, one
-        # full-layout frame for every direct worker (one seq each, made just before its
-        # first send, so every receiver still sees our seqs rise).
-        layout = m.to_dict()
-        self._full_json = json.dumps(layout, separators=(",", ":")).encode()
-        full = b""
-        delta = m.delta_from(prev) if prev is not None else None
-        delta_frame = (
-            self._frame(MsgType.MEMBERSHIP_DELTA, json.dumps(delta, separators=(",", ":")).encode())
-            if delta is not None
-            else b""
-        )
-        n_view = n_delta = n_direct = 0
-        for node_id in m.node_ranks:
-            node = self.view.nodes[node_id]
-            ident = self.node_ident.get(node_id)
-            if ident is not None:
-                if delta is not None and prev is not None and node.epoch_sent == prev.epoch:
-                    self._send_raw(ident, delta_frame)
-                    node.epoch_sent, node.membership_sent_s = m.epoch, now
-                    n_delta += 1
-                else:
-                    self._send_view(node, ident, now)
-                    n_view += 1
-            if len(node.relayed) < self.nproc:  # workers not behind the node's relay: directly
-                for lr in range(self.nproc):
-                    if lr not in node.relayed and (wid := self.worker_ident.get((node_id, lr))) is not None:
-                        full = full or self._frame(MsgType.MEMBERSHIP, self._full_json)
-                        self._send_raw(wid, full)
-                        n_direct += 1
+        sent = self.bc.announce(m, prev, now)
         self.events.emit(
             "membership",
             epoch=m.epoch,
-            layout=layout["node_ranks"],
-            view=n_view,
-            delta=n_delta,
-            direct=n_direct,
+            layout=sent.layout["node_ranks"],
+            view=sent.view,
+            delta=sent.delta,
+            direct=sent.direct,
             announce_s=round(time.perf_counter() - t0, 6),
             announce_cpu_s=round(time.thread_time() - cpu0, 6),
         )
         self._fire_faults(now)  # faults armed on this epoch hit during the recovery itself
 
-    def _send_view(self, node: NodeView, ident: bytes, now: float) -> None:
-        """A node process's own view of the epoch: O(its ranks), not O(world)."""
-        m = self.view.membership
-        assert m is not None
-        body = json.dumps(m.view(node.node_id).to_dict(), separators=(",", ":")).encode()
-        self._send_raw(ident, self._frame(MsgType.MEMBERSHIP, body))
-        node.epoch_sent, node.membership_sent_s = m.epoch, now
-
-    def _frame(self, mtype: MsgType, body_json: bytes, ttl_s: float = 600.0) -> bytes:
-        """A frame around an already-encoded body: the envelope is made by the protocol
-        module (fresh seq and deadline), the body is spliced in, not re-serialised."""
-        msg = self.ch.seq.make(mtype, None, ttl_s)
-        head = encode(msg)
-        if head.endswith(b'"body":{}}'):
-            return head[:-3] + body_json + b"}"
-        return encode(Message(msg.type, msg.sender, msg.seq, msg.deadline, json.loads(body_json)))
-
-    def _send_raw(self, ident: bytes, frame: bytes) -> None:
-        if len(frame) > MAX_FRAME_BYTES:  # ~130k ranks of layout: the peer would drop the connection
-            log.error("not sending a %d-byte frame (limit %d)", len(frame), MAX_FRAME_BYTES)
-            return
-        try:
-            self.ch.sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.debug("send dropped: peer queue full")  # membership: the node's heartbeat asks again
-
-    def _lease_frame(self) -> bytes:
-        body = {
-            "term": self.cfg.term,
-            "leader": self.cfg.leader_index,
-            "interval_s": round(self.lease_interval_s, 3),
-            "store": self.cfg.store_addr,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-        }
-        return self._frame(MsgType.LEASE, json.dumps(body, separators=(",", ":")).encode(), ttl_s=60.0)
-
-    def _send_leases(self) -> None:
-        """One frame, encoded once per interval, to every node process still in the job."""
-        frame = b""
-        for node_id, ident in self.node_ident.items():
-            if self.view.nodes[node_id].role in (NodeRole.ACTIVE, NodeRole.SPARE):
-                frame = frame or self._lease_frame()
-                self._send_raw(ident, frame)
+    def _lease(self) -> tuple[int, int, float, str]:
+        """What a lease says: term, leader index, interval, store."""
+        return self.cfg.term, self.cfg.leader_index, self.lease_interval_s, self.cfg.store_addr
 
     def _fire_faults(self, now: float) -> None:
         epoch = self.view.membership.epoch if self.view.membership else 0
@@ -705,21 +633,4 @@ class Controller:
                 last = time.monotonic()
 
     def status(self) -> dict[str, Any]:
-        m = self.view.membership
-        now = time.monotonic()
-        return {
-            "epoch": m.epoch if m else 0,
-            "max_step": self.max_step,
-            "nodes": [
-                {
-                    "node": n.node_id,
-                    "role": n.role.value,
-                    "reason": n.reason,
-                    "health": n.health,
-                    "drained": n.node_id in getattr(self.backend, "drained", {}),
-                    "ranks": list(m.node_ranks.get(n.node_id, ())) if m else [],
-                    "heartbeat_age_s": round(now - n.last_heartbeat_s, 3) if n.registered else None,
-                }
-                for n in self.view.nodes.values()
-            ],
-        }
+        return status(self.view, self.max_step, getattr(self.backend, "drained", {}), time.monotonic())
