@@ -113,7 +113,7 @@ class Controller:
         journal: Journal | None = None,
         backend: Backend | None = None,
         faults: list[Fault] | None = None,
-        ctx: zmq.Context | None = None,
+        ctx: zmq.Context[Any] | None = None,
         server: Server | None = None,
         leadership: Callable[[], bool] | None = None,
     ) -> None:
@@ -203,6 +203,7 @@ class Controller:
                     next_tick = now + self.cfg.tick_s
         finally:
             self._finish()
+        assert self.result is not None  # _finish always leaves a verdict
         return self.result
 
     def _tick(self, now: float) -> None:
@@ -449,7 +450,7 @@ class Controller:
             self._fence(d.node, d.reason)
         if d.action == Action.REPLACE_NODE and d.membership is None:
             # Before the first epoch: the spare takes the failed node's place in it.
-            assert d.spare
+            assert d.node and d.spare
             self.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
             self._initial = self._initial.replace(d.node, d.spare, next_epoch=False)
             self._unregistered = sum(

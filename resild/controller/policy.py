@@ -53,7 +53,10 @@ def pick_spare(view: ClusterView, *, starting: bool = False) -> NodeView | None:
     spares = [n for n in view.spares() if n.registered]
     warm = [n for n in spares if n.workers_ready >= n.nproc]
     late = [n for n in view.spares() if starting and not n.registered]
-    return (warm or spares or late or [None])[0]
+    for group in (warm, spares, late):
+        if group:
+            return group[0]
+    return None
 
 
 def on_node_failure(

@@ -100,7 +100,7 @@ def raft_secret(keys_dir: Path) -> str:
     return path.read_text().strip()
 
 
-class RaftLog(SyncObj):
+class RaftLog(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
     """The replicated journal: an append-only list of decision records. Each replica
     also keeps its applied copy in its own JSON-lines file (for `resild report` and
     for a restart from disk)."""
@@ -110,7 +110,7 @@ class RaftLog(SyncObj):
         self.records: list[dict[str, Any]] = []
         self._file = Journal(path)
 
-    @replicated
+    @replicated  # type: ignore[untyped-decorator]  # pysyncobj has no type hints
     def _apply(self, record: dict[str, Any]) -> int:
         self.records.append(record)
         self._file.write(record)
@@ -293,7 +293,9 @@ def serve(spec: dict[str, Any], index: int) -> int:
     endpoint = endpoints[index]
     host = endpoint.split("//", 1)[1].rsplit(":", 1)[0]
     fd, port = store_listen_fd(host, cluster=cluster)
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it untyped
+        host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd
+    )
     raft = RaftLog(
         peers[index],
         [p for i, p in enumerate(peers) if i != index],
