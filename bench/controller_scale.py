@@ -79,6 +79,7 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     from resild.controller.backend import Backend
     from resild.controller.journal import Journal
     from resild.controller.loop import Controller, ControllerConfig, JobResult
+    from resild.controller.records import Record
     from resild.events.log import EventLog
     from resild.wire.keys import KeyDir
     from resild.wire.settings import JobSettings
@@ -86,7 +87,7 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
     class TimedJournal(Journal):  # the decision includes its fsync: report it apart
         fsync_s: list[float] = []
 
-        def append(self, record: dict[str, Any]) -> None:
+        def append(self, record: Record) -> None:
             t = time.perf_counter()
             super().append(record)
             self.fsync_s.append(time.perf_counter() - t)

@@ -10,9 +10,7 @@ NodeRole transitions (anything else is a bug and raises):
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
 from typing import Any
@@ -158,77 +156,3 @@ class Membership:
     def initial(active_nodes: list[str], nproc_per_node: int) -> Membership:
         layout = {n: tuple(range(i * nproc_per_node, (i + 1) * nproc_per_node)) for i, n in enumerate(active_nodes)}
         return Membership(1, len(active_nodes) * nproc_per_node, layout)
-
-
-@dataclass
-class NodeView:
-    node_id: str
-    role: NodeRole
-    nproc: int
-    registered: bool = False
-    last_heartbeat_s: float = 0.0
-    workers_ready: int = 0  # workers registered and waiting/training
-    reason: str = ""
-    host_pid: int | None = None
-    health: str = "healthy"
-    # Control-plane bookkeeping (the policy never reads these).
-    relayed: frozenset[int] = frozenset()  # local ranks that get membership through the node's relay
-    epoch_sent: int = 0  # last epoch sent to the node process (full or delta)
-    epoch_have: int = 0  # last epoch the node process said it holds (heartbeats)
-    full_sent_s: float = -1e9  # when the full layout was last sent to it (resend throttle)
-
-    def set_role(self, role: NodeRole, reason: str = "") -> None:
-        check_transition(self.role, role)
-        self.role = role
-        if reason:
-            self.reason = reason
-
-
-@dataclass
-class RankProgress:
-    step: int = 0
-    epoch: int = 0
-    state: str = "compute"  # "compute" | "wait" (blocked in a collective or group formation)
-    t_s: float = 0.0  # controller-side monotonic time of the last report
-
-
-@dataclass
-class ClusterView:
-    """What the policy sees. Built and mutated by the controller only."""
-
-    nodes: dict[str, NodeView]
-    membership: Membership | None = None
-    epoch_started_s: float = 0.0
-    last_commit_s: float = 0.0
-    progress: dict[int, RankProgress] = field(default_factory=dict)
-    done_ranks: set[int] = field(default_factory=set)
-    first_done_s: float | None = None  # when the first rank of this epoch reported done
-    probe_sent_s: float | None = None  # a liveness probe is out since then (see policy.check_probe)
-    probe_targets: frozenset[str] = frozenset()  # the nodes it was sent to
-    probe_epoch: int = 0  # the epoch whose collective failed
-    exceptions_seen: list[str] = field(default_factory=list)  # worker exception texts, oldest first
-    # Nodes ordered by last heartbeat, oldest first: the heartbeat check looks at the
-    # head only (O(1) per tick, not O(nodes)). Keep it right by setting
-    # last_heartbeat_s through beat() only.
-    _hb_order: OrderedDict[str, None] = field(default_factory=OrderedDict, repr=False)
-
-    def __post_init__(self) -> None:
-        for n in sorted(self.nodes.values(), key=lambda v: v.last_heartbeat_s):
-            self._hb_order[n.node_id] = None
-
-    def beat(self, node_id: str, now: float) -> None:
-        newest = next(reversed(self._hb_order), None)
-        self.nodes[node_id].last_heartbeat_s = now
-        self._hb_order.move_to_end(node_id)
-        if newest is not None and now < self.nodes[newest].last_heartbeat_s:
-            # A time older than the newest (only a test's clock does this): re-sort, O(nodes).
-            order = sorted(self._hb_order, key=lambda n: self.nodes[n].last_heartbeat_s)
-            self._hb_order = OrderedDict.fromkeys(order)
-
-    def by_heartbeat(self) -> Iterator[NodeView]:
-        """Nodes, least recently heard from first."""
-        for n in self._hb_order:
-            yield self.nodes[n]
-
-    def spares(self) -> list[NodeView]:
-        return [n for n in self.nodes.values() if n.role == NodeRole.SPARE]

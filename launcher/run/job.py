@@ -14,12 +14,13 @@ import torch.distributed as dist
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, format_table, summarize
 from resild.controller.faults import Fault
+from resild.controller.floor import CommittedFloor
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
 from resild.events.log import EventLog
 from resild.wire.keys import generate_keys
 from resild.wire.settings import JobSettings
-from resild.wire.store import CommittedFloor, store_listen_fd
+from resild.wire.store import store_listen_fd
 
 
 @dataclass

@@ -6,6 +6,9 @@ turn a recoverable fault into a failed job: `append` logs loudly, emits a
 `journal_error` event (once per failure streak, when an event log is attached),
 keeps `healthy`/`last_error`/`errors` for the controller's status, and returns
 False; the job goes on without durability until a write succeeds again.
+
+Records are typed (resild/controller/records.py makes their JSON); `write` takes a
+record's JSON form as it is (a standby's replicated copy, agreed on by Raft).
 """
 
 from __future__ import annotations
@@ -13,10 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
+from resild.controller.records import Record
 from resild.events.schema import EventName
 
 log = logging.getLogger("resild.journal")
@@ -33,7 +36,7 @@ class Journal:
         self.errors = 0  # failed appends so far
         self.last_error: str | None = None
         self.healthy = True  # False while writes fail (the status flag)
-        self._f = None
+        self._f: IO[str] | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(path, "a", encoding="utf-8")
@@ -50,8 +53,12 @@ class Journal:
             "last_error": self.last_error,
         }
 
-    def append(self, record: dict[str, Any]) -> bool:
+    def append(self, record: Record) -> bool:
         """True once the record is durable; False (never an exception) when it is not."""
+        return self.write(record.to_dict())
+
+    def write(self, record: dict[str, Any]) -> bool:
+        """`append` for a record already in its JSON form."""
         if self._f is None:
             return self.path is None
         try:
@@ -79,7 +86,7 @@ class Journal:
             self.last_error,
         )
         # A failed write may leave a partial line: start the next record on a fresh line so
-        # that replay() stops at most at this torn record.
+        # that a reader loses at most this torn record.
         try:
             assert self._f is not None
             self._f.write("\n")
@@ -101,19 +108,3 @@ class Journal:
             except OSError as e:  # close flushes: a full disk can fail here too
                 log.error("journal %s: close failed: %s", self.path, e)
             self._f = None
-
-
-def replay(path: Path) -> Iterator[dict[str, Any]]:
-    """Records in order; a torn line (a crash or a failed write mid-record) is skipped."""
-    if not path.exists():
-        return
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                yield rec

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from typing import Any
 import zmq
 
 from resild.controller.backend import Backend
+from resild.controller.broadcast import Broadcaster
 from resild.controller.faults import Fault, Injector
 from resild.controller.journal import Journal
 from resild.controller.policy import (
@@ -39,12 +39,31 @@ from resild.controller.policy import (
     on_node_failure,
     on_worker_exception,
 )
+from resild.controller.records import FaultFired, Start, decided, parse_record
+from resild.controller.restore import Restored, fold
+from resild.controller.status import status
+from resild.controller.view import ClusterView, JobResult, NodeView, RankProgress
 from resild.events.log import EventLog
 from resild.events.schema import EventName
-from resild.membership import ClusterView, Membership, NodeRole, NodeView, RankProgress
+from resild.membership import Membership, NodeRole
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
-from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, encode
+from resild.wire.protocol import (
+    BODY_TYPES,
+    Done,
+    Event,
+    Failed,
+    Fatal,
+    Health,
+    Heartbeat,
+    Message,
+    MsgType,
+    Progress,
+    ProtocolError,
+    RegisterNode,
+    RegisterWorker,
+    WorkerExit,
+)
 from resild.wire.settings import JobSettings
 
 log = logging.getLogger("resild.controller")
@@ -74,12 +93,6 @@ class ControllerConfig:
     leader_index: int = 0  # this controller's place in the endpoint list node processes hold
 
 
-@dataclass(frozen=True)
-class JobResult:
-    exit_code: int
-    reason: str
-
-
 class Controller:
     def __init__(
         self,
@@ -92,7 +105,7 @@ class Controller:
         journal: Journal | None = None,
         backend: Backend | None = None,
         faults: list[Fault] | None = None,
-        ctx: zmq.Context | None = None,
+        ctx: zmq.Context[Any] | None = None,
         server: Server | None = None,
         leadership: Callable[[], bool] | None = None,
     ) -> None:
@@ -119,12 +132,12 @@ class Controller:
         nodes.update({n: NodeView(n, NodeRole.SPARE, nproc_per_node) for n in spares})
         self.view = ClusterView(nodes)
         self._initial = Membership.initial(active, nproc_per_node)
-        self.node_ident: dict[str, bytes] = {}
-        self.worker_ident: dict[tuple[str, int], bytes] = {}
+        self.bc = Broadcaster(self.ch, self.view, nproc_per_node)
+        self.node_ident = self.bc.node_ident
+        self.worker_ident = self.bc.worker_ident
         self._unregistered = len(active) * nproc_per_node  # active workers yet to register: O(1) start check
-        self._full_json = b""  # the current membership's full layout, encoded once per epoch
-        self._welcome_json = b""
-        self._handlers = {
+        # Each handler takes its message type's body class (protocol.BODY_TYPES), as decode built it.
+        self._handlers: dict[MsgType, Callable[[bytes, NodeView, Any, float], None]] = {
             MsgType.REGISTER_NODE: self._on_register_node,
             MsgType.HEARTBEAT: self._on_heartbeat,
             MsgType.WORKER_EXIT: self._on_worker_exit,
@@ -181,11 +194,12 @@ class Controller:
                     next_tick = now + self.cfg.tick_s
         finally:
             self._finish()
+        assert self.result is not None  # _finish always leaves a verdict
         return self.result
 
     def _tick(self, now: float) -> None:
         if self.derived.lease_interval_s > 0 and now >= self._next_lease_s:
-            self._send_leases()
+            self.bc.send_leases(*self._lease())
             self._next_lease_s = now + self.derived.lease_interval_s
         for node, rc in self.backend.exited_nodes():
             self._decide(on_node_failure(self.view, node, f"node process exited with code {rc}", "process-exit"), now)
@@ -219,8 +233,8 @@ class Controller:
 
     def _handle(self, ident: bytes | None, msg: Message, now: float) -> None:
         assert ident is not None
-        b = msg.body
-        node_id = str(b.get("node", ""))
+        typed = msg.typed
+        node_id = typed.node or "" if typed is not None else str(msg.body.get("node", ""))
         node = self.view.nodes.get(node_id)
         if msg.type in (MsgType.STATUS,):
             self.ch.send(MsgType.STATUS_REPLY, self.status(), to=ident)
@@ -241,27 +255,29 @@ class Controller:
             )
             return
         try:
-            handler(ident, node, b, now)
-        except (KeyError, ValueError, TypeError) as e:
+            # decode made the typed body; a Message made some other way is validated here
+            body = typed if typed is not None else BODY_TYPES[msg.type].from_dict(msg.body)
+            handler(ident, node, body, now)
+        except (KeyError, ValueError, TypeError, ProtocolError) as e:
             # A well-framed message with a bad body: answer and log, never crash the job.
             log.warning("bad %s body from %s: %r", msg.type.value, msg.sender, e)
             self.ch.send(MsgType.ERROR, {"code": "bad_body", "detail": f"{msg.type.value}: {e!r}"}, to=ident)
 
-    def _on_register_node(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+    def _on_register_node(self, ident: bytes, node: NodeView, b: RegisterNode, now: float) -> None:
         self.node_ident[node.node_id] = ident
-        node.registered, node.host_pid = True, b.get("pid")
+        node.registered, node.host_pid = True, b.pid
         self.view.beat(node.node_id, now)
         self._node_state(node, b)
-        self.events.emit(EventName.NODE_REGISTERED, node=node.node_id, role=node.role.value, pid=b.get("pid"))
+        self.events.emit(EventName.NODE_REGISTERED, node=node.node_id, role=node.role.value, pid=b.pid)
         if self.derived.heartbeat_interval_s > self.cfg.settings.heartbeat_interval_s:  # the budget at this size
             self.ch.send(MsgType.WELCOME, {"heartbeat_s": self.derived.heartbeat_interval_s}, to=ident)
         if self.derived.lease_interval_s > 0:
-            self._send_raw(ident, self._lease_frame())
+            self.bc.send_raw(ident, self.bc.lease_frame(*self._lease()))
         m = self.view.membership
         if m is not None and node.node_id in m.node_ranks:  # a (re)started node process
-            self._send_view(node, ident, now)
+            self.bc.send_view(node, ident, now)
 
-    def _on_heartbeat(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+    def _on_heartbeat(self, ident: bytes, node: NodeView, b: Heartbeat, now: float) -> None:
         # The node daemon may heartbeat too, but the job's liveness is its node process:
         # only that one refreshes the clock and receives FENCE/INJECT/SHUTDOWN.
         if not ident.endswith(b"/node"):
@@ -269,49 +285,52 @@ class Controller:
         self.node_ident[node.node_id] = ident
         self.view.beat(node.node_id, now)
         node.registered = True
-        if node.host_pid is None and isinstance(b.get("pid"), int):
-            node.host_pid = b["pid"]  # a standby that took over never saw the registration
-        if "health" in b:
-            node.health = str(b["health"])
+        if node.host_pid is None and b.pid is not None:
+            node.host_pid = b.pid  # a standby that took over never saw the registration
+        if b.health is not None:
+            node.health = b.health
         self._node_state(node, b)
         m = self.view.membership
         if (
             m is not None
             and node.epoch_have < m.epoch
-            and "epoch" in b
+            and b.epoch is not None
             and node.node_id in m.node_ranks
-            and (b.get("resync") or now - node.membership_sent_s > self.cfg.resync_s)
+            and (b.resync or now - node.membership_sent_s > self.cfg.resync_s)
         ):
             # It missed an epoch (a lost send, a delta it could not apply): its view again.
-            self._send_view(node, ident, now)
+            self.bc.send_view(node, ident, now)
 
     @staticmethod
-    def _node_state(node: NodeView, b: dict) -> None:
+    def _node_state(node: NodeView, b: RegisterNode | Heartbeat) -> None:
         """What a node process says about its relay: the epoch it holds, the local ranks
         it relays to (those need no direct sends)."""
-        if "epoch" in b:
-            node.epoch_have = int(b["epoch"])
-        if "relayed" in b:
-            node.relayed = frozenset(int(x) for x in b["relayed"])
+        if b.epoch is not None:
+            node.epoch_have = b.epoch
+        if b.relayed is not None:
+            node.relayed = frozenset(b.relayed)
 
-    def _on_worker_exit(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        rc = b.get("returncode")
+    def _on_worker_exit(self, ident: bytes, node: NodeView, b: WorkerExit, now: float) -> None:
+        rc = b.returncode
         if rc == 0 and node.role == NodeRole.ACTIVE and self._node_done(node):
             return
-        how = f"signal {-rc}" if isinstance(rc, int) and rc < 0 else f"code {rc}"
-        cause = f"worker {b.get('local_rank')} (pid {b.get('pid')}) exited with {how}"
+        how = f"signal {-rc}" if rc is not None and rc < 0 else f"code {rc}"
+        cause = f"worker {b.local_rank} (pid {b.pid}) exited with {how}"
         self._decide(on_node_failure(self.view, node.node_id, cause, "process-exit", worker_fault=True), now)
 
-    def _on_health(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        node.health = str(b.get("verdict", "unknown"))
+    def _on_health(self, ident: bytes, node: NodeView, b: Health, now: float) -> None:
+        node.health = b.verdict or "unknown"
         if node.health == "failed":
-            reasons = b.get("reasons") or ["GPU failed"]
+            reasons = b.reasons or ["GPU failed"]
             self._decide(
-                on_node_failure(self.view, node.node_id, "; ".join(reasons), str(b.get("detector", "gpu-probe"))), now
+                on_node_failure(
+                    self.view, node.node_id, "; ".join(reasons), b.detector if b.detector is not None else "gpu-probe"
+                ),
+                now,
             )
 
-    def _on_register_worker(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        lr = int(b.get("local_rank", -1))
+    def _on_register_worker(self, ident: bytes, node: NodeView, b: RegisterWorker, now: float) -> None:
+        lr = b.local_rank if b.local_rank is not None else -1
         if not 0 <= lr < node.nproc:
             self.ch.send(MsgType.ERROR, {"code": "bad_local_rank", "detail": f"local rank {lr} out of range"}, to=ident)
             return
@@ -319,52 +338,54 @@ class Controller:
             node.workers_ready += 1
             if node.role == NodeRole.ACTIVE:
                 self._unregistered -= 1
-        self.events.emit(EventName.WORKER_REGISTERED, node=node.node_id, local_rank=lr, pid=b.get("pid"))
+        self.events.emit(EventName.WORKER_REGISTERED, node=node.node_id, local_rank=lr, pid=b.pid)
         self.worker_ident[(node.node_id, lr)] = ident
-        if not self._welcome_json:  # the same for every worker: encoded once per job
-            self._welcome_json = json.dumps(
+        if not self.bc.welcome_json:  # the same for every worker: encoded once per job
+            self.bc.welcome_json = json.dumps(
                 {"store": self.cfg.store_addr, **self.cfg.settings.worker_timeouts()}, separators=(",", ":")
             ).encode()
-        self._send_raw(ident, self._frame(MsgType.WELCOME, self._welcome_json, ttl_s=10.0))
+        self.bc.send_raw(ident, self.bc.frame(MsgType.WELCOME, self.bc.welcome_json, ttl_s=10.0))
         m = self.view.membership
         if m is not None and node.node_id in m.node_ranks:
             if lr not in node.relayed:  # a relayed worker gets it from its node on its hello
-                self._send_raw(ident, self._frame(MsgType.MEMBERSHIP, self._full_json))
+                self.bc.send_layout(ident)
         elif m is None and self._unregistered <= 0:
             self._start(now)
 
-    def _on_progress(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        if "commits" in b:
-            self._on_commits(node, b, now)
+    def _on_progress(self, ident: bytes, node: NodeView, b: Progress, now: float) -> None:
+        if b.commits is not None:
+            self._on_commits(node, b.commits, b.epoch, now)
             return
-        rank, epoch, step = int(b["rank"]), int(b["epoch"]), int(b["step"])
+        rank, epoch, step = b.rank, b.epoch, b.step
+        if rank is None or epoch is None or step is None:
+            raise KeyError("rank, epoch and step are required")
         m = self.view.membership
         if m is None or m.node_ranks.get(node.node_id) is None or rank not in m.node_ranks[node.node_id]:
             return  # stale sender
-        if b.get("state") == "collective_failed" and self.view.probe_sent_s is None and epoch == m.epoch:
-            self.events.emit(EventName.COLLECTIVE_FAILED, rank=rank, epoch=epoch, error=str(b.get("error", ""))[:300])
+        if b.state == "collective_failed" and self.view.probe_sent_s is None and epoch == m.epoch:
+            self.events.emit(EventName.COLLECTIVE_FAILED, rank=rank, epoch=epoch, error=(b.error or "")[:300])
             self.view.probe_sent_s, self.view.probe_epoch = now, epoch
             targets = [n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and n in self.node_ident]
             self.view.probe_targets = frozenset(targets)
             for node_id in targets:
                 self.ch.send(MsgType.PING, {}, to=self.node_ident[node_id], ttl_s=1.0)
-        if b.get("state") == "joined" and epoch == m.epoch:
+        if b.state == "joined" and epoch == m.epoch:
             # A rank finished this epoch's recovery (the spare is last: it built its model
             # first). The stall clock starts now, not at the announcement.
             self.view.epoch_started_s = max(self.view.epoch_started_s, now)
-        self._rank_progress(rank, epoch, step, str(b.get("state", "compute")), m, now)
+        self._rank_progress(rank, epoch, step, b.state if b.state is not None else "compute", m, now)
 
-    def _on_commits(self, node: NodeView, b: dict, now: float) -> None:
+    def _on_commits(self, node: NodeView, commits: dict[int, int], epoch: int | None, now: float) -> None:
         """A node process's aggregate of its ranks' commits: {"commits": {rank: step}, "epoch"}."""
-        epoch = int(b["epoch"])
+        if epoch is None:
+            raise KeyError("epoch is required with commits")
         m = self.view.membership
         mine = m.node_ranks.get(node.node_id) if m is not None else None
         if m is None or mine is None:
             return  # stale sender
-        for r, step in dict(b["commits"]).items():
-            rank = int(r)
+        for rank, step in commits.items():
             if rank in mine:
-                self._rank_progress(rank, epoch, int(step), "commit", m, now)
+                self._rank_progress(rank, epoch, step, "commit", m, now)
 
     def _rank_progress(self, rank: int, epoch: int, step: int, state: str, m: Membership, now: float) -> None:
         p = self.view.progress.get(rank)
@@ -382,31 +403,27 @@ class Controller:
                 self._awaiting_full_strength = None
                 self.events.emit(EventName.FULL_STRENGTH_STEP, epoch=epoch, step=step, rank=rank)
 
-    def _on_event(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        fields = dict(b.get("fields", {}))
-        self.events.emit(str(b.get("name", "worker_event")), node=node.node_id, **fields)
+    def _on_event(self, ident: bytes, node: NodeView, b: Event, now: float) -> None:
+        self.events.emit(b.name or "worker_event", node=node.node_id, **(b.fields or {}))
 
-    def _on_failed(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        error = str(b.get("error", "an exception"))
-        cause = f"worker {b.get('local_rank')} (pid {b.get('pid')}) raised {error}"
+    def _on_failed(self, ident: bytes, node: NodeView, b: Failed, now: float) -> None:
+        error = b.error if b.error is not None else "an exception"
+        cause = f"worker {b.local_rank} (pid {b.pid}) raised {error}"
         self._decide(on_worker_exception(self.view, node.node_id, error, cause), now)
         self.view.exceptions_seen.append(error)
 
-    def _on_fatal(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
-        self._decide(
-            Decision(Action.FAIL_JOB, f"unrecoverable: {b.get('error', 'no reason given')}", detector="runtime"), now
-        )
+    def _on_fatal(self, ident: bytes, node: NodeView, b: Fatal, now: float) -> None:
+        error = b.error if b.error is not None else "no reason given"
+        self._decide(Decision(Action.FAIL_JOB, f"unrecoverable: {error}", detector="runtime"), now)
 
-    def _on_done(self, ident: bytes, node: NodeView, b: dict, now: float) -> None:
+    def _on_done(self, ident: bytes, node: NodeView, b: Done, now: float) -> None:
         m = self.view.membership
-        if m is None or int(b["epoch"]) != m.epoch:
+        if m is None or b.epoch != m.epoch or b.rank is None:
             return  # sent before a re-form: the rank reports again in the new epoch
-        self.view.done_ranks.add(int(b["rank"]))
+        self.view.done_ranks.add(b.rank)
         if self.view.first_done_s is None:
             self.view.first_done_s = now
-        self.events.emit(
-            EventName.RANK_DONE, node=node.node_id, rank=int(b["rank"]), pid=b.get("pid"), step=b.get("step")
-        )
+        self.events.emit(EventName.RANK_DONE, node=node.node_id, rank=b.rank, pid=b.pid, step=b.step)
         self._decide(check_done(self.view), now)
 
     def _node_done(self, node: NodeView) -> bool:
@@ -417,17 +434,7 @@ class Controller:
     def _decide(self, d: Decision, now: float) -> None:
         if d.action == Action.NONE:
             return
-        self.journal.append(
-            {
-                "t_wall": time.time(),
-                "action": d.action.value,
-                "reason": d.reason,
-                "node": d.node,
-                "spare": d.spare,
-                "membership": d.membership.to_dict() if d.membership else None,
-                "committed_step": self.max_step,
-            }
-        )
+        self.journal.append(decided(d, self.max_step, time.time()))
         if d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node:
             self.events.emit(
                 EventName.FAILURE_DETECTED,
@@ -439,7 +446,7 @@ class Controller:
             self._fence(d.node, d.reason)
         if d.action == Action.REPLACE_NODE and d.membership is None:
             # Before the first epoch: the spare takes the failed node's place in it.
-            assert d.spare
+            assert d.node and d.spare
             self.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
             self._initial = self._initial.replace(d.node, d.spare, next_epoch=False)
             self._unregistered = sum(
@@ -499,14 +506,7 @@ class Controller:
 
     def _start(self, now: float) -> None:
         """Every active worker registered: the first epoch, journaled like any decision."""
-        self.journal.append(
-            {
-                "t_wall": time.time(),
-                "action": "start",
-                "reason": "every active worker registered",
-                "membership": self._initial.to_dict(),
-            }
-        )
+        self.journal.append(Start(self._initial, "every active worker registered", time.time()))
         self._apply_membership(self._initial, now)
 
     def restore(self, records: list[dict[str, Any]], now: float) -> None:
@@ -516,25 +516,23 @@ class Controller:
         (they follow the highest lease term) and heartbeat within their interval: a
         node that does not is lost like any silent node."""
         self.restored = True
-        for rec in records:
-            action, node, spare = rec.get("action"), rec.get("node"), rec.get("spare")
-            mem = rec.get("membership")
-            if action == "fault_fired":
-                self.injector.pending = [f for f in self.injector.pending if str(f) != rec.get("spec")]
-                continue
-            if action in ("replace_node", "drop_spare", "fail_job") and node in self.view.nodes:
-                if self.view.nodes[node].role in (NodeRole.ACTIVE, NodeRole.SPARE):
-                    self.view.nodes[node].set_role(NodeRole.FENCED, str(rec.get("reason", "")))
-            if action == "replace_node" and spare in self.view.nodes:
-                if self.view.nodes[spare].role == NodeRole.SPARE:
-                    self.view.nodes[spare].set_role(NodeRole.ACTIVE)
-                if mem is None:  # a start-up replacement
-                    self._initial = self._initial.replace(node, spare, next_epoch=False)
-            if mem is not None and action in ("start", "replace_node", "reform"):
-                self.view.membership = Membership.from_dict(mem)
-            self.max_step = max(self.max_step, int(rec.get("committed_step") or 0))
-            if action in ("fail_job", "finish"):
-                self.result = JobResult(0 if action == "finish" else 1, str(rec.get("reason", "")))
+        nodes = self.view.nodes
+        initial = Restored(
+            {n: v.role for n, v in nodes.items()},
+            {n: v.reason for n, v in nodes.items()},
+            self._initial,
+            self.view.membership,
+            self.max_step,
+            self.result,
+        )
+        state = fold(map(parse_record, records), initial)
+        for node_id, role in state.roles.items():
+            if nodes[node_id].role != role:
+                nodes[node_id].set_role(role)
+            nodes[node_id].reason = state.reasons[node_id]
+        self._initial, self.view.membership = state.initial, state.membership
+        self.max_step, self.result = state.max_step, state.result
+        self.injector.pending = [f for f in self.injector.pending if str(f) not in state.fired]
         m = self.view.membership
         for n in self.view.nodes.values():
             if n.role in (NodeRole.ACTIVE, NodeRole.SPARE):
@@ -546,7 +544,7 @@ class Controller:
         self._next_lease_s = 0.0
         self._unregistered = sum(self.view.nodes[n].nproc for n in self._initial.node_ranks)
         if m is not None:
-            self._full_json = json.dumps(m.to_dict(), separators=(",", ":")).encode()
+            self.bc.set_layout(m)
             # The hang clock starts at the takeover: ranks blocked then report again.
             self.view.epoch_started_s = self.view.last_commit_s = now
             self._awaiting_full_strength = m.epoch
@@ -567,98 +565,28 @@ class Controller:
         self.view.first_done_s = None
         self.view.epoch_started_s = now
         self._awaiting_full_strength = m.epoch
-        # Encoded once: one delta frame for every node holding the previous epoch, one
-        # full-layout frame for every direct worker (one seq each, made just before its
-        # first send, so every receiver still sees our seqs rise).
-        layout = m.to_dict()
-        self._full_json = json.dumps(layout, separators=(",", ":")).encode()
-        full = b""
-        delta = m.delta_from(prev) if prev is not None else None
-        delta_frame = (
-            self._frame(MsgType.MEMBERSHIP_DELTA, json.dumps(delta, separators=(",", ":")).encode())
-            if delta is not None
-            else b""
-        )
-        n_view = n_delta = n_direct = 0
-        for node_id in m.node_ranks:
-            node = self.view.nodes[node_id]
-            ident = self.node_ident.get(node_id)
-            if ident is not None:
-                if delta is not None and prev is not None and node.epoch_sent == prev.epoch:
-                    self._send_raw(ident, delta_frame)
-                    node.epoch_sent, node.membership_sent_s = m.epoch, now
-                    n_delta += 1
-                else:
-                    self._send_view(node, ident, now)
-                    n_view += 1
-            if len(node.relayed) < self.nproc:  # workers not behind the node's relay: directly
-                for lr in range(self.nproc):
-                    if lr not in node.relayed and (wid := self.worker_ident.get((node_id, lr))) is not None:
-                        full = full or self._frame(MsgType.MEMBERSHIP, self._full_json)
-                        self._send_raw(wid, full)
-                        n_direct += 1
+        sent = self.bc.announce(m, prev, now)
         self.events.emit(
             EventName.MEMBERSHIP,
             epoch=m.epoch,
-            layout=layout["node_ranks"],
-            view=n_view,
-            delta=n_delta,
-            direct=n_direct,
+            layout=sent.layout["node_ranks"],
+            view=sent.view,
+            delta=sent.delta,
+            direct=sent.direct,
             announce_s=round(time.perf_counter() - t0, 6),
             announce_cpu_s=round(time.thread_time() - cpu0, 6),
         )
         self._fire_faults(now)  # faults armed on this epoch hit during the recovery itself
 
-    def _send_view(self, node: NodeView, ident: bytes, now: float) -> None:
-        """A node process's own view of the epoch: O(its ranks), not O(world)."""
-        m = self.view.membership
-        assert m is not None
-        body = json.dumps(m.view(node.node_id).to_dict(), separators=(",", ":")).encode()
-        self._send_raw(ident, self._frame(MsgType.MEMBERSHIP, body))
-        node.epoch_sent, node.membership_sent_s = m.epoch, now
-
-    def _frame(self, mtype: MsgType, body_json: bytes, ttl_s: float = 600.0) -> bytes:
-        """A frame around an already-encoded body: the envelope is made by the protocol
-        module (fresh seq and deadline), the body is spliced in, not re-serialised."""
-        msg = self.ch.seq.make(mtype, None, ttl_s)
-        head = encode(msg)
-        if head.endswith(b'"body":{}}'):
-            return head[:-3] + body_json + b"}"
-        return encode(Message(msg.type, msg.sender, msg.seq, msg.deadline, json.loads(body_json)))
-
-    def _send_raw(self, ident: bytes, frame: bytes) -> None:
-        if len(frame) > MAX_FRAME_BYTES:  # ~130k ranks of layout: the peer would drop the connection
-            log.error("not sending a %d-byte frame (limit %d)", len(frame), MAX_FRAME_BYTES)
-            return
-        try:
-            self.ch.sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            log.debug("send dropped: peer queue full")  # membership: the node's heartbeat asks again
-
-    def _lease_frame(self) -> bytes:
-        body = {
-            "term": self.cfg.term,
-            "leader": self.cfg.leader_index,
-            "interval_s": round(self.derived.lease_interval_s, 3),
-            "timeout_s": round(self.derived.lease_timeout_s, 3),  # how long the node waits for the next
-            "store": self.cfg.store_addr,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-        }
-        return self._frame(MsgType.LEASE, json.dumps(body, separators=(",", ":")).encode(), ttl_s=60.0)
-
-    def _send_leases(self) -> None:
-        """One frame, encoded once per interval, to every node process still in the job."""
-        frame = b""
-        for node_id, ident in self.node_ident.items():
-            if self.view.nodes[node_id].role in (NodeRole.ACTIVE, NodeRole.SPARE):
-                frame = frame or self._lease_frame()
-                self._send_raw(ident, frame)
+    def _lease(self) -> tuple[int, int, float, float, str]:
+        """What a lease says: term, leader index, interval, the nodes' wait, store."""
+        d = self.derived
+        return self.cfg.term, self.cfg.leader_index, d.lease_interval_s, d.lease_timeout_s, self.cfg.store_addr
 
     def _fire_faults(self, now: float) -> None:
         epoch = self.view.membership.epoch if self.view.membership else 0
         for f in self.injector.due(self.max_step, now, epoch):
-            self.journal.append({"t_wall": time.time(), "action": "fault_fired", "spec": str(f)})  # fired once, ever
+            self.journal.append(FaultFired(str(f), time.time()))  # fired once, ever
             self.events.emit(EventName.FAULT_INJECTED, kind=f.kind, node=f.node, step=self.max_step, spec=str(f))
             if f.kind == "exception":
                 ident = self.worker_ident.get((f.node, f.local_rank))
@@ -703,21 +631,4 @@ class Controller:
                 last = time.monotonic()
 
     def status(self) -> dict[str, Any]:
-        m = self.view.membership
-        now = time.monotonic()
-        return {
-            "epoch": m.epoch if m else 0,
-            "max_step": self.max_step,
-            "nodes": [
-                {
-                    "node": n.node_id,
-                    "role": n.role.value,
-                    "reason": n.reason,
-                    "health": n.health,
-                    "drained": n.node_id in getattr(self.backend, "drained", {}),
-                    "ranks": list(m.node_ranks.get(n.node_id, ())) if m else [],
-                    "heartbeat_age_s": round(now - n.last_heartbeat_s, 3) if n.registered else None,
-                }
-                for n in self.view.nodes.values()
-            ],
-        }
+        return status(self.view, self.max_step, getattr(self.backend, "drained", {}), time.monotonic())

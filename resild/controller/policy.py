@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from resild.membership import ClusterView, Membership, NodeRole, NodeView
+from resild.controller.view import ClusterView, NodeView
+from resild.membership import Membership, NodeRole
 from resild.wire.settings import Derived, JobSettings
 
 
@@ -65,7 +66,10 @@ def pick_spare(view: ClusterView, *, starting: bool = False) -> NodeView | None:
     spares = [n for n in view.spares() if n.registered]
     warm = [n for n in spares if n.workers_ready >= n.nproc]
     late = [n for n in view.spares() if starting and not n.registered]
-    return (warm or spares or late or [None])[0]
+    for group in (warm, spares, late):
+        if group:
+            return group[0]
+    return None
 
 
 def on_node_failure(

@@ -42,15 +42,17 @@ from pysyncobj.syncobj import SyncObjException
 import resild.slurm as slurm
 from resild.controller.backend import Backend
 from resild.controller.faults import parse_fault
+from resild.controller.floor import CommittedFloor
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
+from resild.controller.records import Closed, Leader
 from resild.events.log import EventLog
 from resild.events.schema import EventName
 from resild.procutil import die_with_parent
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.settings import JobSettings
-from resild.wire.store import CommittedFloor, store_listen_fd
+from resild.wire.store import store_listen_fd
 
 log = logging.getLogger("resild.replica")
 
@@ -100,7 +102,7 @@ def raft_secret(keys_dir: Path) -> str:
     return path.read_text().strip()
 
 
-class RaftLog(SyncObj):
+class RaftLog(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
     """The replicated journal: an append-only list of decision records. Each replica
     also keeps its applied copy in its own JSON-lines file (for `resild report` and
     for a restart from disk)."""
@@ -110,14 +112,14 @@ class RaftLog(SyncObj):
         self.records: list[dict[str, Any]] = []
         self._file = Journal(path)
 
-    @replicated
+    @replicated  # type: ignore[untyped-decorator]  # pysyncobj has no type hints
     def _apply(self, record: dict[str, Any]) -> int:
         self.records.append(record)
-        self._file.append(record)
+        self._file.write(record)
         return len(self.records)
 
 
-CLOSED = "closed"  # the leader's last record: the job is over and its verdict written
+CLOSED = Closed.ACTION  # the leader's last record: the job is over and its verdict written
 
 
 def _closed(records: list[dict[str, Any]]) -> bool:
@@ -134,7 +136,7 @@ class RaftJournal(Journal):
         super().__init__(None)
         self.raft, self.timeout_s = raft, timeout_s
 
-    def append(self, record: dict[str, Any]) -> bool:
+    def write(self, record: dict[str, Any]) -> bool:
         try:
             self.raft._apply(record, sync=True, timeout=self.timeout_s)
         except SyncObjException as e:
@@ -309,7 +311,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
         if raft._isLeader():
             try:
                 raft._apply(
-                    {"action": "leader", "index": index, "pid": os.getpid(), "t_wall": time.time()},
+                    Leader(index, os.getpid(), time.time()).to_dict(),
                     sync=True,
                     timeout=2.0,
                 )
@@ -322,7 +324,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
         time.sleep(4 * APPEND_PERIOD_S)  # the last standby learns of `closed` from our appends
         raft.destroy()
         return 0
-    records = [r for r in raft.records if r.get("action") not in ("leader", CLOSED)]
+    records = [r for r in raft.records if r.get("action") not in (Leader.ACTION, CLOSED)]
     events = EventLog(Path(spec["events"]))
     floor = CommittedFloor(store)
     events.listeners.append(floor)
@@ -383,7 +385,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
     # (which would say the verdict again, late). Not committed (we die first): they take over,
     # which is right, since nodes might still need the SHUTDOWN.
     try:
-        raft._apply({"action": CLOSED, "index": index, "t_wall": time.time()}, sync=True, timeout=2.0)
+        raft._apply(Closed(index, time.time()).to_dict(), sync=True, timeout=2.0)
         time.sleep(4 * APPEND_PERIOD_S)  # followers learn the commit from our next append
     except SyncObjException as e:
         log.warning("replica %d: could not tell the standbys the job is over: %s", index, e.errorCode)

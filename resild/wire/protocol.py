@@ -83,7 +83,9 @@ def _f(
     required: bool = False,
     choices: tuple[str, ...] | None = None,
 ) -> Any:
-    """A body field: `kind` is str | int | float | bool | strs (list of str) | obj (JSON object)."""
+    """A body field: `kind` is str | int | float | bool | strs (list of str) | ints (list of
+    ints in [lo, hi]) | steps ({rank: step}, ranks as decimal strings, steps ints in [lo, hi];
+    typed as dict[int, int]) | obj (JSON object)."""
     return field(
         default=None,
         metadata={"kind": kind, "lo": lo, "hi": hi, "max_len": max_len, "required": required, "choices": choices},
@@ -94,6 +96,8 @@ NODE = 256  # node names, detectors, states
 TEXT = 4096  # reasons, error texts (truncated by senders, refused beyond this)
 PID = (1 << 31) - 1
 RANK = (1 << 31) - 1
+LOCAL_RANK = 1 << 16
+MAX_ITEMS = 1 << 16  # entries of a list or map of ranks (a node's ranks)
 
 
 @dataclass(frozen=True)
@@ -145,22 +149,53 @@ def _check_field(name: str, v: Any, m: Any) -> Any:
                 "bad_body", f"{name} must be a list of at most 256 strings of at most {m['max_len']} characters"
             )
         v = list(v)
+    elif kind == "ints":
+        if not isinstance(v, list) or len(v) > MAX_ITEMS or not all(_int_in(x, m["lo"], m["hi"]) for x in v):
+            raise ProtocolError(
+                "bad_body", f"{name} must be a list of at most {MAX_ITEMS} integers in [{m['lo']}, {m['hi']}]"
+            )
+        v = list(v)
+    elif kind == "steps":
+        if (
+            not isinstance(v, dict)
+            or len(v) > MAX_ITEMS
+            or not all(_rank_key(k) and _int_in(x, m["lo"], m["hi"]) for k, x in v.items())
+        ):
+            raise ProtocolError(
+                "bad_body",
+                f"{name} must map at most {MAX_ITEMS} ranks (decimal strings) to integers in [{m['lo']}, {m['hi']}]",
+            )
+        v = {int(k): x for k, x in v.items()}
     elif kind == "obj":
         if not isinstance(v, dict):
             raise ProtocolError("bad_body", f"{name} must be a JSON object")
     return v
 
 
+def _int_in(v: Any, lo: float, hi: float) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _rank_key(k: str) -> bool:
+    return 0 < len(k) <= 10 and k.isascii() and k.isdigit() and int(k) <= RANK
+
+
 @dataclass(frozen=True)
 class RegisterNode(Body):
     pid: int | None = _f("int", lo=1, hi=PID)
     nproc: int | None = _f("int", lo=1, hi=1 << 16)
+    epoch: int | None = _f("int")  # the epoch the node process holds
+    relayed: list[int] | None = _f("ints", hi=LOCAL_RANK)  # local ranks its relay serves
 
 
 @dataclass(frozen=True)
 class Heartbeat(Body):
     health: str | None = _f("str", max_len=64)
     source: str | None = _f("str", max_len=64)
+    pid: int | None = _f("int", lo=1, hi=PID)
+    epoch: int | None = _f("int")  # the epoch the node process holds
+    relayed: list[int] | None = _f("ints", hi=LOCAL_RANK)  # local ranks its relay serves (on change)
+    resync: bool | None = _f("bool")  # it missed an epoch: send its view now
 
 
 @dataclass(frozen=True)
@@ -196,6 +231,8 @@ class Progress(Body):
     state: str | None = _f("str", max_len=32)
     error: str | None = _f("str", max_len=TEXT)
     pid: int | None = _f("int", lo=1, hi=PID)
+    # A node process's aggregate of its ranks' commits (with `epoch`): {rank: step}
+    commits: dict[int, int] | None = _f("steps")
 
 
 # Events peers may emit under their own name (the runtime's recovery milestones and the

@@ -1,34 +1,15 @@
-"""What the controller keeps in the job's rendezvous store (torch's TCPStore, hosted
-by the controller, or by each standby replica: the store moves with the leader)."""
+"""The job's rendezvous store (torch's TCPStore, hosted by the controller, or by each
+standby replica: the store moves with the leader): the keys the controller keeps there
+for the workers (the controller's writer: resild.controller.floor), and its socket."""
 
 from __future__ import annotations
 
 import logging
 import socket
-from typing import Any
-
-from resild.events.schema import EventName
 
 log = logging.getLogger(__name__)
 
 COMMITTED_KEY = "resild/committed"  # newest step the controller saw committed at a failure
-
-
-class CommittedFloor:
-    """An event listener: publishes, in the rendezvous store, the newest step the
-    controller knew to be committed when it decided a failure. A recovery that finds
-    no rank at that step has lost every replica of the state: it must stop, not
-    restart from step 0."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-
-    def __call__(self, rec: dict[str, Any]) -> None:
-        if rec.get("event") == EventName.FAILURE_DETECTED:
-            self.publish(int(rec.get("committed_step") or 0))
-
-    def publish(self, step: int) -> None:
-        self.store.set(COMMITTED_KEY, str(step))
 
 
 # ---- the rendezvous store's listening socket --------------------------------------------

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from resild.membership import ClusterView, DeltaMismatch, Membership, NodeRole, NodeView
+from resild.controller.view import ClusterView, NodeView
+from resild.membership import DeltaMismatch, Membership, NodeRole
 
 pytestmark = pytest.mark.timeout(30)
 

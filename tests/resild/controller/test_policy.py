@@ -13,7 +13,8 @@ from resild.controller.policy import (
     on_worker_exception,
     pick_spare,
 )
-from resild.membership import ClusterView, IllegalTransition, Membership, NodeRole, NodeView, RankProgress
+from resild.controller.view import ClusterView, NodeView, RankProgress
+from resild.membership import IllegalTransition, Membership, NodeRole
 
 CFG = PolicyConfig(heartbeat_timeout_s=2.0, hang_timeout_s=5.0)
 

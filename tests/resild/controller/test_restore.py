@@ -9,7 +9,9 @@ from resild.controller.faults import parse_fault
 from resild.controller.loop import Controller, ControllerConfig
 from resild.events.log import EventLog
 from resild.membership import Membership, NodeRole
+from resild.wire.channel import Channel, connect
 from resild.wire.leader import ControllerSet
+from resild.wire.protocol import Message, MsgType
 
 
 def _controller(faults: list[str] = ()) -> Controller:
@@ -96,3 +98,38 @@ def test_peers_follow_the_highest_term_only() -> None:
     finally:
         cs.close()
         ctx.term()
+
+
+def test_a_node_an_epoch_behind_after_a_takeover_gets_its_view_again() -> None:
+    """A node still at the old epoch when a standby takes over: its first heartbeat must get
+    its view of the current epoch. The resend throttle's clock (`membership_sent_s`) was never
+    declared on NodeView, so the heartbeat handler raised AttributeError instead."""
+    m1 = Membership.initial(["a", "b"], 2)
+    m2 = m1.replace("b", "s0")
+    records = [
+        {"action": "start", "membership": m1.to_dict()},
+        {"action": "replace_node", "node": "b", "spare": "s0", "membership": m2.to_dict(), "reason": "b failed"},
+    ]
+    ctl = _controller()
+    ctx = zmq.Context()
+    try:
+        ctl.restore(records, now=100.0)
+        node = connect(ctx, ctl.endpoint, None, "a/node")
+        node.send(MsgType.HEARTBEAT, {"node": "a", "epoch": 1, "pid": 7})  # the ROUTER learns the peer
+        got = None
+        for _ in range(50):
+            got = ctl.ch.recv(0.1)
+            if got is not None:
+                break
+        assert got is not None and got[0] == b"a/node"
+        ctl._handle(got[0], got[1], 101.0)  # raised AttributeError before the fix
+        assert ctl.view.nodes["a"].epoch_sent == 2
+        sent = [m for _, m in iter(lambda: _recv(node), None) if m.type == MsgType.MEMBERSHIP]
+        assert [Membership.from_dict(m.body) for m in sent] == [m2.view("a")]
+    finally:
+        ctl.server.close()
+        ctx.destroy(linger=0)
+
+
+def _recv(ch: Channel) -> tuple[bytes | None, Message] | None:
+    return ch.recv(0.5)

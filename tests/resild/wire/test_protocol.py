@@ -16,6 +16,7 @@ from resild.wire.protocol import (
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Event,
+    Heartbeat,
     Message,
     MsgType,
     Progress,
@@ -95,6 +96,21 @@ def test_round_trip() -> None:
         (_frame("event", {"node": "n", "name": "x", "fields": {"node": "other"}}), "bad_body"),
         (_frame("event", {"node": "n", "name": "x", "fields": {"t_mono": "soon"}}), "bad_body"),
         (_frame("membership", {"epoch": 2, "world_size": 2, "node_ranks": {"a": [0, 5]}}), "bad_body"),
+        # A node's aggregated commits: {rank: step}, ranks decimal strings, steps integers
+        # in range ({"0": 1e300} got in and reached the handler's int()).
+        (_frame("progress", {"node": "n", "epoch": 1, "commits": {"0": 1e300}}), "bad_body"),
+        (_frame("progress", {"node": "n", "epoch": 1, "commits": {"0": 1.5}}), "bad_body"),
+        (_frame("progress", {"node": "n", "epoch": 1, "commits": {"0": -1}}), "bad_body"),
+        (_frame("progress", {"node": "n", "epoch": 1, "commits": {"0": True}}), "bad_body"),
+        (_frame("progress", {"node": "n", "epoch": 1, "commits": {"x": 1}}), "bad_body"),
+        (_frame("progress", {"node": "n", "epoch": 1, "commits": {"-1": 1}}), "bad_body"),
+        (_frame("progress", {"node": "n", "epoch": 1, "commits": {"99999999999": 1}}), "bad_body"),
+        (_frame("progress", {"node": "n", "epoch": 1, "commits": [1, 2]}), "bad_body"),
+        (_frame("heartbeat", {"node": "n", "epoch": "1"}), "bad_body"),
+        (_frame("heartbeat", {"node": "n", "relayed": [0, "1"]}), "bad_body"),
+        (_frame("heartbeat", {"node": "n", "relayed": [-1]}), "bad_body"),
+        (_frame("heartbeat", {"node": "n", "resync": 1}), "bad_body"),
+        (_frame("register_node", {"node": "n", "relayed": 3}), "bad_body"),
     ],
 )
 def test_decode_rejects(frame: bytes, code: str) -> None:
@@ -107,6 +123,14 @@ def test_typed_body_alongside_the_dict() -> None:
     m = decode(_frame("progress", {"node": "n", "rank": 3, "epoch": 2, "step": 9, "state": "commit", "extra": [1]}))
     assert m.typed == Progress(node="n", rank=3, epoch=2, step=9, state="commit")
     assert m.body["extra"] == [1]  # unknown keys pass through for handlers that know them
+
+
+def test_commits_and_relay_state_are_typed() -> None:
+    m = decode(_frame("progress", {"node": "n", "epoch": 2, "state": "commit", "commits": {"0": 5, "17": 6}}))
+    assert m.typed == Progress(node="n", epoch=2, state="commit", commits={0: 5, 17: 6})
+    assert m.body["commits"] == {"0": 5, "17": 6}  # the dict stays as it came
+    m = decode(_frame("heartbeat", {"node": "n", "epoch": 3, "pid": 9, "relayed": [0, 1], "resync": True}))
+    assert m.typed == Heartbeat(node="n", epoch=3, pid=9, relayed=[0, 1], resync=True)
 
 
 def test_worker_events_live_in_their_own_namespace() -> None:

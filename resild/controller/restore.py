@@ -1,0 +1,75 @@
+"""Taking over from a journal, as a pure fold: `reduce(apply, records, initial)`.
+
+What a journal says about the job: each node's role (and why it was fenced), the
+first epoch's layout with its start-up replacements, the current epoch, the highest
+committed step, the verdict if there is one and the faults already fired. Everything
+else comes back from the nodes, which re-register with a new leader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from functools import reduce
+
+from resild.controller.records import (
+    DropSpare,
+    FailJob,
+    FaultFired,
+    Finish,
+    Record,
+    Reform,
+    ReplaceNode,
+    Start,
+)
+from resild.controller.view import JobResult
+from resild.membership import Membership, NodeRole, check_transition
+
+_LIVE = (NodeRole.ACTIVE, NodeRole.SPARE)
+
+
+@dataclass(frozen=True)
+class Restored:
+    roles: dict[str, NodeRole]
+    reasons: dict[str, str]  # why each node was fenced ("" for the others)
+    initial: Membership  # the first epoch's layout (start-up replacements applied)
+    membership: Membership | None = None  # the current epoch, once the job started
+    max_step: int = 0
+    result: JobResult | None = None
+    fired: frozenset[str] = frozenset()  # specs of the faults that fired (once, ever)
+
+
+def _set(s: Restored, node: str, role: NodeRole, reason: str = "") -> Restored:
+    check_transition(s.roles[node], role)
+    reasons = {**s.reasons, node: reason} if reason else s.reasons
+    return replace(s, roles={**s.roles, node: role}, reasons=reasons)
+
+
+def apply(s: Restored, rec: Record) -> Restored:
+    """The state after one more record; records of other kinds (leader, unknown) change nothing."""
+    if isinstance(rec, FaultFired):
+        return replace(s, fired=s.fired | {rec.spec})
+    if isinstance(rec, Start):
+        return replace(s, membership=rec.membership)
+    if not isinstance(rec, (ReplaceNode, DropSpare, Reform, FailJob, Finish)):
+        return s
+    node, spare = rec.node, rec.spare
+    if isinstance(rec, (ReplaceNode, DropSpare, FailJob)) and node in s.roles and s.roles[node] in _LIVE:
+        s = _set(s, node, NodeRole.FENCED, rec.reason)
+    if isinstance(rec, ReplaceNode) and spare in s.roles:
+        if s.roles[spare] == NodeRole.SPARE:
+            s = _set(s, spare, NodeRole.ACTIVE)
+        if rec.membership is None:  # a start-up replacement
+            s = replace(s, initial=s.initial.replace(node or "", spare, next_epoch=False))
+    if rec.membership is not None and isinstance(rec, (ReplaceNode, Reform)):
+        s = replace(s, membership=rec.membership)
+    s = replace(s, max_step=max(s.max_step, rec.committed_step))
+    if isinstance(rec, FailJob):
+        s = replace(s, result=JobResult(1, rec.reason))
+    elif isinstance(rec, Finish):
+        s = replace(s, result=JobResult(0, rec.reason))
+    return s
+
+
+def fold(records: Iterable[Record], initial: Restored) -> Restored:
+    return reduce(apply, records, initial)
