@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import hostlist
@@ -310,3 +310,85 @@ def cancel(
 
     scancel exits 0, silently, for a job already gone or not in the state asked for."""
     _run(cancel_cmd(job_id, only_running), timeout_s, env)
+
+
+# -- releasing an allocation whose controller is gone (one path: a node process whose lease ran
+# out, launcher/node/lease.py; a standby leader whose resil-run died, resild/controller/replica.py)
+
+# What became of the requeue (after_requeue's answer)
+REQUEUED = "requeued"  # this node process requeued the job
+ALREADY_REQUEUED = "already_requeued"  # another one did: the job is pending (or on its way)
+GONE = "gone"  # the job has ended already: nothing to release
+CANCEL = "cancel"  # not requeueable, or the requeue failed: cancel it
+
+RequeueFn = Callable[..., None]  # slurm.requeue(job_id, comment, timeout_s=...): raises SlurmError
+CancelFn = Callable[..., None]  # slurm.cancel(job_id, timeout_s=...): raises SlurmError
+
+
+def after_requeue(err: SlurmError | None) -> str:
+    """The decision, from the result of the comment + requeue commands (None: both succeeded).
+
+    Messages measured on Slurm 22.05: a second requeue (job completing or pending after the
+    first) says "Job is pending execution"; a job that is not requeueable says "Requested
+    operation is presently disabled"; an ended job "Job has already finished" (comment update)
+    or "Invalid job id specified" (purged). A timeout or any other error: cancel."""
+    if err is None:
+        return REQUEUED
+    text = f"{err.stderr} {err}".lower()
+    if "pending execution" in text:
+        return ALREADY_REQUEUED
+    if "already finished" in text or "invalid job id" in text or "already completing or completed" in text:
+        return GONE
+    return CANCEL
+
+
+def _why(err: SlurmError) -> str:
+    text = (err.stderr or str(err)).strip()
+    first = text.splitlines()[0] if text else "error"
+    return first.removeprefix("slurm_update error: ").removeprefix("scontrol: error: ")[:160]
+
+
+RELEASE_MODES = ("requeue", "cancel", "none")
+
+
+def release_job(
+    job_id: str,
+    reason: str,
+    mode: str = "requeue",
+    *,
+    requeue_fn: RequeueFn = requeue,
+    cancel_fn: CancelFn = cancel,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> str:
+    """Release the allocation as `mode` says; returns what happened, as a fragment of the node
+    process's one line ("requeued Slurm job 42", ...). Never raises SlurmError.
+
+      requeue  the comment says why, then `scontrol requeue`; if that is refused (not
+               requeueable) or fails, `scancel --state=RUNNING` (a job being requeued is
+               left alone: a plain scancel would cancel the requeue)
+      cancel   `scancel --state=RUNNING` only
+      none     nothing"""
+    if mode == "none":
+        return f"left Slurm job {job_id} alone"
+    if mode == "requeue":
+        err: SlurmError | None = None
+        try:
+            requeue_fn(job_id, reason, timeout_s=timeout_s)
+        except SlurmError as e:
+            err = e
+        decision = after_requeue(err)
+        if decision == REQUEUED:
+            return f"requeued Slurm job {job_id}"
+        if decision == ALREADY_REQUEUED:
+            return f"Slurm job {job_id} already requeued"
+        if decision == GONE:
+            return f"Slurm job {job_id} already ended"
+        assert err is not None
+        first = f"could not requeue Slurm job {job_id} ({_why(err)}): "
+    else:
+        first = ""
+    try:
+        cancel_fn(job_id, timeout_s=timeout_s)
+    except SlurmError as e:
+        return f"{first}scancel {job_id} failed ({_why(e)})"
+    return first + ("cancelled it" if first else f"cancelled Slurm job {job_id}")

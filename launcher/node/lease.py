@@ -20,24 +20,14 @@ Every command has a timeout. Outside a Slurm job step nothing is done.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from resild import slurm
-from resild.slurm import SlurmError
+from resild.slurm import RELEASE_MODES
 
 ENV = "RESILD_ON_CONTROLLER_LOST"
-MODES = ("requeue", "cancel", "none")
+MODES = RELEASE_MODES
 DEFAULT_MODE = "requeue"
-TIMEOUT_S = 10.0
-
-# What became of the requeue (after_requeue's answer)
-REQUEUED = "requeued"  # this node process requeued the job
-ALREADY_REQUEUED = "already_requeued"  # another one did: the job is pending (or on its way)
-GONE = "gone"  # the job has ended already: nothing to release
-CANCEL = "cancel"  # not requeueable, or the requeue failed: cancel it
-
-RequeueFn = Callable[..., None]  # slurm.requeue(job_id, comment, timeout_s=...): raises SlurmError
-CancelFn = Callable[..., None]  # slurm.cancel(job_id, timeout_s=...): raises SlurmError
 
 
 def slurm_job_id(env: Mapping[str, str], node: str) -> str | None:
@@ -59,61 +49,8 @@ def mode_from_env(env: Mapping[str, str]) -> tuple[str, str]:
     return DEFAULT_MODE, f"{ENV}={raw!r} unknown, used {DEFAULT_MODE}"
 
 
-def after_requeue(err: SlurmError | None) -> str:
-    """The decision, from the result of the comment + requeue commands (None: both succeeded).
-
-    Messages measured on Slurm 22.05: a second requeue (job completing or pending after the
-    first) says "Job is pending execution"; a job that is not requeueable says "Requested
-    operation is presently disabled"; an ended job "Job has already finished" (comment update)
-    or "Invalid job id specified" (purged). A timeout or any other error: cancel."""
-    if err is None:
-        return REQUEUED
-    text = f"{err.stderr} {err}".lower()
-    if "pending execution" in text:
-        return ALREADY_REQUEUED
-    if "already finished" in text or "invalid job id" in text or "already completing or completed" in text:
-        return GONE
-    return CANCEL
-
-
-def _why(err: SlurmError) -> str:
-    text = (err.stderr or str(err)).strip()
-    first = text.splitlines()[0] if text else "error"
-    return first.removeprefix("slurm_update error: ").removeprefix("scontrol: error: ")[:160]
-
-
-def release_job(
-    job_id: str,
-    reason: str,
-    mode: str = DEFAULT_MODE,
-    *,
-    requeue: RequeueFn = slurm.requeue,
-    cancel: CancelFn = slurm.cancel,
-    timeout_s: float = TIMEOUT_S,
-) -> str:
-    """Release the allocation as `mode` says; returns what happened, as a fragment of the node
-    process's one line ("requeued Slurm job 42", ...). Never raises SlurmError."""
+def release(job_id: str, reason: str, mode: str) -> str:
+    """resild.slurm.release_job, saying which setting left the job alone."""
     if mode == "none":
         return f"left Slurm job {job_id} alone ({ENV}=none)"
-    if mode == "requeue":
-        err: SlurmError | None = None
-        try:
-            requeue(job_id, reason, timeout_s=timeout_s)
-        except SlurmError as e:
-            err = e
-        decision = after_requeue(err)
-        if decision == REQUEUED:
-            return f"requeued Slurm job {job_id}"
-        if decision == ALREADY_REQUEUED:
-            return f"Slurm job {job_id} already requeued"
-        if decision == GONE:
-            return f"Slurm job {job_id} already ended"
-        assert err is not None
-        first = f"could not requeue Slurm job {job_id} ({_why(err)}): "
-    else:
-        first = ""
-    try:
-        cancel(job_id, timeout_s=timeout_s)
-    except SlurmError as e:
-        return f"{first}scancel {job_id} failed ({_why(e)})"
-    return first + ("cancelled it" if first else f"cancelled Slurm job {job_id}")
+    return slurm.release_job(job_id, reason, mode)

@@ -321,7 +321,7 @@ class NodeProcess:
             mode, note = lease.mode_from_env(os.environ)
             # the requeue/scancel makes slurmstepd TERM this step: finish and say what happened first
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            released = "; " + lease.release_job(
+            released = "; " + lease.release(
                 job_id, f"controller lost (no word from {endpoint} for {silent_s:.1f}s; batch host down?)", mode
             )
             if note:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,7 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from launcher.run.local import LocalCluster
-from launcher.run.status import StatusLine, format_table, summarize
+from launcher.run.status import StatusLine, print_summary
 from resild.controller.faults import Fault
 from resild.controller.floor import CommittedFloor
 from resild.controller.journal import Journal
@@ -111,21 +110,5 @@ def run_job(
         events.close()
         if live is not None:
             live.close()
-    failures, job = summarize(events.records + list(events.recent_progress))
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "exit_code": result.exit_code,
-                    "reason": result.reason,
-                    "job": job,
-                    "failures": [f.__dict__ for f in failures],
-                },
-                indent=2,
-            )
-        )
-    else:
-        print(format_table(failures, job), file=sys.stderr)
-    if result.exit_code != 0:
-        print(f"resil-run: job failed: {result.reason}", file=sys.stderr)
+    print_summary(result.exit_code, result.reason, events.records + list(events.recent_progress), as_json)
     return (result.exit_code, result.reason) if return_reason else result.exit_code

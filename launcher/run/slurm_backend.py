@@ -13,12 +13,11 @@ import logging
 import os
 import signal
 import subprocess
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 from resild import slurm
-from resild.controller.backend import Backend
+from resild.controller.backend import SlurmDrain
 from resild.wire.keys import KeyDir, add_node_key
 
 log = logging.getLogger("resild.slurm")
@@ -46,7 +45,7 @@ def per_node_keys(node_cmd: list[str], nodes: list[str]) -> list[str]:
     return ["/bin/sh", "-c", _PICK_KEYS, "sh", *node_cmd]
 
 
-class SlurmBackend(Backend):
+class SlurmBackend(SlurmDrain):
     def __init__(
         self,
         alloc: slurm.Allocation,
@@ -55,14 +54,12 @@ class SlurmBackend(Backend):
         env: Mapping[str, str] | None = None,
         drain_nodes: bool = True,
     ) -> None:
+        super().__init__(env)
         self.alloc, self.nodes, self.node_cmd = alloc, nodes, node_cmd
-        self.env = dict(env or os.environ)
         self.drain_nodes = drain_nodes
         self.proc: subprocess.Popen | None = None
-        self.drained: dict[str, str] = {}
         self.fenced: set[str] = set()
         self._srun_reported = False
-        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
         argv = slurm.srun_node_launcher_cmd(self.alloc, self.nodes, per_node_keys(self.node_cmd, self.nodes))
@@ -70,19 +67,8 @@ class SlurmBackend(Backend):
         self.proc = subprocess.Popen(argv, env=self.env, start_new_session=True)
 
     def drain(self, node: str, reason: str) -> None:
-        if not self.drain_nodes:
-            return
-
-        def run() -> None:  # scontrol takes ~0.1 s: keep it off the controller loop
-            try:
-                slurm.drain(node, reason, env=self.env)
-                self.drained[node] = reason
-            except (slurm.SlurmError, OSError) as e:
-                log.error("could not drain %s: %s", node, e)
-
-        t = threading.Thread(target=run, name=f"drain-{node}", daemon=True)
-        t.start()
-        self._threads.append(t)
+        if self.drain_nodes:  # under standby controllers the leader drains (drain_nodes=False here)
+            super().drain(node, reason)
 
     def fence(self, node: str, reason: str) -> None:
         self.fenced.add(node)
@@ -96,8 +82,7 @@ class SlurmBackend(Backend):
         return [(n, self.proc.returncode) for n in self.nodes if n not in self.fenced]
 
     def shutdown(self, timeout_s: float) -> None:
-        for t in self._threads:
-            t.join(10.0)
+        self.join_drains()
         if self.proc is None:
             return
         # srun waits for a dead node's task until slurmctld marks the node down

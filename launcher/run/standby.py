@@ -22,7 +22,7 @@ from typing import Any
 
 from launcher.run.job import JobSpec, _fake_nvml
 from launcher.run.local import LocalCluster
-from launcher.run.status import StatusLine, format_table, summarize
+from launcher.run.status import StatusLine, print_summary
 from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.events.log import RECENT_PROGRESS, EventTail
 from resild.events.schema import EventName
@@ -184,27 +184,10 @@ def run_replicated(
             f"every controller replica was lost ({n_controllers}); the node processes ended on their lease",
         )
     records = seen + list(progress)
-    failures, job = summarize(records)
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "exit_code": code,
-                    "reason": reason,
-                    "job": job,
-                    "controllers": n_controllers,
-                    "leaders": [
-                        {k: e.get(k) for k in ("pid", "host", "term", "index", "restored")}
-                        for e in records
-                        if e["event"] == EventName.CONTROLLER_LEADER
-                    ],
-                    "failures": [f.__dict__ for f in failures],
-                },
-                indent=2,
-            )
-        )
-    else:
-        print(format_table(failures, job), file=sys.stderr)
-    if code != 0:
-        print(f"resil-run: job failed: {reason}", file=sys.stderr)
+    leaders = [
+        {k: e.get(k) for k in ("pid", "host", "term", "index", "restored")}
+        for e in records
+        if e["event"] == EventName.CONTROLLER_LEADER
+    ]
+    print_summary(code, reason, records, as_json, {"controllers": n_controllers, "leaders": leaders})
     return code

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -106,6 +108,22 @@ _RECOVERY_EVENTS = frozenset(
         EventName.RESUMED,
     }
 )
+
+
+def print_summary(
+    code: int, reason: str, events: list[dict[str, Any]], as_json: bool, extra: dict[str, Any] | None = None
+) -> None:
+    """resil-run's last words, whichever controller ran the job: the JSON summary on stdout
+    (--json; `extra` adds fields), else the failure table on stderr; then the reason of a failure."""
+    failures, job = summarize(events)
+    if as_json:
+        body = {"exit_code": code, "reason": reason, "job": job, **(extra or {})}
+        body["failures"] = [f.__dict__ for f in failures]
+        print(json.dumps(body, indent=2))
+    else:
+        print(format_table(failures, job), file=sys.stderr)
+    if code != 0:
+        print(f"resil-run: job failed: {reason}", file=sys.stderr)
 
 
 class StatusLine:

@@ -27,9 +27,7 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,7 +38,7 @@ from pysyncobj import SyncObj, SyncObjConf, replicated
 from pysyncobj.syncobj import SyncObjException
 
 import resild.slurm as slurm
-from resild.controller.backend import Backend
+from resild.controller.backend import Backend, SlurmDrain
 from resild.controller.faults import parse_fault
 from resild.controller.floor import CommittedFloor
 from resild.controller.journal import Journal
@@ -190,25 +188,6 @@ class ProcessNodes(Backend):
         self._done.update(self.nodes)  # resil-run waits for and reaps the node processes
 
 
-class SlurmDrain(Backend):
-    """A leader on any node of the allocation: fencing is logical (FENCE to the node
-    process), a failed node is drained in Slurm off the loop. Node deaths are found by
-    heartbeats and probes (the node step's srun belongs to resil-run, not to us)."""
-
-    def __init__(self) -> None:
-        self.drained: dict[str, str] = {}
-
-    def drain(self, node: str, reason: str) -> None:
-        def run() -> None:
-            try:
-                slurm.drain(node, reason)
-                self.drained[node] = reason
-            except slurm.SlurmError as e:
-                log.error("could not drain %s: %s", node, e)
-
-        threading.Thread(target=run, name=f"drain-{node}", daemon=True).start()
-
-
 def discover(
     spec: dict[str, Any], index: int, run_dir: Path, router_port: int, timeout_s: float = 120.0
 ) -> tuple[list[str], list[str]]:
@@ -267,16 +246,9 @@ def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
         file=sys.stderr,
         flush=True,
     )
-    try:
-        if result.exit_code != 0:
-            slurm.requeue(job_id, f"{result.reason} (batch host lost)")
-            return
-    except slurm.SlurmError as e:
-        log.error("requeue failed: %s; cancelling", e)
-    try:
-        subprocess.run(["scancel", job_id], capture_output=True, timeout=10.0)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        log.error("scancel %s failed: %s", job_id, e)
+    # a failed job goes back in the queue (the reason in its comment), a finished one ends
+    mode = "requeue" if result.exit_code != 0 else "cancel"
+    log.warning("%s", slurm.release_job(job_id, f"{result.reason} (batch host lost)", mode))
 
 
 def serve(spec: dict[str, Any], index: int) -> int:

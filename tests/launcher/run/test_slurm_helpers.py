@@ -271,7 +271,7 @@ def test_run_dir_name_fallbacks() -> None:
     assert calls == []
 
 
-# -- releasing the allocation when the controller lease runs out (launcher/node/lease.py) -----------------
+# -- releasing the allocation when the controller is gone (resild/slurm.py, launcher/node/lease.py) ------
 def _err(stderr: str, rc: int | None = 1) -> SlurmError:
     return SlurmError(f"scontrol requeue 42 failed (exit {rc}): {stderr}", ["scontrol", "requeue", "42"], rc, stderr)
 
@@ -291,7 +291,7 @@ def _err(stderr: str, rc: int | None = 1) -> SlurmError:
     ],
 )
 def test_after_requeue_decision(err: SlurmError | None, decision: str) -> None:
-    from launcher.node.lease import after_requeue
+    from resild.slurm import after_requeue
 
     assert after_requeue(err) == decision
 
@@ -314,9 +314,11 @@ class _FakeSlurm:
             raise self.cancel_err
 
     def release(self, mode: str = "requeue") -> str:
-        from launcher.node.lease import release_job
+        from resild.slurm import release_job
 
-        return release_job("42", "controller lost (x)", mode, requeue=self.requeue, cancel=self.cancel, timeout_s=7)
+        return release_job(
+            "42", "controller lost (x)", mode, requeue_fn=self.requeue, cancel_fn=self.cancel, timeout_s=7
+        )
 
 
 def test_release_requeues_and_does_not_cancel() -> None:
@@ -346,7 +348,10 @@ def test_release_modes_and_a_failing_scancel() -> None:
     f = _FakeSlurm()
     assert f.release("cancel") == "cancelled Slurm job 42" and [c[0] for c in f.calls] == ["cancel"]
     f = _FakeSlurm()
-    assert f.release("none") == "left Slurm job 42 alone (RESILD_ON_CONTROLLER_LOST=none)" and f.calls == []
+    assert f.release("none") == "left Slurm job 42 alone" and f.calls == []
+    from launcher.node.lease import release
+
+    assert release("42", "x", "none") == "left Slurm job 42 alone (RESILD_ON_CONTROLLER_LOST=none)"
     f = _FakeSlurm(
         SlurmError("scontrol requeue 42 timed out after 7s", ["scontrol"], None),
         _err("scancel: error: Kill job error on job id 42: Access/permission denied"),
@@ -359,7 +364,7 @@ def test_release_modes_and_a_failing_scancel() -> None:
 def test_release_through_scontrol_and_scancel_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real slurm.requeue / slurm.cancel underneath: comment, requeue, then scancel --state=RUNNING
     (a plain scancel would cancel a requeue another node process just made), each with the timeout."""
-    from launcher.node.lease import release_job
+    from resild.slurm import release_job
 
     seen: list[tuple[list[str], object]] = []
 
