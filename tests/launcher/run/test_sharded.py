@@ -37,6 +37,11 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
 
 
 def hsdp(tmp: Path, *args: str, nodes: int = 5, spares: int = 1, timeout_s: float = 240) -> RunResult:
+    # Up to 18 processes on 2 cores: a node process can be starved past the default 2 s heartbeat
+    # timeout (seen in CI: "no heartbeat for 2.0s" with 0.2 steps/s). Kills here are found by
+    # process exit, so a longer node-loss timeout changes nothing these tests measure.
+    if "--heartbeat-timeout" not in args:
+        args = ("--heartbeat-timeout", "4", *args)
     return run_job(tmp, *args, nodes=nodes, spares=spares, nproc=2, steps=STEPS, script=HSDP, timeout_s=timeout_s)
 
 
