@@ -47,21 +47,21 @@ class ControlLink:
         self.intr, self._status = intr, status
         self.ctx = zmq.Context()
         self._keys = keys
-        self._out: queue.Queue[tuple[MsgType, dict]] = queue.Queue()
+        self._out: queue.Queue[tuple[MsgType, dict[str, Any]]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._stop = threading.Event()
         self._stopped = threading.Event()
         # Read by the training thread; written only here, under intr.cond.
-        self.welcome: dict | None = None
+        self.welcome: dict[str, Any] | None = None
         self.pending: Membership | None = None  # newest membership not yet taken
         self.epoch = 0  # the epoch the training thread works in
         self.inject_exception = False
-        self.shutdown: dict | None = None
+        self.shutdown: dict[str, Any] | None = None
         self.wait_report_s = 1.0
         self.leader_changes = 0
         # Told again to a new leader (standby takeover): who we are, and that we are done.
-        self._repeat: dict[MsgType, dict] = {}
+        self._repeat: dict[MsgType, dict[str, Any]] = {}
         self._ch: ControllerSet | None = None
         self._thread = threading.Thread(target=self._run, name="resild-control", daemon=True)
 

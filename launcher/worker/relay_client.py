@@ -27,7 +27,7 @@ class RelayClient:
     worker that starts (or reconnects) late is never behind."""
 
     def __init__(
-        self, endpoint: str, sender: str, local_rank: int | None = None, ctx: zmq.Context | None = None
+        self, endpoint: str, sender: str, local_rank: int | None = None, ctx: zmq.Context[Any] | None = None
     ) -> None:
         if local_rank is None:
             local_rank = int(os.environ.get("RESILD_LOCAL_RANK", "-1"))
