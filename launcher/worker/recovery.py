@@ -22,7 +22,6 @@ import torch
 from launcher.worker.replica_map import ReplicaMap, plan_replay
 from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort
 from launcher.worker.state_transport import P2PTransport, Received
-from resild.wire.store import COMMITTED_KEY  # noqa: F401 (the runtime reads it from here)
 
 
 class Reformed(Exception):
