@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import resild.wire.env as resild_env
 from resild.daemon.config import Config, ConfigError, load_config
 from resild.health.model import HealthEvent
 from resild.health.probes import GpuProbe, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
@@ -60,7 +61,7 @@ from resild.wire.protocol import Message, MsgType, ProtocolError, Sequencer
 
 log = logging.getLogger("resild.health_source")
 
-DAEMON_SOCKET_ENV = "RESILD_DAEMON_SOCKET"
+DAEMON_SOCKET_ENV = resild_env.DAEMON_SOCKET.name
 SUBSCRIBE_TIMEOUT_S = 1.0  # connect + first answer; a daemon slower than this is not used
 RECONNECT_MIN_S, RECONNECT_MAX_S = 0.2, 5.0
 DEFAULT_PUSH_INTERVAL_S = 5.0  # the daemon's keepalive period, when it does not say

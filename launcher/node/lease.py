@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import resild.wire.env as resild_env
 from resild import slurm
 from resild.slurm import RELEASE_MODES
 
-ENV = "RESILD_ON_CONTROLLER_LOST"
+ENV = resild_env.ON_CONTROLLER_LOST.name
 MODES = RELEASE_MODES
 DEFAULT_MODE = "requeue"
 

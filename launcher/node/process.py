@@ -35,8 +35,10 @@ from typing import TYPE_CHECKING
 import zmq
 
 import launcher.node.lease as lease
+import resild.wire.env as resild_env
 from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
 from resild.procutil import die_with_parent
+from resild.wire.exits import CONTROLLER_LOST_EXIT, FENCED_EXIT
 from resild.wire.keys import KeyDir
 from resild.wire.leader import ControllerSet
 from resild.wire.protocol import Message, MsgType
@@ -46,11 +48,6 @@ if TYPE_CHECKING:  # imported when the probe starts (_start_probe)
     from launcher.node.health_source import HealthSource
 
 log = logging.getLogger("resild.node")
-
-# Exit codes of the node process (its workers die with it): FENCED_EXIT when the
-# controller fenced this node, CONTROLLER_LOST_EXIT when the lease ran out.
-FENCED_EXIT = 3
-CONTROLLER_LOST_EXIT = 75  # EX_TEMPFAIL: the job may be requeued or resumed
 
 
 @dataclass
@@ -86,12 +83,17 @@ class NodeProcess:
         # One link per controller replica (comma-separated endpoints); sends go to the leader.
         self.ch = ControllerSet(self.ctx, controller.split(","), keys, sender=f"{node}/node")
         self.exited: list[dict] = []  # worker exits so far: told again to a new leader
-        self.env = dict(os.environ, RESILD_CONTROLLER=controller, RESILD_NODE=node, RESILD_NPROC=str(nproc))
+        self.env = {
+            **os.environ,
+            resild_env.CONTROLLER.name: controller,
+            resild_env.NODE.name: node,
+            resild_env.NPROC.name: str(nproc),
+        }
         # NCCL: on a communicator error abort it but keep the process (the controller's
         # notice, not torch's watchdog, decides what happens next).
         self.env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         if keys is not None:
-            self.env["RESILD_KEYS"] = str(keys.path)
+            self.env[resild_env.KEYS.name] = str(keys.path)
         self.workers: dict[int, Worker] = {}
         self.health_q: queue.Queue[dict] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
@@ -99,7 +101,7 @@ class NodeProcess:
         self.probe: HealthSource | None = None
         self.probe_interval_s = probe_interval_s
         self.exit_code: int | None = None
-        self.exit_grace_s = float(os.environ.get("RESILD_EXIT_GRACE_S", "600"))
+        self.exit_grace_s = float(os.environ.get(resild_env.EXIT_GRACE_S.name, resild_env.EXIT_GRACE_S.default))
         self.shutting_down_until: float | None = None
         self.layout = LayoutTracker()
         self.commits = CommitAggregator(expected=nproc)
@@ -121,8 +123,8 @@ class NodeProcess:
 
     # ---- workers ---------------------------------------------------------
     def _spawn(self, lr: int) -> None:
-        env = dict(self.env, RESILD_LOCAL_RANK=str(lr), LOCAL_RANK=str(lr))
-        proc = subprocess.Popen(self.cmd, env=env, preexec_fn=die_with_parent)
+        worker_env = {**self.env, resild_env.LOCAL_RANK.name: str(lr), "LOCAL_RANK": str(lr)}
+        proc = subprocess.Popen(self.cmd, env=worker_env, preexec_fn=die_with_parent)
         self.workers[lr] = Worker(lr, proc, os.pidfd_open(proc.pid))
 
     def _kill_workers(self, sig: int = signal.SIGKILL) -> None:

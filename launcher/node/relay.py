@@ -27,13 +27,14 @@ from typing import Any
 
 import zmq
 
+import resild.wire.env as resild_env
 from resild.membership import DeltaMismatch, Membership
 from resild.wire.channel import Channel
 from resild.wire.protocol import Message, MsgType
 
 log = logging.getLogger("resild.relay")
 
-RELAY_ENV = "RESILD_RELAY"
+RELAY_ENV = resild_env.RELAY.name
 COMMIT_REPORT_S = 0.1  # at most one aggregated commit report per node this often
 
 

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import resild.wire.env as resild_env
 from resild.controller.backend import Backend
 from resild.procutil import die_with_parent
 from resild.wire.keys import KeyDir, add_node_key
@@ -63,7 +64,7 @@ class LocalCluster(Backend):
                 json.dumps(self.settings.to_dict()),
             ]
             env = dict(os.environ)
-            env.pop("RESILD_KEYS", None)  # never inherit another key directory
+            env.pop(resild_env.KEYS.name, None)  # never inherit another key directory
             if keys_dir is not None:
                 args += ["--keys", str(node_keys[node])]
             if self.fake_nvml_dir is not None:

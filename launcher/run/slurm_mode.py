@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+import resild.wire.env as resild_env
 from resild import slurm
 from resild.controller.faults import FaultSpecError, parse_fault
 from resild.wire.settings import JobSettings
@@ -239,7 +240,7 @@ def run_slurm(
 
     # The controller and store must be reachable from every node: bind on all
     # interfaces, advertise this host (override with RESILD_CONTROLLER_HOST).
-    host = os.environ.get("RESILD_CONTROLLER_HOST") or socket.getfqdn()
+    host = os.environ.get(resild_env.CONTROLLER_HOST.name) or socket.getfqdn()
     rd = run_dir or Path.cwd() / ".resild" / default_run_dir_name(alloc.job_id, os.environ)
     print(f"resil-run: run dir {rd}", file=sys.stderr, flush=True)
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import zmq
 
+import resild.wire.env as resild_env
 from resild.wire.local_socket import local_request
 from resild.wire.protocol import MsgType
 
@@ -21,9 +23,9 @@ log = logging.getLogger("resild.agent_link")
 DEFAULT_SOCKET = "/run/resild/status.sock"
 
 
-def agent_endpoint(env: dict[str, str] | os._Environ = os.environ) -> str | None:
+def agent_endpoint(env: Mapping[str, str] = os.environ) -> str | None:
     """$RESILD_AGENT_SOCKET, else the daemon's default socket if it exists."""
-    path = env.get("RESILD_AGENT_SOCKET") or (DEFAULT_SOCKET if os.path.exists(DEFAULT_SOCKET) else None)
+    path = env.get(resild_env.AGENT_SOCKET.name) or (DEFAULT_SOCKET if os.path.exists(DEFAULT_SOCKET) else None)
     if not path:
         return None
     return path if "://" in path else f"ipc://{path}"
@@ -46,7 +48,7 @@ class AgentLink:
         self._stop.set()
         self._thread.join(self.timeout_s + 1.0)
 
-    def _request(self, ctx: zmq.Context, mtype: MsgType, body: dict) -> bool:
+    def _request(self, ctx: zmq.Context[Any], mtype: MsgType, body: dict[str, Any]) -> bool:
         reply = local_request(self.endpoint, mtype, body, timeout_s=self.timeout_s, ctx=ctx)
         return reply is not None and reply.type != MsgType.ERROR
 

@@ -22,15 +22,15 @@ from typing import Any
 
 import zmq
 
+import resild.wire.env as resild_env
 from launcher.worker.stable_group import Interrupts
 from resild.membership import Membership
+from resild.wire.exits import FENCED_EXIT
 from resild.wire.keys import KeyDir
 from resild.wire.leader import ControllerSet
 from resild.wire.protocol import MsgType
 
 log = logging.getLogger("resild.control")
-
-FENCED_EXIT = 3
 
 
 class ControlLink:
@@ -47,21 +47,21 @@ class ControlLink:
         self.intr, self._status = intr, status
         self.ctx = zmq.Context()
         self._keys = keys
-        self._out: queue.Queue[tuple[MsgType, dict]] = queue.Queue()
+        self._out: queue.Queue[tuple[MsgType, dict[str, Any]]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._stop = threading.Event()
         self._stopped = threading.Event()
         # Read by the training thread; written only here, under intr.cond.
-        self.welcome: dict | None = None
+        self.welcome: dict[str, Any] | None = None
         self.pending: Membership | None = None  # newest membership not yet taken
         self.epoch = 0  # the epoch the training thread works in
         self.inject_exception = False
-        self.shutdown: dict | None = None
+        self.shutdown: dict[str, Any] | None = None
         self.wait_report_s = 1.0
         self.leader_changes = 0
         # Told again to a new leader (standby takeover): who we are, and that we are done.
-        self._repeat: dict[MsgType, dict] = {}
+        self._repeat: dict[MsgType, dict[str, Any]] = {}
         self._ch: ControllerSet | None = None
         self._thread = threading.Thread(target=self._run, name="resild-control", daemon=True)
 
@@ -116,12 +116,12 @@ class ControlLink:
             self.ctx, self.controller.split(","), self._keys, sender=f"{self.node}/w{self.local_rank}/{os.getpid()}"
         )
         relay = None
-        if os.environ.get("RESILD_RELAY"):
+        if os.environ.get(resild_env.RELAY.name):
             from launcher.worker.relay_client import (
                 RelayClient,  # the node process relays membership and aggregates progress
             )
 
-            relay = RelayClient(os.environ["RESILD_RELAY"], f"{self.node}/w{self.local_rank}")
+            relay = RelayClient(os.environ[resild_env.RELAY.name], f"{self.node}/w{self.local_rank}")
         poller = zmq.Poller()
         for sock in ch.socks:
             poller.register(sock, zmq.POLLIN)
@@ -217,4 +217,5 @@ class ControlLink:
 
 
 def keys_from_env() -> KeyDir | None:
-    return KeyDir(Path(os.environ["RESILD_KEYS"])) if os.environ.get("RESILD_KEYS") else None
+    keys = os.environ.get(resild_env.KEYS.name)
+    return KeyDir(Path(keys)) if keys else None

@@ -23,7 +23,7 @@ class ResumableLoader:
 
     def _set_epoch(self) -> None:
         sampler = getattr(self.loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
+        if sampler is not None and hasattr(sampler, "set_epoch"):
             sampler.set_epoch(self.epoch)  # DistributedSampler reshuffles per epoch
 
     def __iter__(self) -> ResumableLoader:

@@ -10,13 +10,12 @@ survivors' rebuilt layout; the next re-bucketing then finds the same layout.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from launcher.worker.torch_private import ddp_bucket_cap_bytes, ddp_logging_data, ddp_reset_reducer
 
 Layout = list[list[int]]
 
@@ -27,35 +26,21 @@ def find_ddp(model: torch.nn.Module) -> DDP | None:
 
 def bucket_layout(ddp: DDP) -> Layout | None:
     """The rebuilt bucket layout (parameter indices per bucket), once DDP has one."""
-    d = ddp._get_ddp_logging_data()
+    d = ddp_logging_data(ddp)
     if not d.get("has_rebuilt_buckets") or not d.get("rebuilt_per_bucket_param_indices"):
         return None
     return [[int(x) for x in b.split()] for b in str(d["rebuilt_per_bucket_param_indices"]).split(",")]
 
 
-@contextlib.contextmanager
-def _assign(layout: Layout | None, cap_bytes: int) -> Iterator[None]:
+def reset_reducer(ddp: DDP, layout: Layout | None) -> None:
+    """A fresh reducer, as DDP's own __setstate__ builds one, bucketed as `layout`."""
     if layout is None:
-        yield
+        ddp_reset_reducer(ddp, None)
         return
-    orig = dist._compute_bucket_assignment_by_size
+    cap_bytes = ddp_bucket_cap_bytes(ddp)
 
     def fixed(*_a: Any, **_k: Any) -> tuple[Layout, list[int]]:
         # DDP reverses what this returns ("approximate the order gradients are produced").
         return list(reversed(layout)), [cap_bytes] * len(layout)
 
-    dist._compute_bucket_assignment_by_size = fixed  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        dist._compute_bucket_assignment_by_size = orig  # type: ignore[assignment]
-
-
-def reset_reducer(ddp: DDP, layout: Layout | None) -> None:
-    """A fresh reducer, as DDP's own __setstate__ builds one, bucketed as `layout`."""
-    params, sparse = ddp._build_params_for_reducer()
-    with _assign(layout, int(ddp.bucket_bytes_cap)):
-        ddp._ddp_init_helper(params, sparse, ddp._build_debug_param_to_name_mapping(params), ddp.static_graph)
-    if ddp.static_graph:
-        ddp.reducer._set_static_graph()
-        ddp.logger._set_static_graph()
+    ddp_reset_reducer(ddp, fixed)

@@ -22,7 +22,6 @@ import torch
 from launcher.worker.replica_map import ReplicaMap, plan_replay
 from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort
 from launcher.worker.state_transport import P2PTransport, Received
-from resild.wire.store import COMMITTED_KEY  # noqa: F401 (the runtime reads it from here)
 
 
 class Reformed(Exception):
@@ -104,13 +103,13 @@ class Recovery:
 
             def build(g: StableGroup = g) -> None:
                 try:
-                    out[g.name] = self.factory.build(epoch, g)
+                    out[g.label] = self.factory.build(epoch, g)
                 except Exception as e:
-                    out[g.name] = e
+                    out[g.label] = e
                 with self.intr.cond:
                     self.intr.cond.notify_all()
 
-            th = threading.Thread(target=build, name=f"resild-form-e{epoch}-{g.name}", daemon=True)
+            th = threading.Thread(target=build, name=f"resild-form-e{epoch}-{g.label}", daemon=True)
             th.start()
             threads.append(th)
         token = self.intr.begin_wait()
@@ -125,7 +124,7 @@ class Recovery:
             self.intr.fail(f"forming epoch {epoch}: {'; '.join(errors)}")
             raise Reformed(self.intr.error or "")
         for g in groups:
-            g.set_backend(out[g.name])
+            g.set_backend(out[g.label])
         return time.monotonic() - t0
 
     # ---- agreeing and replaying -------------------------------------------------

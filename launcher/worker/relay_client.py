@@ -13,6 +13,7 @@ from typing import Any
 
 import zmq
 
+import resild.wire.env as resild_env
 from resild.wire.channel import Channel
 from resild.wire.protocol import Message, MsgType
 
@@ -27,11 +28,11 @@ class RelayClient:
     worker that starts (or reconnects) late is never behind."""
 
     def __init__(
-        self, endpoint: str, sender: str, local_rank: int | None = None, ctx: zmq.Context | None = None
+        self, endpoint: str, sender: str, local_rank: int | None = None, ctx: zmq.Context[Any] | None = None
     ) -> None:
         if local_rank is None:
-            local_rank = int(os.environ.get("RESILD_LOCAL_RANK", "-1"))
-        self.node = os.environ.get("RESILD_NODE", sender.split("/", 1)[0])
+            local_rank = int(os.environ.get(resild_env.LOCAL_RANK.name, "-1"))
+        self.node = os.environ.get(resild_env.NODE.name, sender.split("/", 1)[0])
         sock = (ctx or zmq.Context.instance()).socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt_string(zmq.IDENTITY, sender)

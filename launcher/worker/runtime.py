@@ -21,9 +21,11 @@ stable group or mesh, then attach (examples/train_hsdp.py):
         job.commit()                           # vote; optimizer/scaler/scheduler step
 
 The optimizer steps only if every rank of the epoch completed this step's
-gradient sync (the commit vote). The parts: `control` (the controller link),
-`group` (the stable process group and backend factory), `recovery` (the
-sequence), `replay` (the state transport), `trainstate` (what is replayed).
+gradient sync (the commit vote). `Job` is a facade over the parts:
+`controller_link` (the controller link), `stable_group` (the stable process
+group and backend factory), `recovery` (the sequence), `step_state` and
+`commit` (the step's phases and the commit protocol), `state_transport` (the
+replay), `train_state` (what is replayed); private torch APIs in `torch_private`.
 """
 
 from __future__ import annotations
@@ -37,17 +39,23 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+import resild.wire.env as resild_env
 from launcher.worker.agent_link import AgentLink, agent_endpoint
-from launcher.worker.controller_link import FENCED_EXIT, ControlLink, keys_from_env
-from launcher.worker.recovery import COMMITTED_KEY, Recovery, Reformed
+from launcher.worker.commit import CommitProtocol
+from launcher.worker.controller_link import ControlLink, keys_from_env
+from launcher.worker.recovery import Recovery, Reformed
 from launcher.worker.replica_map import NoReplica, ReplicaMap
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
 from launcher.worker.state_transport import describe
+from launcher.worker.step_state import StepState
+from launcher.worker.torch_private import device_mesh_from_groups, hash_store, prewarm_lazy_imports, tcp_store
 from launcher.worker.train_state import TrainState
 from resild.events.schema import EventName
+from resild.membership import Membership
+from resild.wire.exits import FENCED_EXIT
 from resild.wire.protocol import MsgType
+from resild.wire.store import COMMITTED_KEY
 
 log = logging.getLogger("resild.runtime")
 
@@ -71,27 +79,22 @@ class Job:
         *,
         scaler: Any = None,
     ) -> None:
-        self.step, self.rank, self.world_size, self.epoch = 0, 0, 1, 0
+        self.rank, self.world_size, self.epoch = 0, 1, 0
+        self.steps_state = StepState()  # the step and its phase in the commit protocol
         self.state: TrainState | None = None
+        self._protocol: CommitProtocol | None = None  # from attach on
         self._replicas: Replicas | None = replicas
         self._mesh_replicas: Replicas | None = None
-        self._aux: dict[str, Any] = {}
-        self._prepared_aux: dict[str, Any] | None = None
-        self._prepared = False  # this step's gradients are synced; waiting on the vote
-        self._last_found_inf = -1
-        self._prepared_found = 0
-        self._commits = 0
-        self._step_commits: int | None = None  # commits in the current iteration of steps()
-        self._yielded = 0
-        self._synced_at = -1
-        self._finishing = False
         self._mesh: Any = None
         self.intr = Interrupts()
-        controller = os.environ.get("RESILD_CONTROLLER")
+        self.cfg: dict[str, Any] = {}
+        self.link: ControlLink | None = None
+        self._agent: AgentLink | None = None
+        controller = os.environ.get(resild_env.CONTROLLER.name)
         self.solo = controller is None
-        self.node = os.environ.get("RESILD_NODE", "solo")
-        self.local_rank = int(os.environ.get("RESILD_LOCAL_RANK", "0"))
-        if self.solo:
+        self.node = os.environ.get(resild_env.NODE.name, resild_env.NODE.default)
+        self.local_rank = int(os.environ.get(resild_env.LOCAL_RANK.name, resild_env.LOCAL_RANK.default))
+        if controller is None:
             self._init_solo()
         else:
             self._init_controlled(controller)
@@ -100,21 +103,24 @@ class Job:
                 raise ResilienceError("launcher.init(model, optimizer, ...): the optimizer is required with a model")
             self.attach(model, optimizer, scheduler, scaler=scaler, extra=extra, replicas=replicas)
 
+    @property
+    def step(self) -> int:
+        """The step to compute next (= steps committed)."""
+        return self.steps_state.step
+
     # ---- joining ----------------------------------------------------------------------
     def _init_solo(self) -> None:
-        self.cfg: dict[str, Any] = {}
         self.backend = "gloo"
         self.device = torch.device("cpu")
-        store = dist.HashStore()
+        store = hash_store()
         self.rec = Recovery(self.intr, GroupFactory("gloo", lambda: store, 60.0), self.device, 0.0)
-        self.link = None
         self._store = store
         self.rank, self.world_size, self.epoch = 0, 1, 1
         self._make_world(store)
         self.rec.form(1, [self.group])
 
     def _init_controlled(self, controller: str) -> None:
-        self.link = ControlLink(
+        link = self.link = ControlLink(
             controller,
             keys_from_env(),
             self.node,
@@ -122,42 +128,35 @@ class Job:
             self.intr,
             lambda: (self.rank, self.epoch, self.step),
         ).start()
-        self.link.send(MsgType.REGISTER_WORKER, local_rank=self.local_rank, pid=os.getpid())
-        if not self.link.wait(lambda: self.link.welcome is not None, 120.0):
+        link.send(MsgType.REGISTER_WORKER, local_rank=self.local_rank, pid=os.getpid())
+        if not link.wait(lambda: link.welcome is not None, 120.0):
             raise ResilienceError(f"no welcome from the controller within 120s ({controller})")
-        self.cfg = dict(self.link.welcome or {})
-        self.backend = os.environ.get("RESILD_BACKEND") or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.cfg = dict(link.welcome or {})
+        self.backend = os.environ.get(resild_env.BACKEND.name) or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         timeout_s = float(self.cfg.get("collective_timeout_s", 60))
         self._store = self._store_client()
-        factory = GroupFactory(self.backend, self._store_client, timeout_s, os.environ.get("RESILD_GLOO_HOST"))
+        factory = GroupFactory(self.backend, self._store_client, timeout_s, os.environ.get(resild_env.GLOO_HOST.name))
         self.rec = Recovery(self.intr, factory, self.device, timeout_s + 5.0)
         self._install_excepthook()
         ep = agent_endpoint()
         self._agent = AgentLink(ep, f"{self.node}/rank{self.local_rank}", lambda: self.step).start() if ep else None
         # A spare waits here, warm (torch imported, CUDA context up), until it is given ranks.
-        if not self.link.wait(lambda: self.link.pending is not None or self.link.shutdown is not None, 0.5):
-            _prewarm()
-        while True:
-            self.link.wait(lambda: self.link.pending is not None or self.link.shutdown is not None, 3600.0)
-            self._check_shutdown(waiting_spare=True)
-            if self.link.pending is not None:
-                m = self.link.pending
-                if m.rank_of(self.node, self.local_rank) is not None:
-                    break
-                self.link.take()  # an epoch that does not include this spare: keep waiting
-        m = self.link.take()
-        assert m is not None
-        self.rank, self.world_size, self.epoch = m.rank_of(self.node, self.local_rank), m.world_size, m.epoch
+        if not link.wait(lambda: link.pending is not None or link.shutdown is not None, 0.5):
+            prewarm_lazy_imports()
+        m, self.rank = wait_for_ranks(
+            link, self.node, self.local_rank, lambda: self._check_shutdown(waiting_spare=True)
+        )
+        self.world_size, self.epoch = m.world_size, m.epoch
         if self.epoch > 1:  # a spare taking over: building the model may take a while, and that is no hang
             self._progress("join")
         self._make_world(self._store)
         self._form_until_stable(only=[self.group])
 
     def _make_world(self, store: Any) -> None:
-        self.group = StableGroup("world", list(range(self.world_size)), self.rank, self.intr)
+        self.group: StableGroup = StableGroup("world", list(range(self.world_size)), self.rank, self.intr)
         self.rec.groups["world"] = self.group
         install_default(self.group, store)
 
@@ -165,20 +164,12 @@ class Job:
         # The newest welcome's store: a standby controller that takes over brings its own.
         addr = str((self.link.welcome or {}).get("store") or self.cfg["store"]) if self.link else self.cfg["store"]
         host, port = addr.rsplit(":", 1)
-        return dist.TCPStore(
-            host,
-            int(port),
-            is_master=False,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))),
-        )
+        return tcp_store(host, int(port), timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
 
     def hsdp_mesh(self, shard_size: int, device_type: str | None = None) -> Any:
         """A 2-D DeviceMesh ("replicate", "shard") over resild's stable groups: shard
         inside groups of `shard_size` consecutive ranks, replicate across them.
         Pass it to `fully_shard(..., mesh=...)`; the replica map follows from it."""
-        from torch.distributed.device_mesh import DeviceMesh
-
         S, W = int(shard_size), self.world_size
         if S <= 0 or W % S:
             raise ResilienceError(f"hsdp_mesh: world size {W} is not a multiple of shard_size {shard_size}")
@@ -189,14 +180,11 @@ class Job:
         for g in (rep, shard):
             g.allow = self.group.allow
             register(g, self._store)
-            self.rec.groups[g.name] = g
+            self.rec.groups[g.label] = g
         self._form_until_stable(only=[rep, shard])
         self._mesh_replicas = lambda w: ReplicaMap.hsdp(w, S)
-        self._mesh = DeviceMesh.from_group(
-            [rep, shard],
-            device_type or self.device.type,
-            mesh=torch.arange(W).view(R, S),
-            mesh_dim_names=("replicate", "shard"),
+        self._mesh = device_mesh_from_groups(
+            [rep, shard], device_type or self.device.type, torch.arange(W).view(R, S), ("replicate", "shard")
         )
         return self._mesh
 
@@ -215,9 +203,10 @@ class Job:
         if self.state is not None:
             raise ResilienceError("job.attach() was already called")
         self.state = TrainState(model, optimizer, scheduler, scaler, extra, self.device)
+        self._protocol = CommitProtocol(self.steps_state, self.state, self.group, self.intr, self._abandoned)
         if replicas is not None:
             self._replicas = replicas
-        self._aux = self.state.capture_aux()
+        self.steps_state.committed_aux = self.state.capture_aux()
         for g in self.rec.groups.values():
             g.allow = True
         if not self.solo:
@@ -326,20 +315,12 @@ class Job:
 
     def _join(self, t0: float | None = None) -> None:
         """Agree on the newest committed step; roll forward or receive state."""
-        assert self.state is not None
+        protocol = self._protocol
+        assert protocol is not None
         t0 = t0 or time.monotonic()
         floor = self._floor()
-        row = (self.step, 1, self._prepared_found) if self._prepared else (self.step, 0, self._last_found_inf)
-        ag = self.rec.agree(self.rank, self.world_size, row, floor)
-        if self.rank in ag.rollers:
-            # Every rank voted for this step and some committed it: our gradients are
-            # the committed ones, so finish the step here instead of receiving it.
-            self.state.apply_step(ag.found_inf)
-            self.step += 1
-            self._aux = self._prepared_aux or self._aux
-            self._last_found_inf = ag.found_inf
-        self._prepared = False
-        self._synced_at = -1  # the agreed step is computed afresh
+        ag = self.rec.agree(self.rank, self.world_size, self.steps_state.agreement_row(), floor)
+        protocol.settle(ag, self.rank)  # roll forward or abandon; the agreed step is computed afresh
         try:
             if ag.target < floor:
                 raise NoReplica(
@@ -351,7 +332,7 @@ class Job:
                 self._replica_map(),
                 self.rank,
                 int(self.cfg.get("replay_sources", 2)),
-                lambda: (self.state.snapshot(self.step), self._aux),
+                protocol.snapshot,
             )
         except (NoReplica, ValueError) as e:
             # Every rank computes the same plan, so every rank lands here: stop the job.
@@ -359,11 +340,8 @@ class Job:
                 self.link.send(MsgType.FATAL, error=str(e))
                 self.link.close(flush_s=1.0)
             raise ResilienceError(str(e)) from None
+        protocol.resume(got)
         if got is not None:
-            self.step = self.state.restore(got.state, got.aux)
-            self._aux = self.state.capture_aux()
-            self._last_found_inf = -1
-            self.state.reset_hooks(got.aux.get("ddp_buckets"))
             print(f"resild: rank {self.rank} replayed {describe(got)}", file=sys.stderr, flush=True)
             self._event(
                 EventName.STATE_REPLAYED,
@@ -373,9 +351,6 @@ class Job:
                 sources=got.sources,
                 mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1),
             )
-        else:
-            self.state.rewind_aux(self._aux)
-            self.state.reset_hooks(self._aux.get("ddp_buckets"))
         if self.epoch > 1:
             self._progress("joined")
         if self.rank == 0 and self.epoch > 1:
@@ -403,13 +378,12 @@ class Job:
         recovery the next step yielded is the agreed committed step."""
         if self.state is None:
             raise ResilienceError("call job.attach(model, optimizer, ...) before job.steps()")
+        st = self.steps_state
         while True:
-            while self.step < total:
-                before = self._commits
-                self._step_commits, self._yielded = 0, self.step
-                yield self.step
-                self._step_commits = None
-                if self._commits == before:
+            while st.step < total:
+                st.open_step()
+                yield st.step
+                if st.close_step() == 0:
                     raise ResilienceError("call job.commit() once per step inside `for step in job.steps(...)`")
             if self.solo or self._finish():
                 return
@@ -419,7 +393,6 @@ class Job:
         says the whole job is done (a late failure may still need our state)."""
         link = self.link
         assert link is not None
-        self._finishing = True
         link.send(MsgType.DONE, rank=self.rank, epoch=self.epoch, step=self.step, pid=os.getpid())
         ok = link.wait(
             lambda: link.shutdown is not None or link.newer_epoch(), float(self.cfg.get("notice_timeout_s", 120))
@@ -429,71 +402,41 @@ class Job:
             return True
         if not ok:
             raise ResilienceError("finished, but the controller never confirmed the end of the job")
-        self._finishing = False
         self._recover()
         return False
+
+    def _abandoned(self) -> bool:
+        """The epoch failed or a newer one was announced: this step cannot commit."""
+        return self.intr.error is not None or (self.link is not None and self.link.newer_epoch())
 
     def sync(self) -> None:
         """Make this step's gradients identical across replicas. DDP and FSDP2 do it
         in their backward hooks (then this only checks they completed); a plain
         model's gradients are averaged here in one flat all-reduce. Idempotent."""
-        if self._synced_at == self.step or self.solo:
+        if self.solo:
             return
-        self._synced_at = self.step
-        assert self.state is not None
-        if self.intr.error is not None or (self.link is not None and self.link.newer_epoch()):
-            return
-        if _hooks_sync(self.state.model):
-            return
-        params = [p for p in self.state.model.parameters() if p.requires_grad]
-        if not params:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        self.group.allreduce([flat]).wait()
-        if self.intr.error is not None:
-            return
-        flat.div_(self.world_size)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
+        assert self._protocol is not None, "call job.attach(model, optimizer, ...) before job.sync()"
+        self._protocol.sync()
 
     def commit(self) -> bool:
         """Vote, then step optimizer, GradScaler and scheduler only if every rank of
         the epoch completed this step's gradient sync. Returns False if the step
         was abandoned (a recovery ran; the loop resumes at the agreed step)."""
-        if self.state is None:
+        protocol = self._protocol
+        if protocol is None:
             raise ResilienceError("call job.attach(model, optimizer, ...) before job.commit()")
-        if self._step_commits is not None:
-            if self._step_commits:
-                raise ResilienceError(f"job.commit() called twice in step {self._yielded}: exactly one commit per step")
-            self._step_commits = 1
-        self._commits += 1
+        twice = self.steps_state.count_commit()
+        if twice is not None:
+            raise ResilienceError(f"job.commit() called twice in step {twice}: exactly one commit per step")
         if self.solo:
-            self.state.apply_step(self.state.local_found_inf())
-            self.step += 1
+            protocol.commit_alone()
             return True
         assert self.link is not None
         if self.link.inject_exception:
             raise RuntimeError("resild fault injection: exception raised in the training step")
-        self.sync()
-        found = self.state.local_found_inf()
-        if self.intr.error is None and not self.link.newer_epoch():
-            self._prepared, self._prepared_aux, self._prepared_found = True, self.state.capture_aux(), found
-            vote = torch.tensor([found], dtype=torch.int64, device=self.device)
-            self.group.allreduce([vote]).wait()
-            if self.intr.error is None:
-                # The vote completed, so every rank synced this step: commit.
-                self._last_found_inf = int(vote.item() > 0)
-                self.state.apply_step(self._last_found_inf)
-                self.step += 1
-                self._prepared = False
-                self._aux = self._prepared_aux
-                self._progress("commit")
-                return True
+        if protocol.vote():
+            self._progress("commit")
+            return True
         self._recover()
         return False
 
@@ -504,24 +447,21 @@ class Job:
             self.link.close()
 
 
-def _prewarm() -> None:
-    """Probably a spare: pay torch's lazy imports now rather than after taking over
-    (FSDP2's first fully_shard imports torch._dynamo: ~200 modules, 0.5 s here)."""
-    try:
-        import torch._dynamo  # noqa: F401
-    except Exception:  # a warm-up only
-        pass
-
-
-def _hooks_sync(model: torch.nn.Module) -> bool:
-    """Does the model's backward already synchronise gradients (DDP, FSDP2)?"""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return True
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())
+def wait_for_ranks(
+    link: ControlLink, node: str, local_rank: int, check_shutdown: Callable[[], None]
+) -> tuple[Membership, int]:
+    """A spare waits for a membership that gives it a rank; epochs that leave it out
+    are taken and passed over. The rank is read from the membership taken: a newer
+    one may replace the pending one between a look and the take."""
+    while True:
+        link.wait(lambda: link.pending is not None or link.shutdown is not None, 3600.0)
+        check_shutdown()
+        m = link.take()
+        if m is None:
+            continue
+        rank = m.rank_of(node, local_rank)
+        if rank is not None:
+            return m, rank
 
 
 def init(

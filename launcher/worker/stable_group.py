@@ -21,8 +21,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
-from torch.distributed.distributed_c10d import _register_process_group, _world
+
+from launcher.worker.torch_private import (
+    GroupName,
+    PrefixStore,
+    PyProcessGroup,
+    PyWork,
+    backend_group,
+    register_group,
+)
 
 
 class Interrupts:
@@ -33,7 +40,7 @@ class Interrupts:
         self.cond = threading.Condition()
         self.error: str | None = None
         self.gen = 0  # bumped per epoch: a late failure of an old epoch's work must not latch the new one
-        self._works: dict[int, tuple[float, ManagedWork]] = {}
+        self._works: dict[int, tuple[float, ManagedWork | None]] = {}  # None: a wait that is not a collective
         self._next = 0
 
     def fail(self, reason: str, gen: int | None = None) -> None:
@@ -54,7 +61,7 @@ class Interrupts:
             self.error = None
             self.gen += 1
 
-    def _add(self, w: ManagedWork) -> int:
+    def _add(self, w: ManagedWork | None) -> int:
         with self.cond:
             self._next += 1
             self._works[self._next] = (time.monotonic(), w)
@@ -68,7 +75,7 @@ class Interrupts:
     def begin_wait(self) -> int:
         """Count a blocking wait that is not a collective (group formation) as in flight,
         so the rank reports itself waiting rather than being blamed for a hang."""
-        return self._add(None)  # type: ignore[arg-type]
+        return self._add(None)
 
     def oldest_in_flight_s(self, now: float) -> float:
         """How long the oldest collective in flight has been waiting (0 if none)."""
@@ -89,7 +96,7 @@ class Interrupts:
             return True
 
 
-class ManagedWork(dist._Work):
+class ManagedWork(PyWork):
     """Wraps a backend Work: done when the backend is, or at once when the epoch is
     interrupted. Completion with an error latches it; nothing raises.
 
@@ -105,10 +112,10 @@ class ManagedWork(dist._Work):
         self._gen = intr.gen
         self._lock = threading.Lock()
         self._done = False
-        self._fut: torch.futures.Future | None = None
+        self._fut: torch.futures.Future[Any] | None = None
         self._key: int | None = None
         self._threaded = False
-        self._inner_fut: torch.futures.Future | None = None
+        self._inner_fut: torch.futures.Future[Any] | None = None
         if not p2p:
             try:
                 self._inner_fut = inner.get_future()
@@ -135,7 +142,7 @@ class ManagedWork(dist._Work):
             self._intr.fail(f"collective failed: {e}", self._gen)
         self._complete()
 
-    def _on_future(self, f: torch.futures.Future) -> None:
+    def _on_future(self, f: torch.futures.Future[Any]) -> None:
         try:
             f.wait()
         except Exception as e:
@@ -184,7 +191,7 @@ class ManagedWork(dist._Work):
     def is_success(self) -> bool:
         return self._intr.error is None
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         with self._lock:
             if self._fut is not None:
                 return self._fut
@@ -199,12 +206,12 @@ class ManagedWork(dist._Work):
         return fut
 
 
-class _DoneWork(dist._Work):
+class _DoneWork(PyWork):
     """Returned once the epoch has latched an error: the step is lost anyway."""
 
     def __init__(self, result: Any) -> None:
         super().__init__()
-        self._fut: torch.futures.Future = torch.futures.Future()
+        self._fut: torch.futures.Future[Any] = torch.futures.Future()
         self._fut.set_result(result)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
@@ -213,7 +220,7 @@ class _DoneWork(dist._Work):
     def is_completed(self) -> bool:
         return True
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         return self._fut
 
 
@@ -221,20 +228,20 @@ class NotJoined(RuntimeError):
     pass
 
 
-class StableGroup(dist.ProcessGroup):
+class StableGroup(PyProcessGroup):
     """One rank's view of a group whose backend is replaced at every epoch."""
 
     def __init__(self, name: str, ranks: list[int], rank: int, intr: Interrupts) -> None:
         super().__init__(ranks.index(rank), len(ranks))
-        self.name, self.ranks, self.global_rank = name, list(ranks), rank
+        self.label, self.ranks, self.global_rank = name, list(ranks), rank
         self._intr = intr
         self._inner: Any = None  # the epoch's backend ProcessGroup
         self.allow = False  # collectives allowed (joined and attached)
 
     # torch reads these
     @property
-    def group_name(self) -> str:  # type: ignore[override]
-        return self.name
+    def group_name(self) -> GroupName:
+        return GroupName(self.label)
 
     def getBackendName(self) -> str:
         return "resild"
@@ -242,10 +249,11 @@ class StableGroup(dist.ProcessGroup):
     def set_backend(self, inner: Any) -> None:
         self._inner = inner
 
-    def _run(self, result: Any, op: Callable[[Any], Any], p2p: bool = False) -> dist._Work:
+    def _run(self, result: Any, op: Callable[[Any], Any], p2p: bool = False) -> dist.Work:
+        """Issue one collective on this epoch's backend (`op(backend)`), managed."""
         if not self.allow:
             raise NotJoined(
-                f"resild: a collective on group {self.name!r} before job.attach(): under resild a spare joins a "
+                f"resild: a collective on group {self.label!r} before job.attach(): under resild a spare joins a "
                 "running job, so nothing may communicate before attach (construct DDP with init_sync=False; "
                 "resild makes replicas equal at attach)"
             )
@@ -258,82 +266,11 @@ class StableGroup(dist.ProcessGroup):
             return _DoneWork(result)
         return ManagedWork(work, result, self._intr, p2p)
 
-    # Every collective torch issues, from Python c10d or (through the pybind
-    # trampoline) from C++ callers such as DDP's reducer and functional collectives.
-    def allreduce(self, tensors: Any, opts: Any = None) -> dist._Work:
-        return self._run(tensors, lambda g: g.allreduce(tensors, opts or dist.AllreduceOptions()))
-
-    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist._Work:
-        return self._run(tensors, lambda g: g.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions()))
-
-    def allgather(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
-        return self._run(outs, lambda g: g.allgather(outs, ins, opts or AllgatherOptions()))
-
-    def all_gather_single(self, out: Any, inp: Any, opts: Any = None) -> dist._Work:
-        return self._run(out, lambda g: g.all_gather_single(out, inp, opts or AllgatherOptions()))
-
-    _allgather_base = all_gather_single
-
-    def all_gather_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
-        return self._run(outs, lambda g: g.all_gather_single_coalesced(outs, ins, opts or AllgatherOptions()))
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    def reduce_scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
-        return self._run(outs, lambda g: g.reduce_scatter(outs, ins, opts or dist.ReduceScatterOptions()))
-
-    def reduce_scatter_single(self, out: Any, inp: Any, opts: Any = None) -> dist._Work:
-        return self._run(out, lambda g: g.reduce_scatter_single(out, inp, opts or dist.ReduceScatterOptions()))
-
-    _reduce_scatter_base = reduce_scatter_single
-
-    def reduce_scatter_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
-        return self._run(
-            outs, lambda g: g.reduce_scatter_single_coalesced(outs, ins, opts or dist.ReduceScatterOptions())
-        )
-
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
-    def broadcast(self, tensors: Any, opts: Any = None) -> dist._Work:
-        return self._run(tensors, lambda g: g.broadcast(tensors, opts or dist.BroadcastOptions()))
-
-    def reduce(self, tensors: Any, opts: Any = None) -> dist._Work:
-        return self._run(tensors, lambda g: g.reduce(tensors, opts or dist.ReduceOptions()))
-
-    def all_to_all_single(self, out: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> dist._Work:
-        return self._run(
-            out, lambda g: g.all_to_all_single(out, inp, out_splits, in_splits, opts or dist.AllToAllOptions())
-        )
-
-    alltoall_base = all_to_all_single
-
-    def alltoall(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
-        return self._run(outs, lambda g: g.alltoall(outs, ins, opts or dist.AllToAllOptions()))
-
-    def gather(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
-        return self._run(outs, lambda g: g.gather(outs, ins, opts or dist.GatherOptions()))
-
-    def scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist._Work:
-        return self._run(outs, lambda g: g.scatter(outs, ins, opts or dist.ScatterOptions()))
-
-    def barrier(self, opts: Any = None) -> dist._Work:
-        return self._run([], lambda g: g.barrier(opts or dist.BarrierOptions()))
-
-    def send(self, tensors: Any, dst: int, tag: int = 0) -> dist._Work:
-        return self._run(tensors, lambda g: g.send(tensors, dst, tag), p2p=True)
-
-    def recv(self, tensors: Any, src: int, tag: int = 0) -> dist._Work:
-        return self._run(tensors, lambda g: g.recv(tensors, src, tag), p2p=True)
-
 
 def register(pg: StableGroup, store: Any) -> None:
     """Make a subgroup known to c10d the way `new_group` would (ranks, name, the
     functional-collective registry), without new_group's job-wide barrier."""
-    _world.pg_map[pg] = ("resild", store)
-    _world.pg_names[pg] = pg.name
-    _world.pg_group_ranks[pg] = {g: i for i, g in enumerate(pg.ranks)}
-    _world.pg_backend_config[pg] = "cpu:resild,cuda:resild"
-    _register_process_group(pg.name, pg)
+    register_group(pg, pg.label, pg.ranks, store)
 
 
 def install_default(pg: StableGroup, store: Any) -> None:
@@ -343,7 +280,7 @@ def install_default(pg: StableGroup, store: Any) -> None:
         raise RuntimeError("resild: torch.distributed is already initialised; let launcher.init() set it up")
     dist.Backend.register_backend("resild", lambda *a, **k: pg, devices=["cpu", "cuda"])
     dist.init_process_group(
-        "resild", store=dist.PrefixStore("resild/user/", store), rank=pg.global_rank, world_size=pg.size()
+        "resild", store=PrefixStore("resild/user/", store), rank=pg.global_rank, world_size=pg.size()
     )
 
 
@@ -360,28 +297,9 @@ class GroupFactory:
         """Blocking (gloo connects a full mesh here); run it off the training thread.
         Each formation gets its own store client: an abandoned one blocks in
         store.wait() holding its client, which would stall the next epoch."""
-        store = dist.PrefixStore(f"resild/e{epoch}/{group.name}/", self._store_client())
-        rank, size = group.rank(), group.size()
+        store = PrefixStore(f"resild/e{epoch}/{group.label}/", self._store_client())
         timeout = timedelta(seconds=self.timeout_s)
-        pg = dist.ProcessGroup(store, rank, size)
-        if self.backend == "nccl":  # connects lazily, inside the first (abortable) collective
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            be = dist.ProcessGroupNCCL(store, rank, size, opts)
-            kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
-        else:
-            gopts = dist.ProcessGroupGloo._Options()
-            gopts._timeout = timeout
-            gopts._devices = [
-                dist.ProcessGroupGloo.create_device(hostname=self.gloo_host)
-                if self.gloo_host
-                else dist.ProcessGroupGloo.create_default_device()
-            ]
-            be = dist.ProcessGroupGloo(store, rank, size, gopts)
-            kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
-        pg._set_default_backend(kind)
-        pg._register_backend(device, kind, be)
-        return pg
+        return backend_group(self.backend, store, group.rank(), group.size(), timeout, self.gloo_host)
 
 
 def abort(inner: Any) -> None:

@@ -42,7 +42,7 @@ def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
     raise TypeError(f"cannot replay state of type {type(obj).__name__}; keep state to tensors and plain values")
 
 
-def _key(k: Any) -> list:
+def _key(k: Any) -> list[Any]:
     if isinstance(k, bool) or not isinstance(k, (int, str)):
         raise TypeError(f"state dict key {k!r} must be int or str")
     return ["i", k] if isinstance(k, int) else ["s", k]

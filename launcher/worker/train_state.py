@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import copy
 import random
-from collections import defaultdict
 from typing import Any
 
 import torch
 
 from launcher.worker.ddp import bucket_layout, find_ddp, reset_reducer
+from launcher.worker.torch_private import scaler_found_inf, scaler_reset_stages, scaler_unscaled
 
 try:
     from torch.distributed.tensor import DTensor
@@ -78,10 +78,8 @@ class TrainState:
     def _reset_scaler_stage(self) -> None:
         # An abandoned step may have called scaler.unscale_(); GradScaler.update() resets
         # this same per-optimizer record, and the next step must start from it clean.
-        if self.scaler is not None and hasattr(self.scaler, "_per_optimizer_states"):
-            from torch.amp.grad_scaler import _refresh_per_optimizer_state
-
-            self.scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        if self.scaler is not None:
+            scaler_reset_stages(self.scaler)
 
     def reset_hooks(self, layout: Any) -> None:
         """After a recovery: wrappers whose hooks keep per-rank communication state
@@ -139,17 +137,15 @@ class TrainState:
         inf/NaN. With sharded gradients ranks differ, so the commit vote sums it."""
         if self.scaler is None or not self.scaler.is_enabled():
             return 0
-        st = self.scaler._per_optimizer_states[id(self.optimizer)]
-        if st["stage"].name != "UNSCALED":
+        if not scaler_unscaled(self.scaler, self.optimizer):
             self.scaler.unscale_(self.optimizer)
-        return int(sum(v.item() for v in st["found_inf_per_device"].values()) > 0)
+        return int(sum(v.item() for v in scaler_found_inf(self.scaler, self.optimizer)) > 0)
 
     def apply_step(self, found_inf: int) -> None:
         if self.scaler is not None and self.scaler.is_enabled():
-            st = self.scaler._per_optimizer_states[id(self.optimizer)]
-            if st["stage"].name != "UNSCALED":
+            if not scaler_unscaled(self.scaler, self.optimizer):
                 self.scaler.unscale_(self.optimizer)
-            for v in st["found_inf_per_device"].values():
+            for v in scaler_found_inf(self.scaler, self.optimizer):
                 v.fill_(float(found_inf > 0))  # every rank skips, or none does
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -38,6 +38,7 @@ from pysyncobj import SyncObj, SyncObjConf, replicated
 from pysyncobj.syncobj import SyncObjException
 
 import resild.slurm as slurm
+import resild.wire.env as resild_env
 from resild.controller.backend import Backend, SlurmDrain
 from resild.controller.faults import parse_fault
 from resild.controller.floor import CommittedFloor
@@ -195,7 +196,7 @@ def discover(
     in the (shared) run directory; all replicas and resil-run wait for the full set.
     The ROUTER is bound before its port is published: a peer connecting to a port
     nobody listens on yet can end up connected to itself (TCP self-connect) for good."""
-    host = spec.get("advertise") or os.environ.get("RESILD_CONTROLLER_HOST") or socket.getfqdn()
+    host = spec.get("advertise") or os.environ.get(resild_env.CONTROLLER_HOST.name) or socket.getfqdn()
     with socket.socket() as b:
         b.bind(("", 0))  # Raft's port: pysyncobj binds it itself (and retries)
         mine = {"endpoint": f"tcp://{host}:{router_port}", "raft": f"{host}:{b.getsockname()[1]}"}
@@ -396,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     os.dup2(log_file.fileno(), 2)
     sys.stderr = log_file
     logging.basicConfig(
-        level=logging.INFO if os.environ.get("RESILD_DEBUG") else logging.WARNING,
+        level=logging.INFO if os.environ.get(resild_env.DEBUG.name) else logging.WARNING,
         format=f"[controller {a.index}] %(asctime)s %(message)s",
     )
     die_with_parent()

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from resild.health.xid import validate_overrides
-from resild.wire.env import CFG_PREFIX
+from resild.wire.env import CFG_PREFIX, CONFIG
 
 DEFAULT_CONFIG_PATH = Path("/etc/resild/resild.toml")
 DEFAULT_PROBES = ("gpu", "kmsg")
@@ -195,8 +195,8 @@ def load_config(
     ``overrides``: command-line values (None entries are ignored)."""
     env = os.environ if env is None else env
     cfg = Config()
-    explicit = path is not None or "RESILD_CONFIG" in env
-    file = Path(path if path is not None else env.get("RESILD_CONFIG", DEFAULT_CONFIG_PATH))
+    explicit = path is not None or CONFIG.name in env
+    file = Path(path if path is not None else env.get(CONFIG.name, DEFAULT_CONFIG_PATH))
     source = str(file)
     if explicit or file.exists():
         try:

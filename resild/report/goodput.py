@@ -216,6 +216,7 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     first_commit = _first(ev, EventName.FULL_STRENGTH_STEP, epoch=1) or _first(ev, EventName.PROGRESS)
     t_first = _t(first_commit) if first_commit else None
     step_s = step_time(ev, fin)
+    t_last: float | None
     if fin is not None and t_first is not None:
         t_last = t_first + float(fin.get("train_s") or 0.0)
         steps = int(fin.get("step") or 0)

@@ -1,0 +1,127 @@
+"""The commit protocol of one rank: sync the gradients, prepare, vote, then apply
+or discard; at a recovery, settle a step left in doubt and resume.
+
+The vote is one all-reduce of every rank's GradScaler verdict. If it completes,
+every rank of the epoch synced this step, so the step commits (optimizer,
+GradScaler, scheduler). If it is cut off (a latched error, a newer epoch), the
+rank is PREPARED and in doubt: the vote may have completed elsewhere, and only
+the recovery's agreement says whether to roll forward or discard. The phases
+are in `step_state`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from launcher.worker.recovery import Agreement
+from launcher.worker.stable_group import Interrupts, StableGroup
+from launcher.worker.state_transport import Received
+from launcher.worker.step_state import StepState
+from launcher.worker.train_state import TrainState
+
+
+class CommitProtocol:
+    """One rank's commit protocol over the job's world group."""
+
+    def __init__(
+        self,
+        steps: StepState,
+        train: TrainState,
+        group: StableGroup,
+        intr: Interrupts,
+        abandoned: Callable[[], bool],
+    ) -> None:
+        self.steps, self.train, self.group, self.intr = steps, train, group, intr
+        self.abandoned = abandoned  # the epoch failed or a newer one was announced: the step is lost
+
+    # ---- one step ------------------------------------------------------------------
+    def sync(self) -> None:
+        """Make this step's gradients identical across replicas, once per step. DDP and
+        FSDP2 do it in their backward hooks; a plain model's are averaged here."""
+        if self.steps.synced:
+            return
+        self.steps.mark_synced()
+        if self.abandoned() or hooks_sync(self.train.model):
+            return
+        average_gradients(self.train.model, self.group, self.intr)
+
+    def vote(self) -> bool:
+        """Sync, prepare, vote; on a completed vote apply the step. False: the step was
+        abandoned or is in doubt, and the caller must recover."""
+        self.sync()
+        found = self.train.local_found_inf()
+        if self.abandoned():
+            return False
+        self.steps.prepare(self.train.capture_aux(), found)
+        vote = torch.tensor([found], dtype=torch.int64, device=self.train.device)
+        self.group.allreduce([vote]).wait()
+        if self.intr.error is not None:
+            return False
+        # The vote completed, so every rank synced this step: commit.
+        verdict = int(vote.item() > 0)
+        self.train.apply_step(verdict)
+        self.steps.commit(verdict)
+        return True
+
+    def commit_alone(self) -> None:
+        """A single process (no resil-run): no vote, nothing to replay."""
+        found = self.train.local_found_inf()
+        self.train.apply_step(found)
+        self.steps.commit(found)
+
+    # ---- recovery ----------------------------------------------------------------------
+    def settle(self, ag: Agreement, rank: int) -> None:
+        """After the agreement: roll forward if every rank voted for this step and some
+        committed it (our gradients are the committed ones), else abandon it."""
+        if rank in ag.rollers:
+            self.train.apply_step(ag.found_inf)
+            self.steps.commit(ag.found_inf)
+        else:
+            self.steps.abort()
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a replica sends: the replicated state at the committed step, and its aux."""
+        return self.train.snapshot(self.steps.step), self.steps.committed_aux
+
+    def resume(self, got: Received | None) -> None:
+        """Continue from replayed state, or rewind this rank's aux to its last commit."""
+        if got is not None:
+            step = self.train.restore(got.state, got.aux)
+            self.steps.replayed(step, self.train.capture_aux())
+            self.train.reset_hooks(got.aux.get("ddp_buckets"))
+        else:
+            self.train.rewind_aux(self.steps.committed_aux)
+            self.train.reset_hooks(self.steps.committed_aux.get("ddp_buckets"))
+
+
+def average_gradients(model: torch.nn.Module, group: StableGroup, intr: Interrupts) -> None:
+    """One flat all-reduce of every trainable parameter's gradient (missing ones as zeros)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    group.allreduce([flat]).wait()
+    if intr.error is not None:
+        return
+    flat.div_(group.size())
+    offset = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        p.grad.copy_(flat[offset : offset + n].view_as(p))
+        offset += n
+
+
+def hooks_sync(model: torch.nn.Module) -> bool:
+    """Does the model's backward already synchronise gradients (DDP, FSDP2)?"""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return True
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules())

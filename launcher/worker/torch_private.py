@@ -1,0 +1,311 @@
+"""Every private torch API the worker touches, and nothing else: a torch upgrade reads this file.
+
+Each entry names the torch version it was checked against and what breaks if it
+changes. Checked against torch 2.13.0 (CPU build, gloo; the NCCL paths follow
+the same c10d code). The `# type: ignore`s here are for torch's stubs, which
+describe the user-facing signatures and not these internals.
+
+Public APIs that merely lack a stub export (the stores) are here too, so the
+rest of the worker needs no ignores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13: the option structs and stores live in torch._C._distributed_c10d. AllgatherOptions is
+# not re-exported by torch.distributed; HashStore/TCPStore are, but not in a way mypy accepts.
+from torch._C._distributed_c10d import AllgatherOptions, HashStore, Store, TCPStore
+from torch.distributed.distributed_c10d import GroupName, PrefixStore
+
+CHECKED_WITH = "2.13.0"
+
+__all__ = [
+    "CHECKED_WITH",
+    "GroupName",
+    "PrefixStore",
+    "PyProcessGroup",
+    "PyWork",
+    "backend_group",
+    "ddp_bucket_cap_bytes",
+    "ddp_logging_data",
+    "ddp_reset_reducer",
+    "device_mesh_from_groups",
+    "hash_store",
+    "prewarm_lazy_imports",
+    "register_group",
+    "scaler_found_inf",
+    "scaler_reset_stages",
+    "scaler_unscaled",
+    "tcp_store",
+]
+
+
+# ---- stores (public, stub export only) -----------------------------------------------
+def hash_store() -> Store:
+    """torch 2.13: torch.distributed.HashStore (an in-memory Store, solo runs)."""
+    return HashStore()
+
+
+def tcp_store(host: str, port: int, timeout: timedelta) -> Store:
+    """torch 2.13: a TCPStore client (never the master; the controller serves the store)."""
+    return TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+
+
+# ---- c10d: works and process groups implemented in Python --------------------------
+# torch 2.13: torch.distributed.Work (alias dist._Work) may be subclassed in Python; the
+# pybind trampoline (PyProcessGroup::PyWork) routes C++ wait()/get_future() (DDP's reducer
+# waits on get_future() in C++) to the Python overrides. If the trampoline goes, C++ callers
+# would see the base Work (never completing) while Python callers still work.
+PyWork = dist.Work
+
+
+class PyProcessGroup(dist.ProcessGroup):
+    """Base of a process group implemented in Python.
+
+    torch 2.13: pybind's ProcessGroup has a `(rank, size)` constructor for Python
+    subclasses (the stubs list only `(store, rank, size)`), and its trampoline
+    (torch/csrc/distributed/c10d/PyProcessGroup.hpp) routes each collective that
+    C++ issues (DDP's reducer, functional collectives, DeviceMesh) to the Python
+    method of the same name, called `(tensors..., opts)`. Each method below
+    forwards to `_run` (StableGroup implements it). The stubs describe the
+    user-facing overloads instead, hence the `ignore[override]`s. If a name or an
+    argument order changes, C++ callers reach the base method, which raises "not
+    implemented" (or mis-binds arguments): DDP and FSDP2 on a StableGroup fail at
+    their first collective. A collective added to the trampoline needs a method here.
+    `group_name` is a property that torch's Python code reads (functional
+    collectives resolve a group by it); `getBackendName` is the trampoline's hook
+    behind `ProcessGroup.name()`.
+    """
+
+    def __init__(self, rank: int, size: int) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # stub lacks the Python-subclass overload
+
+    def _run(self, result: Any, op: Callable[[Any], Any], p2p: bool = False) -> dist.Work:
+        """Issue `op(backend)` and return a Work that completes with `result`; p2p: a
+        point-to-point op (its Work has no future before wait())."""
+        raise NotImplementedError
+
+    # Every collective torch issues, from Python c10d or (through the pybind
+    # trampoline) from C++ callers such as DDP's reducer and functional collectives.
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._run(tensors, lambda g: g.allreduce(tensors, opts or dist.AllreduceOptions()))
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
+        return self._run(tensors, lambda g: g.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions()))
+
+    def allgather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        return self._run(outs, lambda g: g.allgather(outs, ins, opts or AllgatherOptions()))
+
+    def all_gather_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
+        return self._run(out, lambda g: g.all_gather_single(out, inp, opts or AllgatherOptions()))
+
+    _allgather_base = all_gather_single  # type: ignore[assignment]  # stub: other names
+
+    def all_gather_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        return self._run(outs, lambda g: g.all_gather_single_coalesced(outs, ins, opts or AllgatherOptions()))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # stub: other names
+
+    def reduce_scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._run(outs, lambda g: g.reduce_scatter(outs, ins, opts or dist.ReduceScatterOptions()))
+
+    def reduce_scatter_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
+        return self._run(out, lambda g: g.reduce_scatter_single(out, inp, opts or dist.ReduceScatterOptions()))
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # stub: other names
+
+    def reduce_scatter_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        return self._run(
+            outs, lambda g: g.reduce_scatter_single_coalesced(outs, ins, opts or dist.ReduceScatterOptions())
+        )
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # stub: other names
+
+    def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._run(tensors, lambda g: g.broadcast(tensors, opts or dist.BroadcastOptions()))
+
+    def reduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._run(tensors, lambda g: g.reduce(tensors, opts or dist.ReduceOptions()))
+
+    def all_to_all_single(self, out: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> dist.Work:
+        return self._run(
+            out, lambda g: g.all_to_all_single(out, inp, out_splits, in_splits, opts or dist.AllToAllOptions())
+        )
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # stub: other names
+
+    def alltoall(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
+        return self._run(outs, lambda g: g.alltoall(outs, ins, opts or dist.AllToAllOptions()))
+
+    def gather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._run(outs, lambda g: g.gather(outs, ins, opts or dist.GatherOptions()))
+
+    def scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        return self._run(outs, lambda g: g.scatter(outs, ins, opts or dist.ScatterOptions()))
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._run([], lambda g: g.barrier(opts or dist.BarrierOptions()))
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
+        return self._run(tensors, lambda g: g.send(tensors, dst, tag), p2p=True)
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
+        return self._run(tensors, lambda g: g.recv(tensors, src, tag), p2p=True)
+
+
+def register_group(pg: dist.ProcessGroup, name: str, ranks: list[int], store: Store) -> None:
+    """Make a subgroup known to c10d the way `new_group` would, without its job-wide barrier.
+
+    torch 2.13: `distributed_c10d._world` (pg_map, pg_names, pg_group_ranks,
+    pg_backend_config) is what dist.get_rank(group)/get_process_group_ranks and
+    DeviceMesh read; `_register_process_group(name, pg)` fills the C++ registry
+    that functional collectives (FSDP2) resolve group names through. If either
+    changes, DeviceMesh.from_group or FSDP2's first collective on the group fails
+    with "group not found"/"not part of group".
+    """
+    from torch._C._distributed_c10d import _register_process_group
+    from torch.distributed.distributed_c10d import _world
+
+    _world.pg_map[pg] = ("resild", store)
+    _world.pg_names[pg] = GroupName(name)
+    _world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    _world.pg_backend_config[pg] = "cpu:resild,cuda:resild"
+    _register_process_group(GroupName(name), pg)
+
+
+def backend_group(
+    backend: str, store: Store, rank: int, size: int, timeout: timedelta, gloo_host: str | None
+) -> dist.ProcessGroup:
+    """One epoch's backend: a c10d ProcessGroup wrapping a fresh gloo or NCCL backend.
+
+    torch 2.13: `ProcessGroup(store, rank, size)` + `_set_default_backend` +
+    `_register_backend` is how init_process_group assembles a group, without the
+    global registration; gloo's options are `ProcessGroupGloo._Options` with
+    `_timeout` and `_devices` (the public `Options` is Backend.Options, no
+    devices); NCCL's `Options()._timeout`. If these move, forming an epoch fails
+    (every recovery, and the first formation, raise in the form thread).
+    """
+    pg = dist.ProcessGroup(store, rank, size)
+    be: Any
+    if backend == "nccl":  # connects lazily, inside the first (abortable) collective
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        be = dist.ProcessGroupNCCL(store, rank, size, opts)
+        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    else:
+        gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # stub names only `Options`
+        gopts._timeout = timeout
+        gopts._devices = [
+            dist.ProcessGroupGloo.create_device(hostname=gloo_host)
+            if gloo_host
+            else dist.ProcessGroupGloo.create_default_device()
+        ]
+        be = dist.ProcessGroupGloo(store, rank, size, gopts)
+        kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    pg._set_default_backend(kind)
+    pg._register_backend(device, kind, be)
+    return pg
+
+
+def device_mesh_from_groups(
+    groups: list[dist.ProcessGroup], device_type: str, mesh: torch.Tensor, names: tuple[str, ...]
+) -> Any:
+    """torch 2.13: `DeviceMesh.from_group` with a list of groups and an explicit mesh
+    (experimental in the docs). It reads `_world` for each group's ranks (see
+    register_group). If it changes, `job.hsdp_mesh()` fails; nothing else uses it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
+
+
+# ---- DDP's reducer -----------------------------------------------------------------
+def ddp_logging_data(ddp: torch.nn.parallel.DistributedDataParallel) -> dict[str, Any]:
+    """torch 2.13: `_get_ddp_logging_data()` holds `has_rebuilt_buckets` and
+    `rebuilt_per_bucket_param_indices` ("i j,k l" per bucket). If renamed, resild
+    sees no rebuilt layout: a spare's DDP buckets differ from the survivors'
+    (a collective size mismatch or a non-bitwise sum after recovery)."""
+    return dict(ddp._get_ddp_logging_data())  # type: ignore[no-untyped-call]  # untyped in torch
+
+
+def ddp_bucket_cap_bytes(ddp: torch.nn.parallel.DistributedDataParallel) -> int:
+    """torch 2.13: DDP stores its bucket cap as the attribute `bucket_bytes_cap`."""
+    return int(ddp.bucket_bytes_cap)
+
+
+def ddp_reset_reducer(
+    ddp: torch.nn.parallel.DistributedDataParallel,
+    assignment: Callable[..., tuple[list[list[int]], list[int]]] | None,
+) -> None:
+    """A fresh reducer, as DDP's own __setstate__ builds one, its buckets chosen by `assignment`.
+
+    torch 2.13: `_build_params_for_reducer`, `_build_debug_param_to_name_mapping`,
+    `_ddp_init_helper(params, sparse, names, static_graph)` rebuild the reducer;
+    the helper calls `dist._compute_bucket_assignment_by_size`, which is replaced
+    while it runs (DDP reverses what it returns); static graph is set on the new
+    reducer and logger with `_set_static_graph()`. If any of these change, a
+    recovery with DDP fails at the reset, or the reset silently keeps the initial
+    buckets (the e2e DDP test's bitwise check catches that).
+    """
+    params, sparse = ddp._build_params_for_reducer()  # type: ignore[no-untyped-call]  # untyped in torch
+    with _bucket_assignment(assignment):
+        names = ddp._build_debug_param_to_name_mapping(params)  # type: ignore[no-untyped-call]  # untyped in torch
+        ddp._ddp_init_helper(params, sparse, names, ddp.static_graph)  # type: ignore[no-untyped-call]  # untyped
+    if ddp.static_graph:
+        assert ddp.logger is not None
+        ddp.reducer._set_static_graph()
+        ddp.logger._set_static_graph()
+
+
+@contextlib.contextmanager
+def _bucket_assignment(fn: Callable[..., tuple[list[list[int]], list[int]]] | None) -> Iterator[None]:
+    if fn is None:
+        yield
+        return
+    orig = dist._compute_bucket_assignment_by_size  # private: not in torch.distributed.__all__
+    dist._compute_bucket_assignment_by_size = fn
+    try:
+        yield
+    finally:
+        dist._compute_bucket_assignment_by_size = orig
+
+
+# ---- GradScaler's per-optimizer record -----------------------------------------------
+# torch 2.13: GradScaler keeps `_per_optimizer_states[id(optimizer)]` = {"stage": OptState,
+# "found_inf_per_device": {device: tensor}}; `_refresh_per_optimizer_state` is the record
+# update() starts from. resild reads the local inf/NaN verdict there and overwrites it with
+# the voted one, so every rank steps or skips alike. If this changes, AMP jobs fail at their
+# first commit (KeyError/AttributeError), and a recovery after unscale_ may double-unscale.
+def scaler_unscaled(scaler: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Has unscale_() run on `optimizer` this step?"""
+    return bool(scaler._per_optimizer_states[id(optimizer)]["stage"].name == "UNSCALED")
+
+
+def scaler_found_inf(scaler: Any, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The per-device found-inf flags unscale_() left for `optimizer` (step() reads them)."""
+    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+
+
+def scaler_reset_stages(scaler: Any) -> None:
+    """What GradScaler.update() does to the record: every optimizer back to READY."""
+    if hasattr(scaler, "_per_optimizer_states"):
+        from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+        scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+# ---- lazy imports --------------------------------------------------------------------
+def prewarm_lazy_imports() -> None:
+    """torch 2.13: FSDP2's first fully_shard imports torch._dynamo (~200 modules,
+    0.5 s); a spare pays it while it waits. If the module moves, this is a no-op."""
+    try:
+        import torch._dynamo  # noqa: F401
+    except Exception:  # a warm-up only
+        pass
