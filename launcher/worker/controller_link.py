@@ -59,7 +59,6 @@ class ControlLink:
         self.inject_exception = False
         self.shutdown: dict[str, Any] | None = None
         self.wait_report_s = 1.0
-        self.leader_changes = 0
         # Told again to a new leader (standby takeover): who we are, and that we are done.
         self._repeat: dict[MsgType, dict[str, Any]] = {}
         self._ch: ControllerSet | None = None
@@ -190,7 +189,6 @@ class ControlLink:
         if t == MsgType.LEASE:  # from our node process: a new controller leads
             ch = self._ch
             if ch is not None and ch.follow(int(msg.body.get("term", 0)), int(msg.body.get("leader", 0))):
-                self.leader_changes += 1
                 for mtype, body in self._repeat.items():  # register again (its WELCOME names its store)
                     self._out.put((mtype, body))
             return
