@@ -153,14 +153,14 @@ class Watched:
     exited_s: float | None = None  # monotonic, when it was first seen gone
 
 
-def judge_process(now: float, w: Watched, alive: bool, zombie: bool, hang_timeout_s: float) -> tuple[ProcState, str]:
+def judge_process(now: float, w: Watched, alive: bool, zombie: bool, stall_timeout_s: float) -> tuple[ProcState, str]:
     if w.state is ProcState.EXITED or not alive:
         return ProcState.EXITED, w.reason or "process exited"
     if zombie:
         return ProcState.ZOMBIE, "zombie: exited but not reaped by its parent"
     idle_s = now - w.last_progress_s
-    if idle_s > hang_timeout_s:
-        return ProcState.HUNG, f"no progress for {idle_s:.0f}s (hang_timeout_s={hang_timeout_s:g})"
+    if idle_s > stall_timeout_s:
+        return ProcState.HUNG, f"no progress for {idle_s:.0f}s (stall_timeout_s={stall_timeout_s:g})"
     return ProcState.RUNNING, ""
 
 
@@ -596,7 +596,7 @@ class Agent:
         counts = {s: 0 for s in ProcState}
         for w in watched:
             alive, zombie = _observe(w)
-            state, reason = judge_process(now, w, alive, zombie, self.cfg.hang_timeout_s)
+            state, reason = judge_process(now, w, alive, zombie, self.cfg.stall_timeout_s)
             counts[state] += 1
             if state is not w.state:
                 log.warning("watched process %s (pid %d): %s %s", w.name, w.pid, state.value, reason)

@@ -48,7 +48,9 @@ class Config:
     probe_interval_s: float = 10.0
     probe_timeout_s: float = 10.0  # a probe slower than this counts as FAILED
     nvml_call_timeout_s: float = 2.0
-    hang_timeout_s: float = 300.0  # a watched process without progress this long is hung
+    # A watched process without progress this long is hung. (Not the job's --hang-timeout, which
+    # the controller applies to a whole job; this was `hang_timeout_s` before 0.2.)
+    stall_timeout_s: float = 300.0
     metrics_port: int = 0  # 0 = no Prometheus endpoint
     metrics_addr: str = "127.0.0.1"
     kmsg_path: str = "/dev/kmsg"
@@ -75,7 +77,7 @@ _TYPES: dict[str, type] = {
     "probe_interval_s": float,
     "probe_timeout_s": float,
     "nvml_call_timeout_s": float,
-    "hang_timeout_s": float,
+    "stall_timeout_s": float,
     "metrics_port": int,
     "metrics_addr": str,
     "kmsg_path": str,
@@ -95,7 +97,12 @@ def env_name(key: str) -> str:
     return CFG_PREFIX + key.upper()
 
 
+_RENAMED = {"hang_timeout_s": "stall_timeout_s"}
+
+
 def _unknown(source: str, key: str) -> ConfigError:
+    if key in _RENAMED:
+        return ConfigError(source, f"key '{key}' is now '{_RENAMED[key]}' (the job's hang timeout is resil-run's)")
     close = difflib.get_close_matches(key, list(_FIELDS), n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(source, f"unknown key '{key}'{hint}")
@@ -155,7 +162,7 @@ def _validate(source: str, cfg: Config) -> None:
         "probe_interval_s",
         "probe_timeout_s",
         "nvml_call_timeout_s",
-        "hang_timeout_s",
+        "stall_timeout_s",
         "status_timeout_s",
     ):
         if getattr(cfg, key) <= 0:

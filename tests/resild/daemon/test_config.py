@@ -43,7 +43,7 @@ def test_precedence_defaults_file_env_cli(tmp_path: Path) -> None:
     assert cfg.probes == ["gpu", "diskspace"]
     assert cfg.xid_overrides == {"43": "degraded"}
     assert cfg.probe_options == {"diskspace": {"paths": ["/"]}}
-    assert cfg.hang_timeout_s == Config().hang_timeout_s  # default
+    assert cfg.stall_timeout_s == Config().stall_timeout_s  # default
 
 
 def test_config_env_var_names_the_file(tmp_path: Path) -> None:
@@ -90,7 +90,7 @@ def test_explicit_missing_file_is_an_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["status_timeout_s = nan\n", "heartbeat_s = inf\n", "hang_timeout_s = -inf\n", "probe_timeout_s = +nan\n"]
+    "text", ["status_timeout_s = nan\n", "heartbeat_s = inf\n", "stall_timeout_s = -inf\n", "probe_timeout_s = +nan\n"]
 )
 def test_non_finite_floats_are_refused(tmp_path: Path, text: str) -> None:
     """`status_timeout_s = nan` was accepted and then crashed `resild status`."""
@@ -179,3 +179,9 @@ def test_an_unknown_config_variable_is_an_error_naming_it() -> None:
         ConfigError, match=r"^RESILD_CFG_HEARTBAET_S: unknown key 'heartbaet_s' \(did you mean 'heartbeat_s'\?\)"
     ):
         load_config(None, env={"RESILD_CFG_HEARTBAET_S": "1", "RESILD_CONFIG": "/dev/null"})
+
+
+def test_the_renamed_stall_timeout_says_its_new_name(tmp_path: Path) -> None:
+    p = write(tmp_path, "hang_timeout_s = 60\n")
+    with pytest.raises(ConfigError, match=r"key 'hang_timeout_s' is now 'stall_timeout_s'"):
+        load_config(p, env={})

@@ -145,7 +145,7 @@ def test_agent_reports_health_and_heartbeats_and_watches(tmp_path: Path) -> None
         node="n1",
         heartbeat_s=0.2,
         probe_interval_s=30,
-        hang_timeout_s=0.6,
+        stall_timeout_s=0.6,
         state_dir=str(tmp_path),
         status_socket=str(tmp_path / "s.sock"),
     )
@@ -179,7 +179,7 @@ def test_agent_reports_health_and_heartbeats_and_watches(tmp_path: Path) -> None
         assert reply is not None and reply.body == {"ok": True}
         bad = local_request(ep, MsgType.REGISTER_WORKER, {"pid": "x"})
         assert bad is not None and bad.type is MsgType.ERROR
-        time.sleep(1.3)  # > hang_timeout_s without progress
+        time.sleep(1.3)  # > stall_timeout_s without progress
         st = local_request(ep, MsgType.STATUS).body
         assert st["verdict"] == "failed" and st["processes"][0]["state"] == "hung"
         assert local_request(ep, MsgType.PROGRESS, {"pid": sleeper.pid, "step": 7}).body == {"ok": True}
@@ -302,7 +302,7 @@ def agent(public_dir: Path):
     cfg = Config(
         node="n1",
         probe_interval_s=30,
-        hang_timeout_s=60,
+        stall_timeout_s=60,
         state_dir=str(public_dir),
         status_socket=str(public_dir / "s.sock"),
         status_group="",
