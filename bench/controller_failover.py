@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--controller-timeout",
         type=float,
-        default=2.0,
-        help="resil-run --controller-timeout (the nodes' lease), both sides (default 2.0)",
+        default=3.0,
+        help="resil-run --controller-timeout (the nodes' lease), both sides; more than --heartbeat-timeout, "
+        "as resil-run requires (default 3.0)",
     )
     p.add_argument(
         "--finish-timeout",

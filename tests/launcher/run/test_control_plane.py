@@ -122,7 +122,8 @@ def _gone(pid: int) -> bool:
 
 
 def test_a_frozen_controller_leaves_no_process_behind(tmp_path: Path) -> None:
-    job = LiveJob(tmp_path, "--controller-timeout", "2", steps=100000)
+    # the lease (2 s) must exceed the node-loss timeout: the settings nest
+    job = LiveJob(tmp_path, "--heartbeat-timeout", "1.5", "--controller-timeout", "2", steps=100000)
     try:
         job.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 3, timeout_s=90)
 
