@@ -30,7 +30,7 @@ from resild.controller.handlers import Handlers
 from resild.controller.journal import Journal
 from resild.controller.policy import PolicyConfig, check_heartbeats, check_timeouts, on_node_failure
 from resild.controller.records import parse_record
-from resild.controller.restore import Restored, fold
+from resild.controller.restore import fold, snapshot, take_over
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
 from resild.controller.status import answer
 from resild.controller.view import ClusterView, JobResult, NodeView
@@ -216,46 +216,18 @@ class Controller:
         (they follow the highest lease term) and heartbeat within their interval: a
         node that does not is lost like any silent node."""
         self.restored = True
-        s = self.state
-        nodes = self.view.nodes
-        initial = Restored(
-            {n: v.role for n, v in nodes.items()},
-            {n: v.reason for n, v in nodes.items()},
-            s.initial,
-            self.view.membership,
-            s.max_step,
-            s.result,
-        )
-        state = fold(map(parse_record, records), initial)
-        for node_id, role in state.roles.items():
-            if nodes[node_id].role != role:
-                nodes[node_id].set_role(role)
-            nodes[node_id].reason = state.reasons[node_id]
-        s.initial, self.view.membership = state.initial, state.membership
-        s.max_step, s.result = state.max_step, state.result
-        self.injector.pending = [f for f in self.injector.pending if str(f) not in state.fired]
-        m = self.view.membership
-        for n in self.view.nodes.values():
-            if n.role in (NodeRole.ACTIVE, NodeRole.SPARE):
-                n.registered = True  # known from before: silent from now on means lost
-                self.view.beat(n.node_id, now)
-                # Node processes connect to every replica under this identity: the first
-                # lease reaches them before they speak to us.
-                s.node_ident[n.node_id] = f"{n.node_id}/node".encode()
+        folded = fold(map(parse_record, records), snapshot(self.state))
+        take_over(self.state, folded, now)
+        self.injector.pending = [f for f in self.injector.pending if str(f) not in folded.fired]
         self._next_lease_s = 0.0
-        s.unregistered = sum(self.view.nodes[n].nproc for n in s.initial.node_ranks)
-        if m is not None:
-            self.bc.set_layout(m)
-            # The hang clock starts at the takeover: ranks blocked then report again.
-            self.view.epoch_started_s = self.view.last_commit_s = now
-            s.awaiting_full_strength = m.epoch
+        m = self.view.membership
         self.events.emit(
             EventName.CONTROLLER_RESTORED,
             records=len(records),
             epoch=m.epoch if m else 0,
             fenced=sorted(n.node_id for n in self.view.nodes.values() if n.role == NodeRole.FENCED),
             spares=[n.node_id for n in self.view.spares()],
-            committed_step=s.max_step,
+            committed_step=self.state.max_step,
         )
 
     def _finish(self) -> None:
