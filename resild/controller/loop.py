@@ -1,8 +1,10 @@
-"""The controller: the only place where decisions are made.
+"""The controller: the only place where decisions are made. This module is its run
+loop: construction, the loop over a ROUTER socket, the tick, dispatch.
 
-Single-threaded loop over a ROUTER socket. Every message handler updates the
-ClusterView; decisions come from `policy` (pure) and are journaled before the
-I/O that carries them out.
+Single-threaded. Every message handler (handlers.py) updates the ClusterView;
+decisions come from `policy` (pure) and are journaled before the I/O that carries
+them out (effects.py). The handlers and the effects share one ControllerState
+(state.py); taking over from a journal is a fold (restore.py).
 
 Cost model (it has to hold at 16k ranks): every message costs O(1) (a node's
 aggregated progress report O(its ranks)); an epoch costs O(ranks) once: node
@@ -24,7 +26,7 @@ import zmq
 
 from resild.controller.backend import Backend
 from resild.controller.broadcast import Broadcaster
-from resild.controller.effects import Effects, median_step_s
+from resild.controller.effects import Effects
 from resild.controller.faults import Fault, Injector
 from resild.controller.handlers import Handlers
 from resild.controller.journal import Journal
@@ -41,7 +43,7 @@ from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.protocol import Message, MsgType
 
-__all__ = ["Controller", "ControllerConfig", "JobResult", "median_step_s"]
+__all__ = ["Controller", "ControllerConfig", "JobResult"]
 
 log = logging.getLogger("resild.controller")
 
