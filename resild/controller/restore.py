@@ -4,6 +4,9 @@ What a journal says about the job: each node's role (and why it was fenced), the
 first epoch's layout with its start-up replacements, the current epoch, the highest
 committed step, the verdict if there is one and the faults already fired. Everything
 else comes back from the nodes, which re-register with a new leader.
+
+The fold is pure; `snapshot` is where it starts from and `take_over` the one step
+that applies its result to the controller's shared state.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import reduce
+from typing import TYPE_CHECKING
 
 from resild.controller.records import (
     DropSpare,
@@ -24,6 +28,9 @@ from resild.controller.records import (
 )
 from resild.controller.view import JobResult
 from resild.membership import Membership, NodeRole, check_transition
+
+if TYPE_CHECKING:
+    from resild.controller.state import ControllerState
 
 _LIVE = (NodeRole.ACTIVE, NodeRole.SPARE)
 
@@ -73,3 +80,43 @@ def apply(s: Restored, rec: Record) -> Restored:
 
 def fold(records: Iterable[Record], initial: Restored) -> Restored:
     return reduce(apply, records, initial)
+
+
+def snapshot(s: ControllerState) -> Restored:
+    """Where the fold starts: the controller's state before it read the journal."""
+    nodes = s.view.nodes
+    return Restored(
+        {n: v.role for n, v in nodes.items()},
+        {n: v.reason for n, v in nodes.items()},
+        s.initial,
+        s.view.membership,
+        s.max_step,
+        s.result,
+    )
+
+
+def take_over(s: ControllerState, r: Restored, now: float) -> None:
+    """The folded journal applied to the controller's shared state: roles and reasons,
+    the epochs, the step and the verdict; every live node counts as registered (silent
+    from now on means lost) under the identity node processes give every replica."""
+    nodes = s.view.nodes
+    for node_id, role in r.roles.items():
+        if nodes[node_id].role != role:
+            nodes[node_id].set_role(role)
+        nodes[node_id].reason = r.reasons[node_id]
+    s.initial, s.view.membership = r.initial, r.membership
+    s.max_step, s.result = r.max_step, r.result
+    m = s.view.membership
+    for n in s.view.nodes.values():
+        if n.role in (NodeRole.ACTIVE, NodeRole.SPARE):
+            n.registered = True  # known from before: silent from now on means lost
+            s.view.beat(n.node_id, now)
+            # Node processes connect to every replica under this identity: the first
+            # lease reaches them before they speak to us.
+            s.node_ident[n.node_id] = f"{n.node_id}/node".encode()
+    s.unregistered = sum(s.view.nodes[n].nproc for n in s.initial.node_ranks)
+    if m is not None:
+        s.bc.set_layout(m)
+        # The hang clock starts at the takeover: ranks blocked then report again.
+        s.view.epoch_started_s = s.view.last_commit_s = now
+        s.awaiting_full_strength = m.epoch

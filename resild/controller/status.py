@@ -3,9 +3,11 @@ and each node's role, health, ranks and heartbeat age. Read-only."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Container
 from typing import Any
 
+from resild.controller.state import ControllerState
 from resild.controller.view import ClusterView
 
 
@@ -27,3 +29,8 @@ def status(view: ClusterView, max_step: int, drained: Container[str], now: float
             for n in view.nodes.values()
         ],
     }
+
+
+def answer(s: ControllerState) -> dict[str, Any]:
+    """The STATUS reply from the controller's shared state, now."""
+    return status(s.view, s.max_step, getattr(s.backend, "drained", {}), time.monotonic())

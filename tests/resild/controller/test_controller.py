@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from resild.controller.loop import median_step_s
+from resild.controller.effects import median_step_s
 
 
 def test_median_step_counts_one_nodes_consecutive_steps_only() -> None:

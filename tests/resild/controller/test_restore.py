@@ -62,8 +62,8 @@ def test_restore_before_the_first_epoch_keeps_start_up_replacements() -> None:
     try:
         ctl.restore(records, now=5.0)
         assert ctl.view.membership is None
-        assert set(ctl._initial.node_ranks) == {"s1", "b"} and ctl._initial.epoch == 1
-        assert ctl._unregistered == 4  # every worker registers (again) before epoch 1
+        assert set(ctl.state.initial.node_ranks) == {"s1", "b"} and ctl.state.initial.epoch == 1
+        assert ctl.state.unregistered == 4  # every worker registers (again) before epoch 1
     finally:
         ctl.server.close()
 

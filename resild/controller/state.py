@@ -1,0 +1,69 @@
+"""The controller's shared mutable state, and the configuration it runs under.
+
+One object that the message handlers (handlers.py) and the effects of decisions
+(effects.py) both read and write, so that neither reaches into the Controller: the
+view of the job, who to reach (the broadcaster's identities), the journal, the event
+log, the backend, the first epoch's layout, the committed step and the verdict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from resild.controller.backend import Backend
+from resild.controller.broadcast import Broadcaster
+from resild.controller.journal import Journal
+from resild.controller.view import ClusterView, JobResult
+from resild.events.log import EventLog
+from resild.membership import Membership
+from resild.wire.channel import Channel
+from resild.wire.settings import Derived, JobSettings
+
+
+@dataclass
+class ControllerConfig:
+    bind: str = "tcp://127.0.0.1:0"
+    # The job's timeouts (one owner: resil-run builds it once; see resild.wire.settings).
+    # The policy's view of them, and what the job's size changes, are derived in Controller.
+    settings: JobSettings = field(default_factory=JobSettings)
+    tick_s: float = 0.02
+    max_batch: int = 1000  # messages handled before the timeout checks run again
+    resync_s: float = 1.0  # a node still reporting an old epoch this long after a send gets its view again
+    shutdown_timeout_s: float = 600.0  # at success: time for workers to finish (final save)
+    wait_nodes_gone_s: float = 0.0  # > 0: at the end, wait until no node process has heartbeat for this long
+    store_addr: str = ""
+    term: int = 1  # rises with every leader (standby controllers); nodes follow the highest
+    leader_index: int = 0  # this controller's place in the endpoint list node processes hold
+
+
+def lease_terms(cfg: ControllerConfig, derived: Derived) -> tuple[int, int, float, float, str]:
+    """What a lease says: term, leader index, interval, the nodes' wait, store."""
+    return cfg.term, cfg.leader_index, derived.lease_interval_s, derived.lease_timeout_s, cfg.store_addr
+
+
+@dataclass(eq=False)
+class ControllerState:
+    view: ClusterView
+    bc: Broadcaster  # epochs and leases out; who to reach (node and direct-worker identities)
+    events: EventLog
+    journal: Journal
+    backend: Backend
+    initial: Membership  # the first epoch's layout (start-up replacements applied)
+    unregistered: int  # active workers yet to register: O(1) start check
+    max_step: int = 0
+    result: JobResult | None = None
+    awaiting_full_strength: int | None = None  # epoch whose first commit we wait for
+    # (step, t, node) each time the job's step advanced
+    commit_times: list[tuple[int, float, str | None]] = field(default_factory=list)
+
+    @property
+    def ch(self) -> Channel:
+        return self.bc.ch
+
+    @property
+    def node_ident(self) -> dict[str, bytes]:
+        return self.bc.node_ident
+
+    @property
+    def worker_ident(self) -> dict[tuple[str, int], bytes]:
+        return self.bc.worker_ident
