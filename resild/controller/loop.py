@@ -16,6 +16,7 @@ relays it to its own workers (launcher/node/relay.py). Only workers not behind a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import time
@@ -72,6 +73,18 @@ class Controller:
         # computed once here and told to the node processes (WELCOME, LEASE).
         self.derived = cfg.settings.for_nodes(len(active) + len(spares))
         self.policy = PolicyConfig.from_settings(cfg.settings, self.derived)
+        if self.derived.heartbeat_timeout_s > cfg.settings.heartbeat_timeout_s:  # said, never silent
+            log.warning(
+                "%d nodes on a heartbeat budget of %g/s: nodes heartbeat every %.2fs and are lost after "
+                "%.1fs of silence (--heartbeat-timeout %g); leases every %.1fs, nodes wait %.1fs for one",
+                len(active) + len(spares),
+                cfg.settings.heartbeat_budget_per_s,
+                self.derived.heartbeat_interval_s,
+                self.derived.heartbeat_timeout_s,
+                cfg.settings.heartbeat_timeout_s,
+                self.derived.lease_interval_s,
+                self.derived.lease_timeout_s,
+            )
         self.cfg = cfg
         self.events = events
         self.journal = journal or Journal(None)
@@ -142,6 +155,8 @@ class Controller:
                 endpoint=self.endpoint,
                 nodes=list(self.view.nodes),
                 controller_host=socket.gethostname(),
+                settings=self.cfg.settings.to_dict(),  # what the job ran with, and what its size made of it
+                derived=dataclasses.asdict(self.derived),
             )
         next_tick = 0.0
         try:

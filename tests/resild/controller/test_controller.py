@@ -19,3 +19,30 @@ def test_median_step_counts_one_nodes_consecutive_steps_only() -> None:
     assert median_step_s(pts) == pytest.approx(0.016)
     assert median_step_s([(1, 0.0, "a"), (2, 0.004, "b")]) is None  # no same-node pair: unknown
     assert median_step_s([]) is None
+
+
+def test_what_the_job_size_stretches_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """At 2,000 nodes the heartbeat budget stretches the node-loss timeout to 4 s: a warning
+    says so (it used to happen silently), and the policy uses the stretched value."""
+    import zmq
+
+    from resild.controller.loop import Controller, ControllerConfig
+    from resild.events.log import EventLog
+    from resild.wire.settings import JobSettings
+
+    ctx = zmq.Context()
+    nodes = [f"n{i}" for i in range(2000)]
+    try:
+        with caplog.at_level("WARNING", logger="resild.controller"):
+            big = Controller(ControllerConfig(), nodes[:-2], nodes[-2:], 1, None, EventLog(None), ctx=ctx)
+        big.server.close()
+        assert "2000 nodes" in caplog.text and "lost after 4.0s of silence (--heartbeat-timeout 2)" in caplog.text
+        assert big.policy.heartbeat_timeout_s == 4.0
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="resild.controller"):
+            small = Controller(ControllerConfig(), ["a"], ["b"], 1, None, EventLog(None), ctx=ctx)
+        small.server.close()
+        assert caplog.text == ""
+        assert small.policy.heartbeat_timeout_s == JobSettings().heartbeat_timeout_s
+    finally:
+        ctx.destroy(linger=0)
