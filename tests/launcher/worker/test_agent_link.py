@@ -38,7 +38,7 @@ def test_registered_rank_is_watched_and_a_stall_is_reported_hung(tmp_path: Path)
     conf = tmp_path / "resild.toml"
     conf.write_text(
         f'node = "n1"\nkmsg_path = "{tmp_path}/kmsg"\nstate_dir = "{tmp_path}"\n'
-        f'status_socket = "{sock}"\nhang_timeout_s = 1.0\n'
+        f'status_socket = "{sock}"\nstall_timeout_s = 1.0\n'
     )
     env = fake_nvml_env(build_fake_nvml(tmp_path / "lib"), ctl)
     env.pop("NOTIFY_SOCKET", None)
@@ -67,7 +67,7 @@ def test_registered_rank_is_watched_and_a_stall_is_reported_hung(tmp_path: Path)
                 break
             time.sleep(0.1)
         assert p is not None and (p.get("step") or 0) >= 2, p
-        # Training stops advancing: the daemon must call it hung after hang_timeout_s.
+        # Training stops advancing: the daemon must call it hung after stall_timeout_s.
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             p = mine()
