@@ -29,6 +29,7 @@ from resild.wire.exits import FENCED_EXIT
 from resild.wire.keys import KeyDir
 from resild.wire.leader import ControllerSet
 from resild.wire.protocol import MsgType
+from resild.wire.settings import WorkerTimeouts
 
 log = logging.getLogger("resild.control")
 
@@ -58,7 +59,7 @@ class ControlLink:
         self.epoch = 0  # the epoch the training thread works in
         self.inject_exception = False
         self.shutdown: dict[str, Any] | None = None
-        self.wait_report_s = 1.0
+        self.wait_report_s = WorkerTimeouts.from_welcome({}).wait_report_s
         # Told again to a new leader (standby takeover): who we are, and that we are done.
         self._repeat: dict[MsgType, dict[str, Any]] = {}
         self._ch: ControllerSet | None = None
@@ -195,7 +196,7 @@ class ControlLink:
         with self.intr.cond:
             if t == MsgType.WELCOME:
                 self.welcome = msg.body
-                self.wait_report_s = float(msg.body.get("wait_report_s", 1.0))
+                self.wait_report_s = WorkerTimeouts.from_welcome(msg.body).wait_report_s
             elif t == MsgType.MEMBERSHIP:
                 m = Membership.from_dict(msg.body)
                 newest = max(self.epoch, self.pending.epoch if self.pending else 0)

@@ -55,6 +55,7 @@ from resild.events.schema import EventName
 from resild.membership import Membership
 from resild.wire.exits import FENCED_EXIT
 from resild.wire.protocol import MsgType
+from resild.wire.settings import WorkerTimeouts
 from resild.wire.store import COMMITTED_KEY
 
 log = logging.getLogger("resild.runtime")
@@ -88,6 +89,7 @@ class Job:
         self._mesh: Any = None
         self.intr = Interrupts()
         self.cfg: dict[str, Any] = {}
+        self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
         self.link: ControlLink | None = None
         self._agent: AgentLink | None = None
         controller = os.environ.get(resild_env.CONTROLLER.name)
@@ -132,11 +134,12 @@ class Job:
         if not link.wait(lambda: link.welcome is not None, 120.0):
             raise ResilienceError(f"no welcome from the controller within 120s ({controller})")
         self.cfg = dict(link.welcome or {})
+        self.timeouts = WorkerTimeouts.from_welcome(self.cfg)  # the job's, from the controller
         self.backend = os.environ.get(resild_env.BACKEND.name) or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        timeout_s = float(self.cfg.get("collective_timeout_s", 60))
+        timeout_s = self.timeouts.collective_timeout_s
         self._store = self._store_client()
         factory = GroupFactory(self.backend, self._store_client, timeout_s, os.environ.get(resild_env.GLOO_HOST.name))
         self.rec = Recovery(self.intr, factory, self.device, timeout_s + 5.0)
@@ -266,7 +269,8 @@ class Job:
         link = self.link
         assert link is not None
         ok = link.wait(
-            lambda: link.newer_epoch() or link.shutdown is not None, float(self.cfg.get("notice_timeout_s", 120))
+            lambda: link.newer_epoch() or link.shutdown is not None,
+            self.timeouts.notice_timeout_s,
         )
         self._check_shutdown()
         if not ok:
@@ -395,7 +399,8 @@ class Job:
         assert link is not None
         link.send(MsgType.DONE, rank=self.rank, epoch=self.epoch, step=self.step, pid=os.getpid())
         ok = link.wait(
-            lambda: link.shutdown is not None or link.newer_epoch(), float(self.cfg.get("notice_timeout_s", 120))
+            lambda: link.shutdown is not None or link.newer_epoch(),
+            self.timeouts.notice_timeout_s,
         )
         if link.shutdown is not None:
             self._check_shutdown()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,32 @@ class Derived:
     heartbeat_timeout_s: float  # a node silent this long is lost (never less than 4 intervals)
     lease_interval_s: float  # the controller leases every node this often (0: no leases)
     lease_timeout_s: float  # a node process that hears no controller this long stops (0: never)
+
+
+@dataclass(frozen=True)
+class WorkerTimeouts:
+    """The workers' share of the settings, sent in WELCOME (JobSettings.worker_timeouts)."""
+
+    collective_timeout_s: float  # a collective must not time out before the controller could declare a hang
+    wait_report_s: float  # a rank blocked this long in a collective says so (the hang detector names it)
+    notice_timeout_s: float  # after a failed collective, how long a rank waits for the controller's notice
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_welcome(cls, body: Mapping[str, Any]) -> WorkerTimeouts:
+        """What a WELCOME says; a value it lacks (a worker run alone, no controller) or one that
+        is not a positive number is JobSettings' default: the defaults have one owner."""
+        default = JobSettings().worker_timeouts()
+        out: dict[str, float] = {}
+        for f in dataclasses.fields(cls):
+            v = body.get(f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0:
+                out[f.name] = float(v)
+            else:
+                out[f.name] = getattr(default, f.name)
+        return cls(**out)
 
 
 @dataclass(frozen=True)
@@ -111,15 +138,15 @@ class JobSettings:
         """A collective must not time out before the controller could have declared a hang."""
         return max(MIN_COLLECTIVE_TIMEOUT_S, 3 * self.hang_timeout_s)
 
-    def worker_timeouts(self) -> dict[str, float]:
+    def worker_timeouts(self) -> WorkerTimeouts:
         """What the workers are told (WELCOME): the collective timeout, how often a blocked
         rank reports, and how long a rank waits for the controller's notice after a failed
         collective (past the collective timeout and the controller's own detection)."""
-        return {
-            "wait_report_s": min(1.0, self.hang_timeout_s / 4),
-            "collective_timeout_s": self.collective_timeout_s,
-            "notice_timeout_s": self.collective_timeout_s + 2 * self.hang_timeout_s + self.heartbeat_timeout_s + 60.0,
-        }
+        return WorkerTimeouts(
+            collective_timeout_s=self.collective_timeout_s,
+            wait_report_s=min(1.0, self.hang_timeout_s / 4),
+            notice_timeout_s=self.collective_timeout_s + 2 * self.hang_timeout_s + self.heartbeat_timeout_s + 60.0,
+        )
 
     def for_nodes(self, n_nodes: int) -> Derived:
         """The heartbeat budget at this job size: nodes heartbeat every N / budget seconds

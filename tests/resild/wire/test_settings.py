@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from resild.wire.settings import MIN_COLLECTIVE_TIMEOUT_S, JobSettings, SettingsError
+from resild.wire.settings import MIN_COLLECTIVE_TIMEOUT_S, JobSettings, SettingsError, WorkerTimeouts
 
 
 def test_defaults_nest() -> None:
@@ -73,10 +73,19 @@ def test_at_scale_heartbeats_leases_and_waits_stretch_together() -> None:
 
 def test_worker_timeouts_follow_the_hang_timeout() -> None:
     w = JobSettings(hang_timeout_s=40).worker_timeouts()
-    assert w["collective_timeout_s"] == 120
-    assert w["wait_report_s"] == 1.0
-    assert w["notice_timeout_s"] > w["collective_timeout_s"]
-    assert JobSettings().worker_timeouts()["collective_timeout_s"] == MIN_COLLECTIVE_TIMEOUT_S
+    assert w.collective_timeout_s == 120
+    assert w.wait_report_s == 1.0
+    assert w.notice_timeout_s > w.collective_timeout_s
+    assert JobSettings().worker_timeouts().collective_timeout_s == MIN_COLLECTIVE_TIMEOUT_S
+
+
+def test_a_worker_reads_its_timeouts_from_welcome_and_defaults_from_the_one_owner() -> None:
+    sent = JobSettings(hang_timeout_s=40).worker_timeouts()
+    assert WorkerTimeouts.from_welcome(json.loads(json.dumps({"store": "h:1", **sent.to_dict()}))) == sent
+    alone = WorkerTimeouts.from_welcome({})  # no controller: JobSettings' defaults
+    assert alone == JobSettings().worker_timeouts()
+    bad = WorkerTimeouts.from_welcome({"collective_timeout_s": "soon", "wait_report_s": -1, "notice_timeout_s": True})
+    assert bad == alone
 
 
 def test_the_typed_body_round_trips_and_is_validated_on_arrival() -> None:
