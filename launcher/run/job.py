@@ -111,4 +111,13 @@ def run_job(
         if live is not None:
             live.close()
     print_summary(result.exit_code, result.reason, events.records + list(events.recent_progress), as_json)
+    # Said, never silent: the summary above saw less than the job wrote, or the file less than happened.
+    if events.records_dropped:
+        print(
+            f"resil-run: {events.records_dropped} events were over the in-memory cap and are left out of this "
+            f"summary (they are in {events.path}: `resild report` reads them all)",
+            file=sys.stderr,
+        )
+    if events.dropped_lines:
+        print(f"resil-run: {events.dropped_lines} events could not be written to {events.path}", file=sys.stderr)
     return (result.exit_code, result.reason) if return_reason else result.exit_code

@@ -27,15 +27,59 @@ Listener = Callable[[dict[str, Any]], None]
 PROGRESS_INTERVAL_S = 0.5
 RECENT_PROGRESS = 20_000  # progress events kept in memory: hours of step rate, bounded
 
+# The other events kept in memory (for resil-run's end-of-run summary; the file has them all).
+# What the summary reads (recoveries.py: failures, fences, epochs, resumes) is kept apart from
+# the rest (peers' own events, registrations, done ranks), so that a flood of peer events can
+# never push a failure out of the summary. Over a cap, events are counted, not kept.
+MAX_RECORDS = 50_000
+MAX_OTHER_RECORDS = 20_000
+MAX_RECORD_BYTES = 64 << 20  # the kept records' JSON, all together: a few large events cannot fill memory
+SUMMARY_EVENTS = frozenset(
+    {
+        EventName.JOB_STARTED,
+        EventName.NODE_REGISTERED,
+        EventName.MEMBERSHIP,
+        EventName.COLLECTIVE_FAILED,
+        EventName.FAULT_INJECTED,
+        EventName.FAILURE_DETECTED,
+        EventName.NODE_FENCED,
+        EventName.NODE_SUSPECT,
+        EventName.SPARE_ASSIGNED,
+        EventName.REFORM,
+        EventName.FULL_STRENGTH_STEP,
+        EventName.JOB_FINISHED,
+        EventName.JOB_FAILED,
+        EventName.CONTROLLER_RESTORED,
+        EventName.JOURNAL_ERROR,
+        EventName.GROUP_REFORMED,
+        EventName.STATE_REPLAYED,
+        EventName.RESUMED,
+    }
+)
+
 
 class EventLog:
-    def __init__(self, path: Path | None = None, progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        path: Path | None = None,
+        progress_interval_s: float = PROGRESS_INTERVAL_S,
+        max_records: int = MAX_RECORDS,
+        max_other_records: int = MAX_OTHER_RECORDS,
+    ) -> None:
         self.records: list[dict[str, Any]] = []
+        self.max_records, self.max_other_records = max_records, max_other_records
+        self._kept = {True: 0, False: 0}  # records kept: summary events, others
+        self._kept_bytes = 0
+        self.records_dropped = 0  # events written (or tried) but not kept in memory: over a cap
+        self.dropped_lines = 0  # events that could not be written (a full disk, an I/O error)
+        self.path = path
         self.recent_progress: deque[dict[str, Any]] = deque(maxlen=RECENT_PROGRESS)
         self.listeners: list[Listener] = []
         self.progress_interval_s = progress_interval_s
         self._last_progress: float | None = None
-        self._f = open(path, "a", encoding="utf-8") if path is not None else None
+        # Unbuffered: one write per line, so a failed write loses that line and nothing
+        # buffered behind it (a full disk must not leave a growing buffer either).
+        self._f = open(path, "ab", buffering=0) if path is not None else None
 
     def emit(self, event: EventName | str, **fields: Any) -> dict[str, Any]:
         """Write one event. `event` is an EventName (a peer's "worker.<name>" events are
@@ -49,13 +93,13 @@ class EventLog:
             # The sender's clock (a worker's CLOCK_MONOTONIC: another host under Slurm);
             # t_log is when this log saw it, on the same clock as every controller event.
             rec["t_log"] = now
+        line = (json.dumps(rec, separators=(",", ":"), default=str) + "\n").encode()
         if event != EventName.PROGRESS:
-            self.records.append(rec)
+            self._keep(event, rec, len(line))
         else:  # weeks of 2/s would fill memory: the file has them all, memory the latest
             self.recent_progress.append(rec)
         if self._f is not None:
-            self._f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            self._f.flush()
+            self._write(line)
         for fn in list(self.listeners):
             try:
                 fn(rec)
@@ -63,6 +107,33 @@ class EventLog:
                 log.warning("event listener %r failed and was removed: %r", fn, e)
                 self.listeners.remove(fn)
         return rec
+
+    def _keep(self, event: str, rec: dict[str, Any], size: int) -> None:
+        summary = event in SUMMARY_EVENTS
+        cap = self.max_records if summary else self.max_other_records
+        if self._kept[summary] >= cap or self._kept_bytes + size > MAX_RECORD_BYTES:
+            self.records_dropped += 1
+            return
+        self._kept[summary] += 1
+        self._kept_bytes += size
+        self.records.append(rec)
+
+    def _write(self, line: bytes) -> None:
+        """One line to the file. A write error (a full disk, a dead NFS server) never
+        reaches the caller: the controller's loop must go on deciding, so the line is
+        counted, said once, and the next one tried (the disk may have room again)."""
+        assert self._f is not None
+        try:
+            view = memoryview(line)
+            while view:
+                n = self._f.write(view)
+                if not n:
+                    raise OSError("short write")
+                view = view[n:]
+        except (OSError, ValueError) as e:  # ValueError: the file was closed under us
+            if not self.dropped_lines:
+                log.error("could not write to the events file %s (%r): events are being dropped", self.path, e)
+            self.dropped_lines += 1
 
     def progress(self, step: int, epoch: int) -> dict[str, Any] | None:
         """A `progress` event (committed step, epoch), at most once per progress_interval_s."""

@@ -34,6 +34,7 @@ class EventName(str, Enum):
     FAULT_INJECTED = "fault_injected"
     FAILURE_DETECTED = "failure_detected"
     NODE_FENCED = "node_fenced"
+    NODE_SUSPECT = "node_suspect"  # a worker failed without evidence against the node: not drained (yet)
     SPARE_ASSIGNED = "spare_assigned"
     REFORM = "reform"  # a transient failure: same layout, new epoch
     FULL_STRENGTH_STEP = "full_strength_step"  # the first commit of a new epoch
