@@ -13,7 +13,7 @@ import time
 from statistics import median
 
 from resild.controller.faults import Injector
-from resild.controller.policy import Action, Decision
+from resild.controller.policy import Action, Decision, drain_verdict
 from resild.controller.records import FaultFired, Start, decided
 from resild.controller.state import ControllerConfig, ControllerState
 from resild.controller.view import JobResult
@@ -49,7 +49,7 @@ class Effects:
                 detector=d.detector,
                 committed_step=s.max_step,
             )
-            self.fence(d.node, d.reason)
+            self.fence(d.node, d.reason, now, d.evidence)
         if d.action == Action.REPLACE_NODE and d.membership is None:
             # Before the first epoch: the spare takes the failed node's place in it.
             assert d.node and d.spare
@@ -101,15 +101,38 @@ class Effects:
             )
             s.result = JobResult(0, d.reason)
 
-    def fence(self, node_id: str, reason: str) -> None:
+    def fence(self, node_id: str, reason: str, now: float, evidence: bool = True) -> None:
         s = self.s
         node = s.view.nodes[node_id]
         node.set_role(NodeRole.FENCED, reason)
         if node_id in s.node_ident:
             s.ch.send(MsgType.FENCE, {"reason": reason}, to=s.node_ident[node_id])
         s.backend.fence(node_id, reason)
-        s.backend.drain(node_id, reason)
-        s.events.emit(EventName.NODE_FENCED, node=node_id, reason=reason)
+        strikes = s.view.strikes.get(node_id, [])
+        drained = drain_verdict(now, evidence, strikes, self.cfg.suspect_window_s)
+        if drained:
+            self.drain(node_id, reason)
+        else:  # a worker's failure without evidence: out of this job, not out of the pool
+            s.view.strikes.setdefault(node_id, []).append(now)
+            s.events.emit(EventName.NODE_SUSPECT, node=node_id, reason=reason, strikes=len(strikes) + 1)
+        s.events.emit(EventName.NODE_FENCED, node=node_id, reason=reason, drained=drained)
+
+    def drain(self, node_id: str, reason: str) -> None:
+        if node_id not in self.s.view.drained:
+            self.s.view.drained.add(node_id)
+            self.s.backend.drain(node_id, reason)
+
+    def late_evidence(self, node_id: str, reason: str, now: float) -> None:
+        """Evidence against a node already fenced on suspicion (its daemon's health verdict
+        arrives after its worker failed): the second strike, drained now."""
+        s = self.s
+        if node_id in s.view.drained or not drain_verdict(
+            now, True, s.view.strikes.get(node_id, []), self.cfg.suspect_window_s
+        ):
+            return
+        self.drain(node_id, reason)
+        strikes = len(s.view.strikes.get(node_id, [])) + 1
+        s.events.emit(EventName.NODE_SUSPECT, node=node_id, reason=reason, strikes=strikes, drained=True)
 
     def start(self, now: float) -> None:
         """Every active worker registered: the first epoch, journaled like any decision."""

@@ -80,6 +80,10 @@ class Handlers:
             )
             return
         if node.role == NodeRole.FENCED:
+            h = typed if isinstance(typed, Health) else None
+            if h is not None and h.verdict == "failed" and node_id in s.view.strikes:
+                # Fenced on suspicion, and now its own health says it is bad: drain it.
+                self.effects.late_evidence(node_id, "; ".join(h.reasons or ["GPU failed"]), now)
             # A fenced node never rejoins: whatever it says, it is told to die.
             s.ch.send(MsgType.FENCE, {"reason": node.reason}, to=ident)
             return

@@ -6,7 +6,8 @@ with a fake clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from resild.controller.view import ClusterView, NodeView
@@ -31,9 +32,24 @@ class Decision:
     spare: str | None = None
     membership: Membership | None = None
     detector: str = ""
+    # Evidence against the node itself (a health verdict, its node process or host lost):
+    # only then is it drained in the scheduler. A worker's exception, exit or hang may be
+    # the training script's own: the node is replaced but only suspected (drain_verdict).
+    evidence: bool = True
 
 
 NOTHING = Decision(Action.NONE, "")
+
+# A node fenced on suspicion (no evidence) is drained at the second strike within this long:
+# one exception is the script's; two on one node within the hour are the node's.
+SUSPECT_WINDOW_S = 3600.0
+
+
+def drain_verdict(now: float, evidence: bool, strikes: Sequence[float], window_s: float = SUSPECT_WINDOW_S) -> bool:
+    """Whether a fenced node is drained (taken out of the scheduler's pool, by hand to undo):
+    with evidence against it, or at a second strike: `strikes` are the times it was
+    suspected before."""
+    return evidence or any(now - t <= window_s for t in strikes)
 
 
 _DEFAULT = JobSettings()
@@ -76,7 +92,16 @@ def on_node_failure(
     view: ClusterView, node_id: str, cause: str, detector: str, *, worker_fault: bool = False
 ) -> Decision:
     """`worker_fault`: the training command itself failed (a worker exited or raised),
-    as opposed to the node (its node process died, went silent, or its GPU failed)."""
+    as opposed to the node (its node process died, went silent, or its GPU failed).
+    Either way the node's ranks are replaced; only the node's own failure is evidence
+    that drains it (a hang, like a worker's fault, is not: it may be the script's)."""
+    d = _on_node_failure(view, node_id, cause, detector, worker_fault=worker_fault)
+    if worker_fault or detector == "hang":
+        return replace(d, evidence=False)
+    return d
+
+
+def _on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str, *, worker_fault: bool) -> Decision:
     node = view.nodes.get(node_id)
     if node is None or node.role in (NodeRole.FENCED, NodeRole.DONE):
         return NOTHING  # already handled (several detectors often see one fault)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from resild.controller.backend import Backend
 from resild.controller.broadcast import Broadcaster
 from resild.controller.journal import Journal
+from resild.controller.policy import SUSPECT_WINDOW_S
 from resild.controller.view import ClusterView, JobResult
 from resild.events.log import EventLog
 from resild.membership import Membership
@@ -34,6 +35,7 @@ class ControllerConfig:
     store_addr: str = ""
     term: int = 1  # rises with every leader (standby controllers); nodes follow the highest
     leader_index: int = 0  # this controller's place in the endpoint list node processes hold
+    suspect_window_s: float = SUSPECT_WINDOW_S  # a second strike within this drains a suspect node
 
 
 def lease_terms(cfg: ControllerConfig, derived: Derived) -> tuple[int, int, float, float, str]:

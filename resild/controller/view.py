@@ -64,6 +64,10 @@ class ClusterView:
     probe_targets: frozenset[str] = frozenset()  # the nodes it was sent to
     probe_epoch: int = 0  # the epoch whose collective failed
     exceptions_seen: list[str] = field(default_factory=list)  # worker exception texts, oldest first
+    # Nodes fenced on suspicion (policy.drain_verdict): when, and why. Not journaled: a new
+    # leader forgives them (a missed drain costs a retry elsewhere, a wrong one a node).
+    strikes: dict[str, list[float]] = field(default_factory=dict)
+    drained: set[str] = field(default_factory=set)
     # Nodes ordered by last heartbeat, oldest first: the heartbeat check looks at the
     # head only (O(1) per tick, not O(nodes)). Keep it right by setting
     # last_heartbeat_s through beat() only.

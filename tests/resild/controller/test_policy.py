@@ -211,3 +211,23 @@ def test_start_up_silence_is_judged_with_the_longer_start_timeout() -> None:
     assert check_heartbeats(100.0, v, CFG).action == Action.NONE
     d = check_heartbeats(106.0, v, CFG)
     assert d.action == Action.REPLACE_NODE and d.node == "a" and d.membership is None
+
+
+def test_only_evidence_against_the_node_drains_it() -> None:
+    """A worker's exception, exit or hang says nothing about the node: replaced, not drained."""
+    from resild.controller.policy import drain_verdict
+
+    v = view()
+    assert on_node_failure(v, "a", "no heartbeat for 3.0s", "heartbeat").evidence
+    assert on_node_failure(v, "a", "Xid 79", "gpu-probe").evidence
+    assert on_node_failure(v, "a", "node process exited with code -9", "process-exit").evidence
+    assert not on_node_failure(v, "a", "worker 0 exited with code 1", "process-exit", worker_fault=True).evidence
+    assert not on_worker_exception(v, "a", "ValueError: x", "worker 0 raised ValueError: x").evidence
+    hung = on_node_failure(v, "a", "hang: rank 0 made no progress", "hang")
+    assert hung.action == Action.REPLACE_NODE and not hung.evidence
+    # The verdict, on an injected clock: evidence drains; a first strike does not; a second
+    # within the window does; one older than the window is forgiven.
+    assert drain_verdict(1000.0, True, (), 3600.0)
+    assert not drain_verdict(1000.0, False, (), 3600.0)
+    assert drain_verdict(1000.0, False, (900.0,), 3600.0)
+    assert not drain_verdict(5000.0, False, (900.0,), 3600.0)
