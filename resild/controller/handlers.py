@@ -48,6 +48,16 @@ from resild.wire.settings import Derived
 log = logging.getLogger("resild.controller")
 
 
+def _size(msg: Message, typed: object) -> int:
+    """About how many bytes the message makes the controller write or hold: an event's
+    fields (what the event log writes), a progress report's ranks."""
+    if isinstance(typed, Event):
+        return len(json.dumps(typed.fields, separators=(",", ":"), default=str)) if typed.fields else 0
+    if isinstance(typed, Progress):
+        return 16 * len(typed.commits or {}) + len(typed.error or "")
+    return 0
+
+
 class Handlers:
     def __init__(self, s: ControllerState, effects: Effects, cfg: ControllerConfig, derived: Derived) -> None:
         self.s, self.effects, self.cfg, self.derived = s, effects, cfg, derived
@@ -87,6 +97,10 @@ class Handlers:
             # A fenced node never rejoins: whatever it says, it is told to die.
             s.ch.send(MsgType.FENCE, {"reason": node.reason}, to=ident)
             return
+        if msg.type in (MsgType.EVENT, MsgType.PROGRESS) and not s.budget.admit(
+            node_id, msg.type.value, _size(msg, typed), now
+        ):
+            return  # over the node's budget: counted and logged by the budget, not answered
         handler = self._handlers.get(msg.type)
         if handler is None:
             s.ch.send(MsgType.ERROR, {"code": "unexpected", "detail": f"{msg.type.value} not accepted here"}, to=ident)

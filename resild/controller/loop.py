@@ -27,6 +27,7 @@ import zmq
 
 from resild.controller.backend import Backend
 from resild.controller.broadcast import Broadcaster
+from resild.controller.budget import Budget
 from resild.controller.effects import Effects
 from resild.controller.faults import Fault, Injector
 from resild.controller.handlers import Handlers
@@ -110,6 +111,7 @@ class Controller:
             backend or Backend(),
             Membership.initial(active, nproc_per_node),
             len(active) * nproc_per_node,
+            budget=Budget({MsgType.EVENT.value: cfg.event_budget, MsgType.PROGRESS.value: cfg.progress_budget}),
         )
         self.effects = Effects(self.state, cfg, self.injector)
         self.handlers = Handlers(self.state, self.effects, cfg, self.derived)
@@ -167,9 +169,13 @@ class Controller:
                 if got is not None:
                     ident, msg = got
                     self._dispatch(ident, msg, now)
-                    # Bounded: at scale a flood of progress reports must not starve the checks.
+                    # Bounded, by count and by time: a flood (progress at scale, or a node's
+                    # key holder sending large events) must not starve the checks and leases.
+                    # Time is what matters: one message may cost a millisecond (1 MB to decode).
                     for _ in range(self.cfg.max_batch):
-                        if self.state.result is not None or (got := self.ch.recv(0)) is None:
+                        if self.state.result is not None or time.monotonic() >= next_tick:
+                            break
+                        if (got := self.ch.recv(0)) is None:
                             break
                         self._dispatch(got[0], got[1], time.monotonic())
                 now = time.monotonic()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from resild.controller.backend import Backend
 from resild.controller.broadcast import Broadcaster
+from resild.controller.budget import Budget, Limits
 from resild.controller.journal import Journal
 from resild.controller.policy import SUSPECT_WINDOW_S
 from resild.controller.view import ClusterView, JobResult
@@ -35,6 +36,11 @@ class ControllerConfig:
     store_addr: str = ""
     term: int = 1  # rises with every leader (standby controllers); nodes follow the highest
     leader_index: int = 0  # this controller's place in the endpoint list node processes hold
+    # Per node per second (budget.py): peers' events are for the log, not worth the job; a
+    # node's progress is what the hang check reads, so its budget is far above any real rate
+    # (a node process aggregates its ranks' commits every 100 ms; direct workers per step).
+    event_budget: Limits = Limits(messages=200, bytes=256 << 10)
+    progress_budget: Limits = Limits(messages=5000, bytes=16 << 20)
     suspect_window_s: float = SUSPECT_WINDOW_S  # a second strike within this drains a suspect node
 
 
@@ -57,6 +63,12 @@ class ControllerState:
     awaiting_full_strength: int | None = None  # epoch whose first commit we wait for
     # (step, t, node) each time the job's step advanced
     commit_times: list[tuple[int, float, str | None]] = field(default_factory=list)
+    budget: Budget = field(default_factory=lambda: Budget({}))  # per-node EVENT/PROGRESS limits (handlers)
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Messages dropped over each node's budget."""
+        return self.budget.dropped
 
     @property
     def ch(self) -> Channel:
