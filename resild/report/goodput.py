@@ -103,32 +103,51 @@ class Breakdown:
 
 
 # ---- reading ----------------------------------------------------------------------------
+# Bounds on what `resild report` reads: a real log's lines are a few hundred bytes (the
+# controller caps a node's events; see resild.controller.budget) and a week-long job's file
+# a few GB at most; /dev/zero or a stray binary must end in an error, not in a hang.
+MAX_LINE_BYTES = 1 << 20
+MAX_FILE_BYTES = 8 << 30
+
+
+def _no_non_finite(name: str) -> Any:
+    # resild's wire refuses NaN and Infinity, so a file holding them was edited or is
+    # foreign. Refused, not skipped: a total computed from what is left would be wrong
+    # ("total 0.000") without saying so; the error names the line to fix.
+    raise ValueError(f"non-finite number {name}")
+
+
 def load_events(path: str | Path) -> list[dict[str, Any]]:
     """Read a JSON-lines event file. Raises EventFileError with a one-line reason."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        raw = _read_lines(p)
     except FileNotFoundError:
         raise EventFileError(f"{p}: no such file") from None
     except IsADirectoryError:
         raise EventFileError(f"{p}: is a directory, not an event file") from None
-    except UnicodeDecodeError:
-        raise EventFileError(f"{p}: not a text file (expected JSON lines from resil-run --events)") from None
     except OSError as e:
         raise EventFileError(f"{p}: {e.strerror}") from None
-    lines = text.splitlines()
     out: list[dict[str, Any]] = []
-    for n, line in enumerate(lines, 1):
+    for n, (bline, complete) in enumerate(raw, 1):
+        try:
+            line = bline.decode("utf-8")
+        except UnicodeDecodeError:
+            raise EventFileError(f"{p}: not a text file (expected JSON lines from resil-run --events)") from None
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = json.loads(line, parse_constant=_no_non_finite)
         except json.JSONDecodeError as e:
-            if n == len(lines) and not text.endswith("\n"):
+            if n == len(raw) and not complete:
                 break  # the last line of a log still being written
             raise EventFileError(
                 f"{p}:{n}: not JSON ({e.msg}); expected one event per line as written by resil-run --events"
             ) from None
+        except RecursionError:
+            raise EventFileError(f"{p}:{n}: JSON nested too deeply to be a resild event") from None
+        except ValueError as e:  # _no_non_finite
+            raise EventFileError(f"{p}:{n}: {e} (resild never writes one)") from None
         if (
             not isinstance(rec, dict)
             or not isinstance(rec.get("event"), str)
@@ -138,6 +157,22 @@ def load_events(path: str | Path) -> list[dict[str, Any]]:
         out.append(rec)
     if not out:
         raise EventFileError(f"{p}: empty (no events)")
+    return out
+
+
+def _read_lines(p: Path) -> list[tuple[bytes, bool]]:
+    """The file's lines (and whether each ended with a newline), within the bounds above."""
+    out: list[tuple[bytes, bool]] = []
+    total = 0
+    with open(p, "rb") as f:
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            total += len(line)
+            complete = line.endswith(b"\n")
+            if len(line) > MAX_LINE_BYTES and not complete:
+                raise EventFileError(f"{p}:{len(out) + 1}: a line over {MAX_LINE_BYTES >> 20} MB: not an event file")
+            if total > MAX_FILE_BYTES:
+                raise EventFileError(f"{p}: over {MAX_FILE_BYTES >> 30} GB: not read")
+            out.append((line.rstrip(b"\r\n") if complete else line, complete))
     return out
 
 
