@@ -12,9 +12,11 @@ socket operation times out after SOCKET_TIMEOUT_S; the exposition is prometheus-
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -28,6 +30,8 @@ from resild.health.probes import Outcome
 log = logging.getLogger(__name__)
 MAX_CONNECTIONS = 16  # a scraper or two at a time is the norm
 SOCKET_TIMEOUT_S = 5.0  # per socket operation: an idle connection is closed after this
+# A whole connection's deadline: a byte per SOCKET_TIMEOUT_S would otherwise hold a slot forever.
+MAX_CONNECTION_S = 30.0
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -45,9 +49,15 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
     block_on_close = False
     request_queue_size = 128  # socketserver's 5 makes a burst of connects wait on SYN retries
 
-    def __init__(self, addr: str, port: int, max_connections: int = MAX_CONNECTIONS) -> None:
-        self.address_family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+    def __init__(
+        self, addr: str, port: int, max_connections: int = MAX_CONNECTIONS, max_connection_s: float = MAX_CONNECTION_S
+    ) -> None:
+        infos = socket.getaddrinfo(addr or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        self.address_family = infos[0][0]
         self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connection_s = max_connection_s
+        self._started: dict[socket.socket, float] = {}  # open connections -> since (monotonic)
+        self._started_lock = threading.Lock()
         self.refused = 0
         super().__init__((addr, port), _QuietHandler)
 
@@ -56,9 +66,12 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
             self.refused += 1
             self.shutdown_request(request)
             return
+        with self._started_lock:
+            self._started[request] = time.monotonic()
         try:
             super().process_request(request, client_address)  # starts the thread
         except Exception as e:  # no thread (the task limit): the slot is free again
+            self._forget(request)
             self._slots.release()
             log.warning("metrics: cannot serve a connection: %s", e)
             self.shutdown_request(request)
@@ -67,7 +80,22 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self._forget(request)
             self._slots.release()
+
+    def _forget(self, request: socket.socket) -> None:
+        with self._started_lock:
+            self._started.pop(request, None)
+
+    def service_actions(self) -> None:
+        """From serve_forever's loop (every poll interval): cut connections past their
+        deadline; the handler's next read then ends, and its thread frees the slot."""
+        now = time.monotonic()
+        with self._started_lock:
+            late = [r for r, t0 in self._started.items() if now - t0 > self.max_connection_s]
+        for request in late:
+            with contextlib.suppress(OSError):
+                request.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # Timeouts and resets of scrapers are routine: no traceback on stderr.
@@ -114,7 +142,7 @@ class Metrics:
 
     def serve(self, port: int, addr: str = "127.0.0.1", max_connections: int = MAX_CONNECTIONS) -> int:
         """Serve /metrics on addr:port (0: any free port) in a thread; returns the port."""
-        server = BoundedMetricsServer(addr, port, max_connections)
+        server = BoundedMetricsServer(addr, port, max_connections, MAX_CONNECTION_S)
         server.set_app(make_wsgi_app(self.registry))
         threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         self._server = server

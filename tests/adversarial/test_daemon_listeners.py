@@ -215,6 +215,37 @@ def test_idle_connections_to_the_metrics_port_do_not_grow_threads() -> None:
     assert ok
 
 
+def test_a_dribbling_metrics_connection_is_closed_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One byte per socket timeout kept a connection (and its slot) forever: each
+    connection now has a deadline of its own, whatever it sends."""
+    import resild.daemon.metrics as metrics_mod
+
+    monkeypatch.setattr(metrics_mod, "MAX_CONNECTION_S", 1.0, raising=False)
+    m = Metrics("n1")
+    port = _free_port()
+    m.serve(port)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            t0 = time.monotonic()
+            closed_after = None
+            for ch in b"GET /metrics HTTP/1.1 and so on, very slowly":
+                try:
+                    s.sendall(bytes([ch]))
+                    if s.recv(100) == b"":
+                        closed_after = time.monotonic() - t0
+                        break
+                except TimeoutError:
+                    continue
+                except OSError:
+                    closed_after = time.monotonic() - t0
+                    break
+            assert closed_after is not None and closed_after < 3.0, closed_after
+    finally:
+        close = getattr(m, "close", None)
+        if close is not None:
+            close()
+
+
 def _scrape(port: int) -> bytes | None:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
