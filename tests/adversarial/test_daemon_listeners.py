@@ -271,3 +271,19 @@ def test_an_idle_metrics_connection_is_closed_after_the_socket_timeout() -> None
         close = getattr(m, "close", None)
         if close is not None:
             close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the point of the test
+def test_a_dead_prober_fails_the_verdict(public_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What no `except Exception` catches (SystemExit in a round) ends the prober thread:
+    the main loop says so in the verdict (and stops feeding the watchdog)."""
+
+    def exits() -> None:
+        raise SystemExit("gone")
+
+    with running_agent(public_dir, Switch()) as a:
+        assert _wait_for(lambda: _status(a)["verdict"] == "healthy")
+        monkeypatch.setattr(a, "_check_once", exits)
+        assert _wait_for(lambda: _status(a)["verdict"] == "failed")
+        assert any("prober thread is dead" in r for r in _status(a)["reasons"]), _status(a)["reasons"]
+        assert a.prober_problem(time.monotonic()) is not None
