@@ -70,6 +70,9 @@ MAX_SUBSCRIBERS_PER_UID = 16
 PUSH_INTERVAL_S = 5.0  # keepalive push: a subscriber calls the daemon gone after ~3 of these
 MAX_PUSH_BACKLOG_BYTES = 1 << 20  # queued for one subscriber beyond the kernel's buffer: dropped
 PUSH_STALL_S = 15.0  # a subscriber whose queue has not drained for this long is dropped
+# A prober round may take probe_interval_s (waiting) plus probe_timeout_s per probe (each
+# probe has a deadline); beyond that plus this slack (scheduling on a loaded node) it is stuck.
+PROBER_SLACK_S = 2.0
 
 
 def _printable(text: str, limit: int) -> str:
@@ -108,7 +111,8 @@ def sd_notify(state: str, env: Mapping[str, str] | None = None) -> bool:
     if addr.startswith("@"):  # abstract namespace
         addr = "\0" + addr[1:]
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        # Non-blocking: a receiver whose queue is full must never stall the main loop.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK) as s:
             s.connect(addr)
             s.sendall(state.encode())
         return True
@@ -298,6 +302,8 @@ class Agent:
         self._last_hb_mono: float | None = None
         self._sent_key: tuple[str, tuple[str, ...]] | None = None
         self._prober: threading.Thread | None = None
+        self._prober_beat = time.monotonic()  # the prober's last sign of life (monotonic)
+        self._prober_problem_seen: str | None = None
         self._last_ctl_error: Any = None
         self._loop_done = threading.Event()
         self._loop_done.set()  # cleared while run() owns the sockets
@@ -327,6 +333,7 @@ class Agent:
         if self._prober is not None:
             self._prober.join(self.cfg.probe_timeout_s + 1)
         stop_probes(self.probes)
+        self.metrics.close()
         if self._rep is not None:
             self._rep.close()
         if self._ctl is not None:
@@ -370,11 +377,58 @@ class Agent:
         self._trigger.set()
 
     def _prober_loop(self) -> None:
+        """Supervised: whatever a round raises becomes a FAILED verdict with the reason, and
+        the next round runs as usual (a dead prober once left a node HEALTHY for good)."""
         while not self._stop.is_set():
+            self._prober_beat = time.monotonic()
             self._trigger.wait(self.cfg.probe_interval_s)
             self._trigger.clear()
-            if not self._stop.is_set():
+            if self._stop.is_set():
+                return
+            self._prober_beat = time.monotonic()
+            try:
                 self._check_once()
+            except Exception as e:
+                log.exception("a health check round failed")
+                self._fail_closed(f"health check failed: {type(e).__name__}: {e}")
+
+    def _fail_closed(self, reason: str) -> None:
+        """Publish FAILED with `reason` (once: the same reason again changes nothing)."""
+        with self._lock:
+            if self.snap.verdict is Verdict.FAILED and self.snap.reasons == [reason]:
+                return
+            self.snap = Snapshot(Verdict.FAILED, [reason], self.snap.outcomes, time.monotonic(), self.snap.version + 1)
+        try:
+            self.metrics.on_node(Verdict.FAILED)
+        except Exception:
+            log.exception("cannot export the FAILED verdict")
+
+    def prober_deadline_s(self) -> float:
+        return self.cfg.probe_interval_s + len(self.runners) * self.cfg.probe_timeout_s + PROBER_SLACK_S
+
+    def prober_problem(self, now: float) -> str | None:
+        """Why the prober is not doing its job (dead or stuck), or None while it is."""
+        if self._prober is None or self._stop.is_set():
+            return None
+        if not self._prober.is_alive():
+            return "the prober thread is dead: health is not being checked"
+        deadline_s = self.prober_deadline_s()
+        if now - self._prober_beat > deadline_s:
+            return f"the prober has made no round for over {deadline_s:g}s (stuck): health is not being checked"
+        return None
+
+    def _supervise_prober(self, now: float) -> bool:
+        """From the main loop: True while the prober is alive and making rounds; otherwise
+        the verdict is FAILED with the reason (and the caller stops feeding the watchdog)."""
+        problem = self.prober_problem(now)
+        if problem != self._prober_problem_seen:
+            if problem is not None:
+                log.error("%s; the systemd watchdog is no longer fed", problem)
+            self._prober_problem_seen = problem
+        if problem is None:
+            return True
+        self._fail_closed(problem)
+        return False
 
     def _check_once(self) -> None:
         outcomes = {r.name: r.run() for r in self.runners}
@@ -409,11 +463,14 @@ class Agent:
                         log.exception("handling a controller message failed")
                 now = time.monotonic()
                 self._rep.reap_idle(now)
+                prober_ok = self._supervise_prober(now)
                 self._report(now)
                 if now >= next_proc:
                     self._watch_processes(now)
                     next_proc = now + PROC_CHECK_INTERVAL_S
-                if wd_s is not None and now >= next_wd:
+                # A dead or stuck prober starves the watchdog: systemd restarts the daemon
+                # instead of it answering the socket with a verdict nobody checks any more.
+                if wd_s is not None and now >= next_wd and prober_ok:
                     sd_notify("WATCHDOG=1")
                     next_wd = now + wd_s
         finally:

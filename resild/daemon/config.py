@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import math
 import os
 import socket
@@ -53,6 +54,7 @@ class Config:
     stall_timeout_s: float = 300.0
     metrics_port: int = 0  # 0 = no Prometheus endpoint
     metrics_addr: str = "127.0.0.1"
+    metrics_public: bool = False  # metrics_addr beyond loopback must be asked for by name
     kmsg_path: str = "/dev/kmsg"
     state_dir: str = "/var/lib/resild"
     status_socket: str = "/run/resild/status.sock"
@@ -80,6 +82,7 @@ _TYPES: dict[str, type] = {
     "stall_timeout_s": float,
     "metrics_port": int,
     "metrics_addr": str,
+    "metrics_public": bool,
     "kmsg_path": str,
     "state_dir": str,
     "status_socket": str,
@@ -90,7 +93,16 @@ _TYPES: dict[str, type] = {
     "probe_options": dict,
 }
 assert set(_TYPES) == set(_FIELDS), "every Config field needs a declared type"
-_TYPE_NAMES = {str: "a string", float: "a number", int: "an integer", dict: "a table", list: "a list of strings"}
+_TYPE_NAMES = {
+    str: "a string",
+    float: "a number",
+    int: "an integer",
+    bool: "true or false",
+    dict: "a table",
+    list: "a list of strings",
+}
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+MAX_STATUS_TIMEOUT_S = 3600.0  # beyond this a timeout is a typo (1e308 overflowed the socket's)
 
 
 def env_name(key: str) -> str:
@@ -122,6 +134,8 @@ def _check_type(source: str, key: str, value: Any) -> Any:
             raise ConfigError(source, f"key '{key}' must be a finite number, not {value!r}")
     elif want is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+    elif want is bool:
+        ok = isinstance(value, bool)
     elif want is list:
         ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
     else:
@@ -142,6 +156,10 @@ def _parse_env(source: str, key: str, text: str) -> Any:
             return v
         if want is int:
             return int(text)
+        if want is bool:
+            if text.strip().lower() not in _BOOL_WORDS:
+                raise ValueError("expected true or false")
+            return _BOOL_WORDS[text.strip().lower()]
         if want is list:
             return [p.strip() for p in text.split(",") if p.strip()]
         if want is dict:
@@ -167,6 +185,10 @@ def _validate(source: str, cfg: Config) -> None:
     ):
         if getattr(cfg, key) <= 0:
             raise ConfigError(source, f"key '{key}' must be > 0, not {getattr(cfg, key)!r}")
+    if cfg.status_timeout_s > MAX_STATUS_TIMEOUT_S:
+        raise ConfigError(
+            source, f"key 'status_timeout_s' must be at most {MAX_STATUS_TIMEOUT_S:g}, not {cfg.status_timeout_s:g}"
+        )
     if not 0 <= cfg.metrics_port <= 65535:
         raise ConfigError(source, f"key 'metrics_port' must be 0..65535, not {cfg.metrics_port}")
     if not cfg.node:
@@ -184,11 +206,34 @@ def _validate(source: str, cfg: Config) -> None:
             raise ConfigError(source, f"key 'probe_options.{name}' must be a table")
 
 
-def _apply(cfg: Config, source: str, values: Mapping[str, Any]) -> None:
+def is_loopback(addr: str) -> bool:
+    """Loopback by its literal form only: a host name other than localhost is not resolved
+    (it could name a public interface), and "" means every interface."""
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_metrics_public(cfg: Config, sources: Mapping[str, str]) -> None:
+    """After every source: the opt-in may come from another source than the address."""
+    if not cfg.metrics_public and not is_loopback(cfg.metrics_addr):
+        raise ConfigError(
+            sources.get("metrics_addr", "config"),
+            f"key 'metrics_addr' is {cfg.metrics_addr!r}, not loopback: metrics would be served "
+            "to the network; set 'metrics_public = true' to mean it",
+        )
+
+
+def _apply(cfg: Config, source: str, values: Mapping[str, Any], sources: dict[str, str] | None = None) -> None:
     for key, value in values.items():
         if key not in _FIELDS:
             raise _unknown(source, key)
         setattr(cfg, key, _check_type(source, key, value))
+        if sources is not None:
+            sources[key] = source
     _validate(source, cfg)
 
 
@@ -202,6 +247,7 @@ def load_config(
     ``overrides``: command-line values (None entries are ignored)."""
     env = os.environ if env is None else env
     cfg = Config()
+    sources: dict[str, str] = {}  # key -> where its value came from, for error messages
     explicit = path is not None or CONFIG.name in env
     file = Path(path if path is not None else env.get(CONFIG.name, DEFAULT_CONFIG_PATH))
     source = str(file)
@@ -219,14 +265,15 @@ def load_config(
             raise ConfigError(source, f"not UTF-8 text (byte {e.start}): TOML files must be UTF-8") from None
         except (ValueError, RecursionError) as e:  # tomllib's own limits, e.g. deep nesting
             raise ConfigError(source, f"not valid TOML: {str(e)[:200]}") from None
-        _apply(cfg, source, data)
+        _apply(cfg, source, data, sources)
     for name in env:
         if name.startswith(CFG_PREFIX) and name[len(CFG_PREFIX) :].lower() not in _FIELDS:
             raise _unknown(name, name[len(CFG_PREFIX) :].lower())
     env_values = {key: _parse_env(env_name(key), key, env[env_name(key)]) for key in _FIELDS if env_name(key) in env}
     for key, value in env_values.items():
-        _apply(cfg, env_name(key), {key: value})
+        _apply(cfg, env_name(key), {key: value}, sources)
     cli = {k: v for k, v in (overrides or {}).items() if v is not None}
     for key, value in cli.items():
-        _apply(cfg, f"--{key.replace('_', '-')}", {key: value})
+        _apply(cfg, f"--{key.replace('_', '-')}", {key: value}, sources)
+    _check_metrics_public(cfg, sources)
     return cfg

@@ -2,22 +2,110 @@
 
 Verdicts are exported as numbers (0 healthy, 1 degraded, 2 failed) so that
 alerts can say `max by (node) (resild_node_verdict) == 2`.
+
+The endpoint is a bounded server, not prometheus-client's start_http_server: that one
+starts a thread per connection and never times a connection out, so 3,000 idle
+connections made ~2,900 threads and the daemon's prober could no longer start its own.
+Here at most MAX_CONNECTIONS are served at once (more are closed at once) and each
+socket operation times out after SOCKET_TIMEOUT_S; the exposition is prometheus-client's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import socket
+import threading
+import time
 from collections.abc import Mapping
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from resild.health.model import HealthEvent, Verdict
 from resild.health.probes import Outcome
+
+log = logging.getLogger(__name__)
+MAX_CONNECTIONS = 16  # a scraper or two at a time is the norm
+SOCKET_TIMEOUT_S = 5.0  # per socket operation: an idle connection is closed after this
+# A whole connection's deadline: a byte per SOCKET_TIMEOUT_S would otherwise hold a slot forever.
+MAX_CONNECTION_S = 30.0
+
+
+class _QuietHandler(WSGIRequestHandler):
+    timeout = SOCKET_TIMEOUT_S  # StreamRequestHandler.setup() applies it to the connection
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # one line per scrape on stderr is noise in the journal
+
+
+class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
+    """WSGIServer with one thread per connection, but at most `max_connections` of them:
+    a connection beyond that is closed at once instead of getting a thread."""
+
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 128  # socketserver's 5 makes a burst of connects wait on SYN retries
+
+    def __init__(
+        self, addr: str, port: int, max_connections: int = MAX_CONNECTIONS, max_connection_s: float = MAX_CONNECTION_S
+    ) -> None:
+        infos = socket.getaddrinfo(addr or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        self.address_family = infos[0][0]
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self.max_connection_s = max_connection_s
+        self._started: dict[socket.socket, float] = {}  # open connections -> since (monotonic)
+        self._started_lock = threading.Lock()
+        self.refused = 0
+        super().__init__((addr, port), _QuietHandler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        with self._started_lock:
+            self._started[request] = time.monotonic()
+        try:
+            super().process_request(request, client_address)  # starts the thread
+        except Exception as e:  # no thread (the task limit): the slot is free again
+            self._forget(request)
+            self._slots.release()
+            log.warning("metrics: cannot serve a connection: %s", e)
+            self.shutdown_request(request)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+            self._slots.release()
+
+    def _forget(self, request: socket.socket) -> None:
+        with self._started_lock:
+            self._started.pop(request, None)
+
+    def service_actions(self) -> None:
+        """From serve_forever's loop (every poll interval): cut connections past their
+        deadline; the handler's next read then ends, and its thread frees the slot."""
+        now = time.monotonic()
+        with self._started_lock:
+            late = [r for r, t0 in self._started.items() if now - t0 > self.max_connection_s]
+        for request in late:
+            with contextlib.suppress(OSError):
+                request.shutdown(socket.SHUT_RDWR)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # Timeouts and resets of scrapers are routine: no traceback on stderr.
+        log.debug("metrics: connection from %s ended in an error", client_address, exc_info=True)
 
 
 class Metrics:
     def __init__(self, node: str) -> None:
         self.node = node
+        self._server: BoundedMetricsServer | None = None
         self.registry = CollectorRegistry()
         r = self.registry
         self.node_verdict = Gauge(
@@ -52,8 +140,19 @@ class Metrics:
             "resild_watched_processes", "Watched training processes by state", ["node", "state"], registry=r
         )
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "127.0.0.1", max_connections: int = MAX_CONNECTIONS) -> int:
+        """Serve /metrics on addr:port (0: any free port) in a thread; returns the port."""
+        server = BoundedMetricsServer(addr, port, max_connections, MAX_CONNECTION_S)
+        server.set_app(make_wsgi_app(self.registry))
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+        self._server = server
+        return int(server.server_address[1])
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
     def on_outcomes(self, outcomes: Mapping[str, Outcome]) -> None:
         for name, o in outcomes.items():

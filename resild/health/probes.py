@@ -90,7 +90,14 @@ class ProbeRunner:
                 box["error"] = e
 
         t = threading.Thread(target=call, name=f"probe:{self.name}", daemon=True)
-        t.start()
+        try:
+            t.start()
+        except Exception as err:  # e.g. "can't start new thread" at the task limit: fail closed
+            return Outcome(
+                ProbeResult(Verdict.FAILED, [f"probe {self.name} could not run: {type(err).__name__}: {err}"]),
+                time.monotonic() - t0,
+                True,
+            )
         t.join(self.timeout_s)
         latency_s = time.monotonic() - t0
         if t.is_alive():

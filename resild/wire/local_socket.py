@@ -98,12 +98,20 @@ class Peer:
 
 
 class _Conn:
-    __slots__ = ("sock", "peer", "inbuf", "outbuf", "last_s")
+    __slots__ = ("sock", "peer", "inbuf", "outbuf", "last_s", "frame_start_s", "privileged")
 
-    def __init__(self, sock: socket.socket, peer: Peer, now: float) -> None:
+    def __init__(self, sock: socket.socket, peer: Peer, now: float, privileged: bool) -> None:
         self.sock, self.peer, self.last_s = sock, peer, now
+        self.frame_start_s: float | None = None  # first byte of the frame being received
+        self.privileged = privileged
         self.inbuf = bytearray()
         self.outbuf = bytearray()
+
+    def expired(self, now: float, timeout_s: float) -> bool:
+        """Idle too long, or a frame begun too long ago: bytes dribbled into a frame
+        never extend its deadline (one byte every few seconds held a slot forever)."""
+        since = self.last_s if self.frame_start_s is None else self.frame_start_s
+        return now - since > timeout_s
 
 
 class UnixServer:
@@ -111,12 +119,15 @@ class UnixServer:
 
     Each request is a 4-byte big-endian length and one protocol frame; each gets one
     reply frame. Bounds, so no client can exhaust the server: at most `max_clients`
-    connections (`max_per_uid` for one non-root uid; excess connections are closed
-    at once, so file descriptors never run out), requests of at most
-    `max_request_bytes` (the length is checked before anything is buffered), connections idle for
-    `idle_timeout_s` are closed, and a client that does not read its reply is not
-    read from until it does. `handler(frame, peer)` returns the reply frame and
-    must not raise (an exception closes that connection only, and is logged)."""
+    connections of unprivileged peers, `max_per_uid` of them for one uid (excess
+    connections are closed at once, so file descriptors never run out); root and the
+    server's own uid have `max_privileged` connections of their own, outside those caps,
+    so other users can never lock them out. Requests are at most `max_request_bytes`
+    (the length is checked before anything is buffered); a connection idle for
+    `idle_timeout_s`, or whose frame is not complete `idle_timeout_s` after its first
+    byte, is closed; a client that does not read its reply is not read from until it does.
+    `handler(frame, peer)` returns the reply frame and must not raise (an exception
+    closes that connection only, and is logged)."""
 
     def __init__(
         self,
@@ -126,13 +137,16 @@ class UnixServer:
         mode: int = 0o660,
         gid: int | None = None,
         max_clients: int = 128,
-        max_per_uid: int = 32,
+        max_per_uid: int = 16,  # 8 uids to fill max_clients (4 did, at 32), and root keeps its slots
+        max_privileged: int = 16,
         idle_timeout_s: float = 10.0,
         max_request_bytes: int = 64 << 10,
     ) -> None:
         self.path, self.handler = path, handler
         self.max_request_bytes = max_request_bytes
         self.max_clients, self.max_per_uid, self.idle_timeout_s = max_clients, max_per_uid, idle_timeout_s
+        self.max_privileged = max_privileged
+        self.privileged_uids = frozenset({0, os.geteuid()})
         self.refused = 0
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
         old_umask = os.umask(0o177)  # never world-writable, not even between bind and chmod
@@ -173,8 +187,16 @@ class UnixServer:
                 self._close(self.conns[fd])
 
     def reap_idle(self, now: float) -> None:
-        for c in [c for c in self.conns.values() if now - c.last_s > self.idle_timeout_s]:
+        for c in [c for c in self.conns.values() if c.expired(now, self.idle_timeout_s)]:
             self._close(c)
+
+    def admits(self, peer: Peer) -> bool:
+        """Whether one more connection of `peer` fits its caps (see the class doc)."""
+        if peer.uid in self.privileged_uids:
+            return sum(1 for c in self.conns.values() if c.privileged) < self.max_privileged
+        others = [c for c in self.conns.values() if not c.privileged]
+        same_uid = sum(1 for c in others if c.peer.uid == peer.uid)
+        return len(others) < self.max_clients and same_uid < self.max_per_uid
 
     def close(self) -> None:
         for c in list(self.conns.values()):
@@ -201,8 +223,7 @@ class UnixServer:
             s.setblocking(False)
             creds = s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             peer = Peer(*struct.unpack("3i", creds))
-            same_uid = sum(1 for c in self.conns.values() if c.peer.uid == peer.uid)
-            if len(self.conns) >= self.max_clients or (peer.uid != 0 and same_uid >= self.max_per_uid):
+            if not self.admits(peer):
                 self.refused += 1
                 if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
                     log.warning(
@@ -214,7 +235,7 @@ class UnixServer:
                     )
                 s.close()
                 continue
-            c = _Conn(s, peer, time.monotonic())
+            c = _Conn(s, peer, time.monotonic(), peer.uid in self.privileged_uids)
             self.conns[s.fileno()] = c
             if self._poller is not None:
                 self._poller.register(s.fileno(), zmq.POLLIN)
@@ -230,7 +251,8 @@ class UnixServer:
         if not data:
             self._close(c)
             return
-        c.last_s = time.monotonic()
+        if not c.inbuf:  # a new frame begins: its deadline runs from now
+            c.frame_start_s = time.monotonic()
         c.inbuf += data
         self._serve(c)
 
@@ -245,6 +267,9 @@ class UnixServer:
                 return
             frame = bytes(c.inbuf[_LEN.size : _LEN.size + n])
             del c.inbuf[: _LEN.size + n]
+            # A whole frame: the connection is active, and what follows is a new frame.
+            c.last_s = time.monotonic()
+            c.frame_start_s = c.last_s if c.inbuf else None
             reply = self.handler(frame, c.peer)
             c.outbuf += _LEN.pack(len(reply)) + reply
             self._flush(c)

@@ -174,3 +174,11 @@ def test_keys(tmp_path: Path) -> None:
 def test_help_has_an_example(cmd: str) -> None:
     p = run(cmd, "--help")
     assert p.returncode == 0 and "Example" in p.stdout and f"resild {cmd}" in p.stdout
+
+
+@pytest.mark.parametrize("timeout", ["1e308", "3601", "0", "-1"])
+def test_status_with_an_absurd_timeout_is_one_line_exit_2(tmp_path: Path, timeout: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "RESILD_CONFIG"}
+    p = run("status", "--socket", str(tmp_path / "nobody.sock"), "--timeout", timeout, env=env)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr and p.stderr.count("\n") == 1 and "status_timeout_s" in p.stderr

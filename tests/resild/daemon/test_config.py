@@ -185,3 +185,29 @@ def test_the_renamed_stall_timeout_says_its_new_name(tmp_path: Path) -> None:
     p = write(tmp_path, "hang_timeout_s = 60\n")
     with pytest.raises(ConfigError, match=r"key 'hang_timeout_s' is now 'stall_timeout_s'"):
         load_config(p, env={})
+
+
+@pytest.mark.parametrize("addr", ["0.0.0.0", "::", "10.1.2.3", "node17"])
+def test_a_public_metrics_address_needs_an_explicit_opt_in(tmp_path: Path, addr: str) -> None:
+    p = write(tmp_path, f'metrics_port = 9400\nmetrics_addr = "{addr}"\n')
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, env={})
+    msg = str(ei.value)
+    assert "\n" not in msg and "metrics_public" in msg and "metrics_addr" in msg
+    p.write_text(f'metrics_port = 9400\nmetrics_addr = "{addr}"\nmetrics_public = true\n')
+    assert load_config(p, env={}).metrics_addr == addr
+    # The opt-in may come from another source than the address.
+    p.write_text(f'metrics_addr = "{addr}"\n')
+    assert load_config(p, env={"RESILD_CFG_METRICS_PUBLIC": "true"}).metrics_public
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "127.0.0.53", "::1", "localhost"])
+def test_loopback_metrics_addresses_need_no_opt_in(tmp_path: Path, addr: str) -> None:
+    p = write(tmp_path, f'metrics_addr = "{addr}"\n')
+    assert load_config(p, env={}).metrics_addr == addr
+
+
+@pytest.mark.parametrize("value", [1e308, 3601.0, 0.0, -1.0])
+def test_an_absurd_status_timeout_is_refused(value: float) -> None:
+    with pytest.raises(ConfigError, match="status_timeout_s"):
+        load_config(None, env={}, overrides={"status_timeout_s": value})

@@ -520,6 +520,14 @@ def test_unit_runs_unprivileged_with_a_file_limit() -> None:
     assert "g resild" in (REPO / "systemd" / "resild.sysusers.conf").read_text()
 
 
+def test_unit_caps_the_daemons_tasks() -> None:
+    """Without TasksMax= a connection flood could take the whole node's task budget."""
+    cp = configparser.ConfigParser(strict=False, interpolation=None)
+    cp.optionxform = str  # type: ignore[assignment,method-assign]
+    cp.read_string((REPO / "systemd" / "resild.service").read_text())
+    assert 64 <= int(cp["Service"]["TasksMax"]) <= 1024
+
+
 # -- health subscriptions: one health source per node (issue 10) --------------------------
 
 
