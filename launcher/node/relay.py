@@ -131,12 +131,52 @@ class CommitAggregator:
 # ---- node side -----------------------------------------------------------------------
 
 
+RELAY_DIR_PREFIX = "resild-relay-"
+
+
+def sweep_stale_relay_dirs(parent: str | None = None) -> list[str]:
+    """Remove relay directories left by node processes that died without closing them (SIGKILL,
+    a lost host): each name carries its owner's pid, and only this user's dirs whose pid is gone
+    are removed. Returns what was removed."""
+    parent = parent or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return removed
+    for name in names:
+        pid_text = name[len(RELAY_DIR_PREFIX) :].split("-", 1)[0]
+        if not name.startswith(RELAY_DIR_PREFIX) or not pid_text.isdigit():
+            continue
+        path = os.path.join(parent, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid() or _alive(int(pid_text)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 class RelayServer:
     """The node process's end: a ROUTER on ipc:// in a private directory."""
 
     def __init__(self, ctx: zmq.Context, node: str, run_dir: str | None = None) -> None:
         self.node = node
-        self._dir = tempfile.mkdtemp(prefix="resild-relay-", dir=run_dir)  # 0700: only this user connects
+        sweep_stale_relay_dirs(run_dir)
+        # 0700: only this user connects; the pid in the name lets a later node process sweep it
+        self._dir = tempfile.mkdtemp(prefix=f"{RELAY_DIR_PREFIX}{os.getpid()}-", dir=run_dir)
         self.endpoint = f"ipc://{self._dir}/relay.sock"
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)

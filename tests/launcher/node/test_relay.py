@@ -4,6 +4,8 @@ pair, and the whole path (real controller, real node processes, stub workers).""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -195,3 +197,27 @@ def test_relayed_path_hang_names_the_rank_late_worker_and_spare_get_full_layouts
     assert any(r["source"] == "direct" and r["epoch"] == 1 for r in late), late  # not relayed then
     first_relay = next(r for r in late if r["source"] == "relay")
     assert first_relay["epoch"] >= 1 and first_relay["layout"] == {"node0": [0, 1]}, late
+
+
+def test_a_killed_node_process_relay_dir_is_swept_by_the_next(tmp_path: Path) -> None:
+    """A SIGKILLed node process cannot remove its relay dir; the next node process on the host does,
+    and only dirs whose owner is gone."""
+    from launcher.node.relay import sweep_stale_relay_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"resild-relay-{dead.pid}-abc123"
+    live = tmp_path / f"resild-relay-{os.getpid()}-def456"
+    other = tmp_path / "resild-relay-notapid"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "relay.sock").touch()
+    ctx = zmq.Context()
+    try:
+        srv = RelayServer(ctx, "n0", run_dir=str(tmp_path))
+        assert not stale.exists() and live.exists() and other.exists()
+        assert Path(srv.endpoint.removeprefix("ipc://")).parent.name.startswith(f"resild-relay-{os.getpid()}-")
+        srv.close()
+        assert sweep_stale_relay_dirs(str(tmp_path)) == []
+    finally:
+        ctx.destroy(linger=0)
