@@ -430,6 +430,10 @@ class Job:
         protocol = self._protocol
         if protocol is None:
             raise ResilienceError("call job.attach(model, optimizer, ...) before job.commit()")
+        if self.steps_state.yielded is None:  # the loop is what resumes at the agreed step after a recovery
+            raise ResilienceError(
+                "job.commit() outside the training loop: commit once per step inside `for step in job.steps(total)`"
+            )
         twice = self.steps_state.count_commit()
         if twice is not None:
             raise ResilienceError(f"job.commit() called twice in step {twice}: exactly one commit per step")

@@ -116,6 +116,24 @@ for step in job.steps(3):
 """
 
 
+SOLO_OUTSIDE = """
+import torch, launcher
+m = torch.nn.Linear(2, 2); opt = torch.optim.SGD(m.parameters(), lr=0.1)
+job = launcher.init(m, opt)
+m(torch.ones(1, 2)).sum().backward()
+job.commit()
+"""
+
+
+def test_committing_outside_the_loop_is_a_clear_error(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", SOLO_OUTSIDE], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode != 0
+    assert "job.commit() outside the training loop" in p.stderr
+
+
 def test_committing_twice_in_one_step_is_a_clear_error(tmp_path) -> None:
     import subprocess
     import sys
