@@ -87,12 +87,14 @@ class Journal:
         )
         # A failed write may leave a partial line: start the next record on a fresh line so
         # that a reader loses at most this torn record.
-        try:
-            assert self._f is not None
-            self._f.write("\n")
-            self._f.flush()
-        except (OSError, ValueError):
-            pass
+        # (A replicated journal has no file: a Raft commit timeout lands here too, and an
+        # assert on the file crashed the leader mid-decision.)
+        if self._f is not None:
+            try:
+                self._f.write("\n")
+                self._f.flush()
+            except (OSError, ValueError):
+                pass
         if first and self.events is not None:
             try:
                 self.events.emit(
