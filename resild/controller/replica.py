@@ -51,7 +51,7 @@ from resild.procutil import die_with_parent
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.settings import JobSettings
-from resild.wire.store import store_listen_fd
+from resild.wire.store import listen_address, store_listen_fd
 
 log = logging.getLogger("resild.replica")
 
@@ -62,7 +62,7 @@ RUNNER_ALIVE = "runner.alive"  # resil-run touches it while it waits (Slurm: its
 APPEND_PERIOD_S = 0.05  # the Raft leader's append (and heartbeat) period
 
 
-def raft_conf(password: str) -> SyncObjConf:
+def raft_conf(password: str, bind_address: str | None = None) -> SyncObjConf:
     # Elections within ~0.3-0.6 s of the leader's silence: well inside the nodes' lease
     # (--controller-timeout, 5 s by default) and close to the heartbeat timeout.
     # pysyncobj frames are pickles: the password (a per-job secret, 0600 in the keys
@@ -88,6 +88,8 @@ def raft_conf(password: str) -> SyncObjConf:
         commandsWaitLeader=True,
         password=password,
         onStateChanged=changed,
+        # pysyncobj listens on every interface unless told: only where the peers are
+        bindAddress=bind_address,
     )
 
 
@@ -106,8 +108,10 @@ class RaftLog(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
     also keeps its applied copy in its own JSON-lines file (for `resild report` and
     for a restart from disk)."""
 
-    def __init__(self, self_addr: str, partners: list[str], path: Path, password: str) -> None:
-        super().__init__(self_addr, partners, raft_conf(password))
+    def __init__(self, self_addr: str, partners: list[str], path: Path, password: str, *, cluster: bool) -> None:
+        host, port = self_addr.rsplit(":", 1)
+        _, ip = listen_address(host, cluster=cluster, what="the Raft port")
+        super().__init__(self_addr, partners, raft_conf(password, f"{ip}:{port}"))
         self.records: list[dict[str, Any]] = []
         self._file = Journal(path)
 
@@ -274,6 +278,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
         [p for i, p in enumerate(peers) if i != index],
         run_dir / f"journal-{index}.jsonl",
         raft_secret(Path(spec["keys"])),
+        cluster=cluster,
     )
     log.info("replica %d: standing by (%s, raft %s)", index, endpoint, peers[index])
     while True:

@@ -15,12 +15,10 @@ COMMITTED_KEY = "resild/committed"  # newest step the controller saw committed a
 # ---- the rendezvous store's listening socket --------------------------------------------
 
 
-def store_listen_fd(host: str, *, cluster: bool) -> tuple[int, int]:
-    """A TCP listening socket on exactly `host`'s address, for torch's TCPStore
-    (`master_listen_fd=`), which would otherwise listen on every interface. The
-    store has no authentication, so it must be reachable only where peers are:
-    loopback for a local job, the advertised job address under Slurm. Returns
-    (fd, port); the fd is handed over (the caller's store owns it)."""
+def listen_address(host: str, *, cluster: bool, what: str = "the rendezvous store") -> tuple[int, str]:
+    """(family, ip) to listen on for a service advertised as `host`: exactly its address,
+    never every interface, so it is reachable only where peers are (loopback for a local
+    job, the advertised job address under Slurm)."""
     try:
         family, _, _, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
@@ -30,16 +28,26 @@ def store_listen_fd(host: str, *, cluster: bool) -> tuple[int, int]:
         # Other nodes could never connect to a loopback listener: a Debian-style
         # /etc/hosts maps the FQDN to 127.0.1.1. Listen everywhere, and say so.
         log.warning(
-            "advertised host %s resolves to %s on this host: the rendezvous store listens on "
-            "every interface; set RESILD_CONTROLLER_HOST to this host's job-network address",
+            "advertised host %s resolves to %s on this host: %s listens on every interface; "
+            "set RESILD_CONTROLLER_HOST to this host's job-network address",
             host,
             ip,
+            what,
         )
-        family, addr = socket.AF_INET, ("0.0.0.0", 0)
+        return socket.AF_INET, "0.0.0.0"
+    return family, ip
+
+
+def store_listen_fd(host: str, *, cluster: bool) -> tuple[int, int]:
+    """A TCP listening socket on exactly `host`'s address (`listen_address`), for torch's
+    TCPStore (`master_listen_fd=`), which would otherwise listen on every interface: the
+    store has no authentication. Returns (fd, port); the fd is handed over (the caller's
+    store owns it)."""
+    family, ip = listen_address(host, cluster=cluster)
     s = socket.socket(family, socket.SOCK_STREAM)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(addr)
+        s.bind((ip, 0))
         s.listen(4096)
         port = s.getsockname()[1]
     except OSError:

@@ -215,9 +215,20 @@ def test_the_last_leader_stands_the_standbys_down(tmp_path: Path) -> None:
     # last leader exits (it said the verdict again, late, and skewed the summary).
     job = LiveJob(tmp_path, "--controllers", "3", steps=40)
     try:
+        job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=90)
+        # The Raft port listens where the peers are (loopback in --local), not on every
+        # interface: pysyncobj's default was 0.0.0.0 (issue 18, finding 2).
+        raft = [json.loads((tmp_path / "run" / f"replica-{i}.json").read_text())["raft"] for i in range(3)]
+        ports = {int(a.rsplit(":", 1)[1]) for a in raft}
+        listening = {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port in ports
+        }
         r = job.finish()
     finally:
         job.cleanup()
+    assert listening == {("127.0.0.1", p) for p in ports}, listening
     assert r.rc == 0, r.stderr[-3000:]
     assert len([e for e in r.events if e["event"] == "controller_leader"]) == 1, r.events[-5:]
     for i in range(3):
