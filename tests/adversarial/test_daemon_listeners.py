@@ -8,10 +8,7 @@ until root was locked out."""
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
 import urllib.request
@@ -45,15 +42,6 @@ class Switch:
     def check(self) -> ProbeResult:
         ok = self.verdict is Verdict.HEALTHY
         return ProbeResult(self.verdict, [] if ok else ["GPU 0 Xid 79 GPU has fallen off the bus"])
-
-
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A directory other users can traverse (pytest's tmp_path is under a 0700 one)."""
-    d = Path(tempfile.mkdtemp(prefix="resild-adv-", dir="/tmp"))
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @contextlib.contextmanager

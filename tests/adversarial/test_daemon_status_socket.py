@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import socket
 import struct
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -22,15 +20,6 @@ from resild.wire.local_socket import Peer, UnixServer, local_request
 from resild.wire.protocol import MsgType
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A directory other users can traverse (pytest's tmp_path is under a 0700 one)."""
-    d = Path(tempfile.mkdtemp(prefix="resild-adv-", dir="/tmp"))
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 # -- the status socket: slow frames, per-uid caps, root's slot ----------------------------
