@@ -45,6 +45,7 @@ from launcher.worker.agent_link import AgentLink, agent_endpoint
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.controller_link import ControlLink, keys_from_env
 from launcher.worker.recovery import Recovery, Reformed
+from launcher.worker.mesh_layout import MeshError, MeshLayout
 from launcher.worker.replica_map import NoReplica, ReplicaMap
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
 from launcher.worker.state_transport import describe
@@ -87,6 +88,7 @@ class Job:
         self._replicas: Replicas | None = replicas
         self._mesh_replicas: Replicas | None = None
         self._mesh: Any = None
+        self._layout: MeshLayout | None = None
         self.intr = Interrupts()
         self.cfg: dict[str, Any] = {}
         self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
@@ -169,27 +171,48 @@ class Job:
         host, port = addr.rsplit(":", 1)
         return tcp_store(host, int(port), timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
 
+    def mesh(
+        self, shape: tuple[int, ...] | list[int], names: tuple[str, ...] | list[str], device_type: str | None = None
+    ) -> Any:
+        """A DeviceMesh of any shape over resild's stable groups, ranks laid out row-major
+        as `init_device_mesh` does; one size may be -1. For example `("shard",)` (plain
+        FSDP2), `("shard", "tp")` (FSDP2 + tensor parallel), `("replicate", "shard", "tp")`.
+        The replica map follows from the names: ranks equal on every coordinate but
+        `replicate` hold the same state; with none, recovery rolls back to snapshots."""
+        if self._mesh is not None:
+            raise ResilienceError("job.mesh(): this job already has a mesh (build it once, before attach)")
+        if self.state is not None:
+            raise ResilienceError("job.mesh(): build the mesh before job.attach()")
+        try:
+            layout = MeshLayout.build(self.world_size, shape, names)
+        except MeshError as e:
+            raise ResilienceError(str(e)) from None
+        groups: list[StableGroup] = []
+        fresh: list[StableGroup] = []
+        for dim in range(len(layout.shape)):
+            label, ranks = layout.group(dim, self.rank)
+            g = self.rec.groups.get(label) or StableGroup(label, ranks, self.rank, self.intr)
+            if label not in self.rec.groups:
+                g.allow = self.group.allow
+                register(g, self._store)
+                self.rec.groups[label] = g
+                fresh.append(g)
+            groups.append(g)
+        if fresh:
+            self._form_until_stable(only=fresh)
+        self._layout = layout
+        self._mesh_replicas = lambda w: layout.replicas()
+        mesh_ranks = torch.arange(layout.world_size).view(*layout.shape)
+        self._mesh = device_mesh_from_groups(groups, device_type or self.device.type, mesh_ranks, layout.names)
+        return self._mesh
+
     def hsdp_mesh(self, shard_size: int, device_type: str | None = None) -> Any:
-        """A 2-D DeviceMesh ("replicate", "shard") over resild's stable groups: shard
-        inside groups of `shard_size` consecutive ranks, replicate across them.
-        Pass it to `fully_shard(..., mesh=...)`; the replica map follows from it."""
+        """Shorthand for `mesh((-1, shard_size), ("replicate", "shard"))`: shard inside
+        groups of `shard_size` consecutive ranks, replicate across them."""
         S, W = int(shard_size), self.world_size
         if S <= 0 or W % S:
             raise ResilienceError(f"hsdp_mesh: world size {W} is not a multiple of shard_size {shard_size}")
-        R = W // S
-        r, s = divmod(self.rank, S)
-        rep = StableGroup(f"resild-replicate-{s}", [s + i * S for i in range(R)], self.rank, self.intr)
-        shard = StableGroup(f"resild-shard-{r}", [r * S + j for j in range(S)], self.rank, self.intr)
-        for g in (rep, shard):
-            g.allow = self.group.allow
-            register(g, self._store)
-            self.rec.groups[g.label] = g
-        self._form_until_stable(only=[rep, shard])
-        self._mesh_replicas = lambda w: ReplicaMap.hsdp(w, S)
-        self._mesh = device_mesh_from_groups(
-            [rep, shard], device_type or self.device.type, torch.arange(W).view(R, S), ("replicate", "shard")
-        )
-        return self._mesh
+        return self.mesh((W // S, S), ("replicate", "shard"), device_type)
 
     def attach(
         self,

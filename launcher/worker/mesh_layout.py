@@ -1,0 +1,95 @@
+"""The rank layout of an N-D device mesh over resild's groups (pure).
+
+`job.mesh((2, 4), ("replicate", "shard"))` arranges ranks 0..W-1 row-major in
+that shape, as `init_device_mesh` does. Each dimension gives every rank one
+group: the ranks that differ from it only along that dimension. The replica
+map follows from the names: ranks that agree on every coordinate but the
+`replicate` one hold the same state; without a `replicate` dimension every rank
+holds a state of its own (plain FSDP2, tensor parallelism), and recovery rolls
+back to peer-memory snapshots instead of replaying from a replica.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from launcher.worker.replica_map import ReplicaMap
+
+REPLICATE = "replicate"
+
+
+class MeshError(ValueError):
+    """A mesh that does not fit the job: the message names the fix."""
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+
+    @staticmethod
+    def build(world_size: int, shape: tuple[int, ...] | list[int], names: tuple[str, ...] | list[str]) -> MeshLayout:
+        """Validate `shape` and `names`; one -1 in `shape` takes what is left of the world."""
+        shape, names = tuple(int(s) for s in shape), tuple(str(n) for n in names)
+        if not shape or len(shape) != len(names):
+            raise MeshError(f"mesh: {len(shape)} dimension size(s) but {len(names)} name(s) {list(names)}")
+        if len(set(names)) != len(names) or any(not n for n in names):
+            raise MeshError(f"mesh: dimension names must be distinct and non-empty, not {list(names)}")
+        if shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+            raise MeshError(f"mesh: sizes must be positive (one may be -1 for 'the rest'), not {list(shape)}")
+        if -1 in shape:
+            known = math.prod(s for s in shape if s != -1)
+            if world_size % known:
+                raise MeshError(f"mesh {list(shape)}: world size {world_size} is not a multiple of {known}")
+            shape = tuple(world_size // known if s == -1 else s for s in shape)
+        if math.prod(shape) != world_size:
+            raise MeshError(f"mesh {dict(zip(names, shape))} holds {math.prod(shape)} ranks, the job has {world_size}")
+        return MeshLayout(shape, names)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        out = []
+        for size in reversed(self.shape):
+            rank, c = divmod(rank, size)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def rank_at(self, coords: tuple[int, ...]) -> int:
+        r = 0
+        for c, size in zip(coords, self.shape):
+            r = r * size + c
+        return r
+
+    def group(self, dim: int, rank: int) -> tuple[str, list[int]]:
+        """(label, ranks) of `rank`'s group along `dim`. The label names the coset by the
+        other coordinates, so every member computes the same one."""
+        c = list(self.coords(rank))
+        others = [x for i, x in enumerate(c) if i != dim]
+        other_sizes = [s for i, s in enumerate(self.shape) if i != dim]
+        idx = 0
+        for x, s in zip(others, other_sizes):
+            idx = idx * s + x
+        ranks = []
+        for k in range(self.shape[dim]):
+            c[dim] = k
+            ranks.append(self.rank_at(tuple(c)))
+        return f"resild-{self.names[dim]}-{idx}", ranks
+
+    def replicas(self) -> ReplicaMap:
+        """Ranks equal on every coordinate but `replicate` hold the same state."""
+        if REPLICATE not in self.names:
+            return ReplicaMap(tuple((r,) for r in range(self.world_size)))
+        dim = self.names.index(REPLICATE)
+        seen: dict[int, tuple[int, ...]] = {}
+        for r in range(self.world_size):
+            _, ranks = self.group(dim, r)
+            seen.setdefault(min(ranks), tuple(ranks))
+        return ReplicaMap(tuple(seen[k] for k in sorted(seen)))
+
+    @property
+    def has_replicas(self) -> bool:
+        return REPLICATE in self.names and self.shape[self.names.index(REPLICATE)] > 1
