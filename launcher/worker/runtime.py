@@ -44,8 +44,8 @@ import resild.wire.env as resild_env
 from launcher.worker.agent_link import AgentLink, agent_endpoint
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.controller_link import ControlLink, keys_from_env
-from launcher.worker.recovery import Recovery, Reformed
 from launcher.worker.mesh_layout import MeshError, MeshLayout
+from launcher.worker.recovery import Recovery, Reformed
 from launcher.worker.replica_map import NoReplica, ReplicaMap
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
 from launcher.worker.state_transport import describe
