@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -216,14 +216,14 @@ def backend_group(
 
 
 def device_mesh_from_groups(
-    groups: list[dist.ProcessGroup], device_type: str, mesh: torch.Tensor, names: tuple[str, ...]
+    groups: Sequence[dist.ProcessGroup], device_type: str, mesh: torch.Tensor, names: tuple[str, ...]
 ) -> Any:
     """torch 2.13: `DeviceMesh.from_group` with a list of groups and an explicit mesh
     (experimental in the docs). It reads `_world` for each group's ranks (see
     register_group). If it changes, `job.hsdp_mesh()` fails; nothing else uses it."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(groups, device_type, mesh=mesh, mesh_dim_names=names)
+    return DeviceMesh.from_group(list(groups), device_type, mesh=mesh, mesh_dim_names=names)
 
 
 # ---- DDP's reducer -----------------------------------------------------------------
