@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 
 from resild.controller.faults import Fault, FaultSpecError, parse_fault
-from resild.wire.settings import JobSettings, SettingsError
+from resild.wire.settings import AUTO_COPIES, JobSettings, SettingsError
 
 
 def _nan(param: click.Parameter) -> float:
@@ -43,6 +43,20 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
             raise FaultSpecError(f"fault {spec!r} names node {f.node!r}; nodes are {', '.join(nodes)}")
         out.append(Fault(f.kind, name, f.step, f.delay_s, epoch=f.epoch))
     return out
+
+
+def _copies(v: str | int) -> int:
+    if isinstance(v, int):
+        return v
+    if str(v).strip().lower() == "auto":
+        return AUTO_COPIES
+    try:
+        k = int(v)
+    except ValueError:
+        raise click.BadParameter(f"{v!r} is neither a whole number nor 'auto'") from None
+    if not 0 <= k <= 8:
+        raise click.BadParameter(f"{k} is not in 0..8 (or 'auto')")
+    return k
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, help=__doc__)
@@ -121,6 +135,24 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
     "the job survives the loss of any minority of them, the leader's and the batch host's included.",
 )
 @click.option(
+    "--snapshot-copies",
+    default="auto",
+    show_default=True,
+    metavar="K|auto",
+    callback=lambda ctx, param, v: _copies(v),
+    help="Copies of each rank's state kept in other nodes' memory after a commit, for ranks no replica "
+    "covers (plain FSDP2, tensor parallel): a lost node's ranks roll back to the newest complete snapshot. "
+    "auto: 1 without replicas, 0 with them (DP, DDP, HSDP replay from a replica). K survives K nodes lost at once.",
+)
+@click.option(
+    "--snapshot-every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="N",
+    help="Snapshot every N committed steps: a rollback redoes at most about N steps.",
+)
+@click.option(
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).",
@@ -153,6 +185,8 @@ def main(
     start_timeout_s: float,
     controller_timeout_s: float,
     controllers: int,
+    snapshot_copies: int,
+    snapshot_every: int,
     run_dir: Path | None,
     requeue_on_exhaustion: bool,
     as_json: bool,
@@ -176,6 +210,8 @@ def main(
             hang_timeout_s=hang_timeout_s,
             start_timeout_s=start_timeout_s,
             controller_timeout_s=controller_timeout_s,
+            snapshot_copies=snapshot_copies,
+            snapshot_every=snapshot_every,
         )
     except SettingsError as e:
         raise click.UsageError(str(e)) from None

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from launcher.worker.recovery import Agreement
+from launcher.worker.snapshot_manager import SnapshotManager
 from launcher.worker.stable_group import Interrupts, StableGroup
 from launcher.worker.state_transport import Received
 from launcher.worker.step_state import StepState
@@ -36,6 +37,7 @@ class CommitProtocol:
     ) -> None:
         self.steps, self.train, self.group, self.intr = steps, train, group, intr
         self.abandoned = abandoned  # the epoch failed or a newer one was announced: the step is lost
+        self.snap: SnapshotManager | None = None  # peer-memory snapshots, when the job keeps them
 
     # ---- one step ------------------------------------------------------------------
     def sync(self) -> None:
@@ -56,14 +58,19 @@ class CommitProtocol:
         if self.abandoned():
             return False
         self.steps.prepare(self.train.capture_aux(), found)
-        vote = torch.tensor([found], dtype=torch.int64, device=self.train.device)
+        # [ranks that saw inf/NaN, ranks whose snapshot exchange is still running]
+        busy = self.snap.vote_flag() if self.snap is not None else 0
+        vote = torch.tensor([found, busy], dtype=torch.int64, device=self.train.device)
         self.group.allreduce([vote]).wait()
         if self.intr.error is not None:
             return False
         # The vote completed, so every rank synced this step: commit.
-        verdict = int(vote.item() > 0)
+        found_sum, busy_sum = (int(x) for x in vote.tolist())
+        verdict = int(found_sum > 0)
         self.train.apply_step(verdict)
         self.steps.commit(verdict)
+        if self.snap is not None:
+            self.snap.after_commit(self.steps.step, confirmed=busy_sum == 0)
         return True
 
     def commit_alone(self) -> None:

@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -47,8 +47,12 @@ from launcher.worker.controller_link import ControlLink, keys_from_env
 from launcher.worker.mesh_layout import MeshError, MeshLayout
 from launcher.worker.recovery import Recovery, Reformed
 from launcher.worker.replica_map import NoReplica, ReplicaMap
+from launcher.worker.rollback import rollback
+from launcher.worker.snapshot_exchange import Exchanger
+from launcher.worker.snapshot_manager import SnapshotManager
+from launcher.worker.snapshots import NoSnapshot, PlacementError, SnapshotStore, check_placement
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
-from launcher.worker.state_transport import describe
+from launcher.worker.state_transport import Received, describe
 from launcher.worker.step_state import StepState
 from launcher.worker.torch_private import device_mesh_from_groups, hash_store, prewarm_lazy_imports, tcp_store
 from launcher.worker.train_state import TrainState
@@ -56,7 +60,7 @@ from resild.events.schema import EventName
 from resild.membership import Membership
 from resild.wire.exits import FENCED_EXIT
 from resild.wire.protocol import MsgType
-from resild.wire.settings import WorkerTimeouts
+from resild.wire.settings import WorkerRedundancy, WorkerTimeouts
 from resild.wire.store import COMMITTED_KEY
 
 log = logging.getLogger("resild.runtime")
@@ -92,6 +96,10 @@ class Job:
         self.intr = Interrupts()
         self.cfg: dict[str, Any] = {}
         self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
+        self.redundancy = WorkerRedundancy.from_welcome({})
+        self.snap: SnapshotManager | None = None  # peer-memory snapshots (set up at attach)
+        self._per_node = 1  # ranks per node (snapshot placement)
+        self._snapshot_copies = 0
         self.link: ControlLink | None = None
         self._agent: AgentLink | None = None
         controller = os.environ.get(resild_env.CONTROLLER.name)
@@ -137,6 +145,7 @@ class Job:
             raise ResilienceError(f"no welcome from the controller within 120s ({controller})")
         self.cfg = dict(link.welcome or {})
         self.timeouts = WorkerTimeouts.from_welcome(self.cfg)  # the job's, from the controller
+        self.redundancy = WorkerRedundancy.from_welcome(self.cfg)
         self.backend = os.environ.get(resild_env.BACKEND.name) or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
@@ -155,6 +164,7 @@ class Job:
             link, self.node, self.local_rank, lambda: self._check_shutdown(waiting_spare=True)
         )
         self.world_size, self.epoch = m.world_size, m.epoch
+        self._per_node = len(m.node_ranks.get(self.node, ())) or 1
         if self.epoch > 1:  # a spare taking over: building the model may take a while, and that is no hang
             self._progress("join")
         self._make_world(self._store)
@@ -236,11 +246,34 @@ class Job:
         for g in self.rec.groups.values():
             g.allow = True
         if not self.solo:
+            self._setup_snapshots()
             try:
                 self._join()
             except Reformed:
                 self._recover()
         return self
+
+    def _setup_snapshots(self) -> None:
+        """Peer-memory snapshots for ranks no replica covers (or as many copies as asked)."""
+        rm = self._replica_map()
+        copies = self.redundancy.copies(has_replicas=all(len(g) > 1 for g in rm.groups))
+        if copies <= 0:
+            return
+        try:
+            check_placement(self.world_size, self._per_node, copies)
+        except PlacementError as e:
+            raise ResilienceError(str(e)) from None
+        g = StableGroup("resild-snapshot", list(range(self.world_size)), self.rank, Interrupts())
+        g.backend = "gloo"  # snapshots live in host memory, whatever the training backend
+        register(g, self._store)
+        self.rec.groups[g.label] = g
+        self._form_until_stable(only=[g])
+        store = SnapshotStore(self.rank)
+        exchanger = Exchanger(store, g, self.rank, self.world_size, self._per_node, copies)
+        assert self._protocol is not None
+        self.snap = SnapshotManager(store, exchanger, self.redundancy.snapshot_every, self._protocol.snapshot)
+        self._snapshot_copies = copies
+        self._protocol.snap = self.snap
 
     # ---- messages and failures -----------------------------------------------------
     def _install_excepthook(self) -> None:
@@ -310,6 +343,8 @@ class Job:
         """Run the recovery sequence until one epoch completes it."""
         link = self.link
         assert link is not None
+        if self.snap is not None:
+            self.snap.abandon()  # a snapshot in flight belongs to the failed epoch
         while True:
             self._check_shutdown()
             if not link.newer_epoch():
@@ -341,7 +376,8 @@ class Job:
                 continue
 
     def _join(self, t0: float | None = None) -> None:
-        """Agree on the newest committed step; roll forward or receive state."""
+        """Agree on the newest committed step; roll forward or receive state: from a
+        replica where one holds it, else by rolling every rank back to a snapshot."""
         protocol = self._protocol
         assert protocol is not None
         t0 = t0 or time.monotonic()
@@ -361,15 +397,19 @@ class Job:
                 int(self.cfg.get("replay_sources", 2)),
                 protocol.snapshot,
             )
+            source = "replica"
         except (NoReplica, ValueError) as e:
-            # Every rank computes the same plan, so every rank lands here: stop the job.
-            if self.link is not None:
-                self.link.send(MsgType.FATAL, error=str(e))
-                self.link.close(flush_s=1.0)
-            raise ResilienceError(str(e)) from None
+            if self.snap is None:
+                self._fatal(str(e))
+            target, got = self._rollback(ag.target, str(e))
+            source = "snapshot"
         protocol.resume(got)
+        if self.snap is not None:
+            self.snap.after_recovery(target)
+            if target == 0:  # the start (or a fault before the first commit): protect the initial state
+                self.snap.after_commit(0, confirmed=False)
         if got is not None:
-            print(f"resild: rank {self.rank} replayed {describe(got)}", file=sys.stderr, flush=True)
+            print(f"resild: rank {self.rank} replayed {describe(got)} ({source})", file=sys.stderr, flush=True)
             self._event(
                 EventName.STATE_REPLAYED,
                 bytes=got.nbytes,
@@ -377,11 +417,60 @@ class Job:
                 step=target,
                 sources=got.sources,
                 mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1),
+                source=source,
             )
         if self.epoch > 1:
             self._progress("joined")
         if self.rank == 0 and self.epoch > 1:
-            self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4))
+            self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4), source=source)
+
+    def _fatal(self, why: str) -> NoReturn:
+        """Every rank computes the same plan, so every rank lands here: stop the job."""
+        if self.link is not None:
+            self.link.send(MsgType.FATAL, error=why)
+            self.link.close(flush_s=1.0)
+        raise ResilienceError(why) from None
+
+    def _rollback(self, newest: int, why: str) -> tuple[int, Received | None]:
+        """No replica of some rank's state: every rank goes back to the newest snapshot
+        complete for all (its own copy, or one fetched from a holder on another node)."""
+        snap = self.snap
+        assert snap is not None and self.state is not None
+        t0 = time.monotonic()
+        width = 2 * (1 + self._snapshot_copies) + 2
+        try:
+            step, frozen, plan, damaged = rollback(
+                self.rec.groups["world"]._inner,
+                lambda w: self.rec.wait(w, p2p=True),
+                snap.store,
+                self.rank,
+                self.world_size,
+                newest,
+                width,
+                attempts=1 + self._snapshot_copies,
+            )
+        except NoSnapshot as e:
+            self._fatal(
+                f"{why.split(': checkpointless')[0]}; {e}: checkpointless recovery is impossible; "
+                "restart from a disk checkpoint"
+            )
+        for src, s in snap.store.corrupt_found:
+            self._event(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=self.rank, found="verify")
+        snap.store.corrupt_found.clear()
+        if self.rank == 0:
+            for holder, src, s in damaged:
+                self._event(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=holder, found="transfer")
+            self._event(EventName.ROLLED_BACK, step=step, newest=newest, steps_redone=newest - step, fetches=len(plan))
+        if frozen is not None:
+            state, aux = frozen.thaw()
+            holder = next(f.holder for f in plan if f.src == self.rank)
+            return step, Received(state, aux, frozen.nbytes, [holder], time.monotonic() - t0)
+        if self.steps_state.step == step:
+            return step, None  # the live state is that step: only the aux rewinds
+        own = snap.store.get(self.rank, step)
+        assert own is not None
+        state, aux = own.thaw()
+        return step, Received(state, aux, 0, [self.rank], time.monotonic() - t0)
 
     def _floor(self) -> int:
         """The newest step the controller knew committed at the last failure (the

@@ -237,6 +237,7 @@ class StableGroup(PyProcessGroup):
         self._intr = intr
         self._inner: Any = None  # the epoch's backend ProcessGroup
         self.allow = False  # collectives allowed (joined and attached)
+        self.backend: str | None = None  # None: the job's backend; "gloo" for host-memory traffic on a GPU job
 
     # torch reads these
     @property
@@ -299,7 +300,8 @@ class GroupFactory:
         store.wait() holding its client, which would stall the next epoch."""
         store = PrefixStore(f"resild/e{epoch}/{group.label}/", self._store_client())
         timeout = timedelta(seconds=self.timeout_s)
-        return backend_group(self.backend, store, group.rank(), group.size(), timeout, self.gloo_host)
+        backend = group.backend or self.backend
+        return backend_group(backend, store, group.rank(), group.size(), timeout, self.gloo_host)
 
 
 def abort(inner: Any) -> None:

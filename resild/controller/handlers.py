@@ -196,7 +196,12 @@ class Handlers:
         s.worker_ident[(node.node_id, lr)] = ident
         if not s.bc.welcome_json:  # the same for every worker: encoded once per job
             s.bc.welcome_json = json.dumps(
-                {"store": self.cfg.store_addr, **self.cfg.settings.worker_timeouts().to_dict()}, separators=(",", ":")
+                {
+                    "store": self.cfg.store_addr,
+                    **self.cfg.settings.worker_timeouts().to_dict(),
+                    **self.cfg.settings.worker_redundancy().to_dict(),
+                },
+                separators=(",", ":"),
             ).encode()
         s.bc.send_raw(ident, s.bc.frame(MsgType.WELCOME, s.bc.welcome_json, ttl_s=10.0))
         m = s.view.membership

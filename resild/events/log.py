@@ -54,6 +54,8 @@ SUMMARY_EVENTS = frozenset(
         EventName.GROUP_REFORMED,
         EventName.STATE_REPLAYED,
         EventName.RESUMED,
+        EventName.ROLLED_BACK,
+        EventName.SNAPSHOT_CORRUPT,
     }
 )
 

@@ -48,6 +48,8 @@ class EventName(str, Enum):
     GROUP_REFORMED = "group_reformed"
     STATE_REPLAYED = "state_replayed"
     RESUMED = "resumed"
+    ROLLED_BACK = "rolled_back"  # no replica left: every rank went back to the newest complete snapshot
+    SNAPSHOT_CORRUPT = "snapshot_corrupt"  # a held snapshot copy failed its checksum and was dropped
     # -- peers: the node daemon's process watch ("process_" + ProcState) -------------------
     PROCESS_RUNNING = "process_running"
     PROCESS_EXITED = "process_exited"

@@ -245,6 +245,12 @@ PEER_EVENTS: dict[str, dict[str, Any]] = {
         "seconds": _f("float", hi=1e9, required=True).metadata,
     },
     EventName.RESUMED: {"step": _f("int", required=True).metadata, "seconds": _f("float", hi=1e9).metadata},
+    EventName.ROLLED_BACK: {
+        "step": _f("int", required=True).metadata,
+        "newest": _f("int", required=True).metadata,
+        "steps_redone": _f("int", required=True).metadata,
+    },
+    EventName.SNAPSHOT_CORRUPT: {"src": _f("int", hi=RANK).metadata, "step": _f("int").metadata},
     EventName.PROCESS_RUNNING: {},
     EventName.PROCESS_EXITED: {},
     EventName.PROCESS_ZOMBIE: {},

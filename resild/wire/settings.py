@@ -37,7 +37,11 @@ FLAGS = {
     "join_timeout_s": "the join timeout",
     "start_heartbeat_timeout_s": "the start-up heartbeat timeout",
     "heartbeat_budget_per_s": "the heartbeat budget",
+    "snapshot_copies": "--snapshot-copies",
+    "snapshot_every": "--snapshot-every",
 }
+COUNTS = ("snapshot_copies", "snapshot_every")  # whole numbers, not seconds
+AUTO_COPIES = -1  # --snapshot-copies auto: 1 where no rank has a replica (FSDP2, TP), else 0
 MIN_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL collectives never time out sooner than this
 
 
@@ -86,6 +90,30 @@ class WorkerTimeouts:
 
 
 @dataclass(frozen=True)
+class WorkerRedundancy:
+    """The workers' snapshot settings, sent in WELCOME beside the timeouts."""
+
+    snapshot_copies: int = AUTO_COPIES
+    snapshot_every: int = 1
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_welcome(cls, body: Mapping[str, Any]) -> WorkerRedundancy:
+        def count(name: str, lo: int, default: int) -> int:
+            v = body.get(name)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= lo else default
+
+        return cls(count("snapshot_copies", AUTO_COPIES, AUTO_COPIES), count("snapshot_every", 1, 1))
+
+    def copies(self, has_replicas: bool) -> int:
+        if self.snapshot_copies == AUTO_COPIES:
+            return 0 if has_replicas else 1
+        return self.snapshot_copies
+
+
+@dataclass(frozen=True)
 class JobSettings:
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 2.0
@@ -101,9 +129,18 @@ class JobSettings:
     # 4 such intervals. 2,000 nodes at 0.25 s would be 8,000 messages/s before any progress.
     # Crashed nodes are still found at once (process exit); only a frozen node takes longer. 0: off.
     heartbeat_budget_per_s: float = 2000.0
+    # Peer-memory snapshots: copies of each rank's state on other nodes (-1: auto), every N commits.
+    snapshot_copies: int = AUTO_COPIES
+    snapshot_every: int = 1
 
     def __post_init__(self) -> None:
+        for name in COUNTS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (AUTO_COPIES if name == "snapshot_copies" else 1):
+                raise SettingsError(f"{FLAGS[name]} must be a whole number >= 1 (copies: >= 0), not {v!r}")
         for f in dataclasses.fields(self):
+            if f.name in COUNTS:
+                continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise SettingsError(f"{FLAGS[f.name]} must be a number of seconds, not {v!r}")
@@ -147,6 +184,9 @@ class JobSettings:
             wait_report_s=min(1.0, self.hang_timeout_s / 4),
             notice_timeout_s=self.collective_timeout_s + 2 * self.hang_timeout_s + self.heartbeat_timeout_s + 60.0,
         )
+
+    def worker_redundancy(self) -> WorkerRedundancy:
+        return WorkerRedundancy(self.snapshot_copies, self.snapshot_every)
 
     def for_nodes(self, n_nodes: int) -> Derived:
         """The heartbeat budget at this job size: nodes heartbeat every N / budget seconds

@@ -1,0 +1,79 @@
+"""When to snapshot, and what a commit and a recovery do to the snapshots.
+
+A snapshot is due every `every` committed steps. It starts only when the
+previous one is confirmed (the commit vote said every rank finished its
+exchange), so at most one is in flight and every rank decides alike: the
+decision uses only what the vote told all of them. A due snapshot that finds
+the previous one unconfirmed is skipped, never queued: snapshots fall behind
+instead of slowing the training loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from launcher.worker.snapshot_exchange import Exchanger
+from launcher.worker.snapshots import Frozen, SnapshotStore
+
+
+@dataclass
+class Cadence:
+    """Pure bookkeeping of which step to snapshot next (identical on every rank)."""
+
+    every: int
+    last_started: int | None = None
+    pending: int | None = None  # started, not yet confirmed by a vote
+
+    def on_commit(self, step: int, confirmed: bool) -> tuple[int | None, bool]:
+        """-> (the step just confirmed or None, start a snapshot of `step` now?)."""
+        done = None
+        if self.pending is not None and confirmed:
+            done, self.pending = self.pending, None
+        due = self.last_started is None or step - self.last_started >= self.every
+        start = due and self.pending is None
+        if start:
+            self.pending = self.last_started = step
+        return done, start
+
+    def after_recovery(self, step: int) -> None:
+        """Copies were lost with the failed node: snapshot at the first commit after `step`."""
+        self.pending, self.last_started = None, step - self.every
+
+
+class SnapshotManager:
+    def __init__(
+        self, store: SnapshotStore, exchanger: Exchanger, every: int, capture: Callable[[], tuple[Any, Any]]
+    ) -> None:
+        self.store, self.exchanger, self.capture = store, exchanger, capture
+        self.cadence = Cadence(max(1, int(every)))
+        self.taken = self.skipped = 0
+        self.capture_s = 0.0  # seconds spent copying on the training thread, all snapshots
+
+    def vote_flag(self) -> int:
+        """1 while this rank's exchange is still running: the snapshot is not confirmed."""
+        return int(self.exchanger.busy())
+
+    def after_commit(self, step: int, confirmed: bool) -> None:
+        done, start = self.cadence.on_commit(step, confirmed)
+        if done is not None:
+            self.store.confirm(done)
+        if start:
+            t0 = time.monotonic()
+            state, aux = self.capture()
+            f = Frozen.capture(step, self.store.rank, state, aux)
+            self.store.keep_own(f)
+            self.capture_s += time.monotonic() - t0
+            self.taken += 1
+            self.exchanger.start(f)
+        elif self.cadence.last_started is not None and step - self.cadence.last_started >= self.cadence.every:
+            self.skipped += 1
+
+    def abandon(self) -> None:
+        self.exchanger.abandon()
+
+    def after_recovery(self, step: int) -> None:
+        self.store.drop_after(step)
+        self.cadence.after_recovery(step)

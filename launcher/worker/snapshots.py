@@ -1,0 +1,236 @@
+"""Peer-memory snapshots: what a rank holds of its own and of others' state.
+
+After a commit, every rank freezes its local state (DTensor local shards of
+model and optimizer, scheduler, scaler, RNG, data position, step) into one
+host buffer with a CRC-32, keeps it, and sends a copy to `copies` ranks on
+other nodes (`holders`). Placement is by node: ranks are laid out node by node
+(rank = node index x ranks per node + local rank), so the k-th copy of rank r
+goes to rank r + k x ranks_per_node, on the k-th next node. Two adjacent nodes
+lost together still leave the second copy of each when `copies` >= 2.
+
+Double-buffered: a snapshot in flight never replaces the newest one every
+rank confirmed complete (the commit vote carries "my exchange is done"); only
+once the next one is confirmed is the older dropped. Every copy is verified
+against its CRC before it is offered for recovery, and again on arrival.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from launcher.worker.state_codec import flatten, unflatten
+
+HEADER_LEN = 7  # step, crc, skeleton bytes, aux skeleton bytes, aux buffer bytes, state buffer bytes, source rank
+
+
+class PlacementError(ValueError):
+    """The job is too small for the copies asked: the message names the fix."""
+
+
+def holders(rank: int, world_size: int, per_node: int, copies: int) -> list[int]:
+    """The ranks (on the `copies` next nodes) that hold copies of `rank`'s snapshots."""
+    return [(rank + k * per_node) % world_size for k in range(1, copies + 1)]
+
+
+def sources(rank: int, world_size: int, per_node: int, copies: int) -> list[int]:
+    """The ranks whose snapshots `rank` holds (inverse of `holders`), k = 1..copies."""
+    return [(rank - k * per_node) % world_size for k in range(1, copies + 1)]
+
+
+def check_placement(world_size: int, per_node: int, copies: int) -> None:
+    nodes = world_size // max(1, per_node)
+    if copies < 0:
+        raise PlacementError(f"--snapshot-copies must be >= 0, not {copies}")
+    if copies and (per_node <= 0 or world_size % per_node or copies >= nodes):
+        raise PlacementError(
+            f"--snapshot-copies {copies} needs at least {copies + 1} active nodes (each copy on another node); "
+            f"this job has {nodes}: lower --snapshot-copies or add nodes"
+        )
+
+
+def crc32(buf: torch.Tensor) -> int:
+    return zlib.crc32(buf.numpy().data) if buf.numel() else 0
+
+
+@dataclass
+class Frozen:
+    """One rank's state at one step as a single host byte buffer:
+    [skeleton | aux skeleton | aux buffer | state buffer], with its CRC."""
+
+    step: int
+    src: int
+    n_skel: int
+    n_askel: int
+    n_abuf: int
+    payload: torch.Tensor  # uint8, CPU
+    crc: int = -1  # -1: not computed yet (the exchange thread computes it off the critical path)
+
+    @staticmethod
+    def capture(step: int, src: int, state: Any, aux: Any) -> Frozen:
+        """Copy now (the next optimizer step overwrites the live tensors); checksum later."""
+        skel, buf = flatten(state)
+        askel, abuf = flatten(aux)
+        parts = [
+            torch.frombuffer(bytearray(skel), dtype=torch.uint8),
+            torch.frombuffer(bytearray(askel), dtype=torch.uint8) if askel else torch.empty(0, dtype=torch.uint8),
+            abuf.cpu(),
+            buf.cpu(),
+        ]
+        return Frozen(step, src, len(skel), len(askel), abuf.numel(), torch.cat(parts))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.payload.numel())
+
+    def seal(self) -> Frozen:
+        if self.crc < 0:
+            self.crc = crc32(self.payload)
+        return self
+
+    def verify(self) -> bool:
+        return self.crc >= 0 and crc32(self.payload) == self.crc
+
+    def header(self) -> torch.Tensor:
+        return torch.tensor(
+            [self.step, self.seal().crc, self.n_skel, self.n_askel, self.n_abuf, self.nbytes, self.src],
+            dtype=torch.int64,
+        )
+
+    @staticmethod
+    def empty_from(header: list[int]) -> Frozen:
+        step, crc, n_skel, n_askel, n_abuf, nbytes, src = header
+        return Frozen(step, src, n_skel, n_askel, n_abuf, torch.empty(nbytes, dtype=torch.uint8), crc)
+
+    def thaw(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        p = self.payload
+        a = self.n_skel
+        b = a + self.n_askel
+        c = b + self.n_abuf
+        skel, askel = bytes(p[:a].numpy().tobytes()), bytes(p[a:b].numpy().tobytes())
+        return unflatten(skel, p[c:]), unflatten(askel, p[b:c])
+
+
+@dataclass
+class SnapshotStore:
+    """This rank's own snapshots and the copies it holds for others, by step."""
+
+    rank: int
+    own: dict[int, Frozen] = field(default_factory=dict)
+    held: dict[int, dict[int, Frozen]] = field(default_factory=dict)  # src -> step -> copy
+    corrupt_held: bool = False  # fault injection: this node's memory flips a byte in what it holds
+    corrupt_found: list[tuple[int, int]] = field(default_factory=list)  # (src, step) dropped as corrupt
+
+    def keep_own(self, f: Frozen) -> None:
+        self.own[f.step] = f
+
+    def keep_held(self, f: Frozen) -> None:
+        if self.corrupt_held:
+            _flip(f)
+        self.held.setdefault(f.src, {})[f.step] = f
+
+    def corrupt_now(self) -> None:
+        """Fault injection: from now on every copy held here (and each already held) is damaged."""
+        self.corrupt_held = True
+        for by_step in self.held.values():
+            for f in by_step.values():
+                _flip(f)
+
+    def confirm(self, step: int) -> None:
+        """Every rank has snapshot `step` complete: older ones are no longer needed."""
+        self.own = {s: f for s, f in self.own.items() if s >= step}
+        self.held = {src: {s: f for s, f in v.items() if s >= step} for src, v in self.held.items()}
+
+    def drop_after(self, step: int) -> None:
+        """After a rollback to `step`, newer snapshots describe a future that is recomputed."""
+        self.own = {s: f for s, f in self.own.items() if s <= step}
+        self.held = {src: {s: f for s, f in v.items() if s <= step} for src, v in self.held.items()}
+
+    def forget(self, src: int, step: int) -> None:
+        self.held.get(src, {}).pop(step, None)
+        if src == self.rank:
+            self.own.pop(step, None)
+
+    def get(self, src: int, step: int) -> Frozen | None:
+        if src == self.rank:
+            return self.own.get(step)
+        return self.held.get(src, {}).get(step)
+
+    def verified_inventory(self) -> list[tuple[int, int]]:
+        """(src, step) of every complete copy whose CRC still matches; damaged ones are dropped."""
+        out: list[tuple[int, int]] = []
+        for src, by_step in [(self.rank, self.own), *self.held.items()]:
+            for step, f in list(by_step.items()):
+                if f.crc >= 0 and f.verify():
+                    out.append((src, step))
+                else:
+                    del by_step[step]
+                    self.corrupt_found.append((src, step))
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes for f in self.own.values()) + sum(f.nbytes for v in self.held.values() for f in v.values())
+
+
+def _flip(f: Frozen) -> None:
+    if f.nbytes:
+        i = f.nbytes // 2
+        f.payload[i] = f.payload[i] ^ 0x5A
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """`holder` sends its copy of `src`'s snapshot at the rollback step to `src`."""
+
+    holder: int
+    src: int
+
+
+class NoSnapshot(RuntimeError):
+    """No step has a complete snapshot of every rank left: the in-memory state is gone."""
+
+
+def plan_rollback(
+    inventory: dict[int, list[tuple[int, int]]], world_size: int, at_most: int
+) -> tuple[int, list[Fetch]]:
+    """The newest step <= `at_most` at which every rank's snapshot survives somewhere,
+    and who sends each rank that does not hold its own. `inventory[holder]` lists the
+    (src, step) copies that holder verified. Pure: every rank computes the same plan.
+
+    Senders are spread so no holder serves two ranks while another idles."""
+    where: dict[tuple[int, int], list[int]] = {}
+    for holder in sorted(inventory):
+        for src, step in inventory[holder]:
+            where.setdefault((src, step), []).append(holder)
+    steps = sorted({step for (_, step) in where if step <= at_most}, reverse=True)
+    for step in steps:
+        if all((r, step) in where for r in range(world_size)):
+            load: dict[int, int] = {}
+            plan = []
+            for r in range(world_size):
+                hs = where[(r, step)]
+                if r in hs:
+                    continue
+                h = min(hs, key=lambda x: (load.get(x, 0), x))
+                load[h] = load.get(h, 0) + 1
+                plan.append(Fetch(h, r))
+            return step, plan
+    lost = sorted({r for r in range(world_size) if not any((r, s) in where for s in steps)})
+    raise NoSnapshot(
+        f"no snapshot step is complete for every rank (no copy left of rank(s) {lost[:8]}"
+        f"{'...' if len(lost) > 8 else ''})"
+    )
+
+
+@dataclass
+class SnapshotStats:
+    taken: int = 0
+    skipped: int = 0  # due, but the previous exchange was not confirmed yet
+    capture_s: float = 0.0
+    last_capture_s: float = 0.0
+    started: float = field(default_factory=time.monotonic)
