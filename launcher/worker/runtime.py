@@ -509,6 +509,7 @@ class Job:
         says the whole job is done (a late failure may still need our state)."""
         link = self.link
         assert link is not None
+        self._report_snapshots()
         link.send(MsgType.DONE, rank=self.rank, epoch=self.epoch, step=self.step, pid=os.getpid())
         ok = link.wait(
             lambda: link.shutdown is not None or link.newer_epoch(),
@@ -521,6 +522,23 @@ class Job:
             raise ResilienceError("finished, but the controller never confirmed the end of the job")
         self._recover()
         return False
+
+    def _report_snapshots(self) -> None:
+        """What snapshots cost this rank (bench/snapshots.py reads it), before DONE: the
+        controller stops listening once every rank is done."""
+        if self.snap is None:
+            return
+        s = self.snap
+        self._event(
+            "snapshots",
+            copies=self._snapshot_copies,
+            every=s.cadence.every,
+            taken=s.taken,
+            skipped=s.skipped,
+            capture_s=round(s.capture_s, 4),
+            exchange_s=round(s.exchanger.last_s, 4),
+            held_bytes=s.store.nbytes,
+        )
 
     def _abandoned(self) -> bool:
         """The epoch failed or a newer one was announced: this step cannot commit."""
@@ -555,6 +573,8 @@ class Job:
         assert self.link is not None
         if self.link.inject_exception:
             raise RuntimeError("resild fault injection: exception raised in the training step")
+        if self.link.inject_corrupt and self.snap is not None:
+            self.snap.store.corrupt_now()
         if protocol.vote():
             self._progress("commit")
             return True

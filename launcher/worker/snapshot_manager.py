@@ -57,7 +57,9 @@ class SnapshotManager:
         return int(self.exchanger.busy())
 
     def after_commit(self, step: int, confirmed: bool) -> None:
-        done, start = self.cadence.on_commit(step, confirmed)
+        c = self.cadence
+        due = c.last_started is None or step - c.last_started >= c.every
+        done, start = c.on_commit(step, confirmed)
         if done is not None:
             self.store.confirm(done)
         if start:
@@ -68,8 +70,8 @@ class SnapshotManager:
             self.capture_s += time.monotonic() - t0
             self.taken += 1
             self.exchanger.start(f)
-        elif self.cadence.last_started is not None and step - self.cadence.last_started >= self.cadence.every:
-            self.skipped += 1
+        elif due:
+            self.skipped += 1  # the previous exchange is not confirmed yet: skipped, never queued
 
     def abandon(self) -> None:
         self.exchanger.abandon()

@@ -16,6 +16,7 @@ against its CRC before it is offered for recovery, and again on arrival.
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -124,57 +125,74 @@ class SnapshotStore:
     held: dict[int, dict[int, Frozen]] = field(default_factory=dict)  # src -> step -> copy
     corrupt_held: bool = False  # fault injection: this node's memory flips a byte in what it holds
     corrupt_found: list[tuple[int, int]] = field(default_factory=list)  # (src, step) dropped as corrupt
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def keep_own(self, f: Frozen) -> None:
-        self.own[f.step] = f
+        with self._lock:
+            self.own[f.step] = f
 
     def keep_held(self, f: Frozen) -> None:
-        if self.corrupt_held:
-            _flip(f)
-        self.held.setdefault(f.src, {})[f.step] = f
+        with self._lock:
+            if self.corrupt_held:
+                _flip(f)
+            self.held.setdefault(f.src, {})[f.step] = f
 
     def corrupt_now(self) -> None:
         """Fault injection: from now on every copy held here (and each already held) is damaged."""
-        self.corrupt_held = True
-        for by_step in self.held.values():
-            for f in by_step.values():
-                _flip(f)
+        with self._lock:
+            if self.corrupt_held:
+                return
+            self.corrupt_held = True
+            for by_step in self.held.values():
+                for f in by_step.values():
+                    _flip(f)
 
     def confirm(self, step: int) -> None:
         """Every rank has snapshot `step` complete: older ones are no longer needed."""
-        self.own = {s: f for s, f in self.own.items() if s >= step}
-        self.held = {src: {s: f for s, f in v.items() if s >= step} for src, v in self.held.items()}
+        with self._lock:
+            self.own = {s: f for s, f in self.own.items() if s >= step}
+            self.held = {src: {s: f for s, f in v.items() if s >= step} for src, v in self.held.items()}
 
     def drop_after(self, step: int) -> None:
         """After a rollback to `step`, newer snapshots describe a future that is recomputed."""
-        self.own = {s: f for s, f in self.own.items() if s <= step}
-        self.held = {src: {s: f for s, f in v.items() if s <= step} for src, v in self.held.items()}
+        with self._lock:
+            self.own = {s: f for s, f in self.own.items() if s <= step}
+            self.held = {src: {s: f for s, f in v.items() if s <= step} for src, v in self.held.items()}
 
     def forget(self, src: int, step: int) -> None:
-        self.held.get(src, {}).pop(step, None)
-        if src == self.rank:
-            self.own.pop(step, None)
+        with self._lock:
+            self.held.get(src, {}).pop(step, None)
+            if src == self.rank:
+                self.own.pop(step, None)
 
     def get(self, src: int, step: int) -> Frozen | None:
-        if src == self.rank:
-            return self.own.get(step)
-        return self.held.get(src, {}).get(step)
+        with self._lock:
+            if src == self.rank:
+                return self.own.get(step)
+            return self.held.get(src, {}).get(step)
 
     def verified_inventory(self) -> list[tuple[int, int]]:
-        """(src, step) of every complete copy whose CRC still matches; damaged ones are dropped."""
+        """(src, step) of every complete copy whose CRC still matches; damaged ones are
+        dropped. Own copies the exchange thread has not sealed yet are sealed here: they
+        never left this process's memory."""
         out: list[tuple[int, int]] = []
-        for src, by_step in [(self.rank, self.own), *self.held.items()]:
-            for step, f in list(by_step.items()):
-                if f.crc >= 0 and f.verify():
-                    out.append((src, step))
-                else:
-                    del by_step[step]
-                    self.corrupt_found.append((src, step))
+        with self._lock:
+            for f in self.own.values():
+                f.seal()
+            for src, by_step in [(self.rank, self.own), *self.held.items()]:
+                for step, f in list(by_step.items()):
+                    if f.crc >= 0 and f.verify():
+                        out.append((src, step))
+                    else:
+                        del by_step[step]
+                        self.corrupt_found.append((src, step))
         return out
 
     @property
     def nbytes(self) -> int:
-        return sum(f.nbytes for f in self.own.values()) + sum(f.nbytes for v in self.held.values() for f in v.values())
+        with self._lock:
+            own = sum(f.nbytes for f in self.own.values())
+            return own + sum(f.nbytes for v in self.held.values() for f in v.values())
 
 
 def _flip(f: Frozen) -> None:

@@ -167,6 +167,11 @@ class Effects:
         for f in self.injector.due(s.max_step, now, epoch):
             s.journal.append(FaultFired(str(f), time.time()))  # fired once, ever
             s.events.emit(EventName.FAULT_INJECTED, kind=f.kind, node=f.node, step=s.max_step, spec=str(f))
+            if f.kind == "corrupt":  # every worker of the node holds snapshot copies
+                for (node_id, lr), wid in list(s.worker_ident.items()):
+                    if node_id == f.node:
+                        s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": lr}, to=wid)
+                continue
             if f.kind == "exception":
                 ident = s.worker_ident.get((f.node, f.local_rank))
             else:

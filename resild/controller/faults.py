@@ -3,7 +3,9 @@ or `KIND:NODE@eN` to fire the moment membership epoch N is announced (a fault du
 
 Kinds: kill (SIGKILL one worker), exception (a worker raises), hang (SIGSTOP one
 worker), nodeloss (SIGKILL the node process and all its workers), xidN (the
-node's GPU probe reports Xid N through the fault-injecting NVML stand-in).
+node's GPU probe reports Xid N through the fault-injecting NVML stand-in), corrupt
+(every peer-memory snapshot copy held on the node is damaged from then on, as bad
+memory would: recovery must detect it by checksum and use another copy).
 A fault fires once the job's committed step reaches STEP (plus DELAY_S seconds).
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("kill", "exception", "hang", "nodeloss")
+KINDS = ("kill", "exception", "hang", "nodeloss", "corrupt")
 _SPEC = re.compile(
     r"(?P<kind>[a-z]{1,16}[0-9]{0,6}):(?P<node>[A-Za-z0-9_.-]{1,128})"
     r"@(?:(?P<step>[0-9]{1,15})|e(?P<epoch>[0-9]{1,15}))(?:\+(?P<delay>[0-9]{1,7}(?:\.[0-9]{1,6})?))?",
