@@ -1,0 +1,937 @@
+"""One-command GPU check (issue 17, item 7): what resild's NCCL/CUDA paths cost on a real GPU.
+
+    python bench/gpu_check.py            # ~2 min on one GPU; one JSON line on stdout, progress on stderr
+    python bench/gpu_check.py --quick    # smaller sizes and fewer steps
+    python bench/gpu_check.py --only replay_cuda,nccl_group
+
+Four parts, each in its own try/except: a part that fails reports ``{"error": ...}`` and the
+others still run. Without CUDA every part reports ``{"skipped": "no CUDA"}`` except
+``replay_cuda``, which runs on the CPU with a small state to exercise the code.
+
+- ``loop``: the ``examples/train.py`` model, data and Adam on CUDA, ``--warmup`` steps then
+  ``--steps`` timed steps (the interval between consecutive step ends, CUDA synchronised
+  at each), (a) plain, no resild: ``opt.step()``, and (b) under resild's worker runtime with
+  world size 1: ``resil-run --local --nodes 1 --spares 0 --nproc-per-node 1`` (as
+  ``python -m launcher.run.cli``) with ``RESILD_BACKEND=nccl``, the loop written as in the
+  examples (``launcher.init(model, opt)``, ``for step in job.steps(n)``, ``job.commit()``).
+  Each run is this file in a worker role, writing its medians to a file. ``ratio`` =
+  resild / plain median step time. ``resil-run --local`` builds its NVML stand-in
+  (``resild/health/fake_nvml.c``) whenever gcc is there and puts it first on the workers'
+  ``LD_LIBRARY_PATH``, where NCCL, which loads ``libnvidia-ml.so.1``, finds it; the worker
+  drops it from its own environment (re-exec, same pid) unless ``--keep-fake-nvml``, and
+  ``nccl_group.fake_nvml`` tells whether NCCL works with it.
+- ``snapshot_d2h``: ~1 GiB of float32 "parameters" copied into one pinned host buffer on a
+  side CUDA stream (GB/s), a bf16 matmul loop on the default stream sized to take about as
+  long, each alone and both together; ``overlap`` = (t_mm + t_copy - t_both) / min(t_mm,
+  t_copy): 1 is perfect overlap, 0 none.
+- ``replay_cuda``: ``launcher.worker.state_codec.flatten`` of a model + Adam state (~256 MB,
+  as ``TrainState.snapshot`` lays it out) on CUDA and ``unflatten`` back on CUDA: GB/s each
+  and bitwise equality. Adam keeps its ``step`` counters on the CPU next to CUDA parameters;
+  the state is first flattened as it is (as the replay sends it) and, if that fails, again
+  with every tensor on the GPU, so the part still measures.
+- ``nccl_group``: a world-size-1 NCCL group built by resild's own path
+  (``GroupFactory.build``: a ``PrefixStore`` per epoch over a loopback ``TCPStore`` client,
+  ``torch_private.backend_group``): build, first all-reduce (NCCL connects lazily), the
+  steady all-reduce raw and through the ``StableGroup`` wrapper, ``stable_group.abort()``,
+  then a fresh group for the next epoch. Each collective the ``StableGroup`` forwards is
+  issued once (names as torch's C++ calls them) to show which ones the installed torch
+  serves. With 2 or more GPUs, two ranks: one is SIGKILLed while the other waits in an
+  all-reduce, which ``abort()`` from another thread must release; then a new 1-rank group.
+
+Top-level keys: torch, cuda, gpu, env, loop, snapshot_d2h, replay_cuda, nccl_group,
+seconds. ``--budget-s`` (default 240) bounds the whole run: a part that would start too
+late is skipped, and a watchdog prints the JSON and exits 0 if a part hangs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: make `bench`, `examples`, `launcher` importable
+    sys.path.insert(0, str(REPO))
+
+PARTS = ("loop", "snapshot_d2h", "replay_cuda", "nccl_group")
+REEXEC_MARK = "RESILD_GPU_CHECK_REEXEC"
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"gpu_check [{time.monotonic() - T0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:2000]
+
+
+def _tail(text: str, n: int = 2500) -> str:
+    return text[-n:]
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _r(x: float | None, nd: int = 4) -> float | None:
+    return None if x is None else round(float(x), nd)
+
+
+# ---- the run: budget, watchdog, one JSON line --------------------------------------------
+class Run:
+    def __init__(self, args: argparse.Namespace, json_fd: int) -> None:
+        self.args, self.json_fd = args, json_fd
+        self.deadline = T0 + args.budget_s
+        self.result: dict[str, Any] = {}
+        self.current: str | None = None
+        self.procs: list[subprocess.Popen] = []
+        self._lock = threading.Lock()
+        self._emitted = False
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def emit(self) -> None:
+        with self._lock:
+            if self._emitted:
+                return
+            self._emitted = True
+            self.result["seconds"] = round(time.monotonic() - T0, 2)
+            os.write(self.json_fd, (json.dumps(self.result, default=str) + "\n").encode())
+
+    def watchdog(self) -> None:
+        def fire() -> None:
+            part = self.current
+            if part is not None:
+                self.result[part] = {
+                    **(self.result.get(part) or {}),
+                    "error": f"timed out: --budget-s {self.args.budget_s} ran out during this part",
+                }
+            for p in self.procs:
+                _killpg(p)
+            log(f"budget of {self.args.budget_s}s ran out in part {part}: printing what there is")
+            self.emit()
+            os._exit(0)
+
+        t = threading.Timer(max(0.0, self.left()), fire)
+        t.daemon = True
+        t.start()
+
+    def spawn(self, cmd: list[str], env: dict[str, str], timeout_s: float, stdout: Any = None) -> tuple[int, str, str]:
+        """Run cmd in its own session (killed as a group on timeout); -> (rc, stdout, stderr)."""
+        timeout_s = max(1.0, min(timeout_s, self.left() - 5.0))
+        with tempfile.TemporaryFile() as err, tempfile.TemporaryFile() as out:
+            p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=err, start_new_session=True)
+            self.procs.append(p)
+            try:
+                rc = p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _killpg(p)
+                p.wait()
+                rc = -9999
+            finally:
+                self.procs.remove(p)
+            out.seek(0)
+            err.seek(0)
+            so, se = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+        if rc == -9999:
+            se += f"\n[gpu_check: killed after {timeout_s:.0f}s]"
+        return rc, so, se
+
+
+def _killpg(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO), env.get("PYTHONPATH", "")) if x)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def _sync(dev: Any) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+# ---- part 1: the training loop, plain and under resild -------------------------------------
+def part_loop(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
+    a = run.args
+    if not cuda and not a.cpu_dev:
+        return {"skipped": "no CUDA"}
+    warmup, steps = (5, 20) if a.quick else (a.warmup, a.steps)
+    res.update(device="cuda" if cuda else "cpu", warmup=warmup, timed_steps=steps)
+    backend = "nccl" if cuda else "gloo"
+    with tempfile.TemporaryDirectory(prefix="gpu-check-loop-") as d:
+        common = [sys.executable, str(Path(__file__).resolve()), "--role", "loop", "--warmup", str(warmup)]
+        common += ["--steps", str(steps)] + (["--keep-fake-nvml"] if a.keep_fake_nvml else [])
+        # (a) plain
+        out = Path(d) / "plain.json"
+        log(f"loop: plain, {warmup}+{steps} steps")
+        rc, _, se = run.spawn([*common, "--mode", "plain", "--out", str(out)], child_env(), 120.0)
+        res["plain"] = _read_worker(out, rc, se)
+        # (b) resild, world size 1
+        out = Path(d) / "resild.json"
+        cmd = [sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", "1", "--spares", "0"]
+        cmd += ["--nproc-per-node", "1", "--json", "--quiet", "--run-dir", str(Path(d) / "run"), "--"]
+        cmd += [*common, "--mode", "resild", "--out", str(out)]
+        log(f"loop: resild (resil-run --local, RESILD_BACKEND={backend}), {warmup}+{steps} steps")
+        t = time.monotonic()
+        rc, so, se = run.spawn(cmd, child_env(RESILD_BACKEND=backend), 180.0)
+        r = _read_worker(out, rc, se)
+        r["resil_run_wall_s"] = round(time.monotonic() - t, 2)
+        try:
+            summary = json.loads(so)
+            r["resil_run"] = {"exit_code": summary.get("exit_code"), "reason": summary.get("reason")}
+        except ValueError:
+            r["resil_run_stdout_tail"] = _tail(so, 800)
+        res["resild"] = r
+    p, q = res["plain"].get("median_step_ms"), res["resild"].get("median_step_ms")
+    if p and q:
+        res["ratio"] = round(q / p, 3)
+        res["overhead_ms"] = round(q - p, 3)
+    return res
+
+
+def _read_worker(out: Path, rc: int, stderr: str) -> dict[str, Any]:
+    r: dict[str, Any] = {"rc": rc}
+    try:
+        r.update(json.loads(out.read_text()))
+    except (OSError, ValueError) as e:
+        r["error"] = f"no result from the worker ({_err(e)})"
+    if rc != 0 or "error" in r:
+        r["stderr_tail"] = _tail(stderr)
+    return r
+
+
+def _strip_fake_nvml() -> None:
+    """Workers of `resil-run --local` inherit its NVML stand-in first on LD_LIBRARY_PATH, where
+    NCCL would load it; the loader reads LD_LIBRARY_PATH only at start, hence the re-exec."""
+    if os.environ.get(REEXEC_MARK):
+        return
+    parts = os.environ.get("LD_LIBRARY_PATH", "").split(":")
+    keep = [p for p in parts if Path(p).name != "fake-nvml"]
+    if len(keep) == len(parts) and "FAKE_NVML_CONTROL" not in os.environ:
+        return
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in keep if p)
+    env.pop("FAKE_NVML_CONTROL", None)
+    env[REEXEC_MARK] = "stripped-fake-nvml" if len(keep) != len(parts) else "1"
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def worker_loop(a: argparse.Namespace) -> None:
+    """One run of the loop: the examples/train.py model and data, Adam; plain or under resild."""
+    if a.mode == "resild" and not a.keep_fake_nvml:
+        _strip_fake_nvml()  # before torch (and so NCCL) is loaded
+    fake_in_env = any(Path(p).name == "fake-nvml" for p in os.environ.get("LD_LIBRARY_PATH", "").split(":"))
+    import torch
+    import torch.nn.functional as F
+
+    from examples.train import build_model, make_batch
+
+    torch.set_num_threads(1)
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    model = build_model(0).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    total = a.warmup + a.steps + 1
+    ends: list[float] = []
+    commits: list[float] = []
+    info: dict[str, Any] = {"mode": a.mode, "device": str(dev)}
+    if a.mode == "resild":
+        import launcher  # resild
+
+        t = time.perf_counter()
+        job = launcher.init(model, opt)  # resild
+        info.update(init_s=round(time.perf_counter() - t, 3), backend=job.backend, world_size=job.world_size)
+        info["job_device"] = str(job.device)
+        rank, steps_iter = job.rank, job.steps(total)  # resild
+    else:
+        rank, steps_iter = 0, iter(range(total))
+    for step in steps_iter:
+        x, y = make_batch(0, step, rank)
+        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        tc = time.perf_counter()
+        if a.mode == "resild":
+            job.commit()  # resild: all-reduce, vote, optimizer step
+        else:
+            opt.step()
+        _sync(dev)
+        te = time.perf_counter()
+        ends.append(te)
+        commits.append(te - tc)
+    step_s = [b - a_ for a_, b in zip(ends[a.warmup : -1], ends[a.warmup + 1 :])]
+    info.update(
+        steps_run=len(ends),
+        median_step_ms=_r(1e3 * (_median(step_s) or 0.0), 4),
+        min_step_ms=_r(1e3 * min(step_s), 4) if step_s else None,
+        median_commit_ms=_r(1e3 * (_median(commits[a.warmup + 1 :]) or 0.0), 4),
+        fake_nvml_stripped=os.environ.get(REEXEC_MARK) == "stripped-fake-nvml",
+        fake_nvml_in_env=fake_in_env,
+    )
+    if a.mode == "resild":
+        info["step_after"] = job.step
+    Path(a.out).write_text(json.dumps(info))
+    if a.mode == "resild":
+        job.close()  # resild
+
+
+# ---- part 2: device-to-host snapshot copy and its overlap with compute ------------------------
+def part_snapshot(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
+    if not cuda:
+        return {"skipped": "no CUDA"}
+    import torch
+
+    a = run.args
+    nbytes = (128 << 20) if a.quick else (a.snapshot_mib << 20)
+    n_tensors = 16
+    per = nbytes // n_tensors // 4
+    nbytes = per * 4 * n_tensors
+    dev = torch.device("cuda", 0)
+    res.update(bytes=nbytes, tensors=n_tensors, dtype="float32")
+    params = [torch.randn(per, device=dev) for _ in range(n_tensors)]
+    t = time.perf_counter()
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    res["pinned_alloc_s"] = _r(time.perf_counter() - t)
+    views = list(host.split(per * 4))
+    side = torch.cuda.Stream(dev)
+    main = torch.cuda.current_stream(dev)
+
+    def copy() -> tuple[Any, Any]:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            e0.record()
+            for p, v in zip(params, views):
+                v.copy_(p.view(torch.uint8), non_blocking=True)
+            e1.record()
+        return e0, e1
+
+    n = 4096 if a.quick else 8192
+    ma = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    mb = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    mc = torch.empty(n, n, device=dev, dtype=torch.bfloat16)
+
+    def mm(k: int) -> tuple[Any, Any]:
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(k):
+            torch.matmul(ma, mb, out=mc)
+        e1.record()
+        return e0, e1
+
+    def timed(fn: Any) -> tuple[float, Any]:
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        r = fn()
+        torch.cuda.synchronize(dev)
+        return time.perf_counter() - t, r
+
+    timed(copy)  # warm-up
+    timed(lambda: mm(3))
+    t_one = statistics.median(timed(lambda: mm(5))[0] / 5 for _ in range(3))
+    reps = 5
+    t_copy = statistics.median(timed(copy)[0] for _ in range(reps))
+    k = max(1, round(t_copy / t_one))
+    t_mm = statistics.median(timed(lambda: mm(k))[0] for _ in range(reps))
+    both: list[float] = []
+    copy_in_both: list[float] = []
+    mm_in_both: list[float] = []
+    for _ in range(reps):
+        dt, (c, m) = timed(lambda: (copy(), mm(k)))
+        both.append(dt)
+        copy_in_both.append(c[0].elapsed_time(c[1]) / 1e3)
+        mm_in_both.append(m[0].elapsed_time(m[1]) / 1e3)
+    t_both = statistics.median(both)
+    flop = 2 * n**3 * k
+    res.update(
+        copy_s=_r(t_copy, 5),
+        d2h_gbps=_r(nbytes / t_copy / 1e9, 2),
+        matmul={"n": n, "count": k, "dtype": "bfloat16", "s": _r(t_mm, 5), "tflops": _r(flop / t_mm / 1e12, 1)},
+        both_s=_r(t_both, 5),
+        copy_s_during_matmul=_r(statistics.median(copy_in_both), 5),
+        d2h_gbps_during_matmul=_r(nbytes / statistics.median(copy_in_both) / 1e9, 2),
+        matmul_tflops_during_copy=_r(flop / statistics.median(mm_in_both) / 1e12, 1),
+        overlap=_r((t_mm + t_copy - t_both) / min(t_mm, t_copy), 3),
+    )
+    ok = all(torch.equal(views[i].view(torch.float32).cpu(), params[i].cpu()) for i in (0, n_tensors - 1))
+    res["copy_equal"] = bool(ok)
+    return res
+
+
+# ---- part 3: flatten / unflatten of a model + Adam state -----------------------------------
+def part_replay(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from launcher.worker.state_codec import flatten, unflatten
+
+    a = run.args
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        target = (32 << 20) if a.quick else (a.replay_mib << 20)
+    else:
+        target = (4 << 20) if a.quick else (8 << 20)
+    layers = 4
+    # model + Adam's exp_avg and exp_avg_sq: 3 float32 copies of the parameters
+    width = max(16, int((target / (3 * 4 * layers)) ** 0.5))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, width, device=dev)).square().mean().backward()
+    opt.step()
+    # as TrainState.snapshot lays it out
+    state: dict[str, Any] = {"step": 1, "model": model.state_dict(), "optim": opt.state_dict(), "sched": None}
+    state["scaler"] = None
+    devices: dict[str, int] = {}
+    _walk(state, lambda t: devices.__setitem__(str(t.device), devices.get(str(t.device), 0) + 1))
+    res.update(device=str(dev), tensor_devices=devices, width=width, layers=layers)
+    try:
+        skel, buf = flatten(state)
+        res["as_is"] = "ok"
+    except Exception as e:
+        # What the replay's flatten does with this state; measure on with every tensor on `dev`.
+        res["as_is"] = {"error": _err(e)}
+        log(f"replay_cuda: flatten of the state as it is failed ({_err(e)}); again with every tensor on {dev}")
+        state = _map(state, lambda t: t.to(dev))
+        res["moved_to_device"] = True
+    fl: list[float] = []
+    un: list[float] = []
+    back: Any = None
+    for _ in range(4):  # the first of each is a warm-up
+        _sync(dev)
+        t = time.perf_counter()
+        skel, buf = flatten(state)
+        _sync(dev)
+        fl.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        back = unflatten(skel, buf)
+        _sync(dev)
+        un.append(time.perf_counter() - t)
+    n = buf.numel()
+    f_s, u_s = statistics.median(fl[1:]), statistics.median(un[1:])
+    equal, n_tensors, bad, moved = _compare(state, back)
+    res.update(
+        bytes=n,
+        skeleton_bytes=len(skel),
+        buffer_device=str(buf.device),
+        flatten_s=_r(f_s, 5),
+        flatten_gbps=_r(n / f_s / 1e9, 2),
+        first_flatten_s=_r(fl[0], 5),
+        unflatten_s=_r(u_s, 5),
+        unflatten_gbps=_r(n / u_s / 1e9, 2),
+        first_unflatten_s=_r(un[0], 5),
+        tensors=n_tensors,
+        equal=equal,
+        mismatched=bad[:5],
+        device_changed=moved[:5],
+    )
+    return res
+
+
+def _walk(obj: Any, fn: Any) -> None:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        fn(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _walk(v, fn)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _walk(v, fn)
+
+
+def _map(obj: Any, fn: Any) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map(v, fn) for v in obj)
+    return obj
+
+
+def _compare(a: Any, b: Any, path: str = "") -> tuple[bool, int, list[str], list[str]]:
+    """Bitwise: same structure, same plain values, each tensor the same dtype, shape and bytes.
+    -> (equal, tensors compared, paths that differ, tensors whose device changed)."""
+    import torch
+
+    bad: list[str] = []
+    moved: list[str] = []
+    count = 0
+
+    def go(x: Any, y: Any, p: str) -> None:
+        nonlocal count
+        if isinstance(x, torch.Tensor):
+            count += 1
+            if not isinstance(y, torch.Tensor) or x.dtype != y.dtype or x.shape != y.shape:
+                bad.append(p)
+                return
+            if x.device != y.device:
+                moved.append(f"{p}: {x.device} -> {y.device}")
+            xb = x.detach().contiguous().reshape(-1).view(torch.uint8)
+            yb = y.detach().contiguous().reshape(-1).view(torch.uint8).to(xb.device)
+            if not torch.equal(xb, yb):
+                bad.append(p)
+        elif isinstance(x, dict):
+            if not isinstance(y, dict) or list(x) != list(y):
+                bad.append(p)
+                return
+            for k in x:
+                go(x[k], y[k], f"{p}/{k}")
+        elif isinstance(x, (list, tuple)):
+            if type(x) is not type(y) or len(x) != len(y):
+                bad.append(p)
+                return
+            for i, (u, v) in enumerate(zip(x, y)):
+                go(u, v, f"{p}[{i}]")
+        elif x != y or type(x) is not type(y):
+            bad.append(p)
+
+    go(a, b, path)
+    return not bad, count, bad, moved
+
+
+# ---- part 4: NCCL groups through resild's own path ------------------------------------------
+def part_nccl(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
+    a = run.args
+    if not cuda and not a.cpu_dev:
+        return {"skipped": "no CUDA"}
+    import torch
+
+    from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, abort
+    from launcher.worker.torch_private import CHECKED_WITH, tcp_store
+
+    backend = "nccl" if cuda else "gloo"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    res.update(backend=backend, torch_private_checked_with=CHECKED_WITH)
+    if cuda:  # first: a subprocess with a timeout, whatever happens in this process below
+        res["fake_nvml"] = _guard(lambda: _fake_nvml_check(run))
+    master = _master_store()
+    port = master.port
+    factory = GroupFactory(backend, lambda: tcp_store("127.0.0.1", port, timedelta(seconds=30)), 60.0)
+    intr = Interrupts()
+    sg = StableGroup("world", [0], 0, intr)
+    sg.allow = True
+
+    t = time.perf_counter()
+    inner = factory.build(1, sg)
+    res["build_s"] = _r(time.perf_counter() - t)
+    sg.set_backend(inner)
+    x = torch.ones(1 << 20, device=dev)
+    t = time.perf_counter()
+    inner.allreduce([x]).wait()
+    _sync(dev)
+    res["first_allreduce_s"] = _r(time.perf_counter() - t)  # NCCL: the communicator forms here
+    res["allreduce_value_ok"] = bool(x[0].item() == 1.0)
+
+    def steady(issue: Any, reps: int = 30) -> float:
+        ts = []
+        for _ in range(reps):
+            _sync(dev)
+            t = time.perf_counter()
+            issue().wait()
+            _sync(dev)
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    small = torch.ones(1, device=dev)
+    res["allreduce_1elem_raw_ms"] = _r(1e3 * steady(lambda: inner.allreduce([small])), 4)
+    res["allreduce_1elem_stable_group_ms"] = _r(1e3 * steady(lambda: sg.allreduce([small])), 4)
+    res["latched_error"] = intr.error
+
+    t = time.perf_counter()
+    abort(inner)
+    res["abort_s"] = _r(time.perf_counter() - t, 6)
+
+    # the next epoch: a fresh backend under a new store prefix (resild/e2/world/)
+    t = time.perf_counter()
+    inner2 = factory.build(2, sg)
+    t_built = time.perf_counter()
+    sg.set_backend(inner2)
+    intr.clear()
+    y = torch.ones(1 << 20, device=dev)
+    inner2.allreduce([y]).wait()
+    _sync(dev)
+    t_end = time.perf_counter()
+    res["reform"] = {
+        "build_s": _r(t_built - t),
+        "first_allreduce_s": _r(t_end - t_built),
+        "total_s": _r(t_end - t),
+        "value_ok": bool(y[0].item() == 1.0),
+    }
+    res["stable_group_collectives"] = _guard(lambda: _collectives(sg, intr, dev))
+    abort(inner2)
+    ngpu = torch.cuda.device_count() if cuda else 0
+    if ngpu >= 2 or a.cpu_dev:
+        res["two_ranks"] = _guard(lambda: _pair(run, "nccl" if cuda else "gloo"))
+    else:
+        res["two_ranks"] = {"skipped": f"{ngpu} GPU(s); the kill test needs 2"}
+    return res
+
+
+def _guard(fn: Any) -> Any:
+    """A sub-check whose failure must not take the part's other figures with it."""
+    try:
+        return fn()
+    except Exception as e:
+        return {"error": _err(e), "where": _tail(traceback.format_exc(), 1200)}
+
+
+def _master_store() -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
+def _collectives(sg: Any, intr: Any, dev: Any) -> dict[str, str]:
+    """Issue each collective the StableGroup forwards, under the name torch's C++ calls it by
+    (both names where they differ between torch versions): "ok" or the error it latched."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import AllgatherOptions
+
+    def t() -> Any:
+        return torch.ones(4, device=dev)
+
+    calls: dict[str, Any] = {
+        "allreduce": lambda: sg.allreduce([t()], dist.AllreduceOptions()),
+        "allgather": lambda: sg.allgather([[t()]], [t()], AllgatherOptions()),
+        "_allgather_base (2.11 C++ name)": lambda: sg._allgather_base(t(), t(), AllgatherOptions()),
+        "all_gather_single (2.13 C++ name)": lambda: sg.all_gather_single(t(), t(), AllgatherOptions()),
+        "allgather_into_tensor_coalesced": lambda: sg.allgather_into_tensor_coalesced([t()], [t()], AllgatherOptions()),
+        "reduce_scatter": lambda: sg.reduce_scatter([t()], [[t()]], dist.ReduceScatterOptions()),
+        "_reduce_scatter_base (2.11 C++ name)": lambda: sg._reduce_scatter_base(t(), t(), dist.ReduceScatterOptions()),
+        "reduce_scatter_single (2.13 C++ name)": lambda: sg.reduce_scatter_single(
+            t(), t(), dist.ReduceScatterOptions()
+        ),
+        "reduce_scatter_tensor_coalesced": lambda: sg.reduce_scatter_tensor_coalesced(
+            [t()], [t()], dist.ReduceScatterOptions()
+        ),
+        "alltoall_base (2.11 C++ name)": lambda: sg.alltoall_base(t(), t(), [], [], dist.AllToAllOptions()),
+        "all_to_all_single (2.13 C++ name)": lambda: sg.all_to_all_single(t(), t(), [], [], dist.AllToAllOptions()),
+        "broadcast": lambda: sg.broadcast([t()], dist.BroadcastOptions()),
+        "barrier": lambda: sg.barrier(dist.BarrierOptions()),
+    }
+    out: dict[str, str] = {}
+    for name, call in calls.items():
+        intr.clear()
+        try:
+            call().wait()
+            _sync(dev)
+            out[name] = "ok" if intr.error is None else intr.error[:300]
+        except Exception as e:
+            out[name] = _err(e)[:300]
+    intr.clear()
+    return out
+
+
+def _fake_nvml_check(run: Run) -> dict[str, Any]:
+    """Does NCCL work with resil-run --local's NVML stand-in first on LD_LIBRARY_PATH?"""
+    try:
+        from resild.health.fakenvml import build_fake_nvml
+    except Exception as e:
+        return {"skipped": f"cannot import the stand-in's builder: {_err(e)}"}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-nvml-") as d:
+        try:
+            lib = build_fake_nvml(Path(d) / "fake-nvml")
+        except Exception as e:
+            return {"skipped": f"no NVML stand-in, so resil-run --local uses none either: {_err(e)[:300]}"}
+        ctl = Path(d) / "nvml.ctl"
+        ctl.write_text("gpus 1\n")
+        env = child_env(
+            LD_LIBRARY_PATH=f"{lib}:{os.environ.get('LD_LIBRARY_PATH', '')}",
+            FAKE_NVML_CONTROL=str(ctl),
+            NCCL_DEBUG="WARN",
+        )
+        t = time.monotonic()
+        log("nccl_group: NCCL with the NVML stand-in on LD_LIBRARY_PATH (as resil-run --local's workers)")
+        rc, so, se = run.spawn([sys.executable, str(Path(__file__).resolve()), "--role", "nccl-solo"], env, 90.0)
+        r: dict[str, Any] = {"rc": rc, "wall_s": round(time.monotonic() - t, 2)}
+        try:
+            r.update(json.loads(so.strip().splitlines()[-1]))
+        except (ValueError, IndexError):
+            r["ok"] = False
+        if rc != 0 or not r.get("ok"):
+            r["stderr_tail"] = _tail(se, 2000)
+        return r
+
+
+def worker_nccl_solo(a: argparse.Namespace) -> None:
+    import torch
+
+    from launcher.worker.torch_private import backend_group, hash_store
+
+    out: dict[str, Any] = {"ok": False}
+    try:
+        pg = backend_group("nccl", hash_store(), 0, 1, timedelta(seconds=60), None)
+        x = torch.ones(1 << 10, device="cuda")
+        t = time.perf_counter()
+        pg.allreduce([x]).wait()
+        torch.cuda.synchronize()
+        out.update(ok=bool(x[0].item() == 1.0), first_allreduce_s=_r(time.perf_counter() - t))
+    except Exception as e:
+        out["error"] = _err(e)
+    print(json.dumps(out), flush=True)
+    os._exit(0)
+
+
+# ---- two ranks: one SIGKILLed mid all-reduce -------------------------------------------------
+def _pair(run: Run, backend: str) -> dict[str, Any]:
+    master = _master_store()
+    res: dict[str, Any] = {"backend": backend}
+    with tempfile.TemporaryDirectory(prefix="gpu-check-pair-") as d:
+        outs = [Path(d) / f"rank{r}.json" for r in (0, 1)]
+        env = child_env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2")  # as the node process sets it
+        procs = []
+        errs = []
+        for r in (0, 1):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "pair", "--rank", str(r)]
+            cmd += ["--port", str(master.port), "--backend", backend, "--out", str(outs[r])]
+            err = open(Path(d) / f"rank{r}.err", "wb")  # closed below
+            errs.append(err)
+            p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=err, stderr=err, start_new_session=True)
+            procs.append(p)
+            run.procs.append(p)
+        try:
+            deadline = time.monotonic() + min(120.0, run.left() - 10)
+            while not master.check(["r0_waiting"]):
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError("the ranks did not reach the all-reduce")
+                time.sleep(0.05)
+            time.sleep(0.5)  # rank 0 is inside its wait now
+            t_kill = time.time()
+            os.kill(procs[1].pid, signal.SIGKILL)
+            master.set("killed", repr(t_kill))
+            log(f"nccl_group: rank 1 SIGKILLed while rank 0 waits in an all-reduce ({backend})")
+            try:
+                procs[0].wait(timeout=max(5.0, min(90.0, run.left() - 10)))
+            except subprocess.TimeoutExpired:
+                res["error"] = "rank 0 did not finish within 90 s"
+            try:
+                res.update(json.loads(outs[0].read_text()))
+            except (OSError, ValueError) as e:
+                res.setdefault("error", f"no result from rank 0 ({_err(e)})")
+        finally:
+            for p in procs:
+                _killpg(p)
+                p.wait()
+                run.procs.remove(p)
+            for e in errs:
+                e.close()
+        if "error" in res:
+            res["rank0_stderr_tail"] = _tail((Path(d) / "rank0.err").read_text(errors="replace"), 2000)
+    return res
+
+
+def worker_pair(a: argparse.Namespace) -> None:
+    import torch
+
+    from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, abort
+    from launcher.worker.torch_private import tcp_store
+
+    rank, backend = a.rank, a.backend
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+
+    def client() -> Any:
+        return tcp_store("127.0.0.1", a.port, timedelta(seconds=60))
+
+    store = client()
+    intr = Interrupts()
+    sg = StableGroup("world", [0, 1], rank, intr)
+    sg.allow = True
+    factory = GroupFactory(backend, client, 60.0)
+    out: dict[str, Any] = {}
+    t = time.perf_counter()
+    inner = factory.build(1, sg)
+    sg.set_backend(inner)
+    x = torch.ones(1 << 20, device=dev)
+    sg.allreduce([x]).wait()
+    _sync(dev)
+    out["form_and_first_allreduce_s"] = _r(time.perf_counter() - t)
+    out["warm_value_ok"] = bool(x[0].item() == 2.0)
+    store.set(f"ready{rank}", "1")
+    store.wait(["ready0", "ready1"])
+    if rank == 1:
+        time.sleep(600)  # SIGKILLed by the parent
+        os._exit(1)
+    released = threading.Event()
+    marks: dict[str, float] = {}
+
+    def aborter() -> None:
+        c = client()
+        c.wait(["killed"], timedelta(seconds=120))
+        marks["kill_wall"] = float(c.get("killed").decode())
+        marks["seen_wall"] = time.time()
+        marks["abort_t0"] = time.perf_counter()
+        abort(inner)  # resild's: swallows errors
+        marks["abort_t1"] = time.perf_counter()
+        if not released.wait(20.0):
+            marks["fallback_t"] = time.perf_counter()
+            intr.fail("gpu_check: abort() did not release the wait within 20 s")
+
+    th = threading.Thread(target=aborter, daemon=True)
+    th.start()
+    y = torch.ones(1 << 20, device=dev)
+    w = sg.allreduce([y])
+    store.set("r0_waiting", "1")
+    w.wait()
+    t_rel = time.perf_counter()
+    released.set()
+    th.join(5.0)
+    t_abort = marks.get("abort_t0")
+    if "fallback_t" in marks:
+        by = "intr.fail() fallback: abort() did not release the wait within 20 s"
+    elif t_abort is None or t_rel < t_abort:
+        by = "the backend's own error, before abort() was called"
+    else:
+        by = "after abort() was called (latched_error says what released it)"
+    out.update(
+        released_by=by,
+        kill_to_abort_call_s=_r(marks["seen_wall"] - marks["kill_wall"]) if "seen_wall" in marks else None,
+        abort_call_s=_r(marks["abort_t1"] - marks["abort_t0"], 6) if "abort_t1" in marks else None,
+        abort_to_release_s=_r(t_rel - t_abort, 6) if t_abort is not None else None,
+        latched_error=(intr.error or "")[:300] or None,
+    )
+    Path(a.out).write_text(json.dumps(out))  # so far, in case what follows hangs
+    if dev.type == "cuda":  # do the device's queues drain after the abort?
+        done = threading.Event()
+        t = time.perf_counter()
+        threading.Thread(target=lambda: (torch.cuda.synchronize(dev), done.set()), daemon=True).start()
+        ok = done.wait(20.0)
+        out["cuda_sync_after_abort"] = f"returned in {time.perf_counter() - t:.3f}s" if ok else "hung for 20 s"
+        Path(a.out).write_text(json.dumps(out))
+        if not ok:
+            os._exit(0)
+    # a fresh 1-rank group for the next epoch
+    intr.clear()
+    solo = StableGroup("world-solo", [0], 0, intr)
+    solo.allow = True
+    t = time.perf_counter()
+    inner2 = factory.build(2, solo)
+    solo.set_backend(inner2)
+    z = torch.ones(1 << 20, device=dev)
+    solo.allreduce([z]).wait()
+    _sync(dev)
+    out["reform_1rank_s"] = _r(time.perf_counter() - t)
+    out["reform_value_ok"] = bool(z[0].item() == 1.0) and intr.error is None
+    Path(a.out).write_text(json.dumps(out))
+    os._exit(0)  # an aborted communicator may hang interpreter teardown
+
+
+# ---- main ---------------------------------------------------------------------------------
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller sizes, fewer steps")
+    p.add_argument("--only", help=f"comma-separated parts to run (of {', '.join(PARTS)})")
+    p.add_argument("--budget-s", type=float, default=240.0, help="the whole run's limit (default 240)")
+    p.add_argument("--warmup", type=int, default=10, help="loop: untimed steps (default 10)")
+    p.add_argument("--steps", type=int, default=50, help="loop: timed steps (default 50)")
+    p.add_argument("--snapshot-mib", type=int, default=1024, help="snapshot_d2h: bytes copied (default 1024 MiB)")
+    p.add_argument("--replay-mib", type=int, default=256, help="replay_cuda: state size (default 256 MiB)")
+    p.add_argument("--keep-fake-nvml", action="store_true", help="loop: leave resil-run's NVML stand-in to NCCL")
+    p.add_argument(
+        "--cpu-dev", action="store_true", help="development without a GPU: run loop and nccl_group on CPU with gloo"
+    )
+    # worker roles (this file runs itself)
+    p.add_argument("--role", choices=("main", "loop", "nccl-solo", "pair"), default="main", help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=("plain", "resild"), help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--backend", default="nccl", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if a.role == "loop":
+        worker_loop(a)
+        return 0
+    if a.role == "nccl-solo":
+        worker_nccl_solo(a)
+        return 0
+    if a.role == "pair":
+        worker_pair(a)
+        return 0
+    parts = PARTS if not a.only else tuple(x.strip() for x in a.only.split(",") if x.strip())
+    unknown = [x for x in parts if x not in PARTS]
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown part(s) {unknown}; parts: {', '.join(PARTS)}")
+    # stdout carries exactly one JSON line: anything else (C libraries included) goes to stderr
+    json_fd = os.dup(1)
+    os.dup2(2, 1)
+    run = Run(a, json_fd)
+    run.watchdog()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    r = run.result
+    r["torch"] = torch.__version__
+    r["cuda"] = cuda
+    r["gpu"] = torch.cuda.get_device_name(0) if cuda else None
+    env: dict[str, Any] = {"python": sys.version.split()[0], "quick": a.quick, "torch_cuda": torch.version.cuda}
+    if cuda:
+        env["device_count"] = torch.cuda.device_count()
+        try:
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception as e:
+            env["nccl"] = _err(e)
+    r["env"] = env
+    log(f"torch {torch.__version__}, cuda {cuda}, gpu {r['gpu']}")
+    fns = {"loop": part_loop, "snapshot_d2h": part_snapshot, "replay_cuda": part_replay, "nccl_group": part_nccl}
+    min_left = {"loop": 60.0, "snapshot_d2h": 20.0, "replay_cuda": 10.0, "nccl_group": 30.0}
+    for name in PARTS:
+        if name not in parts:
+            r[name] = {"skipped": "not in --only"}
+            continue
+        if run.left() < min_left[name] and (cuda or name == "replay_cuda"):
+            r[name] = {"skipped": f"time budget: {run.left():.0f}s left"}
+            continue
+        run.current = name
+        log(f"{name}: start")
+        t = time.monotonic()
+        res = r[name] = {}  # filled as the part goes: a failure or the watchdog keeps what it has
+        try:
+            r[name] = fns[name](run, cuda, res)
+        except Exception as e:
+            r[name] = {**res, "error": _err(e), "where": _tail(traceback.format_exc(), 1500)}
+        if isinstance(r[name], dict) and "skipped" not in r[name]:
+            r[name]["part_s"] = round(time.monotonic() - t, 2)
+        run.current = None
+        if cuda:
+            torch.cuda.empty_cache()  # the part's tensors are gone with its frame
+        log(f"{name}: done in {time.monotonic() - t:.1f}s")
+    run.emit()
+    sys.stderr.flush()
+    os._exit(0)  # an aborted NCCL communicator may hang interpreter teardown
+
+
+if __name__ == "__main__":
+    sys.exit(main())
