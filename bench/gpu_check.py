@@ -447,6 +447,27 @@ def part_replay(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
         mismatched=bad[:5],
         device_changed=moved[:5],
     )
+    # resild's peer-memory snapshot of this state: the copy the training thread pays
+    # (device to host) and the CRC the exchange thread computes.
+    from launcher.worker.snapshots import Frozen
+
+    caps: list[float] = []
+    frozen = None
+    for _ in range(3):
+        _sync(dev)
+        t = time.perf_counter()
+        frozen = Frozen.capture(1, 0, state, {"rng": torch.get_rng_state()})
+        caps.append(time.perf_counter() - t)
+    assert frozen is not None
+    t = time.perf_counter()
+    frozen.seal()
+    crc_s = time.perf_counter() - t
+    cap_s = statistics.median(caps[1:])
+    res.update(
+        snapshot_capture_s=_r(cap_s, 5),
+        snapshot_capture_gbps=_r(frozen.nbytes / cap_s / 1e9, 2),
+        snapshot_crc_gbps=_r(frozen.nbytes / crc_s / 1e9, 2),
+    )
     return res
 
 

@@ -74,8 +74,8 @@ class Frozen:
     @staticmethod
     def capture(step: int, src: int, state: Any, aux: Any) -> Frozen:
         """Copy now (the next optimizer step overwrites the live tensors); checksum later."""
-        skel, buf = flatten(state)
-        askel, abuf = flatten(aux)
+        skel, buf = flatten(state, "cpu")
+        askel, abuf = flatten(aux, "cpu")
         parts = [
             torch.frombuffer(bytearray(skel), dtype=torch.uint8),
             torch.frombuffer(bytearray(askel), dtype=torch.uint8) if askel else torch.empty(0, dtype=torch.uint8),

@@ -57,8 +57,8 @@ class P2PTransport:
         keep: list[torch.Tensor] = []  # send buffers must outlive their works
         if sends:
             state, aux = snapshot()
-            skel, buf = flatten(state)
-            askel, abuf = flatten(aux)
+            skel, buf = flatten(state, self.device)
+            askel, abuf = flatten(aux, self.device)
             buf, abuf = self._dev(buf), self._dev(abuf)
             skel_t = self._dev(torch.frombuffer(bytearray(skel), dtype=torch.uint8))
             askel_t = self._dev(torch.frombuffer(bytearray(askel), dtype=torch.uint8))
