@@ -256,8 +256,19 @@ class Job:
     def _setup_snapshots(self) -> None:
         """Peer-memory snapshots for ranks no replica covers (or as many copies as asked)."""
         rm = self._replica_map()
-        copies = self.redundancy.copies(has_replicas=all(len(g) > 1 for g in rm.groups))
+        has_replicas = all(len(g) > 1 for g in rm.groups)
+        nodes = self.world_size // self._per_node
+        copies = self.redundancy.copies(has_replicas, nodes)
         if copies <= 0:
+            if not has_replicas and self.rank == 0:
+                print(
+                    "resild: no rank's state has a replica and no snapshot copies are kept "
+                    f"(--snapshot-copies {self.redundancy.snapshot_copies if self.redundancy.snapshot_copies >= 0 else 'auto'}, "
+                    f"{nodes} node(s)): "
+                    "losing a node will stop the job",
+                    file=sys.stderr,
+                    flush=True,
+                )
             return
         try:
             check_placement(self.world_size, self._per_node, copies)

@@ -67,6 +67,14 @@ def tcp_store(host: str, port: int, timeout: timedelta) -> Store:
 PyWork = dist.Work
 
 
+def _op(g: Any, name: str, older: str) -> Any:
+    """The backend group's method `name` (torch 2.13), or its older C++ name (torch 2.11
+    binds `_allgather_base`, `_reduce_scatter_base`, `alltoall_base`, `*_tensor_coalesced`;
+    seen on a GPU machine by bench/gpu_check.py). Neither: an AttributeError that latches."""
+    fn = getattr(g, name, None)
+    return fn if fn is not None else getattr(g, older)
+
+
 class PyProcessGroup(dist.ProcessGroup):
     """Base of a process group implemented in Python.
 
@@ -105,12 +113,19 @@ class PyProcessGroup(dist.ProcessGroup):
         return self._run(outs, lambda g: g.allgather(outs, ins, opts or AllgatherOptions()))
 
     def all_gather_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
-        return self._run(out, lambda g: g.all_gather_single(out, inp, opts or AllgatherOptions()))
+        return self._run(
+            out, lambda g: _op(g, "all_gather_single", "_allgather_base")(out, inp, opts or AllgatherOptions())
+        )
 
     _allgather_base = all_gather_single  # type: ignore[assignment]  # stub: other names
 
     def all_gather_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        return self._run(outs, lambda g: g.all_gather_single_coalesced(outs, ins, opts or AllgatherOptions()))
+        return self._run(
+            outs,
+            lambda g: _op(g, "all_gather_single_coalesced", "allgather_into_tensor_coalesced")(
+                outs, ins, opts or AllgatherOptions()
+            ),
+        )
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # stub: other names
 
@@ -118,13 +133,21 @@ class PyProcessGroup(dist.ProcessGroup):
         return self._run(outs, lambda g: g.reduce_scatter(outs, ins, opts or dist.ReduceScatterOptions()))
 
     def reduce_scatter_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
-        return self._run(out, lambda g: g.reduce_scatter_single(out, inp, opts or dist.ReduceScatterOptions()))
+        return self._run(
+            out,
+            lambda g: _op(g, "reduce_scatter_single", "_reduce_scatter_base")(
+                out, inp, opts or dist.ReduceScatterOptions()
+            ),
+        )
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # stub: other names
 
     def reduce_scatter_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
         return self._run(
-            outs, lambda g: g.reduce_scatter_single_coalesced(outs, ins, opts or dist.ReduceScatterOptions())
+            outs,
+            lambda g: _op(g, "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")(
+                outs, ins, opts or dist.ReduceScatterOptions()
+            ),
         )
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # stub: other names
@@ -137,7 +160,10 @@ class PyProcessGroup(dist.ProcessGroup):
 
     def all_to_all_single(self, out: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> dist.Work:
         return self._run(
-            out, lambda g: g.all_to_all_single(out, inp, out_splits, in_splits, opts or dist.AllToAllOptions())
+            out,
+            lambda g: _op(g, "all_to_all_single", "alltoall_base")(
+                out, inp, out_splits, in_splits, opts or dist.AllToAllOptions()
+            ),
         )
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # stub: other names

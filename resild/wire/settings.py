@@ -107,9 +107,10 @@ class WorkerRedundancy:
 
         return cls(count("snapshot_copies", AUTO_COPIES, AUTO_COPIES), count("snapshot_every", 1, 1))
 
-    def copies(self, has_replicas: bool) -> int:
+    def copies(self, has_replicas: bool, nodes: int) -> int:
+        """auto: one copy where no replica covers a rank and another node exists to hold it."""
         if self.snapshot_copies == AUTO_COPIES:
-            return 0 if has_replicas else 1
+            return 0 if has_replicas or nodes < 2 else 1
         return self.snapshot_copies
 
 
