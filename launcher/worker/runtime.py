@@ -261,9 +261,10 @@ class Job:
         copies = self.redundancy.copies(has_replicas, nodes)
         if copies <= 0:
             if not has_replicas and self.rank == 0:
+                asked = self.redundancy.snapshot_copies
                 print(
                     "resild: no rank's state has a replica and no snapshot copies are kept "
-                    f"(--snapshot-copies {self.redundancy.snapshot_copies if self.redundancy.snapshot_copies >= 0 else 'auto'}, "
+                    f"(--snapshot-copies {asked if asked >= 0 else 'auto'}, "
                     f"{nodes} node(s)): "
                     "losing a node will stop the job",
                     file=sys.stderr,
