@@ -22,9 +22,11 @@ class FailureSummary:
     fault: str | None
     detect_s: float | None
     recovery_s: float | None
-    steps_lost: int | None
+    steps_lost: int | None  # the same number as steps_redone (its older name)
     bytes_replayed: int
     replay_s: float | None
+    steps_redone: int | None = None  # committed steps computed again (a rollback redoes the steps since its snapshot)
+    recovered_from: str | None = None  # replica | snapshot | checkpoint
 
 
 def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[str, Any]]:
@@ -42,6 +44,8 @@ def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[
             steps_lost=r.steps_redone,
             bytes_replayed=r.bytes_replayed,
             replay_s=r.replay_s,
+            steps_redone=r.steps_redone,
+            recovered_from=r.recovered_from,
         )
         for r in recoveries(events)
     ]
@@ -71,13 +75,14 @@ def format_table(failures: list[FailureSummary], job: dict[str, Any]) -> str:
     if failures:
         lines.append(
             f"{'#':>2} {'node':<13} {'fault':<22} {'detector':<13} {'detect':>8} {'recovery':>9} "
-            f"{'lost':>4} {'replayed':>10}  cause"
+            f"{'redone':>6} {'from':<8} {'replayed':>10}  cause"
         )
         for i, f in enumerate(failures, 1):
             mb = f"{f.bytes_replayed / 1e6:.1f}MB" if f.bytes_replayed else "-"
             lines.append(
                 f"{i:>2} {(f.node or '-'):<13} {(f.fault or '-'):<22} {f.detector:<13} {_fmt(f.detect_s):>8} "
-                f"{_fmt(f.recovery_s):>9} {('-' if f.steps_lost is None else f.steps_lost):>4} {mb:>10}  {f.cause}"
+                f"{_fmt(f.recovery_s):>9} {('-' if f.steps_redone is None else f.steps_redone):>6} "
+                f"{(f.recovered_from or '-'):<8} {mb:>10}  {f.cause}"
             )
     else:
         lines.append("no failures")

@@ -70,7 +70,7 @@ class CommitProtocol:
         self.train.apply_step(verdict)
         self.steps.commit(verdict)
         if self.snap is not None:
-            self.snap.after_commit(self.steps.step, confirmed=busy_sum == 0)
+            self.snap.after_commit(self.steps.step, busy_sum)
         return True
 
     def commit_alone(self) -> None:

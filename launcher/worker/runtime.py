@@ -419,7 +419,7 @@ class Job:
         if self.snap is not None:
             self.snap.after_recovery(target)
             if target == 0:  # the start (or a fault before the first commit): protect the initial state
-                self.snap.after_commit(0, confirmed=False)
+                self.snap.after_commit(0, vote=1)
         if got is not None and got.sources != [self.rank]:  # not a restore of this rank's own snapshot
             print(f"resild: rank {self.rank} replayed {describe(got)} ({source})", file=sys.stderr, flush=True)
             self._event(

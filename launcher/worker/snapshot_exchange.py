@@ -58,6 +58,7 @@ class Exchanger:
         self.failed: str | None = None
 
     def start(self, f: Frozen) -> None:
+        self.failed = None
         pg = self.group._inner
         with self._lock:
             gen = self._gen

@@ -18,6 +18,8 @@ from typing import Any
 from launcher.worker.snapshot_exchange import Exchanger
 from launcher.worker.snapshots import Frozen, SnapshotStore
 
+FAILED = 1 << 20  # a rank's vote value when its exchange failed (any sum at or above: one failed)
+
 
 @dataclass
 class Cadence:
@@ -27,11 +29,15 @@ class Cadence:
     last_started: int | None = None
     pending: int | None = None  # started, not yet confirmed by a vote
 
-    def on_commit(self, step: int, confirmed: bool) -> tuple[int | None, bool]:
-        """-> (the step just confirmed or None, start a snapshot of `step` now?)."""
+    def on_commit(self, step: int, confirmed: bool, failed: bool = False) -> tuple[int | None, bool]:
+        """-> (the step just confirmed or None, start a snapshot of `step` now?). `failed`:
+        some rank's exchange failed, so the pending snapshot will never be complete: drop
+        it (the previous confirmed one stays) and take the next one when due."""
         done = None
         if self.pending is not None and confirmed:
             done, self.pending = self.pending, None
+        elif failed:
+            self.pending = None
         due = self.last_started is None or step - self.last_started >= self.every
         start = due and self.pending is None
         if start:
@@ -53,13 +59,19 @@ class SnapshotManager:
         self.capture_s = 0.0  # seconds spent copying on the training thread, all snapshots
 
     def vote_flag(self) -> int:
-        """1 while this rank's exchange is still running: the snapshot is not confirmed."""
-        return int(self.exchanger.busy())
+        """This rank's part of the commit vote: 0 its exchange is done, 1 still running,
+        FAILED it failed (a peer vanished or timed out: those copies never arrive)."""
+        if self.exchanger.busy():
+            return 1
+        return FAILED if self.exchanger.failed is not None else 0
 
-    def after_commit(self, step: int, confirmed: bool) -> None:
+    def after_commit(self, step: int, vote: int) -> None:
+        """`vote`: the sum of every rank's vote_flag() in this step's commit vote."""
         c = self.cadence
         due = c.last_started is None or step - c.last_started >= c.every
-        done, start = c.on_commit(step, confirmed)
+        if vote >= FAILED:
+            self.exchanger.failed = None
+        done, start = c.on_commit(step, confirmed=vote == 0, failed=vote >= FAILED)
         if done is not None:
             self.store.confirm(done)
         if start:
@@ -75,6 +87,7 @@ class SnapshotManager:
 
     def abandon(self) -> None:
         self.exchanger.abandon()
+        self.exchanger.failed = None
 
     def after_recovery(self, step: int) -> None:
         self.store.drop_after(step)

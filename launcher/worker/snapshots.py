@@ -48,6 +48,7 @@ def check_placement(world_size: int, per_node: int, copies: int) -> None:
     if copies < 0:
         raise PlacementError(f"--snapshot-copies must be >= 0, not {copies}")
     if copies and (per_node <= 0 or world_size % per_node or copies >= nodes):
+        nodes = nodes if per_node > 0 and world_size % per_node == 0 else 0
         raise PlacementError(
             f"--snapshot-copies {copies} needs at least {copies + 1} active nodes (each copy on another node); "
             f"this job has {nodes}: lower --snapshot-copies or add nodes"
@@ -220,7 +221,8 @@ def plan_rollback(
     and who sends each rank that does not hold its own. `inventory[holder]` lists the
     (src, step) copies that holder verified. Pure: every rank computes the same plan.
 
-    Senders are spread so no holder serves two ranks while another idles."""
+    Senders are spread over the holders: the ranks with the fewest holders choose first,
+    each the least-loaded of its holders (a greedy matching; it only affects speed)."""
     where: dict[tuple[int, int], list[int]] = {}
     for holder in sorted(inventory):
         for src, step in inventory[holder]:
@@ -228,21 +230,20 @@ def plan_rollback(
     steps = sorted({step for (_, step) in where if step <= at_most}, reverse=True)
     for step in steps:
         if all((r, step) in where for r in range(world_size)):
+            behind = [r for r in range(world_size) if r not in where[(r, step)]]
             load: dict[int, int] = {}
-            plan = []
-            for r in range(world_size):
-                hs = where[(r, step)]
-                if r in hs:
-                    continue
-                h = min(hs, key=lambda x: (load.get(x, 0), x))
+            chosen: dict[int, int] = {}
+            for r in sorted(behind, key=lambda r: (len(where[(r, step)]), r)):
+                h = min(where[(r, step)], key=lambda x: (load.get(x, 0), x))
                 load[h] = load.get(h, 0) + 1
-                plan.append(Fetch(h, r))
-            return step, plan
+                chosen[r] = h
+            return step, [Fetch(chosen[r], r) for r in sorted(chosen)]
     lost = sorted({r for r in range(world_size) if not any((r, s) in where for s in steps)})
-    raise NoSnapshot(
-        f"no snapshot step is complete for every rank (no copy left of rank(s) {lost[:8]}"
-        f"{'...' if len(lost) > 8 else ''})"
-    )
+    if lost:
+        why = f"no copy left of rank(s) {lost[:8]}{'...' if len(lost) > 8 else ''}"
+    else:
+        why = "every rank has some copy, but no step is complete for all of them"
+    raise NoSnapshot(f"no snapshot step is complete for every rank ({why})")
 
 
 @dataclass

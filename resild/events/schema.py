@@ -332,10 +332,18 @@ class Resumed(Record):
     epoch: int | None = None
     step: int | None = None
     seconds: float | None = None
+    source: str | None = None  # "replica" (nothing redone) or "snapshot" (a rollback); older logs: None
 
     @classmethod
     def _fields(cls, t: float, rec: Mapping[str, Any]) -> Resumed:
-        return cls(t, as_int(rec.get("epoch")), as_int(rec.get("step")), as_float(rec.get("seconds")))
+        src = rec.get("source")
+        return cls(
+            t,
+            as_int(rec.get("epoch")),
+            as_int(rec.get("step")),
+            as_float(rec.get("seconds")),
+            src if src in ("replica", "snapshot", "checkpoint") else None,
+        )
 
 
 @dataclass

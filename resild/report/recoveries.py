@@ -90,6 +90,7 @@ class Recovery:
     committed_step: int | None = None  # the newest committed step at detection
     resumed_step: int | None = None  # the step training restarted from
     steps_redone: int | None = None  # committed before, computed again after; None: not resumed
+    recovered_from: str | None = None  # "replica", "snapshot" (rollback) or "checkpoint" (disk)
     bytes_replayed: int = 0
     replay_s: float | None = None  # the slowest state transfer (a receiver's own seconds)
     phases: dict[str, float] = field(default_factory=dict)  # PHASES -> seconds; {} when training never stopped
@@ -236,6 +237,7 @@ def recoveries(events: Iterable[Mapping[str, Any]]) -> list[Recovery]:
                 r.outcome = RECOVERED
                 if resumed is not None and resumed.step is not None:
                     r.resumed_step = resumed.step
+                    r.recovered_from = resumed.source
                     if r.committed_step is not None:
                         r.steps_redone = max(0, r.committed_step - resumed.step)
             else:

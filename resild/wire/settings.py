@@ -41,6 +41,7 @@ FLAGS = {
     "snapshot_every": "--snapshot-every",
 }
 COUNTS = ("snapshot_copies", "snapshot_every")  # whole numbers, not seconds
+MAX_COPIES = 8
 AUTO_COPIES = -1  # --snapshot-copies auto: 1 where no rank has a replica (FSDP2, TP), else 0
 MIN_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL collectives never time out sooner than this
 
@@ -137,8 +138,15 @@ class JobSettings:
     def __post_init__(self) -> None:
         for name in COUNTS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (AUTO_COPIES if name == "snapshot_copies" else 1):
-                raise SettingsError(f"{FLAGS[name]} must be a whole number >= 1 (copies: >= 0), not {v!r}")
+            bad_copies = name == "snapshot_copies" and isinstance(v, int) and v > MAX_COPIES
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int)
+                or bad_copies
+                or v < (AUTO_COPIES if name == "snapshot_copies" else 1)
+            ):
+                lo = "0 (or -1: auto)" if name == "snapshot_copies" else "1"
+                raise SettingsError(f"{FLAGS[name]} must be a whole number >= {lo}, not {v!r}")
         for f in dataclasses.fields(self):
             if f.name in COUNTS:
                 continue

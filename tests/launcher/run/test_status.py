@@ -178,11 +178,12 @@ def test_a_reform_is_a_row_of_the_table() -> None:
     assert text.splitlines()[1].startswith(" 1 -             -                      probe")
 
 
-def test_table_text_for_one_failure_is_unchanged() -> None:
+def test_table_text_for_one_failure() -> None:
     failures, job = summarize(one_failure())
     assert format_table(failures, job).splitlines() == [
-        " # node          fault                  detector        detect  recovery lost   replayed  cause",
-        " 1 n1            kill:n1@40             process-exit    0.100s    0.600s    2      0.0MB  worker died",
+        " # node          fault                  detector        detect  recovery redone from       replayed  cause",
+        " 1 n1            kill:n1@40             process-exit    0.100s    0.600s      2 -             0.0MB  "
+        "worker died",
         "steps 199, median step 70.0ms, training wall 15.00s, goodput 92.9%",
     ]
     assert "kill:n1@40" in format_breakdown(analyze(one_failure()))

@@ -267,11 +267,13 @@ def test_a_store_that_corrupts_what_it_holds_drops_it_at_verification() -> None:
     assert s.corrupt_found == [(0, 4)]
 
 
-def test_an_unsealed_copy_is_not_offered_for_recovery() -> None:
+def test_an_own_copy_the_exchange_never_sealed_is_sealed_and_offered_but_an_unsealed_held_one_is_not() -> None:
     s = SnapshotStore(rank=0)
-    s.keep_own(Frozen.capture(4, 0, {"w": torch.ones(2)}, {}))  # crc -1: the exchange never sealed it
+    s.keep_own(Frozen.capture(4, 0, {"w": torch.ones(2)}, {}))  # crc -1: its exchange never ran
     s.keep_own(frozen(3, 0))
-    assert s.verified_inventory() == [(0, 3)]
+    s.keep_held(Frozen.capture(4, 1, {"w": torch.ones(2)}, {}))  # a held copy always comes with its CRC
+    assert sorted(s.verified_inventory()) == [(0, 3), (0, 4)]
+    assert s.corrupt_found == [(1, 4)]
 
 
 # ---- the rollback plan ---------------------------------------------------------------
@@ -306,12 +308,6 @@ def test_the_load_is_spread_over_the_holders() -> None:
     assert sorted(f.holder for f in plan) == [4, 4, 5, 5]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="plan_rollback assigns holders greedily in rank order: with copies=3 on 6 nodes and nodes 0, 2, 5 "
-    "lost, rank 0 takes holder 1, so rank 5 (whose only copy is on 1) queues on it while holder 4 idles, "
-    "against its docstring ('no holder serves two ranks while another idles'); a matching serves each once",
-)
 def test_no_holder_serves_two_ranks_while_another_that_could_idles() -> None:
     world, per_node, copies, lost = 6, 1, 3, {0, 2, 5}
     inv: dict[int, list[tuple[int, int]]] = {r: [] for r in range(world)}

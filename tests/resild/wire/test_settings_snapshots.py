@@ -87,12 +87,13 @@ def test_a_snapshot_every_below_one_in_welcome_is_every_commit(every: int) -> No
     assert WorkerRedundancy.from_welcome({"snapshot_copies": 1, "snapshot_every": every}) == WorkerRedundancy(1, 1)
 
 
-def test_auto_copies_are_one_without_replicas_and_none_with_them() -> None:
+def test_auto_copies_are_one_without_replicas_and_none_with_them_or_on_one_node() -> None:
     auto = WorkerRedundancy()
-    assert auto.copies(has_replicas=False) == 1  # plain FSDP2, tensor parallel: snapshots
-    assert auto.copies(has_replicas=True) == 0  # DP, DDP, HSDP: replay from a replica
+    assert auto.copies(has_replicas=False, nodes=2) == 1  # plain FSDP2, tensor parallel: snapshots
+    assert auto.copies(has_replicas=True, nodes=2) == 0  # DP, DDP, HSDP: replay from a replica
+    assert auto.copies(has_replicas=False, nodes=1) == 0  # no other node to hold a copy: never fail the job
     for k in (0, 1, 3):
-        assert WorkerRedundancy(k).copies(has_replicas=False) == WorkerRedundancy(k).copies(has_replicas=True) == k
+        assert WorkerRedundancy(k).copies(False, 4) == WorkerRedundancy(k).copies(True, 4) == k
 
 
 # ---- resil-run -------------------------------------------------------------------------
