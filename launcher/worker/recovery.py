@@ -24,6 +24,10 @@ from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, 
 from launcher.worker.state_transport import P2PTransport, Received
 
 
+class DamagedReplay(ValueError):
+    """A replayed transfer failed its checksum: the state it carried is not loaded."""
+
+
 class Reformed(Exception):
     """A newer epoch was announced, or the current one failed: start again."""
 
@@ -138,5 +142,17 @@ class Recovery:
         self, steps: list[int], replicas: ReplicaMap, rank: int, max_sources: int, snapshot: Any
     ) -> tuple[int, Received | None]:
         target, plan = plan_replay(steps, replicas, max_sources)
-        transport = P2PTransport(self.groups["world"]._inner, self.device, lambda w: self.wait(w, p2p=True))
-        return target, transport.exchange(plan, rank, snapshot)
+        pg = self.groups["world"]._inner
+        transport = P2PTransport(pg, self.device, lambda w: self.wait(w, p2p=True))
+        got = transport.exchange(plan, rank, snapshot)
+        if not plan:
+            return target, got
+        # Every rank learns whether any transfer arrived damaged, so all take the same next step.
+        bad = torch.tensor([len(got.damaged) if got is not None else 0], dtype=torch.int64, device=self.device)
+        self.wait(pg.allreduce([bad]))
+        if int(bad.item()):
+            raise DamagedReplay(
+                f"{int(bad.item())} replayed transfer(s) failed their checksum"
+                + (f" (from rank(s) {list(got.damaged)} to rank {rank})" if got is not None and got.damaged else "")
+            )
+        return target, got

@@ -19,7 +19,22 @@ import torch
 from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.state_codec import flatten, unflatten
 
-H_TAG, SKEL_TAG, ASKEL_TAG, ABUF_TAG, SLICE_TAG = 1, 2, 3, 4, 5
+H_TAG, SKEL_TAG, ASKEL_TAG, ABUF_TAG, SLICE_TAG, SUM_TAG = 1, 2, 3, 4, 5, 6
+
+
+def checksum(t: torch.Tensor) -> int:
+    """Of a uint8 buffer, where it lies: CRC-32 in host memory; on a GPU a position-weighted
+    sum of its 64-bit words (integer sums wrap alike in any order, so it is exact), which
+    needs no copy to the host."""
+    if t.device.type == "cpu":
+        import zlib
+
+        return zlib.crc32(t.numpy().data) if t.numel() else 0
+    n = t.numel()
+    pad = (-n) % 8
+    words = torch.cat([t, t.new_zeros(pad)]).view(torch.int64) if pad else t.view(torch.int64)
+    idx = torch.arange(1, words.numel() + 1, device=t.device, dtype=torch.int64)
+    return int((words.sum() + (words * idx).sum() + n).item()) & 0x7FFFFFFFFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -29,6 +44,7 @@ class Received:
     nbytes: int
     sources: list[int]
     seconds: float
+    damaged: tuple[int, ...] = ()  # sources whose bytes failed their checksum (the state is not usable)
 
 
 class StateTransport(Protocol):
@@ -62,7 +78,12 @@ class P2PTransport:
             buf, abuf = self._dev(buf), self._dev(abuf)
             skel_t = self._dev(torch.frombuffer(bytearray(skel), dtype=torch.uint8))
             askel_t = self._dev(torch.frombuffer(bytearray(askel), dtype=torch.uint8))
-            header = self._dev(torch.tensor([len(skel), buf.numel(), len(askel), abuf.numel()], dtype=torch.int64))
+            header = self._dev(
+                torch.tensor(
+                    [len(skel), buf.numel(), len(askel), abuf.numel(), checksum(torch.cat([skel_t, askel_t, abuf]))],
+                    dtype=torch.int64,
+                )
+            )
             keep += [buf, abuf, skel_t, askel_t, header]
             for t in sends:
                 if t.part == 0:
@@ -75,7 +96,9 @@ class P2PTransport:
                         works.append(self.pg.send([abuf], t.dst, ABUF_TAG))
                 a, b = slice_bounds(buf.numel(), t.part, t.parts)
                 if b > a:
-                    works.append(self.pg.send([buf[a:b]], t.dst, SLICE_TAG))
+                    s = self._dev(torch.tensor([checksum(buf[a:b])], dtype=torch.int64))
+                    keep.append(s)
+                    works += [self.pg.send([s], t.dst, SUM_TAG), self.pg.send([buf[a:b]], t.dst, SLICE_TAG)]
         got = self._receive(recvs) if recvs else None
         for w in works:
             self.wait(w)
@@ -84,9 +107,9 @@ class P2PTransport:
     def _receive(self, recvs: list[Transfer]) -> Received:
         t0 = time.monotonic()
         primary = recvs[0].src
-        header = self._dev(torch.zeros(4, dtype=torch.int64))
+        header = self._dev(torch.zeros(5, dtype=torch.int64))
         self.wait(self.pg.recv([header], primary, H_TAG))
-        n_skel, n_buf, n_askel, n_abuf = (int(x) for x in header.cpu().tolist())
+        n_skel, n_buf, n_askel, n_abuf, aux_sum = (int(x) for x in header.cpu().tolist())
         skel_t = self._dev(torch.empty(n_skel, dtype=torch.uint8))
         askel_t = self._dev(torch.empty(n_askel, dtype=torch.uint8))
         abuf = self._dev(torch.empty(n_abuf, dtype=torch.uint8))
@@ -94,15 +117,26 @@ class P2PTransport:
         works = [self.pg.recv([skel_t], primary, SKEL_TAG), self.pg.recv([askel_t], primary, ASKEL_TAG)]
         if n_abuf:
             works.append(self.pg.recv([abuf], primary, ABUF_TAG))
+        sums: list[tuple[int, int, int, torch.Tensor]] = []
         for t in recvs:
             a, b = slice_bounds(n_buf, t.part, t.parts)
             if b > a:
-                works.append(self.pg.recv([buf[a:b]], t.src, SLICE_TAG))
+                s = self._dev(torch.zeros(1, dtype=torch.int64))
+                sums.append((t.src, a, b, s))
+                works += [self.pg.recv([s], t.src, SUM_TAG), self.pg.recv([buf[a:b]], t.src, SLICE_TAG)]
         for w in works:
             self.wait(w)
+        # Verified before use: a damaged transfer is reported, never loaded.
+        damaged = [src for src, a, b, s in sums if checksum(buf[a:b]) != int(s.item())]
+        if checksum(torch.cat([skel_t, askel_t, abuf])) != aux_sum:
+            damaged.append(primary)
+        took = time.monotonic() - t0
+        n = n_buf + n_abuf + n_skel + n_askel
+        if damaged:
+            return Received({}, {}, n, [t.src for t in recvs], took, tuple(sorted(set(damaged))))
         state = unflatten(_bytes(skel_t), buf.cpu())
         aux = unflatten(_bytes(askel_t), abuf.cpu())
-        return Received(state, aux, n_buf + n_abuf + n_skel + n_askel, [t.src for t in recvs], time.monotonic() - t0)
+        return Received(state, aux, n, [t.src for t in recvs], took)
 
 
 def _bytes(t: torch.Tensor) -> bytes:
