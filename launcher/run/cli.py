@@ -153,6 +153,16 @@ def _copies(v: str | int) -> int:
     help="Snapshot every N committed steps: a rollback redoes at most about N steps.",
 )
 @click.option(
+    "--fingerprint-every",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="M",
+    help="Every M commits, ranks that should hold identical state (replicas) compare fingerprints of "
+    "it: a rank outvoted by its replicas (a GPU computing wrong numbers) is replaced like a failed node; "
+    "two replicas that disagree stop the job. 0: never.",
+)
+@click.option(
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).",
@@ -187,6 +197,7 @@ def main(
     controllers: int,
     snapshot_copies: int,
     snapshot_every: int,
+    fingerprint_every: int,
     run_dir: Path | None,
     requeue_on_exhaustion: bool,
     as_json: bool,
@@ -212,6 +223,7 @@ def main(
             controller_timeout_s=controller_timeout_s,
             snapshot_copies=snapshot_copies,
             snapshot_every=snapshot_every,
+            fingerprint_every=fingerprint_every,
         )
     except SettingsError as e:
         raise click.UsageError(str(e)) from None

@@ -44,6 +44,7 @@ import resild.wire.env as resild_env
 from launcher.worker.agent_link import AgentLink, agent_endpoint
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.controller_link import ControlLink, keys_from_env
+from launcher.worker.fingerprint import fingerprint, judge
 from launcher.worker.mesh_layout import MeshError, MeshLayout
 from launcher.worker.recovery import Recovery, Reformed
 from launcher.worker.replica_map import NoReplica, ReplicaMap
@@ -587,11 +588,54 @@ class Job:
             raise RuntimeError("resild fault injection: exception raised in the training step")
         if self.link.inject_corrupt and self.snap is not None:
             self.snap.store.corrupt_now()
+        if self.link.inject_diverge:
+            self.link.inject_diverge = False
+            self._nudge()
         if protocol.vote():
             self._progress("commit")
+            every = self.redundancy.fingerprint_every
+            if every and self.step % every == 0:
+                self._compare_replicas()
             return True
         self._recover()
         return False
+
+    def _nudge(self) -> None:
+        """Fault injection: what a GPU computing wrong numbers leaves behind."""
+        assert self.state is not None
+        p = next(iter(self.state.model.parameters()))
+        with torch.no_grad():
+            (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += 1e-3
+
+    def _compare_replicas(self) -> None:
+        """Silent divergence: every rank's state fingerprint, in one all-reduce; a rank its
+        replicas outvote leaves (its node is replaced and the state replayed from them)."""
+        assert self.state is not None
+        vals = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        vals[self.rank] = fingerprint(self.state.snapshot(self.step))
+        self.group.allreduce([vals]).wait()
+        if self.intr.error is not None:
+            return  # the epoch is failing: the next vote finds out
+        verdict = judge(vals.cpu().tolist(), self._replica_map().groups)
+        if verdict.clean:
+            return
+        if self.rank == 0:
+            self._event(
+                "replica_diverged",
+                step=self.step,
+                odd=list(verdict.odd),
+                undecided=[list(g) for g in verdict.undecided],
+            )
+        if verdict.undecided:
+            self._fatal(
+                f"replicas {[list(g) for g in verdict.undecided]} hold different state at step {self.step} and no "
+                "majority says which is right: a faulty device; restart from a checkpoint"
+            )
+        if self.rank in verdict.odd:
+            raise RuntimeError(
+                f"resild: rank {self.rank}'s state diverged from its replicas at step {self.step} (fingerprints "
+                "differ): a faulty device; this node leaves and a spare takes its ranks"
+            )
 
     def close(self) -> None:
         if self.link is not None:

@@ -172,7 +172,7 @@ class Effects:
                     if node_id == f.node:
                         s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": lr}, to=wid)
                 continue
-            if f.kind == "exception":
+            if f.kind in ("exception", "diverge"):
                 ident = s.worker_ident.get((f.node, f.local_rank))
             else:
                 ident = s.node_ident.get(f.node)

@@ -5,7 +5,9 @@ Kinds: kill (SIGKILL one worker), exception (a worker raises), hang (SIGSTOP one
 worker), nodeloss (SIGKILL the node process and all its workers), xidN (the
 node's GPU probe reports Xid N through the fault-injecting NVML stand-in), corrupt
 (every peer-memory snapshot copy held on the node is damaged from then on, as bad
-memory would: recovery must detect it by checksum and use another copy).
+memory would: recovery must detect it by checksum and use another copy), diverge
+(worker 0 of the node nudges one parameter, as a GPU computing wrong numbers would:
+the replicas' fingerprints must catch it).
 A fault fires once the job's committed step reaches STEP (plus DELAY_S seconds).
 """
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("kill", "exception", "hang", "nodeloss", "corrupt")
+KINDS = ("kill", "exception", "hang", "nodeloss", "corrupt", "diverge")
 _SPEC = re.compile(
     r"(?P<kind>[a-z]{1,16}[0-9]{0,6}):(?P<node>[A-Za-z0-9_.-]{1,128})"
     r"@(?:(?P<step>[0-9]{1,15})|e(?P<epoch>[0-9]{1,15}))(?:\+(?P<delay>[0-9]{1,7}(?:\.[0-9]{1,6})?))?",

@@ -39,8 +39,10 @@ FLAGS = {
     "heartbeat_budget_per_s": "the heartbeat budget",
     "snapshot_copies": "--snapshot-copies",
     "snapshot_every": "--snapshot-every",
+    "fingerprint_every": "--fingerprint-every",
 }
-COUNTS = ("snapshot_copies", "snapshot_every")  # whole numbers, not seconds
+COUNTS = ("snapshot_copies", "snapshot_every", "fingerprint_every")  # whole numbers, not seconds
+COUNT_MIN = {"snapshot_copies": -1, "snapshot_every": 1, "fingerprint_every": 0}
 MAX_COPIES = 8
 AUTO_COPIES = -1  # --snapshot-copies auto: 1 where no rank has a replica (FSDP2, TP), else 0
 MIN_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL collectives never time out sooner than this
@@ -96,6 +98,7 @@ class WorkerRedundancy:
 
     snapshot_copies: int = AUTO_COPIES
     snapshot_every: int = 1
+    fingerprint_every: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -106,7 +109,11 @@ class WorkerRedundancy:
             v = body.get(name)
             return v if isinstance(v, int) and not isinstance(v, bool) and v >= lo else default
 
-        return cls(count("snapshot_copies", AUTO_COPIES, AUTO_COPIES), count("snapshot_every", 1, 1))
+        return cls(
+            count("snapshot_copies", AUTO_COPIES, AUTO_COPIES),
+            count("snapshot_every", 1, 1),
+            count("fingerprint_every", 0, 0),
+        )
 
     def copies(self, has_replicas: bool, nodes: int) -> int:
         """auto: one copy where no replica covers a rank and another node exists to hold it."""
@@ -134,18 +141,15 @@ class JobSettings:
     # Peer-memory snapshots: copies of each rank's state on other nodes (-1: auto), every N commits.
     snapshot_copies: int = AUTO_COPIES
     snapshot_every: int = 1
+    # Replicas compare state fingerprints every N commits (0: never): silent divergence is caught.
+    fingerprint_every: int = 0
 
     def __post_init__(self) -> None:
         for name in COUNTS:
             v = getattr(self, name)
             bad_copies = name == "snapshot_copies" and isinstance(v, int) and v > MAX_COPIES
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int)
-                or bad_copies
-                or v < (AUTO_COPIES if name == "snapshot_copies" else 1)
-            ):
-                lo = "0 (or -1: auto)" if name == "snapshot_copies" else "1"
+            if isinstance(v, bool) or not isinstance(v, int) or bad_copies or v < COUNT_MIN[name]:
+                lo = "0 (or -1: auto)" if name == "snapshot_copies" else str(COUNT_MIN[name])
                 raise SettingsError(f"{FLAGS[name]} must be a whole number >= {lo}, not {v!r}")
         for f in dataclasses.fields(self):
             if f.name in COUNTS:
@@ -195,7 +199,7 @@ class JobSettings:
         )
 
     def worker_redundancy(self) -> WorkerRedundancy:
-        return WorkerRedundancy(self.snapshot_copies, self.snapshot_every)
+        return WorkerRedundancy(self.snapshot_copies, self.snapshot_every, self.fingerprint_every)
 
     def for_nodes(self, n_nodes: int) -> Derived:
         """The heartbeat budget at this job size: nodes heartbeat every N / budget seconds

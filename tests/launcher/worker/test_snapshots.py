@@ -400,3 +400,29 @@ def test_losing_copies_plus_one_adjacent_nodes_loses_a_ranks_every_copy(
     # the first lost node's ranks had every copy on the lost nodes (with all nodes lost: every rank)
     gone = list(range(world)) if copies + 1 == nodes else [first * per_node + i for i in range(per_node)]
     assert str(gone[:8])[:-1] in str(e.value)
+
+
+# ---- replicas' fingerprints (launcher/worker/fingerprint.py) ---------------------------
+
+
+def test_fingerprints_are_equal_for_equal_state_and_differ_for_one_nudged_value() -> None:
+    from launcher.worker.fingerprint import fingerprint
+
+    a = {"model": {"w": torch.arange(6.0), "b": torch.zeros(2)}, "optim": {"state": {0: {"step": torch.tensor(3.0)}}}}
+    b = {"model": {"w": torch.arange(6.0), "b": torch.zeros(2)}, "optim": {"state": {0: {"step": torch.tensor(3.0)}}}}
+    assert fingerprint(a) == fingerprint(b)
+    b["model"]["w"][0] += 1e-3
+    assert fingerprint(a) != fingerprint(b)
+    c = {"model": {"w": torch.arange(6.0).view(2, 3), "b": torch.zeros(2)}, "optim": a["optim"]}
+    assert fingerprint(a) != fingerprint(c)  # same bytes, another shape
+
+
+def test_the_majority_of_a_replica_group_names_the_odd_rank_and_two_replicas_cannot() -> None:
+    from launcher.worker.fingerprint import judge
+
+    assert judge([7, 7, 7, 7], ((0, 1, 2, 3),)).clean
+    v = judge([7, 9, 7, 5, 5, 5], ((0, 1, 2), (3, 4, 5)))
+    assert v.odd == (1,) and not v.undecided
+    v = judge([7, 9, 4, 4], ((0, 1), (2, 3)))
+    assert v.odd == () and v.undecided == ((0, 1),)
+    assert judge([1, 2], ((0,), (1,))).clean  # no replicas: nothing to compare
