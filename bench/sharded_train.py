@@ -7,6 +7,12 @@
     torchrun --standalone --nproc-per-node 4 bench/sharded_train.py --mode plain --model hsdp --times t.json
     # a raw gloo send/recv of N bytes between two processes (the replay's yardstick)
     torchrun --standalone --nproc-per-node 2 bench/sharded_train.py --mode loopback --nbytes N --times t.json
+    # plain FSDP2 (bench/snapshots.py): under resild, and under torchrun with a DCP checkpoint
+    resil-run --local --nodes 4 --spares 0 --nproc-per-node 1 --snapshot-copies 1 -- \\
+        python bench/sharded_train.py --mode resild --model fsdp --times t.json
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 4 --max-restarts 1 \\
+        bench/sharded_train.py --mode plain --model fsdp --ckpt-dir ckpt --ckpt-every 50 \\
+        --kill-at 60 --kill-rank 2 --events events.jsonl
 
 Models, data and loops are those of the examples:
 
@@ -17,6 +23,19 @@ Models, data and loops are those of the examples:
   (replicate x shard, shard = world size / 2), AdamW, CosineAnnealingLR, clipping, a
   ``StatefulDataLoader`` over a ``DistributedSampler`` (``launcher.worker.data.ResumableLoader``, a
   plain data cursor with no resild runtime in it, in both modes).
+- ``--model fsdp``: ``examples/train_fsdp.py`` (plain FSDP2, ZeRO-3): the hsdp model, data and
+  loop over a 1-D mesh of every rank (``job.mesh((W,), ("shard",))`` /
+  ``init_device_mesh("cpu", (W,), mesh_dim_names=("shard",))``); no rank holds a replica of
+  another's shard. Rank 0's ``--times`` adds ``state_bytes``: its local model + optimizer
+  tensor bytes (the shards of the parameters and of AdamW's state).
+  Plain mode only, the torchrun baseline of a recovery (``bench/snapshots.py``):
+  ``--ckpt-dir D`` loads the newest complete ``torch.distributed.checkpoint`` under D at
+  start (``D/step-N``, N = the next step to run: model and optimizer shards, scheduler,
+  each rank's loader position and RNG) and saves one every ``--ckpt-every`` steps;
+  ``--kill-at K --kill-rank R``: rank R SIGKILLs itself at the top of step K in the first
+  attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so K steps were committed; ``--events F``:
+  every rank appends ``bench/baseline_train.py``'s events (``start``, ``ready``, ``step``,
+  ``ckpt``, ``fault_injected``, ``done``) to F, which ``bench.torchrun_baseline.analyze`` reads.
 
 The only differences between the modes are the resild lines: ``launcher.init()``, the job's
 stable group / ``job.hsdp_mesh`` instead of ``init_process_group`` / ``init_device_mesh``,
@@ -35,12 +54,16 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -53,6 +76,7 @@ from launcher.worker.data import ResumableLoader  # a data cursor only (torch + 
 # Everything is imported before launcher.init(), as in the examples: a spare taking
 # over pays only for what follows init (mesh, model, fully_shard, optimizer, attach).
 warnings.filterwarnings("ignore", message=".*set_vital.*")
+_T_IMPORTED = time.time()  # fsdp --events: every import done (torch, torchdata, launcher)
 
 MICRO_STEPS = 4  # examples/train_ddp_amp.py
 
@@ -101,15 +125,19 @@ class Plain:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = None  # DDP's default: the world group
         self.opt = self.sched = self.scaler = None
+        self.start = 0  # fsdp: the step a DCP checkpoint resumes at
 
     def mesh(self, shard: int):
         return init_device_mesh("cpu", (self.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+
+    def mesh_1d(self):
+        return init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("shard",))
 
     def attach(self, model, opt, scheduler=None, scaler=None, extra=None) -> None:
         self.opt, self.sched, self.scaler = opt, scheduler, scaler
 
     def steps(self, total: int):
-        yield from range(total)
+        yield from range(self.start, total)
 
     def commit(self) -> bool:
         if self.scaler is not None:
@@ -131,6 +159,9 @@ class Resild:
 
     def mesh(self, shard: int):
         return self.job.hsdp_mesh(shard_size=shard)
+
+    def mesh_1d(self):
+        return self.job.mesh((self.world_size,), ("shard",))
 
     def attach(self, model, opt, scheduler=None, scaler=None, extra=None) -> None:
         self.job.attach(model, opt, scheduler=scheduler, scaler=scaler, extra=extra)
@@ -200,6 +231,130 @@ def train_hsdp(rt, args, record, mark) -> None:
             record(step, t_top, t_commit, time.perf_counter())
 
 
+def local_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """This rank's own tensor bytes: its parameter shards and its optimizer state's."""
+
+    def nbytes(t) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+    n = sum(nbytes(p.data) for p in model.parameters())
+    return n + sum(nbytes(v) for st in opt.state.values() for v in st.values())
+
+
+class Events:
+    """``bench/baseline_train.py``'s event lines (one ``os.write`` each, O_APPEND)."""
+
+    def __init__(self, path: str | None, rank: int) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
+        self.rank, self.restart_count = rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+    def __call__(self, event: str, **fields) -> None:
+        if self.fd is None:
+            return
+        rec = {"event": event, "rank": self.rank, "pid": os.getpid(), "restart_count": self.restart_count}
+        rec["t_wall"] = fields.pop("t_wall", None) or time.time()
+        rec.update(fields)
+        os.write(self.fd, (json.dumps(rec) + "\n").encode())
+
+
+def process_start_wall() -> float:
+    """time.time() of this process's start (from /proc, 1 / CLK_TCK resolution)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+
+
+def _dcp_state(model, opt, sched, loader, rank: int) -> dict:
+    msd, osd = get_state_dict(model, opt)
+    # keys of one rank only: DCP would keep one rank's copy of a key every rank saves
+    own = {"loader": loader.state_dict(), "rng": torch.get_rng_state()}
+    return {"model": msd, "optim": osd, "sched": sched.state_dict(), f"rank{rank}": own}
+
+
+def newest_checkpoint(ckpt_dir: str) -> tuple[int, Path] | None:
+    """The newest complete checkpoint (DCP writes ``.metadata`` last) under ``ckpt_dir``."""
+    found = []
+    for d in Path(ckpt_dir).glob("step-*"):
+        if (d / ".metadata").exists():
+            try:
+                found.append((int(d.name.split("-", 1)[1]), d))
+            except ValueError:
+                continue
+    return max(found) if found else None
+
+
+def train_fsdp(rt, args, record, mark) -> dict:
+    """examples/train_fsdp.py's loop; plain mode may add a DCP checkpoint and a fault."""
+    emit = Events(args.events, rt.rank)
+    emit("start", t_wall=args.t_start)
+    t_group = time.time()
+    mesh = rt.mesh_1d()
+    mark("mesh")
+    model = hsdp_model(args.seed)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+    loader = hsdp_loader(args.seed, rt.world_size, rt.rank)
+    mark("built")
+    t_built = time.time()
+    start = 0
+    if args.ckpt_dir and args.mode == "plain":
+        newest = newest_checkpoint(args.ckpt_dir)
+        if newest is not None:
+            start, path = newest
+            state = _dcp_state(model, opt, sched, loader, rt.rank)
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            sched.load_state_dict(state["sched"])
+            own = state[f"rank{rt.rank}"]
+            loader.load_state_dict(own["loader"])
+            torch.set_rng_state(own["rng"])
+        rt.start = start
+    t_loaded = time.time()
+    rt.attach(model, opt, scheduler=sched, extra=loader)
+    mark("attached")
+    emit(
+        "ready",
+        resumed_step=start,
+        world_size=rt.world_size,
+        t_torch_imported=_T_IMPORTED,
+        t_group_ready=t_group,
+        t_model_built=t_built,
+        t_ckpt_loaded=t_loaded,
+        t_wrapped=t_loaded,
+    )
+    for step in rt.steps(args.steps):
+        if step == args.kill_at and emit.restart_count == 0 and rt.rank == args.kill_rank:
+            emit("fault_injected", step=step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        t_top = time.perf_counter()
+        x, y = next(loader)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        t_commit = time.perf_counter()
+        if rt.commit():
+            record(step, t_top, t_commit, time.perf_counter())
+            emit("step", step=step)
+            if args.ckpt_dir and args.mode == "plain" and (step + 1) % args.ckpt_every == 0:
+                t0 = time.time()
+                dcp.save(
+                    _dcp_state(model, opt, sched, loader, rt.rank), checkpoint_id=f"{args.ckpt_dir}/step-{step + 1}"
+                )
+                if rt.rank == 0:
+                    emit("ckpt", step=step + 1, save_s=time.time() - t0)
+    emit("done", steps=args.steps)
+    return {"state_bytes": local_state_bytes(model, opt)}
+
+
 # ---- loopback yardstick ---------------------------------------------------------------
 def loopback(args) -> None:
     """Rank 1 sends a uint8 tensor of --nbytes to rank 0 (gloo, TCP over loopback),
@@ -233,7 +388,7 @@ def loopback(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("resild", "plain", "loopback"), required=True)
-    p.add_argument("--model", choices=("ddp", "hsdp"), default="ddp")
+    p.add_argument("--model", choices=("ddp", "hsdp", "fsdp"), default="ddp")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--times", help="rank 0 writes its per-step times here (JSON)")
@@ -249,7 +404,13 @@ def main() -> None:
     )
     p.add_argument("--nbytes", type=int, default=1 << 20, help="loopback: bytes per transfer")
     p.add_argument("--iters", type=int, default=20, help="loopback: timed transfers")
+    p.add_argument("--ckpt-dir", help="fsdp, plain: DCP checkpoints here (the newest is loaded at start)")
+    p.add_argument("--ckpt-every", type=int, default=50, help="fsdp, plain: steps between DCP checkpoints")
+    p.add_argument("--kill-at", type=int, default=-1, help="fsdp: SIGKILL at the top of this step (1st attempt)")
+    p.add_argument("--kill-rank", type=int, default=2, help="fsdp: the rank that SIGKILLs itself")
+    p.add_argument("--events", help="fsdp: every rank appends bench/baseline_train.py's events here")
     args = p.parse_args()
+    args.t_start = process_start_wall()
     torch.set_num_threads(1)
     if args.mode == "loopback":
         loopback(args)
@@ -272,14 +433,14 @@ def main() -> None:
             mark("first_commit")
         rows.append([step, t_top, t_commit, t_end])
 
-    (train_ddp if args.model == "ddp" else train_hsdp)(rt, args, record, mark)
+    extra = {"ddp": train_ddp, "hsdp": train_hsdp, "fsdp": train_fsdp}[args.model](rt, args, record, mark) or {}
     if args.phases:
         with open(os.path.join(args.phases, f"phases-{os.getpid()}.json"), "w") as f:
             json.dump({"rank": rt.rank, "pid": os.getpid(), "marks": marks}, f)
     if args.times and rt.rank == 0:
         tmp = f"{args.times}.tmp.{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"mode": args.mode, "model": args.model, "world_size": rt.world_size, "steps": rows}, f)
+            json.dump({"mode": args.mode, "model": args.model, "world_size": rt.world_size, "steps": rows, **extra}, f)
         os.replace(tmp, args.times)
     rt.close()
 

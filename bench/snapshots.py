@@ -1,0 +1,573 @@
+"""Peer-memory snapshots of plain FSDP2 (issue 16, "Measured"): their cost, and the rollback.
+
+Plain FSDP2 (ZeRO-3) keeps no replica of a rank's shard: resild protects it by snapshots.
+After a commit every rank freezes its local state (parameter and optimizer shards, RNG,
+scheduler, loader position) into host memory and, in a background thread, sends
+``--snapshot-copies K`` copies to ranks on the next nodes, every ``--snapshot-every N``
+commits; after a node loss every rank rolls back to the newest snapshot complete for all.
+The loop is ``examples/train_fsdp.py``'s (``bench/sharded_train.py --model fsdp``: the
+model, data and loop of the example; FSDP2 ``fully_shard`` per Linear and on the root
+over a 1-D mesh of every rank, AdamW, CosineAnnealingLR, clipping, a stateful loader).
+
+Part 1, failure-free overhead. The same loop, 4 ranks, side by side in one invocation:
+
+    plain: torchrun --standalone --nproc-per-node 4 \\
+               bench/sharded_train.py --mode plain --model fsdp --times FILE
+    k0/k1/k2: resil-run --local --nodes 4 --spares 0 --nproc-per-node 1 \\
+               --snapshot-copies K --snapshot-every EVERY --events FILE -- \\
+               python bench/sharded_train.py --mode resild --model fsdp --times FILE
+
+(``init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))`` and ``opt.step`` directly
+under torchrun; ``job.mesh((4,), ("shard",))`` and ``job.commit()`` under resild). K = 2
+needs three nodes, so every resild variant runs one rank per node and they compare alike;
+``k0`` is resild with no snapshots (a node loss would stop the job), so ``k1 / k0`` is the
+snapshots' own cost and ``k0 / plain`` the rest of resild's. Rank 0 times every step in the
+script; a run's step time is the median over steps ``--warmup`` .. ``--steps``-1. The
+variants alternate, ABBA (plain k0 k1 k2, then k2 k1 k0 plain, ...), ``--repeats`` times,
+so a drift in the machine's load hits all of them alike; ``step_ms`` is the median of the
+run medians, ``ratio`` = step_ms / plain's step_ms. From each rank's ``worker.snapshots``
+event (written before DONE; median over ranks and runs): ``taken`` / ``skipped`` snapshots
+(skipped: the previous exchange was not confirmed yet), ``capture_ms`` = training-thread
+seconds copying per snapshot (capture_s / taken), ``exchange_ms`` = the last exchange's
+seconds (background thread), ``held_kb`` = host bytes of snapshots the rank holds at the
+end (its own and the copies it keeps for others). ``state_kb`` is rank 0's own model +
+optimizer tensor bytes (parameter shards and AdamW's two moments, from the script), and
+``held_x`` = held / state.
+
+Part 2, recovery of a node loss. resild: ``resil-run --local --nodes 3 --spares 1
+--nproc-per-node 2 --snapshot-copies 1 --snapshot-every FAULT_EVERY --inject
+kill:node1@KILL_AT`` (4 ranks; SIGKILL of node1's worker 0, rank 2, once KILL_AT steps
+are committed). From the event file, through ``resild.report.recoveries`` (the analysis
+resil-run's table and ``resild report`` use): fault → first full-strength committed step
+(``total_s``; its phases detection, fence, re-form, replay, first step), the rollback
+(``rolled_back``: step, newest, steps_redone) and the replay (``state_replayed``,
+source=snapshot: bytes, seconds). torchrun: ``torchrun --standalone --nproc-per-node 4
+--max-restarts 1`` (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, needed for a restart in torch
+2.13) on the same loop with a ``torch.distributed.checkpoint`` every ``--ckpt-every`` steps
+(each rank its shards; loaded at start from the newest complete one); rank 2 SIGKILLs
+itself at the top of step KILL_AT in the first attempt; torchrun stops the others and
+restarts all four, which resume from the checkpoint. Its phases come from
+``bench.torchrun_baseline.analyze`` (detect, restart, first_step, total = fault → the
+first step after the restart committed by all four ranks). ``work_lost_s`` =
+steps_redone × the run's failure-free step time (rank 0's median); ``caught_up_s`` = fault
+→ the step in flight at the fault committed again (torchrun: measured; resild: total_s +
+work_lost_s). ``speedup`` = torchrun total_s / resild total_s (medians), ``speedup_caught_up``
+likewise. The two sides alternate (resild torchrun, torchrun resild, ...).
+
+Usage::
+
+    .venv/bin/python bench/snapshots.py                      # both parts, a table (~8 min on 2 busy cores)
+    .venv/bin/python bench/snapshots.py --quick              # fewer steps, one run of each (~2 min)
+    .venv/bin/python bench/snapshots.py --json               # one JSON object
+    .venv/bin/python bench/snapshots.py --only overhead --variants plain,k1 --repeats 4
+    .venv/bin/python bench/snapshots.py --only recovery --kill-at 70 --ckpt-every 50 --fault-every 5
+
+Nothing here asserts on timings: it reports what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `bench` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import median, phase_table, read_events, select
+from bench.sharded import _env, _intervals_by_step, _run, plain_cmd, resild_cmd, step_stats
+from bench.torchrun_baseline import _kill_leftovers
+from bench.torchrun_baseline import analyze as analyze_torchrun
+from resild.report.recoveries import NODE_FAILURE, recoveries
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "bench" / "sharded_train.py"
+MODEL = "fsdp"
+
+#: overhead variants: name -> resild --snapshot-copies (None: plain torchrun)
+VARIANTS: dict[str, int | None] = {"plain": None, "k0": 0, "k1": 1, "k2": 2}
+
+OVERHEAD_COLS = (
+    "runs",
+    "step_ms",
+    "ratio",
+    "pair_ratio_min",
+    "pair_ratio_max",
+    "commit_ms",
+    "compute_ms",
+    "state_kb",
+    "held_kb",
+    "held_x",
+    "capture_ms",
+    "capture_pct",
+    "exchange_ms",
+    "taken",
+    "skipped",
+    "failed_runs",
+)
+RESILD_COLS = (
+    "detect_s",
+    "fence_s",
+    "reform_s",
+    "replay_s",
+    "first_step_s",
+    "total_s",
+    "rolled_back_to",
+    "steps_redone",
+    "step_s",
+    "work_lost_s",
+    "caught_up_s",
+    "replay_mb",
+    "exit_code",
+)
+TORCHRUN_COLS = (
+    "detect_s",
+    "restart_s",
+    "first_step_s",
+    "total_s",
+    "resumed_step",
+    "steps_redone",
+    "step_s",
+    "work_lost_s",
+    "caught_up_s",
+    "ckpt_save_s",
+    "exit_code",
+)
+
+
+# ---- analysis (pure: events and run records in, numbers out) --------------------------------
+def _num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _div(a: Any, b: Any) -> float | None:
+    return a / b if _num(a) and _num(b) and b > 0 else None
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1000.0
+
+
+def _kb(b: float | None) -> float | None:
+    return None if b is None else b / 1024.0
+
+
+def _med_int(xs: Iterable[Any]) -> float | int | None:
+    vals = [x for x in xs if _num(x)]
+    m = median(vals)
+    return int(m) if m is not None and float(m).is_integer() else m
+
+
+def snapshot_stats(events: Sequence[dict]) -> dict:
+    """One run's ``worker.snapshots`` events (one per rank, the last of each rank): medians
+    over ranks. Empty fields (None) when no rank reported (K = 0, or a failed run)."""
+    by_rank: dict[Any, dict] = {}
+    for e in select(events, "worker.snapshots"):
+        by_rank[e.get("rank")] = e  # sorted by time: a rank's last report wins
+    rs = list(by_rank.values())
+    per_snap = [_div(e.get("capture_s"), e.get("taken")) for e in rs]
+    return {
+        "ranks_reporting": len(rs),
+        "copies": _med_int(e.get("copies") for e in rs),
+        "every": _med_int(e.get("every") for e in rs),
+        "taken": _med_int(e.get("taken") for e in rs),
+        "skipped": _med_int(e.get("skipped") for e in rs),
+        "capture_s": median(e.get("capture_s") for e in rs if _num(e.get("capture_s"))),
+        "capture_per_snapshot_s": median(x for x in per_snap if x is not None),
+        "exchange_s": median(e.get("exchange_s") for e in rs if _num(e.get("exchange_s"))),
+        "held_bytes": _med_int(e.get("held_bytes") for e in rs),
+        "held_bytes_max": max((int(e["held_bytes"]) for e in rs if _num(e.get("held_bytes"))), default=None),
+    }
+
+
+def overhead_rows(runs: Sequence[dict], variants: Sequence[str]) -> list[dict]:
+    """One row per variant from the runs' records (``variant``, ``step_s``, ``commit_s``,
+    ``compute_s``, ``exit_code``, ``state_bytes``, ``snapshots`` = snapshot_stats)."""
+    by = {v: [r for r in runs if r.get("variant") == v] for v in variants}
+    plain_ms = _ms(median(r.get("step_s") for r in by.get("plain", [])))
+    out = []
+    for v in variants:
+        rs = by[v]
+        snaps = [r.get("snapshots") or {} for r in rs]
+        row: dict = {
+            "variant": v,
+            "copies": VARIANTS.get(v),
+            "runs": len(rs),
+            "step_ms": _ms(median(r.get("step_s") for r in rs)),
+            "commit_ms": _ms(median(r.get("commit_s") for r in rs)),
+            "compute_ms": _ms(median(r.get("compute_s") for r in rs)),
+            "state_kb": _kb(median(r.get("state_bytes") for r in rs)),
+            "held_kb": _kb(median(s.get("held_bytes") for s in snaps)),
+            "capture_ms": _ms(median(s.get("capture_per_snapshot_s") for s in snaps)),
+            "exchange_ms": _ms(median(s.get("exchange_s") for s in snaps)),
+            "taken": _med_int(s.get("taken") for s in snaps),
+            "skipped": _med_int(s.get("skipped") for s in snaps),
+            "failed_runs": sum(1 for r in rs if r.get("exit_code") != 0 or r.get("step_s") is None),
+        }
+        row["ratio"] = _div(row["step_ms"], plain_ms)
+        row["held_x"] = _div(row["held_kb"], row["state_kb"])
+        every = median(s.get("every") for s in snaps) or 1
+        row["capture_pct"] = (
+            None
+            if _div(row["capture_ms"], row["step_ms"]) is None
+            else 100.0 * row["capture_ms"] / row["step_ms"] / every
+        )
+        # the same repeat's plain run as the yardstick (they ran next to each other)
+        pl = {r.get("repeat"): r.get("step_s") for r in by.get("plain", [])}
+        pairs = [_div(r.get("step_s"), pl.get(r.get("repeat"))) for r in rs] if v != "plain" else []
+        pairs = [p for p in pairs if p is not None]
+        row["pair_ratio_min"], row["pair_ratio_max"] = (min(pairs), max(pairs)) if pairs else (None, None)
+        out.append(row)
+    return out
+
+
+def resild_recovery(events: Sequence[dict], step_s: float | None, fault_node: str = "local-node1") -> dict:
+    """The first node failure's recovery (resild.report.recoveries), the rollback and the replay."""
+    res: dict = dict.fromkeys(RESILD_COLS)
+    res.update(rolled_back_newest=None, replay_bytes=None, replay_sources=None, replay_source=None, outcome=None)
+    res["step_s"] = step_s
+    rec = next((r for r in recoveries(events) if r.kind == NODE_FAILURE and r.node == fault_node), None)
+    if rec is None:
+        return res
+    ph = rec.phases
+    res.update(
+        detect_s=ph.get("detection"),
+        fence_s=ph.get("fence"),
+        reform_s=ph.get("re-form"),
+        replay_s=ph.get("replay"),
+        first_step_s=ph.get("first step"),
+        total_s=rec.recovery_s,
+        outcome=rec.outcome,
+        steps_redone=rec.steps_redone,
+        replay_bytes=rec.bytes_replayed,
+        replay_mb=rec.bytes_replayed / 1e6,
+    )
+    rb = [e for e in select(events, "rolled_back") if e.get("epoch") == rec.epoch]
+    if rb:
+        res["rolled_back_to"] = rb[0].get("step")
+        res["rolled_back_newest"] = rb[0].get("newest")
+        if _num(rb[0].get("steps_redone")):
+            res["steps_redone"] = int(rb[0]["steps_redone"])
+    reps = [e for e in select(events, "state_replayed") if e.get("epoch") == rec.epoch]
+    res["replay_sources"] = sorted({s for e in reps for s in (e.get("sources") or [])})
+    res["replay_source"] = ",".join(sorted({str(e.get("source")) for e in reps})) or None
+    res["replay_transfer_s"] = max((float(e["seconds"]) for e in reps if _num(e.get("seconds"))), default=None)
+    if _num(res["steps_redone"]) and _num(step_s):
+        res["work_lost_s"] = res["steps_redone"] * step_s
+    if _num(res["total_s"]):
+        res["caught_up_s"] = res["total_s"] + (res["work_lost_s"] or 0.0)
+    return res
+
+
+def torchrun_recovery(events: Sequence[dict], nproc: int, kill_at: int) -> dict:
+    """bench.torchrun_baseline.analyze, plus the work lost (steps redone x step time)."""
+    res = analyze_torchrun(list(events), nproc=nproc, kill_at=kill_at)
+    res["step_s"] = res.get("step_time_s")
+    res["work_lost_s"] = (
+        res["steps_redone"] * res["step_s"] if _num(res.get("steps_redone")) and _num(res["step_s"]) else None
+    )
+    return res
+
+
+def summarize_recovery(resild_runs: Sequence[dict], torchrun_runs: Sequence[dict]) -> dict:
+    """Medians per side and the ratios torchrun / resild."""
+    rs = {k: _med_int(r.get(k) for r in resild_runs) for k in RESILD_COLS if k != "exit_code"}
+    tr = {k: _med_int(r.get(k) for r in torchrun_runs) for k in TORCHRUN_COLS if k != "exit_code"}
+    return {
+        "resild": rs,
+        "torchrun": tr,
+        "speedup": _div(tr.get("total_s"), rs.get("total_s")),
+        "speedup_caught_up": _div(tr.get("caught_up_s"), rs.get("caught_up_s")),
+    }
+
+
+# ---- running things --------------------------------------------------------------------
+def _with_snapshots(cmd: list[str], copies: int, every: int) -> list[str]:
+    """resil-run flags go before the ``--`` that starts the worker's command line."""
+    i = cmd.index("--")
+    return [*cmd[:i], "--snapshot-copies", str(copies), "--snapshot-every", str(every), *cmd[i:]]
+
+
+def _state_bytes(times: Path) -> int | None:
+    try:
+        return json.loads(times.read_text()).get("state_bytes")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def overhead_run(variant: str, repeat: int, args: argparse.Namespace, workdir: Path) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    times, events = workdir / "times.json", workdir / "events.jsonl"
+    for p in (times, events):
+        p.unlink(missing_ok=True)
+    copies = VARIANTS[variant]
+    if copies is None:
+        r = _run(plain_cmd(MODEL, args.nproc, args.steps, times), workdir, args.timeout, interrupt=signal.SIGTERM)
+    else:
+        cmd = resild_cmd(MODEL, args.nproc, 1, 0, args.steps, times, events, workdir / "run")
+        r = _run(_with_snapshots(cmd, copies, args.every), workdir, args.timeout)
+    r.pop("stdout")
+    st = step_stats(times, args.warmup)
+    st.pop("intervals")
+    r.update(st, variant=variant, repeat=repeat, workdir=str(workdir), state_bytes=_state_bytes(times))
+    r["snapshots"] = snapshot_stats(read_events(events)) if copies else None
+    return r
+
+
+def overhead(args: argparse.Namespace, base: Path, say) -> dict:
+    runs: list[dict] = []
+    for i in range(args.repeats):
+        order = args.variants if i % 2 == 0 else args.variants[::-1]
+        for v in order:
+            say(f"overhead: repeat {i + 1}/{args.repeats}, {v} ...")
+            runs.append(overhead_run(v, i + 1, args, base / "overhead" / f"{v}-{i + 1}"))
+    return {"runs": runs, "rows": overhead_rows(runs, args.variants)}
+
+
+def torchrun_fault_cmd(args: argparse.Namespace, nproc: int, workdir: Path, python: str = sys.executable) -> list[str]:
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.1",
+        str(WORKER),
+        "--mode",
+        "plain",
+        "--model",
+        MODEL,
+        "--steps",
+        str(args.fault_steps),
+        "--ckpt-dir",
+        str(workdir / "ckpt"),
+        "--ckpt-every",
+        str(args.ckpt_every),
+        "--kill-at",
+        str(args.kill_at),
+        "--kill-rank",
+        str(args.fault_ppn),
+        "--events",
+        str(workdir / "events.jsonl"),
+        "--times",
+        str(workdir / "times.json"),
+    ]
+
+
+def _fresh(workdir: Path) -> None:
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in ("times.json", "events.jsonl"):
+        (workdir / name).unlink(missing_ok=True)
+    shutil.rmtree(workdir / "ckpt", ignore_errors=True)
+
+
+def resild_fault_run(args: argparse.Namespace, workdir: Path) -> dict:
+    _fresh(workdir)
+    nproc = (args.fault_nodes - 1) * args.fault_ppn
+    times, events = workdir / "times.json", workdir / "events.jsonl"
+    cmd = resild_cmd(
+        MODEL,
+        nproc,
+        args.fault_ppn,
+        1,
+        args.fault_steps,
+        times,
+        events,
+        workdir / "run",
+        inject=[f"kill:node1@{args.kill_at}"],
+    )
+    cmd = _with_snapshots(cmd, 1, args.fault_every)
+    r = _run(cmd, workdir, args.timeout)
+    evs = read_events(events)
+    # one failure-free step: rank 0's median, leaving out the steps around the fault
+    fault = next(iter(select(evs, "fault_injected")), None)
+    k = fault.get("step") if fault else None
+    iv = [x for s, x in _intervals_by_step(times) if s >= args.warmup and (k is None or not k - 1 <= s <= k + 3)]
+    res = resild_recovery(evs, median(iv))
+    res.update(nproc=nproc, exit_code=r["exit_code"], timed_out=r["timed_out"], wall_s=r["wall_s"])
+    res.update(workdir=str(workdir), command=r["command"])
+    return res
+
+
+def torchrun_fault_run(args: argparse.Namespace, workdir: Path) -> dict:
+    _fresh(workdir)
+    nproc = (args.fault_nodes - 1) * args.fault_ppn
+    env = _env()
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # else the restarted workers reuse stale addresses
+    r = _run(torchrun_fault_cmd(args, nproc, workdir), workdir, args.timeout, interrupt=signal.SIGTERM, env=env)
+    evs = read_events(workdir / "events.jsonl")
+    if r["timed_out"]:
+        _kill_leftovers(evs)
+    res = torchrun_recovery(evs, nproc, args.kill_at)
+    res.update(nproc=nproc, exit_code=r["exit_code"], timed_out=r["timed_out"], wall_s=r["wall_s"])
+    res.update(workdir=str(workdir), command=r["command"])
+    return res
+
+
+def recovery(args: argparse.Namespace, base: Path, say) -> dict:
+    rs, tr = [], []
+    for i in range(args.fault_runs):
+        order = ("resild", "torchrun") if i % 2 == 0 else ("torchrun", "resild")
+        for side in order:
+            say(f"recovery: run {i + 1}/{args.fault_runs}, {side}, kill at step {args.kill_at} ...")
+            wd = base / "recovery" / f"{side}-{i + 1}"
+            if side == "resild":
+                rs.append({"run": i + 1, **resild_fault_run(args, wd)})
+            else:
+                tr.append({"run": i + 1, **torchrun_fault_run(args, wd)})
+    return {"resild": rs, "torchrun": tr, "summary": summarize_recovery(rs, tr)}
+
+
+# ---- output ------------------------------------------------------------------------------
+def _no_median(t: str) -> str:
+    return "\n".join(line for line in t.splitlines() if not line.lstrip().startswith("median"))
+
+
+def print_overhead(args: argparse.Namespace, res: dict) -> None:
+    print(
+        f"\nfailure-free step time, plain FSDP2, {args.nproc} ranks, gloo on CPU, rank 0's median over steps "
+        f"{args.warmup}..{args.steps - 1}, {args.repeats} run(s) per variant (ABBA); snapshot every {args.every}"
+    )
+    print(
+        f"plain: torchrun --nproc-per-node {args.nproc}; k0/k1/k2: resil-run --local --nodes {args.nproc} "
+        "--nproc-per-node 1 --spares 0 --snapshot-copies 0/1/2"
+    )
+    print(_no_median(phase_table(res["rows"], OVERHEAD_COLS, label="variant", digits=3)))
+    print(
+        "ms per step; ratio = step_ms / plain's; pair_ratio: against the same repeat's plain run; "
+        "state_kb: rank 0's model + optimizer shards; held_kb: snapshot bytes a rank holds at the end "
+        "(median over ranks); held_x = held / state; capture_ms: training-thread copy per snapshot; "
+        "capture_pct: of a step, per step"
+    )
+
+
+def print_recovery(args: argparse.Namespace, res: dict) -> None:
+    nproc = (args.fault_nodes - 1) * args.fault_ppn
+    print(
+        f"\nnode loss, plain FSDP2, {nproc} ranks; SIGKILL of rank {args.fault_ppn} once {args.kill_at} of "
+        f"{args.fault_steps} steps are committed; seconds"
+    )
+    print(
+        f"\nresild: resil-run --local --nodes {args.fault_nodes} --spares 1 --nproc-per-node {args.fault_ppn} "
+        f"--snapshot-copies 1 --snapshot-every {args.fault_every}, rollback to the newest complete snapshot"
+    )
+    if res["resild"]:
+        print(phase_table(res["resild"], RESILD_COLS, digits=3))
+    print(
+        f"\ntorchrun: --nproc-per-node {nproc} --max-restarts 1, torch.distributed.checkpoint every "
+        f"{args.ckpt_every} steps, restart of every worker from the newest"
+    )
+    if res["torchrun"]:
+        print(phase_table(res["torchrun"], TORCHRUN_COLS, digits=3))
+    s = res["summary"]
+    rs, tr = s["resild"], s["torchrun"]
+    if _num(rs.get("total_s")) and _num(tr.get("total_s")):
+        print(
+            f"\nmedians: fault → full strength: resild {rs['total_s']:.3f} s (rolled back to step "
+            f"{rs.get('rolled_back_to')}, {rs.get('steps_redone')} step(s) redone), torchrun {tr['total_s']:.3f} s "
+            f"(resumed at step {tr.get('resumed_step')}, {tr.get('steps_redone')} step(s) redone); "
+            f"torchrun / resild = {s['speedup']:.1f}x"
+            + (
+                f"; fault → caught up: {rs['caught_up_s']:.3f} s vs {tr['caught_up_s']:.3f} s = "
+                f"{s['speedup_caught_up']:.1f}x"
+                if s.get("speedup_caught_up")
+                else ""
+            )
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description="Plain FSDP2 peer-memory snapshots under resild: step-time cost, and node-loss recovery "
+        "by rollback vs torchrun + a DCP checkpoint",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(__doc__ or "").split("Usage::")[1],
+    )
+    p.add_argument("--only", choices=("overhead", "recovery"), help="run one part")
+    p.add_argument("--quick", action="store_true", help="fewer steps, one run of each (about 2 min)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"overhead: comma-separated, of {','.join(VARIANTS)}")
+    p.add_argument("--repeats", type=int, help="overhead: runs per variant (default 2; --quick 1)")
+    p.add_argument("--steps", type=int, help="overhead: steps per run (default 150; --quick 40)")
+    p.add_argument("--warmup", type=int, help="steps left out of the step-time median (default 30; --quick 10)")
+    p.add_argument("--nproc", type=int, default=4, help="overhead: ranks (resild: one per node)")
+    p.add_argument("--every", type=int, default=1, help="overhead: --snapshot-every of k1 and k2")
+    p.add_argument("--fault-runs", type=int, help="recovery: runs per side (default 2; --quick 1)")
+    p.add_argument("--fault-nodes", type=int, default=3, help="recovery: resild nodes incl. the one spare")
+    p.add_argument("--fault-ppn", type=int, default=2, help="recovery: ranks per node (rank PPN is killed)")
+    p.add_argument("--fault-steps", type=int, help="recovery: steps per run (default 120; --quick 40)")
+    p.add_argument(
+        "--kill-at", type=int, help="recovery: the fault once this many steps are committed (60; --quick 25)"
+    )
+    p.add_argument("--ckpt-every", type=int, help="recovery, torchrun: DCP checkpoint every N steps (50; --quick 10)")
+    p.add_argument("--fault-every", type=int, default=1, help="recovery, resild: --snapshot-every")
+    p.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
+    p.add_argument("--workdir", type=Path, help="default: a new temporary directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object (runs, rows, summaries)")
+    args = p.parse_args(argv)
+    q = args.quick
+    for name, full, quick in (
+        ("repeats", 2, 1),
+        ("steps", 150, 40),
+        ("warmup", 30, 10),
+        ("fault_runs", 2, 1),
+        ("fault_steps", 120, 40),
+        ("kill_at", 60, 25),
+        ("ckpt_every", 50, 10),
+    ):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if q else full)
+    args.variants = [v for v in args.variants.split(",") if v]
+    if not args.variants or any(v not in VARIANTS for v in args.variants):
+        p.error(f"--variants: some of {','.join(VARIANTS)}")
+    if "k2" in args.variants and args.nproc < 3:
+        p.error("k2 needs 3 nodes: --nproc >= 3")
+    if args.warmup >= args.steps - 1:
+        p.error("--warmup must leave steps to measure")
+    if not 0 < args.kill_at < args.fault_steps:
+        p.error("--kill-at must be inside (0, --fault-steps)")
+    if args.fault_nodes < 3:
+        p.error("--fault-nodes: at least 3 (2 active + 1 spare: a copy must live on another node)")
+
+    base = args.workdir or Path(tempfile.mkdtemp(prefix="resild-snapshots-"))
+
+    def say(msg: str) -> None:
+        if not args.json:
+            print(msg, file=sys.stderr, flush=True)
+
+    load_before = os.getloadavg()
+    out: dict = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    ok = True
+    if args.only in (None, "overhead"):
+        out["overhead"] = overhead(args, base, say)
+        ok &= all(r["failed_runs"] == 0 for r in out["overhead"]["rows"])
+    if args.only in (None, "recovery"):
+        out["recovery"] = recovery(args, base, say)
+        ok &= all(r["exit_code"] == 0 for r in out["recovery"]["resild"] + out["recovery"]["torchrun"])
+    out["loadavg_before"], out["loadavg_after"] = list(load_before), list(os.getloadavg())
+    out["workdir"] = str(base)
+    if args.json:
+        print(json.dumps(out), flush=True)
+        return 0 if ok else 1
+    if "overhead" in out:
+        print_overhead(args, out["overhead"])
+    if "recovery" in out:
+        print_recovery(args, out["recovery"])
+    fmt = ", ".join(f"{x:.2f}" for x in load_before)
+    print(f"\nload average (1, 5, 15 min) before: {fmt}; after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"events, times and logs under {base}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
