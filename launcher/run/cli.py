@@ -163,6 +163,21 @@ def _copies(v: str | int) -> int:
     "two replicas that disagree stop the job. 0: never.",
 )
 @click.option(
+    "--checkpoint-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="resild writes asynchronous torch.distributed.checkpoint checkpoints of the attached state here "
+    "(no training-loop change); when every in-memory copy of some state is lost the job reloads the newest "
+    "in-process, and a requeued or resubmitted job resumes from it. Under Slurm: a shared file system.",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    metavar="M",
+    help="With --checkpoint-dir: a checkpoint every M committed steps.",
+)
+@click.option(
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).",
@@ -198,6 +213,8 @@ def main(
     snapshot_copies: int,
     snapshot_every: int,
     fingerprint_every: int,
+    checkpoint_dir: Path | None,
+    checkpoint_every: int,
     run_dir: Path | None,
     requeue_on_exhaustion: bool,
     as_json: bool,
@@ -215,6 +232,14 @@ def main(
         raise click.UsageError("--controllers 2 survives no loss (Raft needs a majority): use 3")
     if controllers > 1 and importlib.util.find_spec("pysyncobj") is None:
         raise click.UsageError(f"--controllers {controllers} needs the standby extra: pip install 'resild[standby]'")
+    if checkpoint_dir is not None:
+        checkpoint_dir = checkpoint_dir.expanduser().resolve()  # workers may start elsewhere
+        try:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (checkpoint_dir / ".resild-write-test").touch()
+            (checkpoint_dir / ".resild-write-test").unlink()
+        except OSError as e:
+            raise click.UsageError(f"cannot write --checkpoint-dir {checkpoint_dir}: {e.strerror}") from None
     try:  # the one place the job's timeouts are built; every process gets this object
         settings = JobSettings(
             heartbeat_timeout_s=heartbeat_timeout_s,
@@ -224,6 +249,8 @@ def main(
             snapshot_copies=snapshot_copies,
             snapshot_every=snapshot_every,
             fingerprint_every=fingerprint_every,
+            checkpoint_dir=str(checkpoint_dir or ""),
+            checkpoint_every=checkpoint_every if checkpoint_dir is not None else 0,
         )
     except SettingsError as e:
         raise click.UsageError(str(e)) from None

@@ -36,6 +36,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -44,6 +45,7 @@ import resild.wire.env as resild_env
 from launcher.worker.agent_link import AgentLink, agent_endpoint
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.controller_link import ControlLink, keys_from_env
+from launcher.worker.disk_checkpoint import DiskCheckpointer
 from launcher.worker.fingerprint import fingerprint, judge
 from launcher.worker.mesh_layout import MeshError, MeshLayout
 from launcher.worker.recovery import Recovery, Reformed
@@ -99,6 +101,7 @@ class Job:
         self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
         self.redundancy = WorkerRedundancy.from_welcome({})
         self.snap: SnapshotManager | None = None  # peer-memory snapshots (set up at attach)
+        self.ckpt: DiskCheckpointer | None = None  # resild's own disk checkpoints (--checkpoint-dir)
         self._per_node = 1  # ranks per node (snapshot placement)
         self._snapshot_copies = 0
         self.link: ControlLink | None = None
@@ -248,6 +251,7 @@ class Job:
             g.allow = True
         if not self.solo:
             self._setup_snapshots()
+            self._setup_checkpoints()
             try:
                 self._join()
             except Reformed:
@@ -287,6 +291,62 @@ class Job:
         self.snap = SnapshotManager(store, exchanger, self.redundancy.snapshot_every, self._protocol.snapshot)
         self._snapshot_copies = copies
         self._protocol.snap = self.snap
+
+    def _setup_checkpoints(self) -> None:
+        """resild's own disk checkpoints, on a gloo group of their own (DCP's collectives
+        run in the writer thread and must not mix with the training thread's)."""
+        r = self.redundancy
+        if not r.checkpoint_dir:
+            return
+        g = StableGroup("resild-checkpoint", list(range(self.world_size)), self.rank, Interrupts())
+        g.backend = "gloo"
+        g.allow = True
+        register(g, self._store)
+        self.rec.groups[g.label] = g
+        self._form_until_stable(only=[g])
+        self.ckpt = DiskCheckpointer(
+            Path(r.checkpoint_dir), r.checkpoint_every, self.rank, self.world_size, g, keep=2, intr=g._intr
+        )
+        self._ckpt_group = g
+
+    def _agreed_checkpoint(self) -> int | None:
+        """The newest complete checkpoint, as every rank sees it (one all-reduce: a rank
+        with a stale listing must not leave the others in DCP's collectives alone)."""
+        assert self.ckpt is not None
+        mine = self.ckpt.newest_complete()
+        seen = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        seen[self.rank] = (mine if mine is not None else -1) + 1
+        self.rec.wait(self.rec.groups["world"]._inner.allreduce([seen]))
+        views = set(seen.cpu().tolist())
+        if len(views) > 1:
+            self._fatal(
+                f"ranks see different newest checkpoints in {self.ckpt.directory} (steps "
+                f"{sorted(v - 1 for v in views)}): --checkpoint-dir must be one shared file system"
+            )
+        step = views.pop() - 1
+        return step if step >= 0 else None
+
+    def _load_checkpoint(self, why: str) -> int:
+        """Every in-memory copy of some state is gone: every rank loads the newest complete
+        checkpoint in-process (no restart), or the job stops with one line."""
+        ck = self.ckpt
+        assert ck is not None and self.state is not None
+        step = self._agreed_checkpoint()
+        if step is None:
+            self._fatal(f"{why}; and no complete checkpoint in {ck.directory} yet")
+        t0 = time.monotonic()
+        aux = ck.load(step, self.state)
+        self.state.rewind_aux(aux) if aux else self.state.rewind_aux(self.steps_state.committed_aux)
+        self.steps_state.replayed(step, self.state.capture_aux())
+        self.state.reset_hooks(aux.get("ddp_buckets") if aux else None)
+        print(
+            f"resild: rank {self.rank} loaded checkpoint step {step} in {time.monotonic() - t0:.3f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.rank == 0:
+            self._event("checkpoint_loaded", step=step, seconds=round(time.monotonic() - t0, 4), why=why[:300])
+        return step
 
     # ---- messages and failures -----------------------------------------------------
     def _install_excepthook(self) -> None:
@@ -358,6 +418,9 @@ class Job:
         assert link is not None
         if self.snap is not None:
             self.snap.abandon()  # a snapshot in flight belongs to the failed epoch
+        if self.ckpt is not None:  # so is a checkpoint being written: release its collectives
+            self.ckpt.abandon()
+            self._ckpt_group._intr.fail("a new epoch")
         while True:
             self._check_shutdown()
             if not link.newer_epoch():
@@ -380,6 +443,8 @@ class Job:
             t0 = time.monotonic()
             try:
                 formed_s = self.rec.form(m.epoch, list(self.rec.groups.values()))
+                if self.ckpt is not None:
+                    self._ckpt_group._intr.clear()  # a new generation: the abandoned save never completes
                 if self.rank == 0:
                     self._event(EventName.GROUP_REFORMED, seconds=round(formed_s, 4), world_size=self.world_size)
                 if self.state is not None:
@@ -412,11 +477,15 @@ class Job:
             )
             source = "replica"
         except (NoReplica, ValueError) as e:
-            if self.snap is None:
-                self._fatal(str(e))
-            target, got = self._rollback(ag.target, str(e))
-            source = "snapshot"
-        protocol.resume(got)
+            target, got, source = self._without_replica(ag.target, str(e))
+        if source == "checkpoint":
+            pass  # the live objects were loaded in place
+        elif target == 0 and self.ckpt is not None and self._agreed_checkpoint() is not None:
+            # A fresh start (every rank at step 0) with checkpoints on disk: a requeued or
+            # resubmitted job resumes from the newest, with no user code.
+            target, got, source = self._load_checkpoint(f"resuming from {self.ckpt.directory}"), None, "checkpoint"
+        else:
+            protocol.resume(got)
         if self.snap is not None:
             self.snap.after_recovery(target)
             if target == 0:  # the start (or a fault before the first commit): protect the initial state
@@ -436,6 +505,21 @@ class Job:
             self._progress("joined")
         if self.rank == 0 and self.epoch > 1:
             self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4), source=source)
+
+    def _without_replica(self, newest: int, why: str) -> tuple[int, Received | None, str]:
+        """No replica holds some lost rank's state: roll back to peer-memory snapshots,
+        else load resild's newest disk checkpoint, else stop."""
+        if self.snap is not None:
+            try:
+                target, got = self._rollback(newest, why)
+                return target, got, "snapshot"
+            except NoSnapshot as e:
+                why = f"{why.split(': checkpointless')[0]}; {e}"
+        if self.ckpt is not None:
+            return self._load_checkpoint(why), None, "checkpoint"
+        if self.snap is not None:
+            why += ": checkpointless recovery is impossible; restart from a disk checkpoint"
+        self._fatal(why)
 
     def _fatal(self, why: str) -> NoReturn:
         """Every rank computes the same plan, so every rank lands here: stop the job."""
@@ -462,14 +546,10 @@ class Job:
                 width,
                 attempts=1 + self._snapshot_copies,
             )
-        except NoSnapshot as e:
-            self._fatal(
-                f"{why.split(': checkpointless')[0]}; {e}: checkpointless recovery is impossible; "
-                "restart from a disk checkpoint"
-            )
-        for src, s in snap.store.corrupt_found:
-            self._event(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=self.rank, found="verify")
-        snap.store.corrupt_found.clear()
+        except NoSnapshot:
+            self._corrupt_events(snap)
+            raise
+        self._corrupt_events(snap)
         if self.rank == 0:
             for holder, src, s in damaged:
                 self._event(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=holder, found="transfer")
@@ -484,6 +564,11 @@ class Job:
         assert own is not None
         state, aux = own.thaw()
         return step, Received(state, aux, 0, [self.rank], time.monotonic() - t0)
+
+    def _corrupt_events(self, snap: SnapshotManager) -> None:
+        for src, s in snap.store.corrupt_found:
+            self._event(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=self.rank, found="verify")
+        snap.store.corrupt_found.clear()
 
     def _floor(self) -> int:
         """The newest step the controller knew committed at the last failure (the
@@ -523,6 +608,8 @@ class Job:
         link = self.link
         assert link is not None
         self._report_snapshots()
+        if self.ckpt is not None and not self.ckpt.wait(self.timeouts.collective_timeout_s):
+            log.warning("the last disk checkpoint did not finish before the end of the job")
         link.send(MsgType.DONE, rank=self.rank, epoch=self.epoch, step=self.step, pid=os.getpid())
         ok = link.wait(
             lambda: link.shutdown is not None or link.newer_epoch(),
@@ -596,6 +683,8 @@ class Job:
             every = self.redundancy.fingerprint_every
             if every and self.step % every == 0:
                 self._compare_replicas()
+            if self.ckpt is not None and self.state is not None and self.ckpt.due(self.step):
+                self.ckpt.save(self.step, self.state, self.steps_state.committed_aux)
             return True
         self._recover()
         return False

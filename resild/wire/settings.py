@@ -40,9 +40,12 @@ FLAGS = {
     "snapshot_copies": "--snapshot-copies",
     "snapshot_every": "--snapshot-every",
     "fingerprint_every": "--fingerprint-every",
+    "checkpoint_every": "--checkpoint-every",
+    "checkpoint_dir": "--checkpoint-dir",
 }
-COUNTS = ("snapshot_copies", "snapshot_every", "fingerprint_every")  # whole numbers, not seconds
-COUNT_MIN = {"snapshot_copies": -1, "snapshot_every": 1, "fingerprint_every": 0}
+COUNTS = ("snapshot_copies", "snapshot_every", "fingerprint_every", "checkpoint_every")  # whole numbers
+COUNT_MIN = {"snapshot_copies": -1, "snapshot_every": 1, "fingerprint_every": 0, "checkpoint_every": 0}
+TEXTS = ("checkpoint_dir",)
 MAX_COPIES = 8
 AUTO_COPIES = -1  # --snapshot-copies auto: 1 where no rank has a replica (FSDP2, TP), else 0
 MIN_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL collectives never time out sooner than this
@@ -99,8 +102,10 @@ class WorkerRedundancy:
     snapshot_copies: int = AUTO_COPIES
     snapshot_every: int = 1
     fingerprint_every: int = 0
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | str]:
         return dataclasses.asdict(self)
 
     @classmethod
@@ -113,6 +118,8 @@ class WorkerRedundancy:
             count("snapshot_copies", AUTO_COPIES, AUTO_COPIES),
             count("snapshot_every", 1, 1),
             count("fingerprint_every", 0, 0),
+            d if isinstance(d := body.get("checkpoint_dir"), str) else "",
+            count("checkpoint_every", 0, 0),
         )
 
     def copies(self, has_replicas: bool, nodes: int) -> int:
@@ -143,16 +150,23 @@ class JobSettings:
     snapshot_every: int = 1
     # Replicas compare state fingerprints every N commits (0: never): silent divergence is caught.
     fingerprint_every: int = 0
+    # resild's own disk checkpoints (torch.distributed.checkpoint): "" none; every N commits.
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.checkpoint_dir, str) or len(self.checkpoint_dir) > 4096:
+            raise SettingsError(f"--checkpoint-dir must be a path, not {self.checkpoint_dir!r}")
         for name in COUNTS:
             v = getattr(self, name)
             bad_copies = name == "snapshot_copies" and isinstance(v, int) and v > MAX_COPIES
             if isinstance(v, bool) or not isinstance(v, int) or bad_copies or v < COUNT_MIN[name]:
                 lo = "0 (or -1: auto)" if name == "snapshot_copies" else str(COUNT_MIN[name])
                 raise SettingsError(f"{FLAGS[name]} must be a whole number >= {lo}, not {v!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise SettingsError("--checkpoint-every needs --checkpoint-dir (where resild writes its checkpoints)")
         for f in dataclasses.fields(self):
-            if f.name in COUNTS:
+            if f.name in COUNTS or f.name in TEXTS:
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -199,7 +213,13 @@ class JobSettings:
         )
 
     def worker_redundancy(self) -> WorkerRedundancy:
-        return WorkerRedundancy(self.snapshot_copies, self.snapshot_every, self.fingerprint_every)
+        return WorkerRedundancy(
+            self.snapshot_copies,
+            self.snapshot_every,
+            self.fingerprint_every,
+            self.checkpoint_dir,
+            self.checkpoint_every,
+        )
 
     def for_nodes(self, n_nodes: int) -> Derived:
         """The heartbeat budget at this job size: nodes heartbeat every N / budget seconds
@@ -215,7 +235,7 @@ class JobSettings:
         return Derived(interval_s, timeout_s, lease_s, max(self.controller_timeout_s, 3 * lease_s))
 
     # ---- the typed body ------------------------------------------------------------
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, float | str]:
         return dataclasses.asdict(self)
 
     @classmethod

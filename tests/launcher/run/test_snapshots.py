@@ -158,3 +158,44 @@ def test_every_copy_lost_without_a_checkpoint_stops_with_one_line(tmp_path: Path
     assert len(lines) == 1 and "checkpointless recovery is impossible" in lines[0], r.stderr[-3000:]
     assert "no copy left of rank" in lines[0], lines[0]
     assert r.final is None
+
+
+def test_every_copy_lost_with_a_checkpoint_dir_continues_from_the_newest_checkpoint_in_the_same_run(
+    tmp_path: Path, fsdp3_ref: RunResult
+) -> None:
+    ck = tmp_path / "ck"
+    r = job(
+        tmp_path / "run",
+        FSDP,
+        "--snapshot-copies",
+        "1",
+        "--checkpoint-dir",
+        str(ck),
+        "--checkpoint-every",
+        "4",
+        "--inject",
+        "nodeloss:node0@7",
+        "--inject",
+        "nodeloss:node1@7",
+        nodes=5,
+        spares=2,
+        nproc=1,
+    )
+    assert r.rc == 0, r.stderr[-3000:]
+    assert_same(fsdp3_ref.final, r.final, "final")
+    (loaded,) = [e for e in r.events if e["event"] == "worker.checkpoint_loaded"]
+    assert loaded["step"] == 4, loaded
+    assert r.summary is not None
+    assert [f["recovered_from"] for f in r.summary["failures"] if f["recovered_from"]] == ["checkpoint"]
+
+
+def test_a_resubmitted_job_resumes_from_its_checkpoints_without_user_code(tmp_path: Path, fsdp3_ref: RunResult) -> None:
+    ck = tmp_path / "ck"
+    args = ("--checkpoint-dir", str(ck), "--checkpoint-every", "4")
+    # No spare: the node loss at step 9 ends the job, with checkpoints of steps 4 and 8 on disk.
+    first = job(tmp_path / "first", FSDP, *args, "--inject", "nodeloss:node1@9", nodes=3, spares=0, nproc=1)
+    assert first.rc != 0 and first.final is None
+    again = job(tmp_path / "again", FSDP, *args, nodes=3, spares=0, nproc=1)
+    assert again.rc == 0, again.stderr[-3000:]
+    assert "loaded checkpoint step 8" in again.stderr, again.stderr[-2000:]
+    assert_same(fsdp3_ref.final, again.final, "final")
