@@ -214,3 +214,30 @@ def test_the_inventory_of_every_rank_is_gathered_newest_first_up_to_the_width() 
 
     res = in_ranks(3, body)
     assert res[0] == res[1] == res[2] == {0: [(2, 5), (1, 4), (0, 3)], 1: [], 2: [(2, 7)]}
+
+
+# ---- replica replay carries checksums (state_transport.P2PTransport) -------------------
+
+
+def _replay_body(damage: bool) -> Body:
+    def body(rank: int, pg: Any) -> Any:
+        from launcher.worker import state_transport
+        from launcher.worker.replica_map import Transfer
+
+        if damage and rank == 1:  # what arrives no longer matches what the sender summed
+            real = state_transport.checksum
+            state_transport.checksum = lambda t: real(t) ^ 1  # type: ignore[assignment]
+        t = state_transport.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait())
+        got = t.exchange([Transfer(0, 1, 0, 2), Transfer(0, 1, 1, 2)], rank, lambda: state_of(0, 7))
+        if got is None:
+            return None
+        return {"damaged": list(got.damaged), "equal": not got.damaged and bitwise_equal(got.state, state_of(0, 7)[0])}
+
+    return body
+
+
+def test_a_replayed_transfer_is_verified_and_a_damaged_one_is_reported_not_loaded() -> None:
+    ok = in_ranks(2, _replay_body(damage=False))
+    assert ok[1] == {"damaged": [], "equal": True}
+    bad = in_ranks(2, _replay_body(damage=True))
+    assert bad[1] == {"damaged": [0], "equal": False}
