@@ -345,7 +345,7 @@ class Job:
             flush=True,
         )
         if self.rank == 0:
-            self._event("checkpoint_loaded", step=step, seconds=round(time.monotonic() - t0, 4), why=why[:300])
+            self._event(EventName.CHECKPOINT_LOADED, step=step, seconds=round(time.monotonic() - t0, 4), why=why[:300])
         return step
 
     # ---- messages and failures -----------------------------------------------------
@@ -630,7 +630,7 @@ class Job:
             return
         s = self.snap
         self._event(
-            "snapshots",
+            EventName.SNAPSHOTS,
             copies=self._snapshot_copies,
             every=s.cadence.every,
             taken=s.taken,
@@ -710,7 +710,7 @@ class Job:
             return
         if self.rank == 0:
             self._event(
-                "replica_diverged",
+                EventName.REPLICA_DIVERGED,
                 step=self.step,
                 odd=list(verdict.odd),
                 undecided=[list(g) for g in verdict.undecided],

@@ -50,6 +50,9 @@ class EventName(str, Enum):
     RESUMED = "resumed"
     ROLLED_BACK = "rolled_back"  # no replica left: every rank went back to the newest complete snapshot
     SNAPSHOT_CORRUPT = "snapshot_corrupt"  # a held snapshot copy failed its checksum and was dropped
+    SNAPSHOTS = "snapshots"  # a rank's snapshot costs (taken, skipped, capture seconds, memory), before DONE
+    REPLICA_DIVERGED = "replica_diverged"  # replicas' state fingerprints differ (odd ranks, or no majority)
+    CHECKPOINT_LOADED = "checkpoint_loaded"  # every in-memory copy lost: resild's disk checkpoint loaded
     # -- peers: the node daemon's process watch ("process_" + ProcState) -------------------
     PROCESS_RUNNING = "process_running"
     PROCESS_EXITED = "process_exited"

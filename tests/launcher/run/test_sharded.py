@@ -65,16 +65,9 @@ def check(r: RunResult, ref: RunResult, n_failures: int) -> list[dict]:
     return fs
 
 
-@pytest.mark.parametrize(
-    "fault,detector",
-    [
-        ("kill:node1@10", "process-exit"),
-        ("exception:node2@10", "exception"),
-        ("hang:node3@10", "hang"),
-        ("nodeloss:node0@10", "process-exit"),
-        ("xid79:node1@10", "nvml-xid"),
-    ],
-)
+# Every detector is covered on the plain loop (test_recovery.py) and hangs and node losses
+# again on sharded state (test_snapshots.py); here, one process exit and one GPU fault.
+@pytest.mark.parametrize("fault,detector", [("kill:node1@10", "process-exit"), ("xid79:node1@10", "nvml-xid")])
 def test_hsdp_node_loss_is_recovered_bitwise(
     tmp_path: Path, hsdp_reference: RunResult, fault: str, detector: str
 ) -> None:
@@ -89,12 +82,6 @@ def test_hsdp_node_loss_is_recovered_bitwise(
         assert e["sources"] and all((s % 4) == (e["rank"] % 4) and s != e["rank"] for s in e["sources"]), e
     full_bytes = sum(v.numel() * v.element_size() for v in hsdp_reference.final["model"].values()) * 3
     assert all(e["bytes"] < full_bytes / 3 for e in replays), (replays, full_bytes)
-
-
-def test_hsdp_two_faults_in_sequence(tmp_path: Path, hsdp_reference: RunResult) -> None:
-    r = hsdp(tmp_path, "--inject", "kill:node0@6", "--inject", "kill:node3@14", nodes=6, spares=2)
-    fs = check(r, hsdp_reference, 2)
-    assert [f["node"] for f in fs] == ["local-node0", "local-node3"]
 
 
 def test_hsdp_fault_during_recovery(tmp_path: Path, hsdp_reference: RunResult) -> None:

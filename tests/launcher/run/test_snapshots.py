@@ -87,9 +87,9 @@ def test_plain_fsdp2_fault_rolls_back_to_a_snapshot_bitwise(tmp_path: Path, fsdp
     assert all(not (set(src) & lost) for src in got.values()), got
 
 
-@pytest.mark.parametrize("fault", ["nodeloss:node0@7", "hang:node1@7"])
-def test_fsdp2_with_tensor_parallel_fault_rolls_back_bitwise(tmp_path: Path, tp_ref: RunResult, fault: str) -> None:
-    r = job(tmp_path, FSDP_TP, "--inject", fault, nodes=3, spares=1)
+def test_fsdp2_with_tensor_parallel_node_loss_rolls_back_bitwise(tmp_path: Path, tp_ref: RunResult) -> None:
+    # (a hang and a worker kill reach the same rollback: the plain-FSDP2 tests cover their detectors)
+    r = job(tmp_path, FSDP_TP, "--inject", "nodeloss:node0@7", nodes=3, spares=1)
     rolled_back(r, tp_ref)
 
 
@@ -183,7 +183,7 @@ def test_every_copy_lost_with_a_checkpoint_dir_continues_from_the_newest_checkpo
     )
     assert r.rc == 0, r.stderr[-3000:]
     assert_same(fsdp3_ref.final, r.final, "final")
-    (loaded,) = [e for e in r.events if e["event"] == "worker.checkpoint_loaded"]
+    (loaded,) = [e for e in r.events if e["event"] == "checkpoint_loaded"]
     assert loaded["step"] == 4, loaded
     assert r.summary is not None
     assert [f["recovered_from"] for f in r.summary["failures"] if f["recovered_from"]] == ["checkpoint"]

@@ -2,12 +2,15 @@
 group on 127.0.0.1 gather their verified inventories, plan, send the lost rank's
 snapshot from its holder and verify it on arrival.
 
-The processes are forked from the test (torch is already imported: no second
-import per rank); each reports a summary through a pipe and exits with os._exit,
-and any left after the test is killed."""
+The processes come from a fork server that imported torch once (no second import
+per rank) and never ran a parallel torch op: a child forked from the test process
+itself can hang in its first OpenMP region when an earlier test used OpenMP
+threads (seen in CI). Each reports a summary through a pipe and exits with
+os._exit, and any left after the test is killed."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import traceback
@@ -64,7 +67,8 @@ def _child(rank: int, world: int, port: int, body: Body, out: Any) -> None:  # p
 
 def in_ranks(world: int, body: Body) -> dict[int, Any]:
     """Run `body(rank, pg)` in `world` forked processes over one gloo group; -> rank: result."""
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "launcher.worker.rollback"])
     server = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
     procs, pipes = [], []
     try:
@@ -99,24 +103,26 @@ def in_ranks(world: int, body: Body) -> dict[int, Any]:
 
 def run_ranks(world: int, setup: Setup, at_most: int, attempts: int = 1) -> dict[int, dict[str, Any]]:
     """Every rank builds its store with `setup` and runs rollback(); -> what each rank saw."""
+    return in_ranks(world, functools.partial(_rollback_body, setup, world, at_most, attempts))
 
-    def body(rank: int, pg: Any) -> dict[str, Any]:  # pragma: no cover - forked child
-        snaps = setup(rank)
-        try:
-            step, got, plan, damaged = rollback(pg, lambda w: w.wait(), snaps, rank, world, at_most, 8, attempts)
-        except NoSnapshot as e:
-            return {"no_snapshot": str(e)}
-        return {
-            "step": step,
-            "got": None if got is None else (got.step, got.src),
-            "thawed_ok": got is not None and got.verify() and bitwise_equal(got.thaw(), state_of(rank, step)),
-            "plan": [(f.holder, f.src) for f in plan],
-            "damaged": damaged,
-            "corrupt_found": list(snaps.corrupt_found),
-            "inventory": sorted(snaps.verified_inventory()),
-        }
 
-    return in_ranks(world, body)
+def _rollback_body(
+    setup: Setup, world: int, at_most: int, attempts: int, rank: int, pg: Any
+) -> dict[str, Any]:  # pragma: no cover - forked child
+    snaps = setup(rank)
+    try:
+        step, got, plan, damaged = rollback(pg, lambda w: w.wait(), snaps, rank, world, at_most, 8, attempts)
+    except NoSnapshot as e:
+        return {"no_snapshot": str(e)}
+    return {
+        "step": step,
+        "got": None if got is None else (got.step, got.src),
+        "thawed_ok": got is not None and got.verify() and bitwise_equal(got.thaw(), state_of(rank, step)),
+        "plan": [(f.holder, f.src) for f in plan],
+        "damaged": damaged,
+        "corrupt_found": list(snaps.corrupt_found),
+        "inventory": sorted(snaps.verified_inventory()),
+    }
 
 
 def spare_with_copies_elsewhere(rank: int) -> SnapshotStore:
@@ -206,34 +212,37 @@ def test_with_one_attempt_a_copy_that_arrives_damaged_is_no_snapshot() -> None:
     assert all("arrived damaged" in r["no_snapshot"] for r in res.values())
 
 
+MINE = {0: [(0, 3), (2, 5), (0, 0), (1, 4)], 1: [], 2: [(2, 7)]}
+
+
+def _inventory(rank: int, pg: Any) -> dict[int, list[tuple[int, int]]]:  # pragma: no cover - forked child
+    return gather_inventory(pg, lambda w: w.wait(), rank, 3, MINE[rank], 3)
+
+
 def test_the_inventory_of_every_rank_is_gathered_newest_first_up_to_the_width() -> None:
-    mine = {0: [(0, 3), (2, 5), (0, 0), (1, 4)], 1: [], 2: [(2, 7)]}
-
-    def body(rank: int, pg: Any) -> dict[int, list[tuple[int, int]]]:  # pragma: no cover - forked child
-        return gather_inventory(pg, lambda w: w.wait(), rank, 3, mine[rank], 3)
-
-    res = in_ranks(3, body)
+    res = in_ranks(3, _inventory)
     assert res[0] == res[1] == res[2] == {0: [(2, 5), (1, 4), (0, 3)], 1: [], 2: [(2, 7)]}
 
 
 # ---- replica replay carries checksums (state_transport.P2PTransport) -------------------
 
 
+def _replay(damage: bool, rank: int, pg: Any) -> Any:  # pragma: no cover - forked child
+    from launcher.worker import state_transport
+    from launcher.worker.replica_map import Transfer
+
+    if damage and rank == 1:  # what arrives no longer matches what the sender summed
+        real = state_transport.checksum
+        state_transport.checksum = lambda t: real(t) ^ 1  # type: ignore[assignment]
+    t = state_transport.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait())
+    got = t.exchange([Transfer(0, 1, 0, 2), Transfer(0, 1, 1, 2)], rank, lambda: state_of(0, 7))
+    if got is None:
+        return None
+    return {"damaged": list(got.damaged), "equal": not got.damaged and bitwise_equal(got.state, state_of(0, 7)[0])}
+
+
 def _replay_body(damage: bool) -> Body:
-    def body(rank: int, pg: Any) -> Any:
-        from launcher.worker import state_transport
-        from launcher.worker.replica_map import Transfer
-
-        if damage and rank == 1:  # what arrives no longer matches what the sender summed
-            real = state_transport.checksum
-            state_transport.checksum = lambda t: real(t) ^ 1  # type: ignore[assignment]
-        t = state_transport.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait())
-        got = t.exchange([Transfer(0, 1, 0, 2), Transfer(0, 1, 1, 2)], rank, lambda: state_of(0, 7))
-        if got is None:
-            return None
-        return {"damaged": list(got.damaged), "equal": not got.damaged and bitwise_equal(got.state, state_of(0, 7)[0])}
-
-    return body
+    return functools.partial(_replay, damage)
 
 
 def test_a_replayed_transfer_is_verified_and_a_damaged_one_is_reported_not_loaded() -> None:
