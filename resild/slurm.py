@@ -182,6 +182,57 @@ def split_roles(nodes: Sequence[str], spares: int) -> tuple[list[str], list[str]
     return list(nodes[:cut]), list(nodes[cut:])
 
 
+def parse_topology(text: str) -> dict[str, str]:
+    """`scontrol show topology` -> node: its leaf switch (Level=0). Empty when the
+    cluster has no topology plugin (the command then prints nothing useful)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        if fields.get("Level") != "0" or not fields.get("SwitchName") or not fields.get("Nodes"):
+            continue
+        try:
+            members = expand_nodelist(fields["Nodes"])
+        except ValueError:
+            continue
+        for n in members:
+            out.setdefault(n, fields["SwitchName"])
+    return out
+
+
+def interleave_by_domain(nodes: Sequence[str], domain: Mapping[str, str]) -> list[str]:
+    """Order `nodes` so that neighbours in the order sit in different failure domains
+    (leaf switches) where possible: round-robin over the domains, each in its own order,
+    the first node kept first (the batch host). Snapshot copies go to the next nodes in
+    rank order, so this puts them behind other switches. Pure; unknown nodes are a
+    domain each."""
+    if not nodes:
+        return []
+    groups: dict[str, list[str]] = {}
+    for n in nodes:
+        groups.setdefault(domain.get(n, f"\0{n}"), []).append(n)
+    queues = list(groups.values())
+    out: list[str] = []
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
+
+
+def switches(
+    nodes: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """Best effort: the leaf switch of each node, or {} when Slurm does not know."""
+    try:
+        p = subprocess.run(["scontrol", "show", "topology"], capture_output=True, text=True, timeout=timeout_s, env=env)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    if p.returncode != 0:
+        return {}
+    topo = parse_topology(p.stdout)
+    return {n: topo[n] for n in nodes if n in topo}
+
+
 def srun_node_launcher_cmd(
     alloc: Allocation,
     nodes: Sequence[str],

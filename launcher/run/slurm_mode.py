@@ -226,6 +226,13 @@ def run_slurm(
     try:
         active, spare_nodes = slurm.split_roles(all_nodes, spares)
         faults = [parse_fault(s) for s in inject]
+        # Ranks are laid out in this order and snapshot copies go to the next nodes in it:
+        # neighbours behind different leaf switches survive one switch's loss.
+        domains = slurm.switches(active)
+        if len(set(domains.values())) > 1:
+            active = slurm.interleave_by_domain(active, domains)
+            n_sw = len(set(domains.values()))
+            print(f"resil-run: active nodes interleaved over {n_sw} leaf switches", file=sys.stderr, flush=True)
     except (ValueError, FaultSpecError) as e:
         raise click.UsageError(str(e)) from None
     for f in faults:
