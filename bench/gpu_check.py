@@ -64,7 +64,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make `bench`, `examples`, `launcher` importable
     sys.path.insert(0, str(REPO))
 
-PARTS = ("loop", "snapshot_d2h", "replay_cuda", "nccl_group")
+PARTS = ("loop", "snapshot_d2h", "replay_cuda", "snapshot_stage", "nccl_group")
 REEXEC_MARK = "RESILD_GPU_CHECK_REEXEC"
 T0 = time.monotonic()
 
@@ -467,6 +467,75 @@ def part_replay(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
         snapshot_capture_s=_r(cap_s, 5),
         snapshot_capture_gbps=_r(frozen.nbytes / cap_s / 1e9, 2),
         snapshot_crc_gbps=_r(frozen.nbytes / crc_s / 1e9, 2),
+    )
+    return res
+
+
+def part_stage(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
+    """resild's GPU snapshot (launcher/worker/snapshot_stage.py): the training thread's
+    cost, the copy overlapping the next step's compute, and no tearing: the optimizer
+    step after it waits for the copy, and the snapshot equals the state it was taken of."""
+    if not cuda:
+        return {"skipped": "no CUDA"}
+    import torch
+
+    from launcher.worker.snapshot_stage import DeviceStager
+    from launcher.worker.snapshots import Frozen
+
+    dev = torch.device("cuda", 0)
+    width, layers = (2048, 4) if run.args.quick else (4096, 8)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).to(dev)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(256, width, device=dev)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+
+    def state() -> tuple[dict[str, Any], dict[str, Any]]:
+        return {"step": 1, "model": model.state_dict(), "optim": opt.state_dict()}, {"rng": torch.get_rng_state()}
+
+    step()
+    opt.step()
+    stager = DeviceStager(dev)
+    host_s, ready_s, both_s = [], [], []
+    frozen = None
+    for i in range(4):  # the first is a warm-up (pinned allocation)
+        torch.cuda.synchronize()
+        expect = Frozen.capture(1, 0, *state()).payload  # what the plain path copies
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        frozen = stager.capture(1, 0, *state(), busy=set())
+        t1 = time.perf_counter()
+        step()  # the next step's forward and backward run while the copy does
+        stager.before_write()
+        opt.step()  # must not tear the snapshot
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        frozen.wait_ready()
+        t3 = time.perf_counter()
+        if i:
+            host_s.append(t1 - t0)
+            both_s.append(t2 - t0)
+            ready_s.append(t3 - t0)
+        res["equal_to_state_at_capture"] = bool(torch.equal(frozen.payload, expect))
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(3):
+        step()
+        opt.step()
+    torch.cuda.synchronize()
+    alone_s = (time.perf_counter() - t) / 3
+    assert frozen is not None
+    nbytes = frozen.nbytes
+    res.update(
+        bytes=nbytes,
+        capture_host_s=_r(statistics.median(host_s), 5),
+        step_alone_s=_r(alone_s, 5),
+        step_with_snapshot_s=_r(statistics.median(both_s), 5),
+        overhead=_r(statistics.median(both_s) / alone_s - 1, 3),
+        copy_gbps=_r(nbytes / max(1e-9, statistics.median(ready_s)) / 1e9, 2),
     )
     return res
 
@@ -926,8 +995,14 @@ def main(argv: list[str] | None = None) -> int:
             env["nccl"] = _err(e)
     r["env"] = env
     log(f"torch {torch.__version__}, cuda {cuda}, gpu {r['gpu']}")
-    fns = {"loop": part_loop, "snapshot_d2h": part_snapshot, "replay_cuda": part_replay, "nccl_group": part_nccl}
-    min_left = {"loop": 60.0, "snapshot_d2h": 20.0, "replay_cuda": 10.0, "nccl_group": 30.0}
+    fns = {
+        "loop": part_loop,
+        "snapshot_d2h": part_snapshot,
+        "replay_cuda": part_replay,
+        "snapshot_stage": part_stage,
+        "nccl_group": part_nccl,
+    }
+    min_left = {"loop": 60.0, "snapshot_d2h": 20.0, "replay_cuda": 10.0, "snapshot_stage": 15.0, "nccl_group": 30.0}
     for name in PARTS:
         if name not in parts:
             r[name] = {"skipped": "not in --only"}

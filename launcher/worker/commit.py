@@ -67,6 +67,8 @@ class CommitProtocol:
         # The vote completed, so every rank synced this step: commit.
         found_sum, busy_sum = (int(x) for x in vote.tolist())
         verdict = int(found_sum > 0)
+        if self.snap is not None:
+            self.snap.before_write()
         self.train.apply_step(verdict)
         self.steps.commit(verdict)
         if self.snap is not None:

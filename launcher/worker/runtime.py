@@ -53,6 +53,7 @@ from launcher.worker.replica_map import NoReplica, ReplicaMap
 from launcher.worker.rollback import rollback
 from launcher.worker.snapshot_exchange import Exchanger
 from launcher.worker.snapshot_manager import SnapshotManager
+from launcher.worker.snapshot_stage import DeviceStager
 from launcher.worker.snapshots import NoSnapshot, PlacementError, SnapshotStore, check_placement
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
 from launcher.worker.state_transport import Received, describe
@@ -288,7 +289,8 @@ class Job:
         store = SnapshotStore(self.rank)
         exchanger = Exchanger(store, g, self.rank, self.world_size, self._per_node, copies)
         assert self._protocol is not None
-        self.snap = SnapshotManager(store, exchanger, self.redundancy.snapshot_every, self._protocol.snapshot)
+        stager = DeviceStager(self.device) if self.device.type == "cuda" else None
+        self.snap = SnapshotManager(store, exchanger, self.redundancy.snapshot_every, self._protocol.snapshot, stager)
         self._snapshot_copies = copies
         self._protocol.snap = self.snap
 
@@ -461,6 +463,8 @@ class Job:
         t0 = t0 or time.monotonic()
         floor = self._floor()
         ag = self.rec.agree(self.rank, self.world_size, self.steps_state.agreement_row(), floor)
+        if self.snap is not None:
+            self.snap.before_write()  # rolling forward or restoring writes the live state
         protocol.settle(ag, self.rank)  # roll forward or abandon; the agreed step is computed afresh
         try:
             if ag.target < floor:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.worker.snapshot_exchange import Exchanger
+from launcher.worker.snapshot_stage import DeviceStager
 from launcher.worker.snapshots import Frozen, SnapshotStore
 
 FAILED = 1 << 20  # a rank's vote value when its exchange failed (any sum at or above: one failed)
@@ -51,9 +52,15 @@ class Cadence:
 
 class SnapshotManager:
     def __init__(
-        self, store: SnapshotStore, exchanger: Exchanger, every: int, capture: Callable[[], tuple[Any, Any]]
+        self,
+        store: SnapshotStore,
+        exchanger: Exchanger,
+        every: int,
+        capture: Callable[[], tuple[Any, Any]],
+        stager: DeviceStager | None = None,
     ) -> None:
         self.store, self.exchanger, self.capture = store, exchanger, capture
+        self.stager = stager  # a GPU rank: pinned buffers filled on a side stream
         self.cadence = Cadence(max(1, int(every)))
         self.taken = self.skipped = 0
         self.capture_s = 0.0  # seconds spent copying on the training thread, all snapshots
@@ -77,13 +84,22 @@ class SnapshotManager:
         if start:
             t0 = time.monotonic()
             state, aux = self.capture()
-            f = Frozen.capture(step, self.store.rank, state, aux)
+            if self.stager is not None:
+                busy = {x.payload.data_ptr() for x in self.store.own.values()}
+                f = self.stager.capture(step, self.store.rank, state, aux, busy)
+            else:
+                f = Frozen.capture(step, self.store.rank, state, aux)
             self.store.keep_own(f)
             self.capture_s += time.monotonic() - t0
             self.taken += 1
             self.exchanger.start(f)
         elif due:
             self.skipped += 1  # the previous exchange is not confirmed yet: skipped, never queued
+
+    def before_write(self) -> None:
+        """The live state is about to change: a device copy still reading it must finish first."""
+        if self.stager is not None:
+            self.stager.before_write()
 
     def abandon(self) -> None:
         self.exchanger.abandon()

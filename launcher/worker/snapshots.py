@@ -71,6 +71,7 @@ class Frozen:
     n_abuf: int
     payload: torch.Tensor  # uint8, CPU
     crc: int = -1  # -1: not computed yet (the exchange thread computes it off the critical path)
+    ready: Any = None  # a CUDA event: the device-to-host copy into `payload` is still in flight until it
 
     @staticmethod
     def capture(step: int, src: int, state: Any, aux: Any) -> Frozen:
@@ -89,12 +90,19 @@ class Frozen:
     def nbytes(self) -> int:
         return int(self.payload.numel())
 
+    def wait_ready(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+
     def seal(self) -> Frozen:
+        self.wait_ready()
         if self.crc < 0:
             self.crc = crc32(self.payload)
         return self
 
     def verify(self) -> bool:
+        self.wait_ready()
         return self.crc >= 0 and crc32(self.payload) == self.crc
 
     def header(self) -> torch.Tensor:
@@ -109,6 +117,7 @@ class Frozen:
         return Frozen(step, src, n_skel, n_askel, n_abuf, torch.empty(nbytes, dtype=torch.uint8), crc)
 
     def thaw(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        self.wait_ready()
         p = self.payload
         a = self.n_skel
         b = a + self.n_askel

@@ -48,19 +48,25 @@ def _key(k: Any) -> list[Any]:
     return ["i", k] if isinstance(k, int) else ["s", k]
 
 
+def skeleton(state: Any) -> tuple[bytes, list[torch.Tensor]]:
+    """-> (JSON skeleton, the tensors in buffer order): what flatten lays out, uncopied."""
+    tensors: list[torch.Tensor] = []
+    skel = _skeleton(state, tensors)
+    return json.dumps(skel, separators=(",", ":")).encode(), tensors
+
+
 def flatten(state: Any, device: torch.device | str | None = None) -> tuple[bytes, torch.Tensor]:
     """-> (JSON skeleton, one uint8 buffer holding every tensor's bytes back to back), on
     `device` (default: where the tensors are; a GPU job's state mixes CUDA parameters
     with CPU counters such as Adam's `step`, so name the device there)."""
-    tensors: list[torch.Tensor] = []
-    skel = _skeleton(state, tensors)
+    skel, tensors = skeleton(state)
     parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     if device is not None:
         parts = [p.to(device) for p in parts]
     elif len({p.device for p in parts}) > 1:
         parts = [p.cpu() for p in parts]
     buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-    return json.dumps(skel, separators=(",", ":")).encode(), buf
+    return skel, buf
 
 
 def unflatten(skeleton: bytes, buf: torch.Tensor) -> Any:
