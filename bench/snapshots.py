@@ -54,13 +54,36 @@ steps_redone × the run's failure-free step time (rank 0's median); ``caught_up_
 work_lost_s). ``speedup`` = torchrun total_s / resild total_s (medians), ``speedup_caught_up``
 likewise. The two sides alternate (resild torchrun, torchrun resild, ...).
 
+Part 3, disk fallback: every in-memory copy of some rank's state lost at once, so resild
+loads its own newest disk checkpoint in-process. ``resil-run --local --nodes 5 --spares 2
+--nproc-per-node 1 --snapshot-copies 1 --snapshot-every FAULT_EVERY --checkpoint-dir DIR
+--checkpoint-every CKPT_EVERY --inject nodeloss:node0@KILL_AT --inject
+nodeloss:node1@KILL_AT`` (3 active ranks; the single copy of rank 0's snapshot lives on
+node1, the next node, so rank 0's own state and its only copy die together; the same loop,
+no training-loop change). From the event file: the controller's failures
+(``resild.report.recoveries``) and the one whose ``recovered_from`` is "checkpoint"; the
+episode starts at the first of the failures that came back at full strength at the same
+step (both node losses) and ends at that ``full_strength_step``: ``total_s``, split into
+detection (→ the last failure detected), fence, re-form, ``load_s`` (rank 0's new group
+formed → ``resumed``, source "checkpoint": agreeing on the newest checkpoint and loading
+it) and first step; ``worker.checkpoint_loaded`` gives ``ckpt_step`` and rank 0's own
+``ckpt_load_s``; ``steps_redone`` = committed step at detection - the resumed step;
+``work_lost_s`` = steps_redone × step time (the run's rank 0 median, which after the
+fault is the spare that took rank 0 over; the steps around the fault left out);
+``caught_up_s`` = total_s + work_lost_s. Side by side, part 2's torchrun baseline with
+``--nproc-per-node 3``, a DCP checkpoint every CKPT_EVERY steps and rank 0 SIGKILLed at the
+top of step KILL_AT: time to full strength and steps redone, ``speedup`` = torchrun /
+resild (medians; ``speedup_caught_up`` likewise). The sides alternate as in part 2,
+``--fault-runs`` runs each.
+
 Usage::
 
-    .venv/bin/python bench/snapshots.py                      # both parts, a table (~8 min on 2 busy cores)
+    .venv/bin/python bench/snapshots.py                      # all three parts, tables (~6-9 min on 2 busy cores)
     .venv/bin/python bench/snapshots.py --quick              # fewer steps, one run of each (~2 min)
     .venv/bin/python bench/snapshots.py --json               # one JSON object
     .venv/bin/python bench/snapshots.py --only overhead --variants plain,k1 --repeats 4
     .venv/bin/python bench/snapshots.py --only recovery --kill-at 70 --ckpt-every 50 --fault-every 5
+    .venv/bin/python bench/snapshots.py --only fallback --fault-runs 2
 
 Nothing here asserts on timings: it reports what it measured.
 """
@@ -140,6 +163,29 @@ TORCHRUN_COLS = (
     "ckpt_save_s",
     "exit_code",
 )
+#: part 3: resild's recovery from its own disk checkpoint
+FALLBACK_NPROC = 3  # active ranks, one per node
+FALLBACK_SPARES = 2  # two nodes are lost at once
+FALLBACK_KILL_RANK = 0  # torchrun: the rank that SIGKILLs itself (resild loses ranks 0 and 1)
+FALLBACK_RESILD_COLS = (
+    "failures",
+    "detect_s",
+    "fence_s",
+    "reform_s",
+    "load_s",
+    "first_step_s",
+    "total_s",
+    "ckpt_step",
+    "ckpt_load_s",
+    "steps_redone",
+    "step_s",
+    "work_lost_s",
+    "caught_up_s",
+    "exit_code",
+)
+_COUNTS = {"failures", "ckpt_step", "resumed_step", "steps_redone"}  # medians shown as integers when whole
+#: part 3's side-by-side table (torchrun's ``ckpt_step`` is its ``resumed_step``)
+FALLBACK_COLS = ("runs", "total_s", "ckpt_step", "steps_redone", "step_s", "work_lost_s", "caught_up_s")
 
 
 # ---- analysis (pure: events and run records in, numbers out) --------------------------------
@@ -288,11 +334,97 @@ def summarize_recovery(resild_runs: Sequence[dict], torchrun_runs: Sequence[dict
     }
 
 
+def fallback_recovery(events: Sequence[dict], step_s: float | None) -> dict:
+    """The recovery that loaded resild's own disk checkpoint (``recovered_from`` "checkpoint"),
+    timed from the first of the failures it brought back to full strength (every node lost
+    at once: each is a failure of its own, all ending at the same full-strength step)."""
+    res: dict = dict.fromkeys(FALLBACK_RESILD_COLS)
+    res.update(step_s=step_s, nodes_lost=None, recovered_from=None, outcome=None, ckpt_why=None, resumed_step=None)
+    recs = recoveries(events)
+    rec = next((r for r in recs if r.recovered_from == "checkpoint"), None)
+    if rec is None:
+        lost = [r for r in recs if r.kind == NODE_FAILURE]
+        res.update(failures=len(lost), nodes_lost=sorted(str(r.node) for r in lost))
+        res["outcome"] = ",".join(sorted({r.outcome for r in lost})) or None
+        return res
+    group = [
+        r for r in recs if r.kind == NODE_FAILURE and r.index <= rec.index and r.t_first_step == rec.t_first_step
+    ] or [rec]
+    t0 = min(r.t_fault for r in group)
+    t_det = max(r.t_detected for r in group)
+    bounds = [t0, t_det, rec.t_fenced, rec.t_reformed, rec.t_replayed, rec.t_first_step]
+    mono: list[float] = []
+    for b in bounds:
+        prev = mono[-1] if mono else t0
+        mono.append(prev if b is None else max(b, prev))
+    names = ("detect_s", "fence_s", "reform_s", "load_s", "first_step_s")
+    res.update({k: mono[i + 1] - mono[i] for i, k in enumerate(names)})
+    res.update(
+        failures=len(group),
+        nodes_lost=sorted(str(r.node) for r in group),
+        total_s=rec.t_first_step - t0 if rec.t_first_step is not None else None,
+        recovered_from=rec.recovered_from,
+        outcome=rec.outcome,
+        resumed_step=rec.resumed_step,
+        steps_redone=rec.steps_redone,
+    )
+    loads = [e for e in select(events, "worker.checkpoint_loaded") if e.get("epoch") in (None, rec.epoch)]
+    if loads:
+        res["ckpt_step"] = loads[0].get("step")
+        res["ckpt_load_s"] = loads[0].get("seconds")
+        res["ckpt_why"] = loads[0].get("why")
+    elif rec.resumed_step is not None:
+        res["ckpt_step"] = rec.resumed_step
+    if res["steps_redone"] is None and _num(res["ckpt_step"]):
+        # no committed step at detection: the injected fault's step
+        k = next((e.get("step") for e in select(events, "fault_injected") if _num(e.get("step"))), None)
+        res["steps_redone"] = None if k is None else max(0, int(k) - int(res["ckpt_step"]))
+    if _num(res["steps_redone"]) and _num(step_s):
+        res["work_lost_s"] = res["steps_redone"] * step_s
+    if _num(res["total_s"]):
+        res["caught_up_s"] = res["total_s"] + (res["work_lost_s"] or 0.0)
+    return res
+
+
+def summarize_fallback(resild_runs: Sequence[dict], torchrun_runs: Sequence[dict]) -> dict:
+    """Medians per side, the ratios torchrun / resild, and the side-by-side table's rows."""
+
+    def med(k: str, runs: Sequence[dict]) -> Any:
+        xs = [r.get(k) for r in runs if _num(r.get(k))]
+        return _med_int(xs) if k in _COUNTS else median(xs)
+
+    rs = {k: med(k, resild_runs) for k in FALLBACK_RESILD_COLS if k != "exit_code"}
+    tr = {k: med(k, torchrun_runs) for k in TORCHRUN_COLS if k != "exit_code"}
+    speedup = _div(tr.get("total_s"), rs.get("total_s"))
+    speedup_caught_up = _div(tr.get("caught_up_s"), rs.get("caught_up_s"))
+    cols = [c for c in FALLBACK_COLS if c != "runs"]
+    rows = [
+        {"side": "resild", "runs": len(resild_runs), **{c: rs.get(c) for c in cols}},
+        {
+            "side": "torchrun",
+            "runs": len(torchrun_runs),
+            **{c: tr.get("resumed_step" if c == "ckpt_step" else c) for c in cols},
+        },
+        {"side": "torchrun/resild", "total_s": speedup, "caught_up_s": speedup_caught_up},
+    ]
+    return {
+        "resild": rs,
+        "torchrun": tr,
+        "speedup": speedup,
+        "speedup_caught_up": speedup_caught_up,
+        "rows": rows,
+    }
+
+
 # ---- running things --------------------------------------------------------------------
-def _with_snapshots(cmd: list[str], copies: int, every: int) -> list[str]:
+def _with_flags(cmd: list[str], *flags: str) -> list[str]:
     """resil-run flags go before the ``--`` that starts the worker's command line."""
     i = cmd.index("--")
-    return [*cmd[:i], "--snapshot-copies", str(copies), "--snapshot-every", str(every), *cmd[i:]]
+    return [*cmd[:i], *flags, *cmd[i:]]
+
+
+def _with_snapshots(cmd: list[str], copies: int, every: int) -> list[str]:
+    return _with_flags(cmd, "--snapshot-copies", str(copies), "--snapshot-every", str(every))
 
 
 def _state_bytes(times: Path) -> int | None:
@@ -331,7 +463,9 @@ def overhead(args: argparse.Namespace, base: Path, say) -> dict:
     return {"runs": runs, "rows": overhead_rows(runs, args.variants)}
 
 
-def torchrun_fault_cmd(args: argparse.Namespace, nproc: int, workdir: Path, python: str = sys.executable) -> list[str]:
+def torchrun_fault_cmd(
+    args: argparse.Namespace, nproc: int, workdir: Path, python: str = sys.executable, kill_rank: int | None = None
+) -> list[str]:
     return [
         python,
         "-m",
@@ -357,7 +491,7 @@ def torchrun_fault_cmd(args: argparse.Namespace, nproc: int, workdir: Path, pyth
         "--kill-at",
         str(args.kill_at),
         "--kill-rank",
-        str(args.fault_ppn),
+        str(args.fault_ppn if kill_rank is None else kill_rank),
         "--events",
         str(workdir / "events.jsonl"),
         "--times",
@@ -400,12 +534,15 @@ def resild_fault_run(args: argparse.Namespace, workdir: Path) -> dict:
     return res
 
 
-def torchrun_fault_run(args: argparse.Namespace, workdir: Path) -> dict:
+def torchrun_fault_run(
+    args: argparse.Namespace, workdir: Path, nproc: int | None = None, kill_rank: int | None = None
+) -> dict:
     _fresh(workdir)
-    nproc = (args.fault_nodes - 1) * args.fault_ppn
+    nproc = (args.fault_nodes - 1) * args.fault_ppn if nproc is None else nproc
     env = _env()
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # else the restarted workers reuse stale addresses
-    r = _run(torchrun_fault_cmd(args, nproc, workdir), workdir, args.timeout, interrupt=signal.SIGTERM, env=env)
+    cmd = torchrun_fault_cmd(args, nproc, workdir, kill_rank=kill_rank)
+    r = _run(cmd, workdir, args.timeout, interrupt=signal.SIGTERM, env=env)
     evs = read_events(workdir / "events.jsonl")
     if r["timed_out"]:
         _kill_leftovers(evs)
@@ -427,6 +564,64 @@ def recovery(args: argparse.Namespace, base: Path, say) -> dict:
             else:
                 tr.append({"run": i + 1, **torchrun_fault_run(args, wd)})
     return {"resild": rs, "torchrun": tr, "summary": summarize_recovery(rs, tr)}
+
+
+def resild_fallback_cmd(args: argparse.Namespace, workdir: Path, python: str = sys.executable) -> list[str]:
+    """Part 3: 3 ranks on 5 nodes (2 spares), one snapshot copy, resild's own disk checkpoints,
+    node0 and node1 (rank 0 and the node holding its only copy) lost at the same step."""
+    cmd = resild_cmd(
+        MODEL,
+        FALLBACK_NPROC,
+        1,
+        FALLBACK_SPARES,
+        args.fault_steps,
+        workdir / "times.json",
+        workdir / "events.jsonl",
+        workdir / "run",
+        inject=[f"nodeloss:node0@{args.kill_at}", f"nodeloss:node1@{args.kill_at}"],
+        python=python,
+    )
+    return _with_flags(
+        _with_snapshots(cmd, 1, args.fault_every),
+        "--checkpoint-dir",
+        str(workdir / "ckpt"),
+        "--checkpoint-every",
+        str(args.ckpt_every),
+    )
+
+
+def resild_fallback_run(args: argparse.Namespace, workdir: Path) -> dict:
+    _fresh(workdir)
+    r = _run(resild_fallback_cmd(args, workdir), workdir, args.timeout)
+    evs = read_events(workdir / "events.jsonl")
+    # one failure-free step: rank 0's median (after the fault: the spare that took rank 0
+    # over, from the checkpoint on), leaving out the steps around the fault and the reload
+    loaded = next((e.get("step") for e in select(evs, "worker.checkpoint_loaded") if _num(e.get("step"))), None)
+    lo = args.kill_at if loaded is None else int(loaded)
+    iv = [
+        x
+        for s, x in _intervals_by_step(workdir / "times.json")
+        if s >= args.warmup and not lo - 1 <= s <= max(lo, args.kill_at) + 3
+    ]
+    res = fallback_recovery(evs, median(iv))
+    res.update(nproc=FALLBACK_NPROC, exit_code=r["exit_code"], timed_out=r["timed_out"], wall_s=r["wall_s"])
+    res.update(workdir=str(workdir), command=r["command"])
+    return res
+
+
+def fallback(args: argparse.Namespace, base: Path, say) -> dict:
+    rs, tr = [], []
+    for i in range(args.fault_runs):
+        order = ("resild", "torchrun") if i % 2 == 0 else ("torchrun", "resild")
+        for side in order:
+            what = "node0 and node1 lost" if side == "resild" else f"rank {FALLBACK_KILL_RANK} killed"
+            say(f"fallback: run {i + 1}/{args.fault_runs}, {side}, {what} at step {args.kill_at} ...")
+            wd = base / "fallback" / f"{side}-{i + 1}"
+            if side == "resild":
+                rs.append({"run": i + 1, **resild_fallback_run(args, wd)})
+            else:
+                tr.append({"run": i + 1, **torchrun_fault_run(args, wd, FALLBACK_NPROC, FALLBACK_KILL_RANK)})
+    return {"resild": rs, "torchrun": tr, "summary": summarize_fallback(rs, tr)}
 
 
 # ---- output ------------------------------------------------------------------------------
@@ -487,14 +682,58 @@ def print_recovery(args: argparse.Namespace, res: dict) -> None:
         )
 
 
+def print_fallback(args: argparse.Namespace, res: dict) -> None:
+    print(
+        f"\ndisk fallback, plain FSDP2, {FALLBACK_NPROC} ranks; every in-memory copy of rank 0's state lost "
+        f"once {args.kill_at} of {args.fault_steps} steps are committed; checkpoints every {args.ckpt_every} "
+        "steps; seconds"
+    )
+    print(
+        f"\nresild: resil-run --local --nodes {FALLBACK_NPROC + FALLBACK_SPARES} --spares {FALLBACK_SPARES} "
+        f"--nproc-per-node 1 --snapshot-copies 1 --checkpoint-dir DIR --checkpoint-every {args.ckpt_every} "
+        f"--inject nodeloss:node0@{args.kill_at} --inject nodeloss:node1@{args.kill_at}; its newest checkpoint "
+        "loaded in-process"
+    )
+    if res["resild"]:
+        print(phase_table(res["resild"], FALLBACK_RESILD_COLS, digits=3))
+    print(
+        f"\ntorchrun: --nproc-per-node {FALLBACK_NPROC} --max-restarts 1, torch.distributed.checkpoint every "
+        f"{args.ckpt_every} steps, rank {FALLBACK_KILL_RANK} SIGKILLed at step {args.kill_at}, restart of every "
+        "worker from the newest"
+    )
+    if res["torchrun"]:
+        print(phase_table(res["torchrun"], TORCHRUN_COLS, digits=3))
+    s = res["summary"]
+    print("\nside by side (medians; the last row: torchrun / resild)")
+    print(_no_median(phase_table(s["rows"], FALLBACK_COLS, label="side", digits=3)))
+    rs, tr = s["resild"], s["torchrun"]
+    if _num(rs.get("total_s")) and _num(tr.get("total_s")):
+        print(
+            f"\nmedians: fault → full strength: resild {rs['total_s']:.3f} s (checkpoint step {rs.get('ckpt_step')} "
+            f"loaded in {_fmt_s(rs.get('ckpt_load_s'))}, {rs.get('steps_redone')} step(s) redone), torchrun "
+            f"{tr['total_s']:.3f} s (resumed at step {tr.get('resumed_step')}, {tr.get('steps_redone')} step(s) "
+            f"redone); torchrun / resild = {s['speedup']:.1f}x"
+            + (
+                f"; fault → caught up: {rs['caught_up_s']:.3f} s vs {tr['caught_up_s']:.3f} s = "
+                f"{s['speedup_caught_up']:.1f}x"
+                if s.get("speedup_caught_up")
+                else ""
+            )
+        )
+
+
+def _fmt_s(v: Any) -> str:
+    return f"{v:.3f} s" if _num(v) else "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        description="Plain FSDP2 peer-memory snapshots under resild: step-time cost, and node-loss recovery "
-        "by rollback vs torchrun + a DCP checkpoint",
+        description="Plain FSDP2 peer-memory snapshots under resild: step-time cost, node-loss recovery "
+        "by rollback, and the disk fallback when every copy is lost, vs torchrun + a DCP checkpoint",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(__doc__ or "").split("Usage::")[1],
     )
-    p.add_argument("--only", choices=("overhead", "recovery"), help="run one part")
+    p.add_argument("--only", choices=("overhead", "recovery", "fallback"), help="run one part")
     p.add_argument("--quick", action="store_true", help="fewer steps, one run of each (about 2 min)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"overhead: comma-separated, of {','.join(VARIANTS)}")
     p.add_argument("--repeats", type=int, help="overhead: runs per variant (default 2; --quick 1)")
@@ -502,15 +741,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, help="steps left out of the step-time median (default 30; --quick 10)")
     p.add_argument("--nproc", type=int, default=4, help="overhead: ranks (resild: one per node)")
     p.add_argument("--every", type=int, default=1, help="overhead: --snapshot-every of k1 and k2")
-    p.add_argument("--fault-runs", type=int, help="recovery: runs per side (default 2; --quick 1)")
+    p.add_argument("--fault-runs", type=int, help="recovery, fallback: runs per side (default 2; --quick 1)")
     p.add_argument("--fault-nodes", type=int, default=3, help="recovery: resild nodes incl. the one spare")
     p.add_argument("--fault-ppn", type=int, default=2, help="recovery: ranks per node (rank PPN is killed)")
-    p.add_argument("--fault-steps", type=int, help="recovery: steps per run (default 120; --quick 40)")
+    p.add_argument("--fault-steps", type=int, help="recovery, fallback: steps per run (default 120; --quick 40)")
     p.add_argument(
-        "--kill-at", type=int, help="recovery: the fault once this many steps are committed (60; --quick 25)"
+        "--kill-at",
+        type=int,
+        help="recovery, fallback: the fault once this many steps are committed (60; --quick 25)",
     )
-    p.add_argument("--ckpt-every", type=int, help="recovery, torchrun: DCP checkpoint every N steps (50; --quick 10)")
-    p.add_argument("--fault-every", type=int, default=1, help="recovery, resild: --snapshot-every")
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        help="recovery: torchrun's DCP checkpoint every N steps; fallback: both sides' (50; --quick 10)",
+    )
+    p.add_argument("--fault-every", type=int, default=1, help="recovery, fallback: resild's --snapshot-every")
     p.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     p.add_argument("--workdir", type=Path, help="default: a new temporary directory")
     p.add_argument("--json", action="store_true", help="print one JSON object (runs, rows, summaries)")
@@ -538,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--kill-at must be inside (0, --fault-steps)")
     if args.fault_nodes < 3:
         p.error("--fault-nodes: at least 3 (2 active + 1 spare: a copy must live on another node)")
+    if args.only in (None, "fallback") and not 0 < args.ckpt_every < args.kill_at:
+        p.error("fallback: --ckpt-every must be under --kill-at (a checkpoint must exist when the nodes are lost)")
 
     base = args.workdir or Path(tempfile.mkdtemp(prefix="resild-snapshots-"))
 
@@ -554,6 +801,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "recovery"):
         out["recovery"] = recovery(args, base, say)
         ok &= all(r["exit_code"] == 0 for r in out["recovery"]["resild"] + out["recovery"]["torchrun"])
+    if args.only in (None, "fallback"):
+        out["fallback"] = fallback(args, base, say)
+        ok &= all(r["exit_code"] == 0 for r in out["fallback"]["resild"] + out["fallback"]["torchrun"])
     out["loadavg_before"], out["loadavg_after"] = list(load_before), list(os.getloadavg())
     out["workdir"] = str(base)
     if args.json:
@@ -563,6 +813,8 @@ def main(argv: list[str] | None = None) -> int:
         print_overhead(args, out["overhead"])
     if "recovery" in out:
         print_recovery(args, out["recovery"])
+    if "fallback" in out:
+        print_fallback(args, out["fallback"])
     fmt = ", ".join(f"{x:.2f}" for x in load_before)
     print(f"\nload average (1, 5, 15 min) before: {fmt}; after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"events, times and logs under {base}")

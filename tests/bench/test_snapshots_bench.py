@@ -10,12 +10,17 @@ from pathlib import Path
 import pytest
 
 from bench.snapshots import (
+    FALLBACK_COLS,
     VARIANTS,
     _with_snapshots,
+    fallback_recovery,
     overhead_rows,
+    resild_fallback_cmd,
     resild_recovery,
     snapshot_stats,
+    summarize_fallback,
     summarize_recovery,
+    torchrun_fault_cmd,
     torchrun_recovery,
 )
 
@@ -177,6 +182,100 @@ def test_snapshot_flags_go_before_the_worker_command() -> None:
     assert VARIANTS["plain"] is None and VARIANTS["k2"] == 2
 
 
+def fallback_events(ckpt_step: int = 50, kill_at: int = 60) -> list[dict]:
+    """Part 3: node0 and node1 (rank 0 and its only snapshot copy) lost at step 60, each a
+    failure of its own (epochs 2 and 3); epoch 3 loads resild's checkpoint of step 50."""
+    one = {"local-node0": [0], "local-node1": [1], "local-node2": [2]}
+    ev = [
+        ("job_started", 0.0, {"nodes": [f"local-node{i}" for i in range(5)]}),
+        ("membership", 5.0, {"epoch": 1, "layout": one}),
+        ("full_strength_step", 6.0, {"epoch": 1, "step": 1, "rank": 0}),
+        ("fault_injected", 10.0, {"kind": "nodeloss", "node": "local-node0", "step": kill_at}),
+        ("fault_injected", 10.01, {"kind": "nodeloss", "node": "local-node1", "step": kill_at}),
+        ("failure_detected", 10.05, {"node": "local-node0", "cause": "node lost", "committed_step": kill_at}),
+        ("node_fenced", 10.06, {"node": "local-node0"}),
+        ("spare_assigned", 10.07, {"spare": "local-node3", "failed": "local-node0", "epoch": 2, "spares_left": 1}),
+        ("membership", 10.08, {"epoch": 2, "layout": {**one, "local-node3": [0]}}),
+        ("failure_detected", 10.11, {"node": "local-node1", "cause": "node lost", "committed_step": kill_at}),
+        ("node_fenced", 10.12, {"node": "local-node1"}),
+        ("spare_assigned", 10.13, {"spare": "local-node4", "failed": "local-node1", "epoch": 3, "spares_left": 0}),
+        ("membership", 10.14, {"epoch": 3, "layout": {"local-node3": [0], "local-node4": [1], "local-node2": [2]}}),
+        ("group_reformed", 10.40, {"rank": 0, "epoch": 3, "seconds": 0.2, "world_size": 3}),
+        ("worker.checkpoint_loaded", 10.85, {"rank": 0, "epoch": 3, "step": ckpt_step, "seconds": 0.4, "why": "x"}),
+        ("resumed", 10.90, {"rank": 0, "epoch": 3, "step": ckpt_step, "seconds": 0.7, "source": "checkpoint"}),
+        ("full_strength_step", 11.20, {"epoch": 3, "step": ckpt_step + 1, "rank": 0}),
+    ]
+    return [{"event": name, "t_mono": t, "t_wall": 1000.0 + t, **f} for name, t, f in ev]
+
+
+def test_fallback_recovery_from_the_first_fault_to_full_strength() -> None:
+    r = fallback_recovery(fallback_events(), step_s=0.1)
+    assert r["failures"] == 2 and r["nodes_lost"] == ["local-node0", "local-node1"]
+    assert r["recovered_from"] == "checkpoint" and r["outcome"] == "recovered"
+    assert r["total_s"] == pytest.approx(1.2)  # the first fault (10.0) → full strength (11.2)
+    assert r["detect_s"] == pytest.approx(0.11)  # → the last failure detected
+    assert r["fence_s"] == pytest.approx(0.01)
+    assert r["reform_s"] == pytest.approx(0.4 - 0.12)  # resumed 10.9 - (0.7 - 0.2) = formed at 10.4
+    assert r["load_s"] == pytest.approx(0.5)
+    assert r["first_step_s"] == pytest.approx(0.3)
+    phases = ("detect_s", "fence_s", "reform_s", "load_s", "first_step_s")
+    assert sum(r[k] for k in phases) == pytest.approx(r["total_s"])
+    assert r["ckpt_step"] == 50 and r["ckpt_load_s"] == pytest.approx(0.4) and r["resumed_step"] == 50
+    assert r["steps_redone"] == 10
+    assert r["work_lost_s"] == pytest.approx(1.0)
+    assert r["caught_up_s"] == pytest.approx(2.2)
+
+
+def test_fallback_without_a_checkpoint_recovery_reports_the_failures_only() -> None:
+    evs = [e for e in fallback_events() if e["event"] not in ("resumed", "worker.checkpoint_loaded")]
+    evs = [e for e in evs if not (e["event"] == "full_strength_step" and e["epoch"] == 3)]
+    r = fallback_recovery(evs, step_s=0.1)
+    assert r["total_s"] is None and r["ckpt_step"] is None and r["steps_redone"] is None
+    assert r["failures"] == 2 and r["outcome"] == "not recovered" and r["step_s"] == 0.1
+
+
+def test_fallback_side_by_side_and_the_ratio() -> None:
+    rs = [fallback_recovery(fallback_events(), step_s=0.1), fallback_recovery(fallback_events(40), step_s=0.1)]
+    tr = [torchrun_recovery(torchrun_events(nproc=3, resumed=50), nproc=3, kill_at=60)]
+    assert tr[0]["total_s"] == pytest.approx(8.2) and tr[0]["steps_redone"] == 10
+    s = summarize_fallback(rs, tr)
+    assert s["resild"]["total_s"] == pytest.approx(1.2) and s["resild"]["steps_redone"] == 15
+    assert s["resild"]["ckpt_step"] == 45
+    assert s["speedup"] == pytest.approx(8.2 / 1.2)
+    assert s["speedup_caught_up"] == pytest.approx(9.2 / (1.2 + 1.5))
+    rows = {r["side"]: r for r in s["rows"]}
+    assert set(rows) == {"resild", "torchrun", "torchrun/resild"}
+    assert rows["resild"]["runs"] == 2 and rows["torchrun"]["runs"] == 1
+    assert rows["torchrun"]["ckpt_step"] == 50 and rows["torchrun"]["steps_redone"] == 10
+    assert rows["torchrun/resild"]["total_s"] == pytest.approx(s["speedup"])
+    assert all(set(r) <= {"side", *FALLBACK_COLS} for r in s["rows"])
+
+
+def test_fallback_commands(tmp_path: Path) -> None:
+    import argparse
+
+    args = argparse.Namespace(fault_steps=120, kill_at=60, ckpt_every=50, fault_every=1, fault_ppn=2)
+    cmd = resild_fallback_cmd(args, tmp_path, python="py")
+    head = cmd[: cmd.index("--")]
+    for flag, value in (
+        ("--nodes", "5"),
+        ("--spares", "2"),
+        ("--nproc-per-node", "1"),
+        ("--snapshot-copies", "1"),
+        ("--checkpoint-dir", str(tmp_path / "ckpt")),
+        ("--checkpoint-every", "50"),
+    ):
+        assert head[head.index(flag) + 1] == value, (flag, head)
+    assert [head[i + 1] for i, a in enumerate(head) if a == "--inject"] == ["nodeloss:node0@60", "nodeloss:node1@60"]
+    tail = cmd[cmd.index("--") :]
+    assert tail[tail.index("--steps") + 1] == "120" and "--model" in tail
+    t = torchrun_fault_cmd(args, 3, tmp_path, python="py", kill_rank=0)
+    assert t[t.index("--nproc-per-node") + 1] == "3" and t[t.index("--kill-rank") + 1] == "0"
+    assert t[t.index("--ckpt-every") + 1] == "50" and t[t.index("--kill-at") + 1] == "60"
+    t2 = torchrun_fault_cmd(args, 4, tmp_path, python="py")
+    assert t2[t2.index("--kill-rank") + 1] == "2"  # part 2: rank PPN, as before
+
+
 def test_help_exits_0() -> None:
     p = subprocess.run(
         [sys.executable, str(REPO / "bench" / "snapshots.py"), "--help"],
@@ -186,4 +285,4 @@ def test_help_exits_0() -> None:
         timeout=60,
     )
     assert p.returncode == 0, p.stderr
-    assert "--quick" in p.stdout and "--fault-every" in p.stdout
+    assert "--quick" in p.stdout and "--fault-every" in p.stdout and "fallback" in p.stdout
