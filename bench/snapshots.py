@@ -25,7 +25,7 @@ snapshots' own cost and ``k0 / plain`` the rest of resild's. Rank 0 times every 
 script; a run's step time is the median over steps ``--warmup`` .. ``--steps``-1. The
 variants alternate, ABBA (plain k0 k1 k2, then k2 k1 k0 plain, ...), ``--repeats`` times,
 so a drift in the machine's load hits all of them alike; ``step_ms`` is the median of the
-run medians, ``ratio`` = step_ms / plain's step_ms. From each rank's ``worker.snapshots``
+run medians, ``ratio`` = step_ms / plain's step_ms. From each rank's ``snapshots``
 event (written before DONE; median over ranks and runs): ``taken`` / ``skipped`` snapshots
 (skipped: the previous exchange was not confirmed yet), ``capture_ms`` = training-thread
 seconds copying per snapshot (capture_s / taken), ``exchange_ms`` = the last exchange's
@@ -66,7 +66,7 @@ episode starts at the first of the failures that came back at full strength at t
 step (both node losses) and ends at that ``full_strength_step``: ``total_s``, split into
 detection (→ the last failure detected), fence, re-form, ``load_s`` (rank 0's new group
 formed → ``resumed``, source "checkpoint": agreeing on the newest checkpoint and loading
-it) and first step; ``worker.checkpoint_loaded`` gives ``ckpt_step`` and rank 0's own
+it) and first step; ``checkpoint_loaded`` gives ``ckpt_step`` and rank 0's own
 ``ckpt_load_s``; ``steps_redone`` = committed step at detection - the resumed step;
 ``work_lost_s`` = steps_redone × step time (the run's rank 0 median, which after the
 fault is the spare that took rank 0 over; the steps around the fault left out);
@@ -212,10 +212,10 @@ def _med_int(xs: Iterable[Any]) -> float | int | None:
 
 
 def snapshot_stats(events: Sequence[dict]) -> dict:
-    """One run's ``worker.snapshots`` events (one per rank, the last of each rank): medians
+    """One run's ``snapshots`` events (one per rank, the last of each rank): medians
     over ranks. Empty fields (None) when no rank reported (K = 0, or a failed run)."""
     by_rank: dict[Any, dict] = {}
-    for e in select(events, "worker.snapshots"):
+    for e in select(events, "snapshots"):
         by_rank[e.get("rank")] = e  # sorted by time: a rank's last report wins
     rs = list(by_rank.values())
     per_snap = [_div(e.get("capture_s"), e.get("taken")) for e in rs]
@@ -368,7 +368,7 @@ def fallback_recovery(events: Sequence[dict], step_s: float | None) -> dict:
         resumed_step=rec.resumed_step,
         steps_redone=rec.steps_redone,
     )
-    loads = [e for e in select(events, "worker.checkpoint_loaded") if e.get("epoch") in (None, rec.epoch)]
+    loads = [e for e in select(events, "checkpoint_loaded") if e.get("epoch") in (None, rec.epoch)]
     if loads:
         res["ckpt_step"] = loads[0].get("step")
         res["ckpt_load_s"] = loads[0].get("seconds")
@@ -596,7 +596,7 @@ def resild_fallback_run(args: argparse.Namespace, workdir: Path) -> dict:
     evs = read_events(workdir / "events.jsonl")
     # one failure-free step: rank 0's median (after the fault: the spare that took rank 0
     # over, from the checkpoint on), leaving out the steps around the fault and the reload
-    loaded = next((e.get("step") for e in select(evs, "worker.checkpoint_loaded") if _num(e.get("step"))), None)
+    loaded = next((e.get("step") for e in select(evs, "checkpoint_loaded") if _num(e.get("step"))), None)
     lo = args.kill_at if loaded is None else int(loaded)
     iv = [
         x

@@ -30,7 +30,7 @@ LAYOUT = {"local-node0": [0, 1], "local-node1": [2, 3]}
 
 def _snap(rank: int, taken: int = 100, capture_s: float = 0.3, held: int = 3_600_000, t: float = 0.0) -> dict:
     return {
-        "event": "worker.snapshots",
+        "event": "snapshots",
         "t_mono": 50.0 + t,
         "t_wall": 1050.0 + t,
         "rank": rank,
@@ -201,7 +201,7 @@ def fallback_events(ckpt_step: int = 50, kill_at: int = 60) -> list[dict]:
         ("spare_assigned", 10.13, {"spare": "local-node4", "failed": "local-node1", "epoch": 3, "spares_left": 0}),
         ("membership", 10.14, {"epoch": 3, "layout": {"local-node3": [0], "local-node4": [1], "local-node2": [2]}}),
         ("group_reformed", 10.40, {"rank": 0, "epoch": 3, "seconds": 0.2, "world_size": 3}),
-        ("worker.checkpoint_loaded", 10.85, {"rank": 0, "epoch": 3, "step": ckpt_step, "seconds": 0.4, "why": "x"}),
+        ("checkpoint_loaded", 10.85, {"rank": 0, "epoch": 3, "step": ckpt_step, "seconds": 0.4, "why": "x"}),
         ("resumed", 10.90, {"rank": 0, "epoch": 3, "step": ckpt_step, "seconds": 0.7, "source": "checkpoint"}),
         ("full_strength_step", 11.20, {"epoch": 3, "step": ckpt_step + 1, "rank": 0}),
     ]
@@ -227,7 +227,7 @@ def test_fallback_recovery_from_the_first_fault_to_full_strength() -> None:
 
 
 def test_fallback_without_a_checkpoint_recovery_reports_the_failures_only() -> None:
-    evs = [e for e in fallback_events() if e["event"] not in ("resumed", "worker.checkpoint_loaded")]
+    evs = [e for e in fallback_events() if e["event"] not in ("resumed", "checkpoint_loaded")]
     evs = [e for e in evs if not (e["event"] == "full_strength_step" and e["epoch"] == 3)]
     r = fallback_recovery(evs, step_s=0.1)
     assert r["total_s"] is None and r["ckpt_step"] is None and r["steps_redone"] is None
