@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from launcher.worker.state_codec import flatten, unflatten
+from launcher.worker.state_codec import skeleton, unflatten
 
 HEADER_LEN = 7  # step, crc, skeleton bytes, aux skeleton bytes, aux buffer bytes, state buffer bytes, source rank
 
@@ -55,6 +55,10 @@ def check_placement(world_size: int, per_node: int, copies: int) -> None:
         )
 
 
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
 def crc32(buf: torch.Tensor) -> int:
     return zlib.crc32(buf.numpy().data) if buf.numel() else 0
 
@@ -76,15 +80,22 @@ class Frozen:
     @staticmethod
     def capture(step: int, src: int, state: Any, aux: Any) -> Frozen:
         """Copy now (the next optimizer step overwrites the live tensors); checksum later."""
-        skel, buf = flatten(state, "cpu")
-        askel, abuf = flatten(aux, "cpu")
+        skel, tensors = skeleton(state)
+        askel, atensors = skeleton(aux)
         parts = [
             torch.frombuffer(bytearray(skel), dtype=torch.uint8),
             torch.frombuffer(bytearray(askel), dtype=torch.uint8) if askel else torch.empty(0, dtype=torch.uint8),
-            abuf.cpu(),
-            buf.cpu(),
+            *[_bytes_of(t) for t in atensors],
+            *[_bytes_of(t) for t in tensors],
         ]
-        return Frozen(step, src, len(skel), len(askel), abuf.numel(), torch.cat(parts))
+        n_abuf = sum(_bytes_of(t).numel() for t in atensors)
+        # One copy of each tensor, straight into the payload (flatten + cat would copy twice).
+        payload = torch.empty(sum(p.numel() for p in parts), dtype=torch.uint8)
+        off = 0
+        for p in parts:
+            payload[off : off + p.numel()].copy_(p)
+            off += p.numel()
+        return Frozen(step, src, len(skel), len(askel), n_abuf, payload)
 
     @property
     def nbytes(self) -> int:
