@@ -25,7 +25,9 @@ gradient sync (the commit vote). `Job` is a facade over the parts:
 `controller_link` (the controller link), `stable_group` (the stable process
 group and backend factory), `recovery` (the sequence), `step_state` and
 `commit` (the step's phases and the commit protocol), `state_transport` (the
-replay), `train_state` (what is replayed); private torch APIs in `torch_private`.
+replay), `train_state` (what is replayed), `redundancy` (peer-memory snapshots
+and rollback, resild's disk checkpoints, replicas' fingerprints), `mesh_layout`
+(any mesh); private torch APIs in `torch_private`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
@@ -45,18 +46,12 @@ import resild.wire.env as resild_env
 from launcher.worker.agent_link import AgentLink, agent_endpoint
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.controller_link import ControlLink, keys_from_env
-from launcher.worker.disk_checkpoint import DiskCheckpointer
-from launcher.worker.fingerprint import fingerprint, judge
 from launcher.worker.mesh_layout import MeshError, MeshLayout
 from launcher.worker.recovery import Recovery, Reformed
+from launcher.worker.redundancy import Redundancy, RedundancyError
 from launcher.worker.replica_map import NoReplica, ReplicaMap
-from launcher.worker.rollback import rollback
-from launcher.worker.snapshot_exchange import Exchanger
-from launcher.worker.snapshot_manager import SnapshotManager
-from launcher.worker.snapshot_stage import DeviceStager
-from launcher.worker.snapshots import NoSnapshot, PlacementError, SnapshotStore, check_placement
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
-from launcher.worker.state_transport import Received, describe
+from launcher.worker.state_transport import describe
 from launcher.worker.step_state import StepState
 from launcher.worker.torch_private import device_mesh_from_groups, hash_store, prewarm_lazy_imports, tcp_store
 from launcher.worker.train_state import TrainState
@@ -100,11 +95,9 @@ class Job:
         self.intr = Interrupts()
         self.cfg: dict[str, Any] = {}
         self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
-        self.redundancy = WorkerRedundancy.from_welcome({})
-        self.snap: SnapshotManager | None = None  # peer-memory snapshots (set up at attach)
-        self.ckpt: DiskCheckpointer | None = None  # resild's own disk checkpoints (--checkpoint-dir)
+        self.redundancy_cfg = WorkerRedundancy.from_welcome({})
+        self.redundancy: Redundancy | None = None  # snapshots, disk checkpoints, fingerprints (at attach)
         self._per_node = 1  # ranks per node (snapshot placement)
-        self._snapshot_copies = 0
         self.link: ControlLink | None = None
         self._agent: AgentLink | None = None
         controller = os.environ.get(resild_env.CONTROLLER.name)
@@ -150,7 +143,7 @@ class Job:
             raise ResilienceError(f"no welcome from the controller within 120s ({controller})")
         self.cfg = dict(link.welcome or {})
         self.timeouts = WorkerTimeouts.from_welcome(self.cfg)  # the job's, from the controller
-        self.redundancy = WorkerRedundancy.from_welcome(self.cfg)
+        self.redundancy_cfg = WorkerRedundancy.from_welcome(self.cfg)
         self.backend = os.environ.get(resild_env.BACKEND.name) or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
@@ -251,104 +244,39 @@ class Job:
         for g in self.rec.groups.values():
             g.allow = True
         if not self.solo:
-            self._setup_snapshots()
-            self._setup_checkpoints()
+            self._setup_redundancy()
             try:
                 self._join()
             except Reformed:
                 self._recover()
         return self
 
-    def _setup_snapshots(self) -> None:
-        """Peer-memory snapshots for ranks no replica covers (or as many copies as asked)."""
-        rm = self._replica_map()
-        has_replicas = all(len(g) > 1 for g in rm.groups)
-        nodes = self.world_size // self._per_node
-        copies = self.redundancy.copies(has_replicas, nodes)
-        if copies <= 0:
-            if not has_replicas and self.rank == 0:
-                asked = self.redundancy.snapshot_copies
-                print(
-                    "resild: no rank's state has a replica and no snapshot copies are kept "
-                    f"(--snapshot-copies {asked if asked >= 0 else 'auto'}, "
-                    f"{nodes} node(s)): "
-                    "losing a node will stop the job",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            return
+    def _setup_redundancy(self) -> None:
+        assert self.state is not None and self._protocol is not None
+        red = self.redundancy = Redundancy(
+            self.redundancy_cfg,
+            self.rank,
+            self.world_size,
+            self._per_node,
+            self.device,
+            self.rec,
+            self._event,
+            self._fatal,
+        )
         try:
-            check_placement(self.world_size, self._per_node, copies)
-        except PlacementError as e:
+            red.setup(self.state, self.steps_state, self._protocol, self._replica_map(), self._host_group)
+        except RedundancyError as e:
             raise ResilienceError(str(e)) from None
-        g = StableGroup("resild-snapshot", list(range(self.world_size)), self.rank, Interrupts())
-        g.backend = "gloo"  # snapshots live in host memory, whatever the training backend
-        register(g, self._store)
-        self.rec.groups[g.label] = g
-        self._form_until_stable(only=[g])
-        store = SnapshotStore(self.rank)
-        exchanger = Exchanger(store, g, self.rank, self.world_size, self._per_node, copies)
-        assert self._protocol is not None
-        stager = DeviceStager(self.device) if self.device.type == "cuda" else None
-        self.snap = SnapshotManager(store, exchanger, self.redundancy.snapshot_every, self._protocol.snapshot, stager)
-        self._snapshot_copies = copies
-        self._protocol.snap = self.snap
 
-    def _setup_checkpoints(self) -> None:
-        """resild's own disk checkpoints, on a gloo group of their own (DCP's collectives
-        run in the writer thread and must not mix with the training thread's)."""
-        r = self.redundancy
-        if not r.checkpoint_dir:
-            return
-        g = StableGroup("resild-checkpoint", list(range(self.world_size)), self.rank, Interrupts())
-        g.backend = "gloo"
+    def _host_group(self, label: str) -> StableGroup:
+        """A gloo group of every rank for host-memory traffic (snapshots, checkpoints), formed now."""
+        g = StableGroup(label, list(range(self.world_size)), self.rank, Interrupts())
+        g.backend = "gloo"  # host memory, whatever the training backend
         g.allow = True
         register(g, self._store)
         self.rec.groups[g.label] = g
         self._form_until_stable(only=[g])
-        self.ckpt = DiskCheckpointer(
-            Path(r.checkpoint_dir), r.checkpoint_every, self.rank, self.world_size, g, keep=2, intr=g._intr
-        )
-        self._ckpt_group = g
-
-    def _agreed_checkpoint(self) -> int | None:
-        """The newest complete checkpoint, as every rank sees it (one all-reduce: a rank
-        with a stale listing must not leave the others in DCP's collectives alone)."""
-        assert self.ckpt is not None
-        mine = self.ckpt.newest_complete()
-        seen = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        seen[self.rank] = (mine if mine is not None else -1) + 1
-        self.rec.wait(self.rec.groups["world"]._inner.allreduce([seen]))
-        views = set(seen.cpu().tolist())
-        if len(views) > 1:
-            self._fatal(
-                f"ranks see different newest checkpoints in {self.ckpt.directory} (steps "
-                f"{sorted(v - 1 for v in views)}): --checkpoint-dir must be one shared file system"
-            )
-        step = views.pop() - 1
-        return step if step >= 0 else None
-
-    def _load_checkpoint(self, why: str) -> int:
-        """Every in-memory copy of some state is gone: every rank loads the newest complete
-        checkpoint in-process (no restart), or the job stops with one line."""
-        ck = self.ckpt
-        assert ck is not None and self.state is not None
-        step = self._agreed_checkpoint()
-        if step is None:
-            self._fatal(f"{why}; and no complete checkpoint in {ck.directory} yet")
-        t0 = time.monotonic()
-        aux = ck.load(step, self.state)
-        self.state.rewind_aux(aux) if aux else self.state.rewind_aux(self.steps_state.committed_aux)
-        self.steps_state.replayed(step, self.state.capture_aux())
-        self.state.reset_hooks(aux.get("ddp_buckets") if aux else None)
-        print(
-            f"resild: rank {self.rank} loaded checkpoint step {step} in {time.monotonic() - t0:.3f}s",
-            file=sys.stderr,
-            flush=True,
-        )
-        if self.rank == 0:
-            self._event(EventName.CHECKPOINT_LOADED, step=step, seconds=round(time.monotonic() - t0, 4), why=why[:300])
-        return step
+        return g
 
     # ---- messages and failures -----------------------------------------------------
     def _install_excepthook(self) -> None:
@@ -418,11 +346,8 @@ class Job:
         """Run the recovery sequence until one epoch completes it."""
         link = self.link
         assert link is not None
-        if self.snap is not None:
-            self.snap.abandon()  # a snapshot in flight belongs to the failed epoch
-        if self.ckpt is not None:  # so is a checkpoint being written: release its collectives
-            self.ckpt.abandon()
-            self._ckpt_group._intr.fail("a new epoch")
+        if self.redundancy is not None:
+            self.redundancy.abandon()  # snapshot exchanges and checkpoint writes of the failed epoch
         while True:
             self._check_shutdown()
             if not link.newer_epoch():
@@ -445,8 +370,8 @@ class Job:
             t0 = time.monotonic()
             try:
                 formed_s = self.rec.form(m.epoch, list(self.rec.groups.values()))
-                if self.ckpt is not None:
-                    self._ckpt_group._intr.clear()  # a new generation: the abandoned save never completes
+                if self.redundancy is not None:
+                    self.redundancy.formed()
                 if self.rank == 0:
                     self._event(EventName.GROUP_REFORMED, seconds=round(formed_s, 4), world_size=self.world_size)
                 if self.state is not None:
@@ -463,8 +388,9 @@ class Job:
         t0 = t0 or time.monotonic()
         floor = self._floor()
         ag = self.rec.agree(self.rank, self.world_size, self.steps_state.agreement_row(), floor)
-        if self.snap is not None:
-            self.snap.before_write()  # rolling forward or restoring writes the live state
+        red = self.redundancy
+        if red is not None:
+            red.before_write()  # rolling forward or restoring writes the live state
         protocol.settle(ag, self.rank)  # roll forward or abandon; the agreed step is computed afresh
         try:
             if ag.target < floor:
@@ -481,19 +407,19 @@ class Job:
             )
             source = "replica"
         except (NoReplica, ValueError) as e:
-            target, got, source = self._without_replica(ag.target, str(e))
+            if red is None:
+                self._fatal(str(e))
+            target, got, source = red.without_replica(ag.target, str(e))
         if source == "checkpoint":
             pass  # the live objects were loaded in place
-        elif target == 0 and self.ckpt is not None and self._agreed_checkpoint() is not None:
+        elif target == 0 and red is not None and red.saved_step() is not None:
             # A fresh start (every rank at step 0) with checkpoints on disk: a requeued or
             # resubmitted job resumes from the newest, with no user code.
-            target, got, source = self._load_checkpoint(f"resuming from {self.ckpt.directory}"), None, "checkpoint"
+            target, got, source = red.load_checkpoint("resuming from resild's checkpoints"), None, "checkpoint"
         else:
             protocol.resume(got)
-        if self.snap is not None:
-            self.snap.after_recovery(target)
-            if target == 0:  # the start (or a fault before the first commit): protect the initial state
-                self.snap.after_commit(0, vote=1)
+        if red is not None:
+            red.after_join(target)
         if got is not None and got.sources != [self.rank]:  # not a restore of this rank's own snapshot
             print(f"resild: rank {self.rank} replayed {describe(got)} ({source})", file=sys.stderr, flush=True)
             self._event(
@@ -510,69 +436,12 @@ class Job:
         if self.rank == 0 and self.epoch > 1:
             self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4), source=source)
 
-    def _without_replica(self, newest: int, why: str) -> tuple[int, Received | None, str]:
-        """No replica holds some lost rank's state: roll back to peer-memory snapshots,
-        else load resild's newest disk checkpoint, else stop."""
-        if self.snap is not None:
-            try:
-                target, got = self._rollback(newest, why)
-                return target, got, "snapshot"
-            except NoSnapshot as e:
-                why = f"{why.split(': checkpointless')[0]}; {e}"
-        if self.ckpt is not None:
-            return self._load_checkpoint(why), None, "checkpoint"
-        if self.snap is not None:
-            why += ": checkpointless recovery is impossible; restart from a disk checkpoint"
-        self._fatal(why)
-
     def _fatal(self, why: str) -> NoReturn:
         """Every rank computes the same plan, so every rank lands here: stop the job."""
         if self.link is not None:
             self.link.send(MsgType.FATAL, error=why)
             self.link.close(flush_s=1.0)
         raise ResilienceError(why) from None
-
-    def _rollback(self, newest: int, why: str) -> tuple[int, Received | None]:
-        """No replica of some rank's state: every rank goes back to the newest snapshot
-        complete for all (its own copy, or one fetched from a holder on another node)."""
-        snap = self.snap
-        assert snap is not None and self.state is not None
-        t0 = time.monotonic()
-        width = 2 * (1 + self._snapshot_copies) + 2
-        try:
-            step, frozen, plan, damaged = rollback(
-                self.rec.groups["world"]._inner,
-                lambda w: self.rec.wait(w, p2p=True),
-                snap.store,
-                self.rank,
-                self.world_size,
-                newest,
-                width,
-                attempts=1 + self._snapshot_copies,
-            )
-        except NoSnapshot:
-            self._corrupt_events(snap)
-            raise
-        self._corrupt_events(snap)
-        if self.rank == 0:
-            for holder, src, s in damaged:
-                self._event(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=holder, found="transfer")
-            self._event(EventName.ROLLED_BACK, step=step, newest=newest, steps_redone=newest - step, fetches=len(plan))
-        if frozen is not None:
-            state, aux = frozen.thaw()
-            holder = next(f.holder for f in plan if f.src == self.rank)
-            return step, Received(state, aux, frozen.nbytes, [holder], time.monotonic() - t0)
-        if self.steps_state.step == step:
-            return step, None  # the live state is that step: only the aux rewinds
-        own = snap.store.get(self.rank, step)
-        assert own is not None
-        state, aux = own.thaw()
-        return step, Received(state, aux, 0, [self.rank], time.monotonic() - t0)
-
-    def _corrupt_events(self, snap: SnapshotManager) -> None:
-        for src, s in snap.store.corrupt_found:
-            self._event(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=self.rank, found="verify")
-        snap.store.corrupt_found.clear()
 
     def _floor(self) -> int:
         """The newest step the controller knew committed at the last failure (the
@@ -611,9 +480,10 @@ class Job:
         says the whole job is done (a late failure may still need our state)."""
         link = self.link
         assert link is not None
-        self._report_snapshots()
-        if self.ckpt is not None and not self.ckpt.wait(self.timeouts.collective_timeout_s):
-            log.warning("the last disk checkpoint did not finish before the end of the job")
+        if self.redundancy is not None:
+            warning = self.redundancy.before_done(self.timeouts.collective_timeout_s)
+            if warning:
+                log.warning(warning)
         link.send(MsgType.DONE, rank=self.rank, epoch=self.epoch, step=self.step, pid=os.getpid())
         ok = link.wait(
             lambda: link.shutdown is not None or link.newer_epoch(),
@@ -626,23 +496,6 @@ class Job:
             raise ResilienceError("finished, but the controller never confirmed the end of the job")
         self._recover()
         return False
-
-    def _report_snapshots(self) -> None:
-        """What snapshots cost this rank (bench/snapshots.py reads it), before DONE: the
-        controller stops listening once every rank is done."""
-        if self.snap is None:
-            return
-        s = self.snap
-        self._event(
-            EventName.SNAPSHOTS,
-            copies=self._snapshot_copies,
-            every=s.cadence.every,
-            taken=s.taken,
-            skipped=s.skipped,
-            capture_s=round(s.capture_s, 4),
-            exchange_s=round(s.exchanger.last_s, 4),
-            held_bytes=s.store.nbytes,
-        )
 
     def _abandoned(self) -> bool:
         """The epoch failed or a newer one was announced: this step cannot commit."""
@@ -677,58 +530,19 @@ class Job:
         assert self.link is not None
         if self.link.inject_exception:
             raise RuntimeError("resild fault injection: exception raised in the training step")
-        if self.link.inject_corrupt and self.snap is not None:
-            self.snap.store.corrupt_now()
-        if self.link.inject_diverge:
+        red = self.redundancy
+        if red is not None and self.link.inject_corrupt:
+            red.corrupt()
+        if red is not None and self.link.inject_diverge:
             self.link.inject_diverge = False
-            self._nudge()
+            red.nudge()
         if protocol.vote():
             self._progress("commit")
-            every = self.redundancy.fingerprint_every
-            if every and self.step % every == 0:
-                self._compare_replicas()
-            if self.ckpt is not None and self.state is not None and self.ckpt.due(self.step):
-                self.ckpt.save(self.step, self.state, self.steps_state.committed_aux)
+            if red is not None:
+                red.after_commit(self.step, self._replica_map, self.group)
             return True
         self._recover()
         return False
-
-    def _nudge(self) -> None:
-        """Fault injection: what a GPU computing wrong numbers leaves behind."""
-        assert self.state is not None
-        p = next(iter(self.state.model.parameters()))
-        with torch.no_grad():
-            (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += 1e-3
-
-    def _compare_replicas(self) -> None:
-        """Silent divergence: every rank's state fingerprint, in one all-reduce; a rank its
-        replicas outvote leaves (its node is replaced and the state replayed from them)."""
-        assert self.state is not None
-        vals = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        vals[self.rank] = fingerprint(self.state.snapshot(self.step))
-        self.group.allreduce([vals]).wait()
-        if self.intr.error is not None:
-            return  # the epoch is failing: the next vote finds out
-        verdict = judge(vals.cpu().tolist(), self._replica_map().groups)
-        if verdict.clean:
-            return
-        if self.rank == 0:
-            self._event(
-                EventName.REPLICA_DIVERGED,
-                step=self.step,
-                odd=list(verdict.odd),
-                undecided=[list(g) for g in verdict.undecided],
-            )
-        if verdict.undecided:
-            self._fatal(
-                f"replicas {[list(g) for g in verdict.undecided]} hold different state at step {self.step} and no "
-                "majority says which is right: a faulty device; restart from a checkpoint"
-            )
-        if self.rank in verdict.odd:
-            raise RuntimeError(
-                f"resild: rank {self.rank}'s state diverged from its replicas at step {self.step} (fingerprints "
-                "differ): a faulty device; this node leaves and a spare takes its ranks"
-            )
 
     def close(self) -> None:
         if self.link is not None:

@@ -1,0 +1,306 @@
+"""Redundancy beyond replicas, one part behind the `Job` facade: peer-memory snapshots
+and rollback, resild's own disk checkpoints, and replicas' fingerprints.
+
+The facade calls it at fixed points of the step and the recovery:
+
+  attach        -> setup()              groups of their own, formed like the mesh's
+  commit        -> before_write(), after_commit()   (the vote itself carries the
+                   snapshot exchange's state; see snapshot_manager)
+  recovery      -> abandon() at the start, formed() once the epoch's groups exist,
+                   before_write() before the live state changes, without_replica()
+                   when replay has no source, after_join() at the end
+  end of job    -> before_done()
+
+Order of sources when a lost rank's state has no live replica: a snapshot rollback,
+then the newest complete disk checkpoint, then a one-line stop.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from launcher.worker.commit import CommitProtocol
+from launcher.worker.disk_checkpoint import DiskCheckpointer
+from launcher.worker.fingerprint import fingerprint, judge
+from launcher.worker.recovery import Recovery
+from launcher.worker.replica_map import ReplicaMap
+from launcher.worker.rollback import rollback
+from launcher.worker.snapshot_exchange import Exchanger
+from launcher.worker.snapshot_manager import SnapshotManager
+from launcher.worker.snapshot_stage import DeviceStager
+from launcher.worker.snapshots import NoSnapshot, PlacementError, SnapshotStore, check_placement
+from launcher.worker.stable_group import StableGroup
+from launcher.worker.state_transport import Received
+from launcher.worker.step_state import StepState
+from launcher.worker.train_state import TrainState
+from resild.events.schema import EventName
+from resild.wire.settings import WorkerRedundancy
+
+
+class RedundancyError(RuntimeError):
+    """A setting the job cannot honour (the message names the fix)."""
+
+
+class Redundancy:
+    def __init__(
+        self,
+        settings: WorkerRedundancy,
+        rank: int,
+        world_size: int,
+        per_node: int,
+        device: torch.device,
+        rec: Recovery,
+        emit: Callable[..., None],
+        fatal: Callable[[str], NoReturn],
+    ) -> None:
+        self.settings, self.rank, self.world_size, self.per_node = settings, rank, world_size, per_node
+        self.device, self.rec, self.emit, self.fatal = device, rec, emit, fatal
+        self.snap: SnapshotManager | None = None
+        self.ckpt: DiskCheckpointer | None = None
+        self.copies = 0
+        self._ckpt_group: StableGroup | None = None
+        self.state: TrainState | None = None
+        self.steps: StepState | None = None
+
+    # ---- set-up ----------------------------------------------------------------------
+    def setup(
+        self,
+        state: TrainState,
+        steps: StepState,
+        protocol: CommitProtocol,
+        replicas: ReplicaMap,
+        new_group: Callable[[str], StableGroup],
+    ) -> None:
+        """`new_group(label)`: a gloo StableGroup of every rank, registered and formed."""
+        self.state, self.steps = state, steps
+        self._setup_snapshots(protocol, replicas, new_group)
+        self._setup_checkpoints(new_group)
+
+    def _setup_snapshots(
+        self, protocol: CommitProtocol, replicas: ReplicaMap, new_group: Callable[[str], StableGroup]
+    ) -> None:
+        has_replicas = all(len(g) > 1 for g in replicas.groups)
+        nodes = self.world_size // self.per_node
+        copies = self.settings.copies(has_replicas, nodes)
+        if copies <= 0:
+            if not has_replicas and self.rank == 0:
+                asked = self.settings.snapshot_copies
+                print(
+                    "resild: no rank's state has a replica and no snapshot copies are kept "
+                    f"(--snapshot-copies {asked if asked >= 0 else 'auto'}, {nodes} node(s)): "
+                    "losing a node will stop the job",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
+        try:
+            check_placement(self.world_size, self.per_node, copies)
+        except PlacementError as e:
+            raise RedundancyError(str(e)) from None
+        g = new_group("resild-snapshot")
+        store = SnapshotStore(self.rank)
+        exchanger = Exchanger(store, g, self.rank, self.world_size, self.per_node, copies)
+        stager = DeviceStager(self.device) if self.device.type == "cuda" else None
+        self.snap = SnapshotManager(store, exchanger, self.settings.snapshot_every, protocol.snapshot, stager)
+        self.copies = copies
+        protocol.snap = self.snap
+
+    def _setup_checkpoints(self, new_group: Callable[[str], StableGroup]) -> None:
+        """DCP's collectives run in the writer thread: a group of their own."""
+        s = self.settings
+        if not s.checkpoint_dir:
+            return
+        g = self._ckpt_group = new_group("resild-checkpoint")
+        self.ckpt = DiskCheckpointer(
+            Path(s.checkpoint_dir), s.checkpoint_every, self.rank, self.world_size, g, keep=2, intr=g._intr
+        )
+
+    # ---- the step -----------------------------------------------------------------------
+    def before_write(self) -> None:
+        """The live state is about to change: a device copy still reading it finishes first."""
+        if self.snap is not None:
+            self.snap.before_write()
+
+    def after_commit(self, step: int, replicas: Callable[[], ReplicaMap], group: StableGroup) -> None:
+        every = self.settings.fingerprint_every
+        if every and step % every == 0:
+            self._compare_replicas(step, replicas(), group)
+        if self.ckpt is not None and self.state is not None and self.steps is not None and self.ckpt.due(step):
+            self.ckpt.save(step, self.state, self.steps.committed_aux)
+
+    def corrupt(self) -> None:
+        """Fault injection: this node's memory damages every snapshot copy it holds."""
+        if self.snap is not None:
+            self.snap.store.corrupt_now()
+
+    def nudge(self) -> None:
+        """Fault injection: what a GPU computing wrong numbers leaves behind."""
+        assert self.state is not None
+        p = next(iter(self.state.model.parameters()))
+        with torch.no_grad():
+            (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += 1e-3
+
+    def _compare_replicas(self, step: int, replicas: ReplicaMap, group: StableGroup) -> None:
+        """Every rank's state fingerprint in one all-reduce; a rank its replicas outvote
+        leaves (its node is replaced and the state replayed from them)."""
+        assert self.state is not None
+        vals = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        vals[self.rank] = fingerprint(self.state.snapshot(step))
+        group.allreduce([vals]).wait()
+        if group._intr.error is not None:
+            return  # the epoch is failing: the next vote finds out
+        verdict = judge(vals.cpu().tolist(), replicas.groups)
+        if verdict.clean:
+            return
+        if self.rank == 0:
+            self.emit(
+                EventName.REPLICA_DIVERGED,
+                step=step,
+                odd=list(verdict.odd),
+                undecided=[list(g) for g in verdict.undecided],
+            )
+        if verdict.undecided:
+            self.fatal(
+                f"replicas {[list(g) for g in verdict.undecided]} hold different state at step {step} and no "
+                "majority says which is right: a faulty device; restart from a checkpoint"
+            )
+        if self.rank in verdict.odd:
+            raise RuntimeError(
+                f"resild: rank {self.rank}'s state diverged from its replicas at step {step} (fingerprints "
+                "differ): a faulty device; this node leaves and a spare takes its ranks"
+            )
+
+    # ---- recovery -----------------------------------------------------------------------
+    def abandon(self) -> None:
+        """A recovery begins: snapshot exchanges and checkpoint writes in flight belong to
+        the failed epoch (the checkpoint's collectives are released)."""
+        if self.snap is not None:
+            self.snap.abandon()
+        if self.ckpt is not None and self._ckpt_group is not None:
+            self.ckpt.abandon()
+            self._ckpt_group._intr.fail("a new epoch")
+
+    def formed(self) -> None:
+        """The new epoch's groups exist: a new generation, the abandoned save never completes."""
+        if self._ckpt_group is not None:
+            self._ckpt_group._intr.clear()
+
+    def without_replica(self, newest: int, why: str) -> tuple[int, Received | None, str]:
+        """No replica holds some lost rank's state: roll back to peer-memory snapshots,
+        else load resild's newest disk checkpoint, else stop."""
+        if self.snap is not None:
+            try:
+                target, got = self._rollback(newest)
+                return target, got, "snapshot"
+            except NoSnapshot as e:
+                why = f"{why.split(': checkpointless')[0]}; {e}"
+        if self.ckpt is not None:
+            return self.load_checkpoint(why), None, "checkpoint"
+        if self.snap is not None:
+            why += ": checkpointless recovery is impossible; restart from a disk checkpoint"
+        self.fatal(why)
+
+    def _rollback(self, newest: int) -> tuple[int, Received | None]:
+        """Every rank goes back to the newest snapshot complete for all: its own copy, or
+        one fetched from a holder on another node."""
+        snap, steps = self.snap, self.steps
+        assert snap is not None and steps is not None
+        t0 = time.monotonic()
+        try:
+            step, frozen, plan, damaged = rollback(
+                self.rec.groups["world"]._inner,
+                lambda w: self.rec.wait(w, p2p=True),
+                snap.store,
+                self.rank,
+                self.world_size,
+                newest,
+                2 * (1 + self.copies) + 2,
+                attempts=1 + self.copies,
+            )
+        finally:
+            for src, s in snap.store.corrupt_found:
+                self.emit(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=self.rank, found="verify")
+            snap.store.corrupt_found.clear()
+        if self.rank == 0:
+            for holder, src, s in damaged:
+                self.emit(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=holder, found="transfer")
+            self.emit(EventName.ROLLED_BACK, step=step, newest=newest, steps_redone=newest - step, fetches=len(plan))
+        if frozen is not None:
+            state, aux = frozen.thaw()
+            holder = next(f.holder for f in plan if f.src == self.rank)
+            return step, Received(state, aux, frozen.nbytes, [holder], time.monotonic() - t0)
+        if steps.step == step:
+            return step, None  # the live state is that step: only the aux rewinds
+        own = snap.store.get(self.rank, step)
+        assert own is not None
+        state, aux = own.thaw()
+        return step, Received(state, aux, 0, [self.rank], time.monotonic() - t0)
+
+    def saved_step(self) -> int | None:
+        """The newest complete checkpoint as every rank sees it (one all-reduce: a rank
+        with a stale listing must not leave the others in DCP's collectives alone)."""
+        if self.ckpt is None:
+            return None
+        mine = self.ckpt.newest_complete()
+        seen = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        seen[self.rank] = (mine if mine is not None else -1) + 1
+        self.rec.wait(self.rec.groups["world"]._inner.allreduce([seen]))
+        views = set(seen.cpu().tolist())
+        if len(views) > 1:
+            self.fatal(
+                f"ranks see different newest checkpoints in {self.ckpt.directory} (steps "
+                f"{sorted(v - 1 for v in views)}): --checkpoint-dir must be one shared file system"
+            )
+        step = views.pop() - 1
+        return step if step >= 0 else None
+
+    def load_checkpoint(self, why: str) -> int:
+        """Every rank loads the newest complete checkpoint in-process (no restart), or
+        the job stops with one line."""
+        ck, state, steps = self.ckpt, self.state, self.steps
+        assert ck is not None and state is not None and steps is not None
+        step = self.saved_step()
+        if step is None:
+            self.fatal(f"{why}; and no complete checkpoint in {ck.directory} yet")
+        t0 = time.monotonic()
+        aux = ck.load(step, state)
+        state.rewind_aux(aux if aux else steps.committed_aux)
+        steps.replayed(step, state.capture_aux())
+        state.reset_hooks(aux.get("ddp_buckets") if aux else None)
+        took = time.monotonic() - t0
+        print(f"resild: rank {self.rank} loaded checkpoint step {step} in {took:.3f}s", file=sys.stderr, flush=True)
+        if self.rank == 0:
+            self.emit(EventName.CHECKPOINT_LOADED, step=step, seconds=round(took, 4), why=why[:300])
+        return step
+
+    def after_join(self, target: int) -> None:
+        if self.snap is not None:
+            self.snap.after_recovery(target)
+            if target == 0:  # the start (or a fault before the first commit): protect the initial state
+                self.snap.after_commit(0, vote=1)
+
+    # ---- the end -------------------------------------------------------------------------
+    def before_done(self, timeout_s: float) -> str | None:
+        """Report what snapshots cost this rank (bench/snapshots.py reads it), and let the
+        last checkpoint finish. -> a warning, if it did not."""
+        if self.snap is not None:
+            s = self.snap
+            self.emit(
+                EventName.SNAPSHOTS,
+                copies=self.copies,
+                every=s.cadence.every,
+                taken=s.taken,
+                skipped=s.skipped,
+                capture_s=round(s.capture_s, 4),
+                exchange_s=round(s.exchanger.last_s, 4),
+                held_bytes=s.store.nbytes,
+            )
+        if self.ckpt is not None and not self.ckpt.wait(timeout_s):
+            return "the last disk checkpoint did not finish before the end of the job"
+        return None
