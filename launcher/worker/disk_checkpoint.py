@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from launcher.worker.stable_group import Interrupts
 from launcher.worker.state_codec import flatten, unflatten
+from launcher.worker.torch_private import dtensor_like
 from launcher.worker.train_state import TrainState
 
 try:
@@ -206,10 +207,9 @@ def _replicated_state(train: TrainState) -> dict[str, Any]:
 def _stage(t: torch.Tensor) -> torch.Tensor:
     """A host copy the next optimizer step cannot change. A DTensor stays a DTensor (DCP
     needs its placement to reshard); DTensor.from_local would move the copy back to the
-    mesh's device, so the copy is wrapped with the original's spec (private: _spec)."""
+    mesh's device, so the copy is wrapped with the original's spec (torch_private)."""
     if isinstance(t, DTensor):
-        local = t.to_local().detach().to("cpu", copy=True)
-        return DTensor(local, t._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        return dtensor_like(t, t.to_local().detach().to("cpu", copy=True))
     return t.detach().to("cpu", copy=True)
 
 

@@ -335,3 +335,16 @@ def prewarm_lazy_imports() -> None:
         import torch._dynamo  # noqa: F401
     except Exception:  # a warm-up only
         pass
+
+
+# ---- DTensor ---------------------------------------------------------------------------
+def dtensor_like(t: Any, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor with `t`'s mesh, placements and global shape around `local`, wherever
+    `local` lives. torch 2.13: `DTensor(local, spec, requires_grad=...)` with the private
+    `_spec`; `DTensor.from_local` would move `local` to the mesh's device (a host copy for
+    a checkpoint must stay on the host). If this changes, disk checkpoints of FSDP2 state
+    fail at their first save (tests/launcher/worker/test_disk_checkpoint.py)."""
+    from torch.distributed.tensor import DTensor
+
+    out: torch.Tensor = DTensor(local, t._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    return out
