@@ -276,6 +276,11 @@ def main(
     n = nodes or 3
     if spares >= n:
         raise click.UsageError(f"--spares {spares} leaves no active node out of --nodes {n}")
+    if snapshot_copies > 0 and snapshot_copies >= n - spares:
+        raise click.UsageError(
+            f"--snapshot-copies {snapshot_copies} needs at least {snapshot_copies + 1} active nodes "
+            f"(each copy on another node); --nodes {n} --spares {spares} leaves {n - spares}"
+        )
     names = [f"local-node{i}" for i in range(n)]
     try:
         faults = _resolve_faults(inject, names)

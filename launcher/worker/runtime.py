@@ -266,7 +266,7 @@ class Job:
         try:
             red.setup(self.state, self.steps_state, self._protocol, self._replica_map(), self._host_group)
         except RedundancyError as e:
-            raise ResilienceError(str(e)) from None
+            self._fatal(str(e))  # every rank computes the same: stop the job, do not burn spares on it
 
     def _host_group(self, label: str) -> StableGroup:
         """A gloo group of every rank for host-memory traffic (snapshots, checkpoints), formed now."""

@@ -174,3 +174,11 @@ def test_resil_run_as_a_command_refuses_bad_copies_without_a_traceback() -> None
     )
     assert r.returncode == 2, r.stderr
     assert "'x' is neither a whole number nor 'auto'" in one_error_line(r.stderr)
+
+
+def test_more_copies_than_other_active_nodes_is_a_usage_error_before_anything_starts() -> None:
+    r = CliRunner().invoke(
+        cli.main, ["--local", "--nodes", "3", "--spares", "1", "--snapshot-copies", "2", "--", "true"]
+    )
+    assert r.exit_code == 2, r.output
+    assert "needs at least 3 active nodes" in r.output and "Traceback" not in r.output
