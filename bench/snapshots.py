@@ -552,17 +552,28 @@ def torchrun_fault_run(
     return res
 
 
-def recovery(args: argparse.Namespace, base: Path, say) -> dict:
-    rs, tr = [], []
+def side_by_side(
+    part: str, args: argparse.Namespace, base: Path, say, runs: dict[str, Any], what: dict[str, str]
+) -> tuple[list[dict], list[dict]]:
+    """`args.fault_runs` runs of each side, ABBA-ordered (resild, torchrun, torchrun, resild, ...)
+    so a drift in the machine's load hits both alike; `runs[side](workdir)` runs one."""
+    out: dict[str, list[dict]] = {"resild": [], "torchrun": []}
     for i in range(args.fault_runs):
-        order = ("resild", "torchrun") if i % 2 == 0 else ("torchrun", "resild")
-        for side in order:
-            say(f"recovery: run {i + 1}/{args.fault_runs}, {side}, kill at step {args.kill_at} ...")
-            wd = base / "recovery" / f"{side}-{i + 1}"
-            if side == "resild":
-                rs.append({"run": i + 1, **resild_fault_run(args, wd)})
-            else:
-                tr.append({"run": i + 1, **torchrun_fault_run(args, wd)})
+        for side in ("resild", "torchrun") if i % 2 == 0 else ("torchrun", "resild"):
+            say(f"{part}: run {i + 1}/{args.fault_runs}, {side}, {what[side]} at step {args.kill_at} ...")
+            out[side].append({"run": i + 1, **runs[side](base / part / f"{side}-{i + 1}")})
+    return out["resild"], out["torchrun"]
+
+
+def recovery(args: argparse.Namespace, base: Path, say) -> dict:
+    rs, tr = side_by_side(
+        "recovery",
+        args,
+        base,
+        say,
+        {"resild": lambda wd: resild_fault_run(args, wd), "torchrun": lambda wd: torchrun_fault_run(args, wd)},
+        {"resild": "kill", "torchrun": "kill"},
+    )
     return {"resild": rs, "torchrun": tr, "summary": summarize_recovery(rs, tr)}
 
 
@@ -610,17 +621,17 @@ def resild_fallback_run(args: argparse.Namespace, workdir: Path) -> dict:
 
 
 def fallback(args: argparse.Namespace, base: Path, say) -> dict:
-    rs, tr = [], []
-    for i in range(args.fault_runs):
-        order = ("resild", "torchrun") if i % 2 == 0 else ("torchrun", "resild")
-        for side in order:
-            what = "node0 and node1 lost" if side == "resild" else f"rank {FALLBACK_KILL_RANK} killed"
-            say(f"fallback: run {i + 1}/{args.fault_runs}, {side}, {what} at step {args.kill_at} ...")
-            wd = base / "fallback" / f"{side}-{i + 1}"
-            if side == "resild":
-                rs.append({"run": i + 1, **resild_fallback_run(args, wd)})
-            else:
-                tr.append({"run": i + 1, **torchrun_fault_run(args, wd, FALLBACK_NPROC, FALLBACK_KILL_RANK)})
+    rs, tr = side_by_side(
+        "fallback",
+        args,
+        base,
+        say,
+        {
+            "resild": lambda wd: resild_fallback_run(args, wd),
+            "torchrun": lambda wd: torchrun_fault_run(args, wd, FALLBACK_NPROC, FALLBACK_KILL_RANK),
+        },
+        {"resild": "node0 and node1 lost", "torchrun": f"rank {FALLBACK_KILL_RANK} killed"},
+    )
     return {"resild": rs, "torchrun": tr, "summary": summarize_fallback(rs, tr)}
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from launcher.worker.state_transport import checksum
+from launcher.worker.state_codec import checksum
 from launcher.worker.train_state import to_local
 
 MASK = 0x7FFFFFFFFFFFFFFF

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from launcher.worker.snapshots import Frozen
-from launcher.worker.state_codec import skeleton
+from launcher.worker.snapshots import Frozen, Layout
 
 
 class DeviceStager:
@@ -38,35 +37,23 @@ class DeviceStager:
 
     def capture(self, step: int, src: int, state: Any, aux: Any, busy: set[int]) -> Frozen:
         """`busy`: data_ptr()s of the buffers kept snapshots still use."""
-        skel, tensors = skeleton(state)
-        askel, atensors = skeleton(aux)
-        head = [
-            torch.frombuffer(bytearray(skel), dtype=torch.uint8),
-            torch.frombuffer(bytearray(askel), dtype=torch.uint8) if askel else torch.empty(0, dtype=torch.uint8),
-            *[t.detach().contiguous().reshape(-1).view(torch.uint8).cpu() for t in atensors],  # RNG: small, host
-        ]
-        body = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-        n_abuf = sum(x.numel() for x in head[2:])
-        n = sum(x.numel() for x in head) + sum(x.numel() for x in body)
-        buf = self._buffer(n, busy)[:n]
-        off = 0
-        for x in head:
-            buf[off : off + x.numel()].copy_(x)
-            off += x.numel()
+        lay = Layout.of(state, aux)
+        buf = self._buffer(lay.nbytes, busy)[: lay.nbytes]
+        off = lay.write_head(buf)
         after_step = torch.cuda.Event()  # type: ignore[no-untyped-call]
         after_step.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(after_step)
-            for x in body:
+            for x in lay.body:
                 buf[off : off + x.numel()].copy_(x, non_blocking=x.is_cuda)
                 off += x.numel()
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self.stream)
-        for x in body:  # the caching allocator must not reuse these before the copy read them
+        for x in lay.body:  # the caching allocator must not reuse these before the copy read them
             if x.is_cuda:
                 x.record_stream(self.stream)
         self._done = done
-        return Frozen(step, src, len(skel), len(askel), n_abuf, buf, ready=done)
+        return lay.frozen(step, src, buf, ready=done)
 
     def before_write(self) -> None:
         """The live state is about to change (optimizer step, restore): wait for the copy."""

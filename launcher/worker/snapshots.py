@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from launcher.worker.state_codec import skeleton, unflatten
+from launcher.worker.state_codec import checksum, skeleton, unflatten
 
 HEADER_LEN = 7  # step, crc, skeleton bytes, aux skeleton bytes, aux buffer bytes, state buffer bytes, source rank
 
@@ -59,8 +58,44 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def crc32(buf: torch.Tensor) -> int:
-    return zlib.crc32(buf.numpy().data) if buf.numel() else 0
+@dataclass
+class Layout:
+    """Where each part of a snapshot goes in its payload: [skeleton | aux skeleton | aux
+    tensors | state tensors]. The host parts (skeletons, RNG) are small; `body` holds the
+    state's tensors as bytes, where they lie (the CPU and GPU captures copy them their way)."""
+
+    skel: bytes
+    askel: bytes
+    head: list[torch.Tensor]  # uint8, host: skeleton, aux skeleton, aux tensors
+    n_abuf: int
+    body: list[torch.Tensor]  # uint8 views of the state's tensors
+
+    @staticmethod
+    def of(state: Any, aux: Any) -> Layout:
+        skel, tensors = skeleton(state)
+        askel, atensors = skeleton(aux)
+        abuf = [_bytes_of(t).cpu() for t in atensors]
+        head = [_bytes_tensor(skel), _bytes_tensor(askel), *abuf]
+        return Layout(skel, askel, head, sum(t.numel() for t in abuf), [_bytes_of(t) for t in tensors])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.head) + sum(t.numel() for t in self.body)
+
+    def write_head(self, payload: torch.Tensor) -> int:
+        """Copy the host parts to the front of `payload`; -> where the body starts."""
+        off = 0
+        for t in self.head:
+            payload[off : off + t.numel()].copy_(t)
+            off += t.numel()
+        return off
+
+    def frozen(self, step: int, src: int, payload: torch.Tensor, ready: Any = None) -> Frozen:
+        return Frozen(step, src, len(self.skel), len(self.askel), self.n_abuf, payload, ready=ready)
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass
@@ -80,22 +115,14 @@ class Frozen:
     @staticmethod
     def capture(step: int, src: int, state: Any, aux: Any) -> Frozen:
         """Copy now (the next optimizer step overwrites the live tensors); checksum later."""
-        skel, tensors = skeleton(state)
-        askel, atensors = skeleton(aux)
-        parts = [
-            torch.frombuffer(bytearray(skel), dtype=torch.uint8),
-            torch.frombuffer(bytearray(askel), dtype=torch.uint8) if askel else torch.empty(0, dtype=torch.uint8),
-            *[_bytes_of(t) for t in atensors],
-            *[_bytes_of(t) for t in tensors],
-        ]
-        n_abuf = sum(_bytes_of(t).numel() for t in atensors)
+        lay = Layout.of(state, aux)
         # One copy of each tensor, straight into the payload (flatten + cat would copy twice).
-        payload = torch.empty(sum(p.numel() for p in parts), dtype=torch.uint8)
-        off = 0
-        for p in parts:
+        payload = torch.empty(lay.nbytes, dtype=torch.uint8)
+        off = lay.write_head(payload)
+        for p in lay.body:
             payload[off : off + p.numel()].copy_(p)
             off += p.numel()
-        return Frozen(step, src, len(skel), len(askel), n_abuf, payload)
+        return lay.frozen(step, src, payload)
 
     @property
     def nbytes(self) -> int:
@@ -109,12 +136,12 @@ class Frozen:
     def seal(self) -> Frozen:
         self.wait_ready()
         if self.crc < 0:
-            self.crc = crc32(self.payload)
+            self.crc = checksum(self.payload)
         return self
 
     def verify(self) -> bool:
         self.wait_ready()
-        return self.crc >= 0 and crc32(self.payload) == self.crc
+        return self.crc >= 0 and checksum(self.payload) == self.crc
 
     def header(self) -> torch.Tensor:
         return torch.tensor(

@@ -17,24 +17,9 @@ from typing import Any, Protocol
 import torch
 
 from launcher.worker.replica_map import Transfer, slice_bounds
-from launcher.worker.state_codec import flatten, unflatten
+from launcher.worker.state_codec import checksum, flatten, unflatten
 
 H_TAG, SKEL_TAG, ASKEL_TAG, ABUF_TAG, SLICE_TAG, SUM_TAG = 1, 2, 3, 4, 5, 6
-
-
-def checksum(t: torch.Tensor) -> int:
-    """Of a uint8 buffer, where it lies: CRC-32 in host memory; on a GPU a position-weighted
-    sum of its 64-bit words (integer sums wrap alike in any order, so it is exact), which
-    needs no copy to the host."""
-    if t.device.type == "cpu":
-        import zlib
-
-        return zlib.crc32(t.numpy().data) if t.numel() else 0
-    n = t.numel()
-    pad = (-n) % 8
-    words = torch.cat([t, t.new_zeros(pad)]).view(torch.int64) if pad else t.view(torch.int64)
-    idx = torch.arange(1, words.numel() + 1, device=t.device, dtype=torch.int64)
-    return int((words.sum() + (words * idx).sum() + n).item()) & 0x7FFFFFFFFFFFFFFF
 
 
 @dataclass(frozen=True)
