@@ -43,7 +43,7 @@ class WaitMode(enum.Enum):
         by the communicator's abort, which the control thread issues when the epoch is
         interrupted (`Interrupts.on_fail`).
     SLICED (gloo collectives): the backend's own condition-variable wait, in slices of
-        1-10 ms; between slices the latched error is checked. A collective that completes
+        10-20 ms; between slices the latched error is checked. A collective that completes
         costs one backend wait: no thread hand-off, no polling.
     THREAD (gloo send/recv): a timed-out wait breaks gloo's pair, so these are waited on
         to the end in a pooled helper thread, and the rank waits on the helper or the epoch.
@@ -60,7 +60,10 @@ def wait_mode(backend_kind: str | None, p2p: bool) -> WaitMode:
     return WaitMode.THREAD if p2p else WaitMode.SLICED
 
 
-_FIRST_SLICE_S, _MAX_SLICE_S = 1e-3, 1e-2  # a hung gloo wait notices a new epoch within 10 ms
+# A timed-out backend wait raises a c10::Error (~0.2 ms: it captures a C++ backtrace), so
+# slices are long enough that a collective which completes rarely pays one, and short
+# enough that a hung wait notices a new epoch within 20 ms.
+_FIRST_SLICE_S, _MAX_SLICE_S = 1e-2, 2e-2
 _TIMED_OUT = "Operation timed out!"  # c10d Work::wait(timeout) when the timeout passes; nothing else is touched
 _waiters = ThreadPoolExecutor(max_workers=256, thread_name_prefix="resild-work")  # idle threads are reused
 
