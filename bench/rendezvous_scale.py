@@ -127,7 +127,8 @@ def epoch_result(parts: list[tuple[float, float, bytes, int, int]]) -> dict[str,
         "formation_s": last - first,
         "requests": n,
         "answered": len(lat_s),
-        "errors": sum(p[4] for p in parts),
+        "errors": sum(p[4] for p in parts),  # answered with an error
+        "unanswered": n - len(lat_s),  # never answered (dropped, or after its lane's error)
         "p50_ms": pct(0.50),
         "p99_ms": pct(0.99),
     }
@@ -165,7 +166,14 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
         ctl.result = JobResult(0, "bench over")
 
     threading.Thread(target=stopper, daemon=True).start()
-    ctl.run()
+    if os.environ.get("RESILD_BENCH_PROFILE"):  # where the controller's time goes (as controller_scale.py)
+        import cProfile
+
+        prof = cProfile.Profile(time.thread_time)  # CPU of this thread: wall time would count preemption
+        prof.runcall(ctl.run)
+        prof.dump_stats(os.environ["RESILD_BENCH_PROFILE"])
+    else:
+        ctl.run()
 
 
 # ---- resild: a load generator process -------------------------------------------------------
@@ -274,12 +282,12 @@ def resild_gen_main(
                 lat.append(t - t_sent)
                 t_last = t
                 if not b.get("ok"):
-                    errors += 1  # this lane stops: its next requests are counted as unanswered
+                    errors += 1  # this lane stops: its next requests count as unanswered
                     continue
                 pos[li] += 1
                 if pos[li] < len(lanes[li][1]):
                     send(li)
-        return t_first, t_last, lat.tobytes(), n_req, errors + len(inflight)
+        return t_first, t_last, lat.tobytes(), n_req, errors
 
     conn.send(("connected",))
     while True:
@@ -356,12 +364,13 @@ def tcp_client_main(port: int, lanes: list[list[int]], nproc: int, world: int, t
                 t = time.monotonic()
                 try:
                     stores[i].set(key, value) if op == "set" else stores[i].get(key)
-                except Exception:
+                except Exception:  # answered with an error (a timeout): this lane stops, as resild's does
+                    lat.append(time.monotonic() - t)
                     errors += 1
                     break
                 t_last = time.monotonic()
                 lat.append(t_last - t)
-            results[i] = (t_first, t_last, lat.tobytes(), len(ops), errors + len(ops) - len(lat))
+            results[i] = (t_first, t_last, lat.tobytes(), len(ops), errors)
             end.wait()
 
     conn.send(("ready",))
@@ -568,7 +577,7 @@ def run_n(n_nodes: int, pattern: str, a: argparse.Namespace, log: Callable[[str]
             runs[side.name].append(r)
             log(
                 f"  {side.name:>8} e{epoch}: {r['formation_s']:.3f}s, {r['requests']} requests, "
-                f"server cpu {r['server_cpu_s']:.2f}s, errors {r['errors']}"
+                f"server cpu {r['server_cpu_s']:.2f}s, errors {r['errors']}, unanswered {r['unanswered']}"
             )
     finally:
         stop.set()
@@ -592,10 +601,11 @@ def run_n(n_nodes: int, pattern: str, a: argparse.Namespace, log: Callable[[str]
                 "server_cpu_s": round(med["server_cpu_s"], 3),
                 "req_per_cpu_s": round(reqs / med["server_cpu_s"]) if med["server_cpu_s"] > 0 else None,
                 # resild: the controller's Python loop thread (the rest: zmq I/O and CURVE)
-                "server_main_cpu_s": round(med["server_main_cpu_s"], 3),
+                "server_main_cpu_s": round(med["server_main_cpu_s"], 3) if name == "resild" else None,
                 "p50_ms": round(med["p50_ms"], 2),
                 "p99_ms": round(med["p99_ms"], 2),
                 "errors": sum(r["errors"] for r in rs),
+                "unanswered": sum(r["unanswered"] for r in rs),  # all epochs together
                 "formation_all_s": [round(r["formation_s"], 3) for r in rs],
                 "gen_cpu_s": round(med["gen_cpu_s"], 2),  # the load generators' CPU (same cores)
                 "lanes_per_node": lpn,
@@ -668,7 +678,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['formation_s']:>11.3f} {r['req_per_s']!s:>6} {r['server_cpu_s']:>9.2f} "
                     f"{r['req_per_cpu_s']!s:>9} {r['p50_ms']:>7.1f} {r['p99_ms']:>8.1f}  "
                     f"({r['lanes_per_node']}, {r['gen_cpu_s']:.1f}, {r['load1']})"
-                    f"{'  ERRORS ' + str(r['errors']) if r['errors'] else ''}",
+                    f"{'  ERRORS ' + str(r['errors']) if r['errors'] else ''}"
+                    f"{'  UNANSWERED ' + str(r['unanswered']) if r['unanswered'] else ''}",
                     flush=True,
                 )
     except BenchError as e:
