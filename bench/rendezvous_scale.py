@@ -3,6 +3,7 @@
     python bench/rendezvous_scale.py                        # N = 250, 1000, 2000 x 8, a table
     python bench/rendezvous_scale.py --nodes 250 --json     # one JSON object per line, per N and side
     python bench/rendezvous_scale.py --nodes 0 --gloo-world-nodes 4,16   # the W^2 gloo world group
+    python bench/rendezvous_scale.py --nodes 2000 --sides resild --lanes-per-node 8   # a requester per rank
 
 resild side: the real controller (resild.controller.loop.Controller) in its own process,
 ROUTER + CURVE with one key per node, every node registered (REGISTER_NODE and P
@@ -28,8 +29,10 @@ Per N and side (ABBA: resild, tcp, tcp, resild, ...; medians of --repeats each):
 formation_s (first request sent -> last reply received), req_per_s (requests / formation_s),
 server_cpu_s (the store server process, all its threads: for resild the controller's loop,
 zmq I/O and CURVE; psutil), p50_ms / p99_ms (request sent -> its reply, as the requester
-sees it: a get that waited for its key counts that wait). Also the load generators' CPU
-(they share this machine's cores with the server) and the load average.
+sees it: a get that waited for its key counts that wait), errors (answered with one) and
+unanswered (never answered within --epoch-timeout: a STORE older than its 10-s TTL is
+dropped by the controller). Also the load generators' CPU (they share this machine's
+cores with the server) and the load average.
 """
 
 from __future__ import annotations
