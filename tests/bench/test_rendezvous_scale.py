@@ -1,0 +1,72 @@
+"""bench/rendezvous_scale.py, small: the schedule's request count, a two-node run against the
+real controller (no TCPStore side: torch's import would dominate), and the fd-limit error."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.rendezvous_scale import lane_ops, lane_ranks, lanes_per_node
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = str(REPO / "bench" / "rendezvous_scale.py")
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (str(REPO), os.environ.get("PYTHONPATH")) if x))
+
+
+def test_schedule_is_the_same_whatever_the_lanes() -> None:
+    nodes, nproc = 3, 8
+    for lpn in (1, 2, 8):
+        ops = [
+            op
+            for n in range(nodes)
+            for k in range(lpn)
+            for op in lane_ops(5, "nccl+node", lane_ranks(n, k, nproc, lpn), nproc, nodes * nproc)
+        ]
+        # rank 0's unique id, one address per rank; every rank gets the id and its 7 peers
+        assert len(ops) == 1 + nodes * nproc + nodes * nproc * nproc
+        assert all(key.startswith("resild/e5/") for _, key, _ in ops)
+    assert lanes_per_node(250, 8, 2000) == 8 and lanes_per_node(1000, 8, 2000) == 2
+    assert lanes_per_node(2000, 8, 2000) == 1
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_against_the_real_controller() -> None:
+    p = subprocess.run(
+        [sys.executable, SCRIPT, "--nodes", "2", "--repeats", "1", "--sides", "resild", "--json"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert len(lines) == 1, p.stdout[-3000:]
+    r = json.loads(lines[0])
+    assert (r["side"], r["nodes"], r["ranks"], r["requests"], r["errors"]) == ("resild", 2, 16, 145, 0)
+
+
+def test_too_low_fd_limit_is_one_line() -> None:
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    p = subprocess.run(
+        [sys.executable, SCRIPT, "--nodes", "1000"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=low,
+    )
+    assert p.returncode == 2
+    assert "Traceback" not in p.stderr and "ulimit -Hn" in p.stderr, p.stderr
