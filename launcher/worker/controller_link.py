@@ -48,7 +48,7 @@ class ControlLink:
         self.intr, self._status = intr, status
         self.ctx = zmq.Context()
         self._keys = keys
-        self._out: queue.Queue[tuple[MsgType, dict[str, Any]]] = queue.Queue()
+        self._out: queue.Queue[tuple[MsgType, dict[str, Any], float | None]] = queue.Queue()  # (type, body, ttl)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._stop = threading.Event()
@@ -87,7 +87,10 @@ class ControlLink:
                 self._repeat[mtype] = {"node": self.node, **body}
             else:
                 self._repeat.pop(mtype, None)
-        self._out.put((mtype, {"node": self.node, **body}))
+        self._enqueue(mtype, {"node": self.node, **body})
+
+    def _enqueue(self, mtype: MsgType, body: dict[str, Any], ttl_s: float | None = None) -> None:
+        self._out.put((mtype, body, ttl_s))
         os.write(self._wake_w, b"x")
 
     def request(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -99,7 +102,11 @@ class ControlLink:
             rid = self._req_next
             self._requests[rid] = slot
         try:
-            self.send(MsgType.STORE, id=rid, timeout_s=timeout_s, **body)
+            # Lives as long as its own timeout: a backlogged controller must still answer it
+            # (an expired frame is dropped unanswered, and the formation would wait it out).
+            self._enqueue(
+                MsgType.STORE, {"node": self.node, "id": rid, "timeout_s": timeout_s, **body}, timeout_s + 1.0
+            )
             if not slot[0].wait(timeout_s + 1.0):
                 raise TimeoutError(f"no answer from the controller to store {body.get('op')} in {timeout_s:.0f}s")
         finally:
@@ -204,13 +211,13 @@ class ControlLink:
     def _flush(self, ch: Any, relay: Any) -> None:
         while True:
             try:
-                mtype, body = self._out.get_nowait()
+                mtype, body, ttl_s = self._out.get_nowait()
             except queue.Empty:
                 return
             if mtype == MsgType.PROGRESS and relay is not None:
                 relay.send(mtype, body)
             else:
-                ch.send(mtype, body)
+                ch.send(mtype, body, ttl_s=ttl_s)
 
     def _report_wait(self, reported: bool) -> bool:
         blocked_s = self.intr.oldest_in_flight_s(time.monotonic())
@@ -235,8 +242,8 @@ class ControlLink:
             ch = self._ch
             if ch is not None and ch.follow(int(msg.body.get("term", 0)), int(msg.body.get("leader", 0))):
                 self._answer_requests(None)  # the new leader never saw them: the formation retries
-                for mtype, body in self._repeat.items():  # register again (its WELCOME names its store)
-                    self._out.put((mtype, body))
+                for mtype, body in self._repeat.items():  # register again
+                    self._out.put((mtype, body, None))
             return
         with self.intr.cond:
             if t == MsgType.WELCOME:
