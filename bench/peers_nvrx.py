@@ -116,6 +116,7 @@ COLS = (
     "to_reentry_s",
     "group_state_s",
     "first_step_s",
+    "restarts",
 )
 
 
@@ -215,17 +216,18 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> bool:
     return timed_out
 
 
-def analyze_nvrx(events: list[dict], active: int, restarted: dict) -> dict:
+def analyze_nvrx(events: list[dict], active: int, attempt_key: str) -> dict:
     """The metrics of ``peers_torchft.analyze_torchft``, for a job that never runs at reduced strength.
 
-    ``restarted`` selects the events of the recovered attempt (``{"iteration": 1}`` for the
-    in-process restart, ``{"restart_count": 1}`` for ft_launcher). Commits are told apart by
-    attempt, not by time: rank 0 may commit the step in flight a moment after the fault.
+    ``attempt_key`` numbers the attempts in the events (``iteration``: the in-process restart;
+    ``restart_count``: ft_launcher). Commits are told apart by attempt, not by time: rank 0 may
+    commit the step in flight a moment after the fault. A recovery that itself failed (a second
+    restart) is counted in ``restarts``; the phases describe the attempt that trained.
     """
-    res: dict = dict.fromkeys((*COLS, "steps_reduced", "steps", "copy_bytes"))
+    res: dict = dict.fromkeys((*COLS, "steps_reduced", "steps", "copy_bytes", "restarts"))
 
     def mine(e: dict) -> bool:
-        return all(e.get(k) == v for k, v in restarted.items())
+        return (e.get(attempt_key) or 0) >= 1
 
     steps = [e for e in events if e["event"] == "step" and e["rank"] == 0]
     if not steps:
@@ -255,8 +257,10 @@ def analyze_nvrx(events: list[dict], active: int, restarted: dict) -> dict:
     res["full_strength_s"] = full["t_wall"] - t_f if full else None
     res["steps_redone"] = max(0, max((e["step"] for e in before), default=0) - (after[0]["step"] - 1))
     res["lost_s"] = res["training_again_s"] + res["steps_redone"] * (st or 0.0)
-    entered = [e["t_wall"] for e in events if e["event"] in ("iteration_start", "start") and mine(e)]
-    resumed = [e for e in events if e["event"] == "resumed" and mine(e)]
+    won = after[0].get(attempt_key)
+    res["restarts"] = won
+    entered = [e["t_wall"] for e in events if e["event"] in ("iteration_start", "start") and e.get(attempt_key) == won]
+    resumed = [e for e in events if e["event"] == "resumed" and e.get(attempt_key) == won]
     if entered:
         res["to_reentry_s"] = max(entered) - t_f
     if resumed:
@@ -336,7 +340,7 @@ def run_inprocess(
         for log in logs:
             log.close()
         _kill_monitor_daemons(_read(events))
-    res = analyze_nvrx(_read(events), active, {"iteration": 1})
+    res = analyze_nvrx(_read(events), active, "iteration")
     res.update(
         system=f"NVRx in-process ({profile})",
         exit_codes=[p.returncode for p in procs],
@@ -393,7 +397,7 @@ def run_ftl(python: Path, profile: str, a: argparse.Namespace, workdir: Path) ->
     with open(workdir / "ft_launcher.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         timed_out = _wait_all([proc], a.timeout)
-    res = analyze_nvrx(_read(events), nproc, {"restart_count": 1})
+    res = analyze_nvrx(_read(events), nproc, "restart_count")
     res.update(
         system=f"NVRx ft_launcher ({profile})",
         exit_codes=[proc.returncode],
@@ -413,15 +417,17 @@ def run_resild_side(a: argparse.Namespace, workdir: Path) -> dict:
     hang = a.hang_timeout if a.fault == "hang" else None
     r = run_resild(2 * ppn, ppn, a.steps, a.kill_at, workdir, a.timeout, fault=a.fault, hang_timeout_s=hang)
     parts = [r.get(k) for k in ("detect_s", "fence_s", "announce_s", "notify_s")]
-    total = r.get("total_s")
+    total, redone = r.get("total_s"), r.get("steps_redone")
     return {
         "system": "resild (1 hot spare)",
         # the spare holds exactly the failed node's ranks: back to training = back to full strength
         "training_again_s": total,
         "full_strength_s": total,
         "steps_reduced": 0,
-        "steps_redone": r.get("steps_redone"),
-        "lost_s": total + (r.get("steps_redone") or 0) * (r.get("step_time_s") or 0.0) if total is not None else None,
+        # -1: the step in flight was committed before the group re-formed; nothing was redone
+        "steps_redone": max(0, redone) if redone is not None else None,
+        "lost_s": total + max(0, redone or 0) * (r.get("step_time_s") or 0.0) if total is not None else None,
+        "restarts": 1 if total is not None else None,
         "goodput": r.get("goodput"),
         "step_time_s": r.get("step_time_s"),
         "to_reentry_s": sum(x for x in parts if x is not None) if None not in parts else None,
