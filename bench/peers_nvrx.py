@@ -67,6 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
@@ -79,6 +80,9 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "bench" / "nvrx_train.py"
 DEFAULT_VENV = REPO / ".venv-nvrx"
 NVRX_VERSION = "0.4.1"
+#: seconds a job may take to exit once training is done before it is killed (NVRx 0.4.1's
+#: termination barrier sometimes crashes on a malformed store value and leaves a rank waiting)
+EXIT_GRACE_S = 30.0
 
 #: ft_launcher settings. "documented": its defaults (monitor interval 0.1 s, workload check 5 s,
 #: heartbeat timeouts 60 / 45 min, NIC monitor on) with recovery.py's torchrun gloo timeout;
@@ -201,19 +205,30 @@ def _kill_monitor_daemons(events: list[dict]) -> None:
                 pass
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> bool:
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float, finished: Callable[[], bool] | None = None) -> str:
+    """Wait for ``procs``; kill what is left at the deadline, or EXIT_GRACE_S after ``finished()``.
+
+    Returns "" (all exited), "timed out", or "hung at exit" (training done, a process stuck).
+    """
     deadline = time.monotonic() + timeout_s
-    timed_out = False
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
+    done_at: float | None = None
+    outcome = ""
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if now > deadline:
+            outcome = "timed out"
+            break
+        if finished is not None and done_at is None and finished():
+            done_at = now
+        if done_at is not None and now - done_at > EXIT_GRACE_S:
+            outcome = "hung at exit"
+            break
+        time.sleep(0.2)
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    return timed_out
+    return outcome
 
 
 def analyze_nvrx(events: list[dict], active: int, attempt_key: str) -> dict:
@@ -331,7 +346,11 @@ def run_inprocess(
             procs.append(
                 subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )
-        timed_out = _wait_all(procs, a.timeout)
+
+        def finished() -> bool:
+            return sum(1 for e in read_events(events) if e["event"] == "done") >= active
+
+        outcome = _wait_all(procs, a.timeout, finished)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -344,7 +363,8 @@ def run_inprocess(
     res.update(
         system=f"NVRx in-process ({profile})",
         exit_codes=[p.returncode for p in procs],
-        timed_out=timed_out,
+        timed_out=outcome == "timed out",
+        exit_problem=outcome or None,
         wall_s=time.time() - t0,
         workdir=str(workdir),
         settings=INPROCESS_PROFILES[profile],
@@ -396,12 +416,13 @@ def run_ftl(python: Path, profile: str, a: argparse.Namespace, workdir: Path) ->
     t0 = time.time()
     with open(workdir / "ft_launcher.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        timed_out = _wait_all([proc], a.timeout)
+        outcome = _wait_all([proc], a.timeout)
     res = analyze_nvrx(_read(events), nproc, "restart_count")
     res.update(
         system=f"NVRx ft_launcher ({profile})",
         exit_codes=[proc.returncode],
-        timed_out=timed_out,
+        timed_out=outcome == "timed out",
+        exit_problem=outcome or None,
         wall_s=time.time() - t0,
         workdir=str(workdir),
         settings=prof,
@@ -550,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['system']:<30}{r['run']:>4}"
             + "".join(f"{_fmt(r.get(c)):>17}" for c in COLS)
             + f"{','.join(map(str, r.get('exit_codes') or [])):>18}"
-            + (" TIMED OUT" if r.get("timed_out") else "")
+            + (f" {r['exit_problem'].upper()}" if r.get("exit_problem") else "")
         )
     for s, q in ratios.items():
         print(
