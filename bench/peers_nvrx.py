@@ -17,9 +17,17 @@ Three systems (the NVRx workers are ``bench/nvrx_train.py``, run by the NVRx ven
   rank monitors; a restart respawns every rank, which reloads a disk checkpoint written every
   ``--ckpt-every`` steps.
 
-Each NVRx side runs with two profiles (PROFILES below, and ``nvrx_train.INPROCESS_PROFILES``):
+Each NVRx side runs with two profiles (``FTL_PROFILES`` below, ``nvrx_train.INPROCESS_PROFILES``):
 "documented" (its defaults and its examples' values) and "tuned" (every timeout and interval as
 low as a healthy run here allows).
+
+``--fault hang`` (SIGSTOP): resild finds it with ``--hang-timeout`` (2 s). The in-process
+Wrapper: the stopped rank's monitor process sees no progress, ``soft_timeout`` asks for a restart
+and ``hard_timeout`` (+ ``termination_grace_time``) kills the rank. ft_launcher: its rank
+monitors kill a rank after ``rank_heartbeat_timeout``; that is 45 min by default, so in the
+"documented" profile the survivors' gloo timeout (60 s, ``bench/recovery.py``'s torchrun value;
+torch's own default is 30 min) ends the hang, then the launcher waits its 30 s workers-stop
+timeout for the stopped rank before it restarts.
 
 Measured for each, as in ``peers_torchft.py`` (wall clock, one machine): fault → training again
 (first step committed after the fault), fault → full strength (first step committed by 4 ranks;
@@ -40,8 +48,8 @@ Setting up the NVRx venv (``python bench/peers_nvrx.py --setup`` does this)::
     .venv-nvrx/bin/pip install nvidia-resiliency-ext==0.4.1  # its deps are pure Python (psutil,
                                                              # pyyaml, pynvml, nvidia-ml-py, ...)
 
-0.4.1 is the newest NVRx with a wheel that installs here (newer wheels need a newer glibc than
-Debian 12's 2.36). Without a GPU, both parts run: the Wrapper's abort calls
+0.4.1 is the newest NVRx that pip installs here (CPython 3.11, glibc 2.36): it finds no 0.5 or
+later wheel for this platform. Without a GPU, both parts run: the Wrapper's abort calls
 ``destroy_process_group`` (its NCCL-only abort is skipped for gloo) and ``CudaHealthCheck`` is a
 no-op; ft_launcher's rank monitors log that NVML is missing (GPU health checks disabled) and
 that /sys/class/infiniband is absent (NIC monitor), and go on. What does not carry over from
