@@ -53,7 +53,8 @@ REPO = Path(__file__).resolve().parents[1]
 #: heartbeat timeout only catches a rank whose monitor process died too (a lost node), and is left
 #: at its default: at 1 s and at 5 s it flagged healthy ranks at an iteration's start under load,
 #: and that path crashes every rank in 0.4.1 (its sibling monitor passes ``get_initial_ranks``'
-#: bytes to the termination barrier, which then fails to parse "b'5'"; unchanged up to 0.6.0). Soft/hard progress timeouts at 2/3 s restarted a
+#: bytes to the termination barrier, which then fails to parse "b'5'"; unchanged up to 0.6.0). The
+#: barrier timeouts (above it, as the constructor requires) cost nothing on the recovery path. Soft/hard progress timeouts at 2/3 s restarted a
 #: healthy job at start-up under a load average of 15 (a main thread blocked > 2 s): 5/8 s.
 INPROCESS_PROFILES: dict[str, dict[str, float]] = {
     "documented": dict(
@@ -78,8 +79,8 @@ INPROCESS_PROFILES: dict[str, dict[str, float]] = {
         soft_timeout=5.0,
         hard_timeout=8.0,
         heartbeat_timeout=30.0,
-        barrier_timeout=30.0,
-        completion_timeout=30.0,
+        barrier_timeout=60.0,
+        completion_timeout=60.0,
         last_call_wait=0.05,
         termination_grace_time=0.0,
         gloo_timeout=1.0,
