@@ -17,16 +17,17 @@ Paths, timed on the receiver from a barrier to the last byte usable:
   CRC, header round trip, receive, CRC, unflatten clones), kept here to compare.
 - ``loopback``: the yardstick, a plain gloo send/recv of the same number of bytes into a
   buffer reused across runs (warm), split over the same sources, no checksum.
-- ``loopback_fresh`` (optional): the same into a freshly allocated buffer, which a
-  replay must fill (page faults: what a spare pays for memory it never touched).
+- ``loopback_fresh``: the same into a freshly allocated buffer, as a replay must fill
+  (page faults: what a spare pays for memory it never touched; on a VM that hands freed
+  pages back to its host, that is most of a large copy's time).
 
 Runs alternate ABBA (A B C, C B A, ...), ``--runs`` of each; ``ratio`` = loopback
 seconds / path seconds (bandwidth of the path / loopback bandwidth), of the medians and
 the median of each run pair; ``cpu_s``: CPU seconds of every process of the case (all
 their threads, gloo's included), median per run, which a busy machine disturbs less. The receiver's state is checked bitwise once per path.
-By default the processes run with ``MALLOC_MMAP_THRESHOLD_=65536``, so every receive
-of 64 KB or more gets fresh pages as in a spare that never held this state; with
-``--warm-heap`` glibc keeps recycling the previous run's memory (optimistic).
+By default the processes set glibc's mmap threshold to 64 KB (``cold_heap``), so every
+receive of 64 KB or more gets fresh pages as in a spare that never held this state;
+with ``--warm-heap`` glibc keeps recycling the previous run's memory (optimistic).
 
 Usage::
 
@@ -40,9 +41,9 @@ Nothing here asserts on timings: it reports what it measured.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
-import os
 import random
 import statistics
 import sys
@@ -63,7 +64,7 @@ from launcher.worker.state_codec import checksum, flatten, unflatten
 from launcher.worker.state_transport import P2PTransport, Received
 
 PATHS = ("loopback", "direct", "flat", "loopback_fresh")
-DEFAULT_PATHS = ("loopback", "direct", "flat")
+DEFAULT_PATHS = ("loopback", "loopback_fresh", "direct", "flat")
 
 
 # ---- the state ---------------------------------------------------------------------------
@@ -213,9 +214,21 @@ class FlatTransport:
         return Received(state, aux, n, [t.src for t in recvs], took)
 
 
+def cold_heap() -> None:
+    """glibc: serve every allocation of 64 KB or more with fresh pages (mmap) and return them
+    when freed, as `MALLOC_MMAP_THRESHOLD_=65536` would; else each run would reuse the pages
+    of the previous one, which a spare receiving its state for the first time has not got."""
+    try:
+        ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass  # not glibc: the heap stays as it is
+
+
 # ---- one process -------------------------------------------------------------------------
 def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> None:  # pragma: no cover - child
     torch.set_num_threads(1)
+    if args["cold"]:
+        cold_heap()
     from launcher.worker.recovery import Recovery
     from launcher.worker.stable_group import GroupFactory, Interrupts
     from launcher.worker.torch_private import PrefixStore, backend_group, tcp_store
@@ -309,18 +322,17 @@ def summarize(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row["ratio"] = round(statistics.median(lb) / med, 3)
             row["ratio_pairs"] = round(statistics.median(a / b for a, b in zip(lb, xs)), 3)
         rows.append(row)
-    return rows
+    return sorted(rows, key=lambda r: (r["mb_target"], r["sources"], PATHS.index(r["path"])))
 
 
 # ---- the driver --------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     world = max(args.sources) + 1
-    if not args.warm_heap:
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by each child's glibc at start
     master = torch.distributed.TCPStore(
         "127.0.0.1", 0, world, True, timeout=timedelta(seconds=args.timeout), wait_for_workers=False
     )
     ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "launcher.worker.state_transport", "launcher.worker.recovery"])
     q = ctx.Queue()
     spec = {
         "mb": args.mb,
@@ -330,6 +342,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "layers": args.layers,
         "width": args.width,
         "timeout_s": args.timeout,
+        "cold": not args.warm_heap,
     }
     procs = [ctx.Process(target=_child, args=(r, world, master.port, spec, q), daemon=True) for r in range(world)]
     for p in procs:

@@ -191,6 +191,7 @@ def checksum(t: torch.Tensor) -> int:
         return _crc32(t.numpy().data) if t.numel() else 0
     n = t.numel()
     pad = (-n) % 8
-    words = torch.cat([t, t.new_zeros(pad)]).view(torch.int64) if pad else t.view(torch.int64)
+    aligned = not pad and t.storage_offset() % 8 == 0  # a slice may start anywhere: then copied
+    words = t.view(torch.int64) if aligned else torch.cat([t, t.new_zeros(pad)]).view(torch.int64)
     idx = torch.arange(1, words.numel() + 1, device=t.device, dtype=torch.int64)
     return int((words.sum() + (words * idx).sum() + n).item()) & 0x7FFFFFFFFFFFFFFF

@@ -88,8 +88,8 @@ class Message(NamedTuple):
 def layout(sizes: Sequence[int], dtypes: Sequence[torch.dtype], n_state: int, parts: int) -> list[list[Message]]:
     """The messages of each slice `part` of `parts`, from every tensor's bytes and dtype
     (the state's `n_state` first): what sources and receiver compute alike. A large
-    tensor is cut at the slice bounds and into CHUNKs; a small one belongs whole to
-    the slice holding its first byte; the aux goes with slice 0."""
+    tensor is cut at the slice bounds (moved down to ALIGN) and into CHUNKs; a small one
+    belongs whole to the slice holding its first byte; the aux goes with slice 0."""
     total = sum(sizes[:n_state])
     bounds = [slice_bounds(total, p, parts) for p in range(parts)]
     small: list[dict[torch.dtype, list[int]]] = [{} for _ in range(parts)]
@@ -102,7 +102,7 @@ def layout(sizes: Sequence[int], dtypes: Sequence[torch.dtype], n_state: int, pa
             while p < parts - 1 and off >= bounds[p][1]:
                 p += 1
         if n >= SMALL:
-            spans = [(q, max(a, off) - off, min(b, off + n) - off) for q, (a, b) in enumerate(bounds)] if state else []
+            spans = [(q, _cut(a - off, n), _cut(b - off, n)) for q, (a, b) in enumerate(bounds)] if state else []
             for q, lo, hi in spans or [(0, 0, n)]:
                 out[q] += [
                     Message(min(CHUNK, hi - c), Piece(i, c, min(c + CHUNK, hi)), ()) for c in range(lo, hi, CHUNK)
@@ -114,6 +114,12 @@ def layout(sizes: Sequence[int], dtypes: Sequence[torch.dtype], n_state: int, pa
     for q in range(parts):
         out[q] += _batches(small[q], sizes)
     return out
+
+
+def _cut(x: int, n: int) -> int:
+    """A slice bound inside a tensor of n bytes, moved down to an ALIGN-ed offset (so that
+    every piece starts aligned: memcpy's fast path, and the GPU checksum's int64 view)."""
+    return 0 if x <= 0 else n if x >= n else x - x % ALIGN
 
 
 def _batches(by_dtype: dict[torch.dtype, list[int]], sizes: Sequence[int]) -> list[Message]:
@@ -336,7 +342,7 @@ class _Sender:
                 self._sums[key] = torch.tensor(sums, dtype=torch.int64).to(self.tr.device)
             if self._sums[key].numel():
                 self.works.append(pg.send([self._sums[key]], t.dst, _sums_tag(t.part)))
-        return _InOrder(self.works, keep=(wires, self.meta))
+        return _InOrder(self.works, keep=(wires, self.meta, self._sums))
 
 
 class _Destination:
