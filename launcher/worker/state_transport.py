@@ -22,6 +22,7 @@ Per receiver, every message a point-to-point of raw bytes (no pickle):
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -102,11 +103,17 @@ def layout(sizes: Sequence[int], dtypes: Sequence[torch.dtype], n_state: int, pa
             while p < parts - 1 and off >= bounds[p][1]:
                 p += 1
         if n >= SMALL:
-            spans = [(q, _cut(a - off, n), _cut(b - off, n)) for q, (a, b) in enumerate(bounds)] if state else []
-            for q, lo, hi in spans or [(0, 0, n)]:
-                out[q] += [
-                    Message(min(CHUNK, hi - c), Piece(i, c, min(c + CHUNK, hi)), ()) for c in range(lo, hi, CHUNK)
-                ]
+            whole = not state or parts == 1
+            spans = (
+                [(0, 0, n)] if whole else [(q, _cut(a - off, n), _cut(b - off, n)) for q, (a, b) in enumerate(bounds)]
+            )
+            for q, lo, hi in spans:
+                if 0 < hi - lo <= CHUNK:  # the common case, kept cheap: one message
+                    out[q].append(Message(hi - lo, Piece(i, lo, hi), ()))
+                elif hi > lo:
+                    out[q] += [
+                        Message(min(CHUNK, hi - c), Piece(i, c, min(c + CHUNK, hi)), ()) for c in range(lo, hi, CHUNK)
+                    ]
         elif n:
             small[p if state else 0].setdefault(dtypes[i], []).append(i)
         if state:
@@ -278,6 +285,7 @@ class _Sender:
         askel, ta = skeleton(aux)
         self.n_state = len(ts)
         self.tensors = ts + ta
+        self._on_device = all(t.device == tr.device for t in self.tensors)
         self.meta = self._meta(skel, askel)
         self._layouts: dict[int, list[list[Message]]] = {}
         self._raw: dict[int, torch.Tensor] = {}  # large tensors' bytes
@@ -286,11 +294,12 @@ class _Sender:
         self.works: list[Any] = []
 
     def _meta(self, skel: bytes, askel: bytes) -> torch.Tensor:
+        # Built in Python: a torch fill of 64 KB may wake a thread pool, ms on a busy host.
         n = _HEADER + len(skel) + len(askel)
-        m = torch.zeros(max(n, META_CAP), dtype=torch.uint8)
-        m[:_HEADER].view(torch.int64)[:4] = torch.tensor([0, VERSION, len(skel), len(askel)])
-        m[_HEADER:n] = torch.frombuffer(bytearray(skel + askel), dtype=torch.uint8)
-        m = m.to(self.tr.device)
+        raw = bytearray(max(n, META_CAP))
+        struct.pack_into("<4q", raw, 8, VERSION, len(skel), len(askel), 0)
+        raw[_HEADER:n] = skel + askel
+        m = torch.frombuffer(raw, dtype=torch.uint8).to(self.tr.device)
         m[:8] = torch.tensor([checksum(m[8:n])], dtype=torch.int64).view(torch.uint8).to(self.tr.device)
         return m
 
@@ -311,12 +320,14 @@ class _Sender:
             return self._raw[i][m.piece.lo : m.piece.hi]
         key = (parts, part, j)
         if key not in self._bufs:
-            buf = torch.zeros(m.nbytes, dtype=torch.uint8, device=dev)
+            buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
+            end = 0
             for r in m.runs:
+                buf[end : r.at].zero_()  # the alignment gap: no stale memory on the wire
                 src = [self.tensors[i].reshape(-1) for i in r.indices]
-                torch.cat(
-                    [x if x.device == dev else x.to(dev) for x in src], out=buf[r.at : r.at + r.nbytes].view(r.dtype)
-                )
+                out = buf[r.at : r.at + r.nbytes].view(r.dtype)
+                torch.cat(src if self._on_device else [x.to(dev) for x in src], out=out)
+                end = r.at + r.nbytes
             self._bufs[key] = buf
         return self._bufs[key]
 
