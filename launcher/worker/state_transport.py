@@ -37,7 +37,7 @@ from launcher.worker.state_codec import Spec, assemble, byte_view, checksum, par
 VERSION = 2  # of the wire layout below; 1 was the single flat buffer
 SMALL = 64 << 10  # tensors under this are batched
 CHUNK = 4 << 20  # largest message: a large tensor is cut into pieces of this
-ALIGN = 64  # offset of each tensor in a batch (a view's dtype needs its element size; 64 suits SIMD)
+ALIGN = 64  # offset of each tensor in a batch and of each cut inside one, as an allocation's
 META_CAP = 64 << 10  # META's fixed size: a few hundred tensors' skeleton
 _HEADER = 64  # bytes: 8 int64 (crc, version, the two skeletons' lengths, 0...); the crc covers the rest
 META_TAG, META2_TAG = 1, 2
@@ -71,8 +71,9 @@ class Piece(NamedTuple):
 
 
 class Run(NamedTuple):
-    """Small tensors of one dtype back to back at offset `at` of a batch: packed with
-    one cat and handed back as views by one split."""
+    """Small tensors of one dtype at offset `at` of a batch, each at an ALIGN-ed offset
+    (as a fresh allocation would be: the RNG's setter, for one, reads its state as
+    a struct), the gaps zeroed: packed with one cat, handed back as views by one split."""
 
     dtype: torch.dtype
     at: int
@@ -135,20 +136,25 @@ def _batches(by_dtype: dict[torch.dtype, list[int]], sizes: Sequence[int]) -> li
     end = 0
     for dtype, indices in by_dtype.items():
         run: list[int] = []
-        at = end = -(-end // ALIGN) * ALIGN
+        at = end
         for i in indices:
-            if end + sizes[i] > CHUNK and (runs or run):  # full: close this batch
+            size = _aligned(sizes[i])
+            if end + size > CHUNK and (runs or run):  # full: close this batch
                 if run:
                     runs.append(Run(dtype, at, end - at, tuple(run)))
-                out.append(Message(runs[-1].at + runs[-1].nbytes, None, tuple(runs)))
+                out.append(Message(end, None, tuple(runs)))
                 runs, run, at, end = [], [], 0, 0
             run.append(i)
-            end += sizes[i]
+            end += size
         if run:
             runs.append(Run(dtype, at, end - at, tuple(run)))
     if runs:
-        out.append(Message(runs[-1].at + runs[-1].nbytes, None, tuple(runs)))
+        out.append(Message(end, None, tuple(runs)))
     return out
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
 
 
 def _tag(part: int, j: int) -> int:
@@ -234,12 +240,9 @@ class P2PTransport:
                 p, j, w = wires[i]
                 mine[(p, j)] = checksum(w)
 
-        def build() -> tuple[Any, Any]:
-            tensors = into.tensors()
-            return assemble(skel, tensors[:n_state]), assemble(askel, tensors[n_state:])
-
         # In host memory the views need no data: build the state while the bytes flow.
-        early = build() if self.device.type == "cpu" else None
+        views = into.tensors() if self.device.type == "cpu" else None
+        early = assemble(skel, views[:n_state]) if views is not None else None
         self.wait(_InOrder(works, check))
         damaged = set() if meta_ok else {primary}
         for t, s in zip(recvs, sums):
@@ -248,7 +251,9 @@ class P2PTransport:
         n = sum(s.nbytes for s in specs) + n_meta
         if damaged:
             return Received({}, {}, n, sources, time.monotonic() - t0, tuple(sorted(damaged)))
-        state, aux = early or build()
+        views = views if views is not None else into.tensors()
+        state = early if early is not None else assemble(skel, views[:n_state])
+        aux = assemble(askel, [into.own(i, t) for i, t in enumerate(views[n_state:], n_state)])
         return Received(state, aux, n, sources, time.monotonic() - t0)
 
     def _recv_meta(self, primary: int) -> tuple[Any, Any, list[Spec], int, int, bool] | None:
@@ -286,6 +291,7 @@ class _Sender:
         self.n_state = len(ts)
         self.tensors = ts + ta
         self._on_device = all(t.device == tr.device for t in self.tensors)
+        self._zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=tr.device)
         self.meta = self._meta(skel, askel)
         self._layouts: dict[int, list[list[Message]]] = {}
         self._raw: dict[int, torch.Tensor] = {}  # large tensors' bytes
@@ -321,13 +327,15 @@ class _Sender:
         key = (parts, part, j)
         if key not in self._bufs:
             buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
-            end = 0
             for r in m.runs:
-                buf[end : r.at].zero_()  # the alignment gap: no stale memory on the wire
-                src = [self.tensors[i].reshape(-1) for i in r.indices]
-                out = buf[r.at : r.at + r.nbytes].view(r.dtype)
-                torch.cat(src if self._on_device else [x.to(dev) for x in src], out=out)
-                end = r.at + r.nbytes
+                pieces: list[torch.Tensor] = []
+                for i in r.indices:
+                    t = self.tensors[i].reshape(-1)
+                    pieces.append(t if self._on_device else t.to(dev))
+                    gap = -t.nbytes % ALIGN
+                    if gap:
+                        pieces.append(self._zeros[:gap].view(r.dtype))
+                torch.cat(pieces, out=buf[r.at : r.at + r.nbytes].view(r.dtype))
             self._bufs[key] = buf
         return self._bufs[key]
 
@@ -358,8 +366,10 @@ class _Sender:
 
 class _Destination:
     """The receiver's tensors: large ones allocated whole and filled piece by piece,
-    small ones views of their batch. On a GPU the batches (counters, RNG) are handed
-    back in host memory, as the optimizer's and RNG's setters expect."""
+    small ones of the state views of their batch (the optimizer and `copy_` take any
+    view). The aux's small ones (RNG states) get storage of their own: torch's RNG
+    setters read a view's storage from its start, not from the view's offset. On a GPU
+    the batches (counters, RNG) are handed back in host memory, as those setters expect."""
 
     def __init__(self, specs: list[Spec], device: torch.device) -> None:
         self.specs, self.device = specs, device
@@ -378,16 +388,24 @@ class _Destination:
         self.batches.append((m, buf))
         return buf
 
+    def own(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """Tensor i with storage of its own (a copy if it is a view of a batch): once landed."""
+        return t if self.out[i] is not None else t.clone()
+
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor; on a GPU only once the batches have landed (they are copied to the host)."""
+        """Every tensor, small ones as views of their batch: on a GPU only once the batches
+        have landed (they are copied to the host), else at once (no data is read)."""
         out = list(self.out)
         for m, buf in self.batches:
             host = buf.cpu()
             for r in m.runs:
                 flat = host[r.at : r.at + r.nbytes].view(r.dtype)
                 size = flat.element_size()
-                views = torch.split(flat, [self.specs[i].nbytes // size for i in r.indices])
-                for i, v in zip(r.indices, views):
+                lengths: list[int] = []  # each tensor, then its gap
+                for i in r.indices:
+                    n = self.specs[i].nbytes
+                    lengths += [n // size, -n % ALIGN // size]
+                for i, v in zip(r.indices, torch.split(flat, lengths)[::2]):
                     shape = self.specs[i].shape
                     out[i] = v if len(shape) == 1 else v.view(shape)
         missing = [i for i, t in enumerate(out) if t is None]

@@ -5,6 +5,7 @@ over gloo on 127.0.0.1 (forked ranks, as in test_rollback)."""
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from typing import Any
 
@@ -63,9 +64,9 @@ def test_the_layout_carries_every_byte_once_in_slices_that_follow_the_plan(
                     assert p == 0  # the aux rides with slice 0
                 continue
             end = 0
-            for r in m.runs:  # small tensors of one dtype, back to back at an aligned offset
-                assert r.at % tp.ALIGN == 0 and r.at >= end
-                assert r.nbytes == sum(sizes[i] for i in r.indices)
+            for r in m.runs:  # small tensors of one dtype, each at an aligned offset
+                assert r.at == end
+                assert r.nbytes == sum(-(-sizes[i] // tp.ALIGN) * tp.ALIGN for i in r.indices)
                 end = r.at + r.nbytes
                 for i in r.indices:
                     assert 0 < sizes[i] < tp.SMALL and dtypes[i] == r.dtype
@@ -134,23 +135,35 @@ def _state() -> tuple[dict[str, Any], dict[str, Any]]:
         "empty": torch.zeros(0, 4),
         "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}],
     }
-    return state, {"rng": g.get_state(), "cursor": 12}
+    return state, {"bias": torch.ones(3, dtype=torch.uint8), "rng": g.get_state(), "cursor": 12}
 
 
 def _striped(damage_from: int | None, rank: int, pg: Any) -> Any:  # pragma: no cover - forked child
     if rank == damage_from:  # what this source sends no longer matches the sums it sends
         real = tp.checksum
         tp.checksum = lambda t: real(t) ^ 1  # type: ignore[assignment]
+    real_wire, slept = tp._Sender._wire, []
+
+    def late(self: tp._Sender, parts: int, part: int, j: int) -> torch.Tensor:  # after META, before the bulk
+        if not slept:
+            slept.append(time.sleep(0.3))  # the receiver builds its state before the bytes land
+        return real_wire(self, parts, part, j)
+
+    tp._Sender._wire = late  # type: ignore[method-assign]
     plan = [Transfer(0, 2, 0, 2), Transfer(1, 2, 1, 2)]
     got = tp.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait()).exchange(plan, rank, _state)
     if got is None:
         return None
     big = got.state["model"]["big"] if not got.damaged else None
+    if not got.damaged:
+        torch.set_rng_state(got.aux["rng"])  # reads the storage from its start: a view of a batch crashes it
+    tensors = skeleton((got.state, got.aux))[1]
     return {
         "damaged": list(got.damaged),
         "sources": got.sources,
         "equal": not got.damaged and bitwise_equal((got.state, got.aux), _state()),
         "big_owns_its_storage": big is not None and big.untyped_storage().nbytes() == big.nbytes,
+        "aligned": all(t.data_ptr() % tp.ALIGN == 0 for t in tensors if t.numel()),
     }
 
 
@@ -158,7 +171,7 @@ def test_a_state_striped_over_two_sources_arrives_bitwise_into_tensors_of_its_ow
     assert len(skeleton(_state()[0])[0]) > tp.META_CAP  # the skeleton's tail travels too
     got = in_ranks(3, functools.partial(_striped, None))
     assert got[0] is None and got[1] is None
-    assert got[2] == {"damaged": [], "sources": [0, 1], "equal": True, "big_owns_its_storage": True}
+    assert got[2] == {"damaged": [], "sources": [0, 1], "equal": True, "big_owns_its_storage": True, "aligned": True}
 
 
 def test_a_slice_that_arrives_damaged_names_its_source_and_nothing_is_handed_back() -> None:
