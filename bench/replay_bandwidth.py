@@ -63,7 +63,7 @@ from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.state_codec import checksum, flatten, unflatten
 from launcher.worker.state_transport import P2PTransport, Received
 
-PATHS = ("loopback", "direct", "flat", "loopback_fresh")
+PATHS = ("loopback", "loopback_fresh", "direct", "flat")
 DEFAULT_PATHS = ("loopback", "loopback_fresh", "direct", "flat")
 
 

@@ -4,8 +4,8 @@ the shape: the recovery sequence only says who sends what to whom).
 
 Per receiver, every message a point-to-point of raw bytes (no pickle):
 
-1. META, from the source of part 0: a fixed-size message holding a header (lengths,
-   counts, the CRC of the rest) and the JSON skeletons of state and aux, so the
+1. META, from the source of part 0: a fixed-size message holding a header (version,
+   lengths, the CRC of the rest) and the JSON skeletons of state and aux, so the
    receiver waits for one message before every other receive is in flight. A
    skeleton too long for it sends its tail as META2.
 2. The bulk, cut by `layout` from the skeleton alone, alike on both sides: the
@@ -13,8 +13,10 @@ Per receiver, every message a point-to-point of raw bytes (no pickle):
    `Transfer.part`/`parts` name (`slice_bounds`), one per source, all sources at
    once. Tensors of 64 KB or more go straight from the source tensor's storage into
    the tensor handed back (in 4 MB pieces, so checksums overlap the wire); smaller
-   ones are packed into one batch per slice (each message has a fixed cost) and
-   handed back as views of it. The aux (RNG, extra) rides with part 0.
+   ones are packed into one batch per slice (each message has a fixed cost), each at a
+   64-byte offset, and the state's are handed back as views of it (the aux's, RNG
+   states, are copied out: torch's RNG setters ignore a view's offset). The aux
+   (RNG, extra) rides with part 0.
 3. SUMS, per slice: the checksum of each of its messages, computed by the source
    while they are on the wire; the receiver checksums each message as it lands,
    while the rest are in flight. Nothing is handed back unless every sum matches.
