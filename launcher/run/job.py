@@ -1,4 +1,4 @@
-"""Run one job: embedded controller + rendezvous store + a node backend."""
+"""Run one job: embedded controller (with the rendezvous keys) + a node backend."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
 
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
@@ -19,7 +17,6 @@ from resild.controller.loop import Controller, ControllerConfig
 from resild.events.log import EventLog
 from resild.wire.keys import generate_keys
 from resild.wire.settings import JobSettings
-from resild.wire.store import store_listen_fd
 
 
 @dataclass
@@ -32,7 +29,7 @@ class JobSpec:
     faults: list[Fault] = field(default_factory=list)
     events_path: Path | None = None
     settings: JobSettings = field(default_factory=JobSettings)  # every timeout and interval, validated
-    bind_host: str = "127.0.0.1"  # the address peers use to reach the controller and the store
+    bind_host: str = "127.0.0.1"  # the address peers use to reach the controller
     bind_any: bool = False  # listen on every interface (cluster mode)
 
 
@@ -59,12 +56,7 @@ def run_job(
 ) -> Any:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     keys = generate_keys(spec.run_dir / "keys")
-    # TCPStore has no authentication: listen only where the peers are (loopback in --local,
-    # the advertised job address under Slurm), never on every interface (its default).
-    store_fd, store_port = store_listen_fd(spec.bind_host, cluster=spec.bind_any)
-    store = dist.TCPStore(spec.bind_host, store_port, is_master=True, wait_for_workers=False, master_listen_fd=store_fd)
     events = EventLog(spec.events_path)
-    events.listeners.append(CommittedFloor(store))
     live = StatusLine(sys.stderr) if status else None  # stderr only: stdout is --json's
     if live is not None:
         events.listeners.append(live)
@@ -73,7 +65,6 @@ def run_job(
     cfg = ControllerConfig(
         bind=bind,
         settings=spec.settings,
-        store_addr=f"{spec.bind_host}:{store.port}",
     )
     ctl = Controller(
         cfg,
@@ -86,6 +77,8 @@ def run_job(
         None,
         spec.faults,
     )
+    # The rendezvous keys live in the controller, behind CURVE: no store listener in the job.
+    events.listeners.append(CommittedFloor(ctl.state.rendezvous))
     endpoint = f"tcp://{spec.bind_host}:{ctl.endpoint.rsplit(':', 1)[1]}"
     if backend_factory is None:
         backend = LocalCluster(

@@ -1,7 +1,7 @@
 """resil-run --controllers N (N >= 2): the controller as a Raft replica set.
 
 resil-run starts N controller replicas (`python -m resild.controller.replica`, separate
-processes, each with its own endpoint, rendezvous store and journal copy) and the
+processes, each with its own endpoint and journal copy) and the
 node processes, which hold every replica's endpoint and follow the leader. Then it
 only waits: the job's verdict is the leader's (`result.json` in the run directory),
 and if every replica is gone the node processes end on their lease.

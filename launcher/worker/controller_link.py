@@ -65,6 +65,11 @@ class ControlLink:
         # Told again to a new leader (standby takeover): who we are, and that we are done.
         self._repeat: dict[MsgType, dict[str, Any]] = {}
         self._ch: ControllerSet | None = None
+        # Store requests in flight (LinkStore), by id: answered by STORE_REPLY, or failed
+        # when the leader changes (its successor never saw them).
+        self._req_lock = threading.Lock()
+        self._req_next = 0
+        self._requests: dict[int, list[Any]] = {}  # id -> [Event, reply or None]
         self._thread = threading.Thread(target=self._run, name="resild-control", daemon=True)
 
     def start(self) -> ControlLink:
@@ -84,6 +89,39 @@ class ControlLink:
                 self._repeat.pop(mtype, None)
         self._out.put((mtype, {"node": self.node, **body}))
         os.write(self._wake_w, b"x")
+
+    def request(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """One STORE request to the leader; its reply body. Raises TimeoutError past the
+        deadline, ConnectionError when the leader changed or the link closed meanwhile."""
+        slot: list[Any] = [threading.Event(), None]
+        with self._req_lock:
+            self._req_next += 1
+            rid = self._req_next
+            self._requests[rid] = slot
+        try:
+            self.send(MsgType.STORE, id=rid, timeout_s=timeout_s, **body)
+            if not slot[0].wait(timeout_s + 1.0):
+                raise TimeoutError(f"no answer from the controller to store {body.get('op')} in {timeout_s:.0f}s")
+        finally:
+            with self._req_lock:
+                self._requests.pop(rid, None)
+        reply: dict[str, Any] | None = slot[1]
+        if reply is None:
+            raise ConnectionError("the controller changed or the link closed during a store request")
+        return reply
+
+    def _answer_requests(self, reply: dict[str, Any] | None) -> None:
+        """Release one request (a STORE_REPLY), or all of them with no answer (None)."""
+        with self._req_lock:
+            if reply is None:
+                slots = list(self._requests.values())
+                self._requests.clear()
+            else:
+                got = self._requests.get(int(reply.get("id", -1)))
+                slots = [got] if got is not None else []
+        for slot in slots:
+            slot[1] = reply
+            slot[0].set()
 
     def take(self) -> Membership | None:
         with self.intr.cond:
@@ -157,6 +195,7 @@ class ControlLink:
             self.intr.fail("control link failed")
         finally:
             self._flush(ch, relay)
+            self._answer_requests(None)
             ch.close(linger_ms=1000)
             if relay is not None:
                 relay.close()
@@ -189,9 +228,13 @@ class ControlLink:
         t = msg.type
         if t == MsgType.FENCE:
             os._exit(FENCED_EXIT)  # a fenced rank must never take part again
+        if t == MsgType.STORE_REPLY:
+            self._answer_requests(msg.body)
+            return
         if t == MsgType.LEASE:  # from our node process: a new controller leads
             ch = self._ch
             if ch is not None and ch.follow(int(msg.body.get("term", 0)), int(msg.body.get("leader", 0))):
+                self._answer_requests(None)  # the new leader never saw them: the formation retries
                 for mtype, body in self._repeat.items():  # register again (its WELCOME names its store)
                     self._out.put((mtype, body))
             return

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from launcher.worker.replica_map import ReplicaMap, plan_replay
-from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort
+from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort, wait_mode
 from launcher.worker.state_transport import P2PTransport, Received
 
 
@@ -67,11 +67,28 @@ class Recovery:
         self.groups: dict[str, StableGroup] = {}
         self.epoch = 0
         self._graveyard: list[Any] = []
+        intr.on_fail.append(self._abort_streams)
+
+    def _abort_streams(self) -> None:
+        """On an interrupted epoch (called where it is latched, often the control thread):
+        abort this epoch's NCCL communicators, which releases a kernel hung on a dead peer
+        and so every CPU wait behind it (a `.item()`, a stream sync). Taken now, aborted in
+        a thread of their own (about a second each): never the next epoch's. gloo's abort
+        interrupts nothing; its waits watch the epoch instead (`WaitMode`)."""
+        doomed = [g._inner for g in list(self.groups.values()) if g._inner is not None and g.kind == "nccl"]
+
+        def abort_all() -> None:
+            for x in doomed:
+                abort(x)
+
+        if doomed:
+            threading.Thread(target=abort_all, name="resild-abort", daemon=True).start()
 
     # ---- waiting ----------------------------------------------------------------
     def wait(self, work: Any, p2p: bool = False) -> None:
         """Wait on a backend work while watching the epoch: a latched error raises."""
-        mw = work if isinstance(work, ManagedWork) else ManagedWork(work, None, self.intr, p2p)
+        kind = self.groups["world"].kind if "world" in self.groups else None
+        mw = work if isinstance(work, ManagedWork) else ManagedWork(work, None, self.intr, wait_mode(kind, p2p))
         mw.wait()
         if self.intr.error is not None:
             raise Reformed(self.intr.error)

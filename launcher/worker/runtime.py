@@ -37,7 +37,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
@@ -46,6 +45,7 @@ import resild.wire.env as resild_env
 from launcher.worker.agent_link import AgentLink, agent_endpoint
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.controller_link import ControlLink, keys_from_env
+from launcher.worker.link_store import LinkStore
 from launcher.worker.mesh_layout import MeshError, MeshLayout
 from launcher.worker.recovery import Recovery, Reformed
 from launcher.worker.redundancy import Redundancy, RedundancyError
@@ -53,7 +53,7 @@ from launcher.worker.replica_map import NoReplica, ReplicaMap
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
 from launcher.worker.state_transport import describe
 from launcher.worker.step_state import StepState
-from launcher.worker.torch_private import device_mesh_from_groups, hash_store, prewarm_lazy_imports, tcp_store
+from launcher.worker.torch_private import device_mesh_from_groups, hash_store, prewarm_lazy_imports
 from launcher.worker.train_state import TrainState
 from resild.events.schema import EventName
 from resild.membership import Membership
@@ -149,8 +149,10 @@ class Job:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         timeout_s = self.timeouts.collective_timeout_s
-        self._store = self._store_client()
-        factory = GroupFactory(self.backend, self._store_client, timeout_s, os.environ.get(resild_env.GLOO_HOST.name))
+        # One store for the job, kept referenced here (torch calls it from C++): its keys
+        # live with the leading controller, reached over the authenticated link.
+        self._store = LinkStore(link.request, float(self.cfg.get("store_timeout_s", timeout_s)))
+        factory = GroupFactory(self.backend, lambda: self._store, timeout_s, os.environ.get(resild_env.GLOO_HOST.name))
         self.rec = Recovery(self.intr, factory, self.device, timeout_s + 5.0)
         self._install_excepthook()
         ep = agent_endpoint()
@@ -172,12 +174,6 @@ class Job:
         self.group: StableGroup = StableGroup("world", list(range(self.world_size)), self.rank, self.intr)
         self.rec.groups["world"] = self.group
         install_default(self.group, store)
-
-    def _store_client(self) -> Any:
-        # The newest welcome's store: a standby controller that takes over brings its own.
-        addr = str((self.link.welcome or {}).get("store") or self.cfg["store"]) if self.link else self.cfg["store"]
-        host, port = addr.rsplit(":", 1)
-        return tcp_store(host, int(port), timedelta(seconds=float(self.cfg.get("store_timeout_s", 60))))
 
     def mesh(
         self, shape: tuple[int, ...] | list[int], names: tuple[str, ...] | list[str], device_type: str | None = None
@@ -448,7 +444,7 @@ class Job:
         runner publishes it in the store): below it, every replica of the state is gone."""
         if self.solo or self.epoch <= 1:
             return 0
-        store = self._store_client()  # the current leader's store (it moves with the leader)
+        store = self._store  # the current leader's keys (they move with the leader)
         if not store.check([COMMITTED_KEY]):
             return 0
         return int(store.get(COMMITTED_KEY))

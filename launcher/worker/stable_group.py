@@ -13,9 +13,12 @@ recovery. torchft's `ProcessGroupWrapper` and its errored-latch are the model.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +35,39 @@ from launcher.worker.torch_private import (
 )
 
 
+class WaitMode(enum.Enum):
+    """How a rank waits on one backend work without ever blocking past a new epoch.
+
+    STREAM (NCCL): `wait()` only makes the current CUDA stream wait for the collective;
+        the CPU never blocks on the GPU (overlap is kept). A hung NCCL kernel is released
+        by the communicator's abort, which the control thread issues when the epoch is
+        interrupted (`Interrupts.on_fail`).
+    SLICED (gloo collectives): the backend's own condition-variable wait, in slices of
+        10-20 ms; between slices the latched error is checked. A collective that completes
+        costs one backend wait: no thread hand-off, no polling.
+    THREAD (gloo send/recv): a timed-out wait breaks gloo's pair, so these are waited on
+        to the end in a pooled helper thread, and the rank waits on the helper or the epoch.
+    """
+
+    STREAM = "stream"
+    SLICED = "sliced"
+    THREAD = "thread"
+
+
+def wait_mode(backend_kind: str | None, p2p: bool) -> WaitMode:
+    if backend_kind == "nccl":
+        return WaitMode.STREAM
+    return WaitMode.THREAD if p2p else WaitMode.SLICED
+
+
+# A timed-out backend wait raises a c10::Error (~0.2 ms: it captures a C++ backtrace), so
+# slices are long enough that a collective which completes rarely pays one, and short
+# enough that a hung wait notices a new epoch within 20 ms.
+_FIRST_SLICE_S, _MAX_SLICE_S = 1e-2, 2e-2
+_TIMED_OUT = "Operation timed out!"  # c10d Work::wait(timeout) when the timeout passes; nothing else is touched
+_waiters = ThreadPoolExecutor(max_workers=256, thread_name_prefix="resild-work")  # idle threads are reused
+
+
 class Interrupts:
     """Shared by the training thread, the control thread and backend threads:
     the latched error of the current epoch and the collectives in flight."""
@@ -42,35 +78,58 @@ class Interrupts:
         self.gen = 0  # bumped per epoch: a late failure of an old epoch's work must not latch the new one
         self._works: dict[int, tuple[float, ManagedWork | None]] = {}  # None: a wait that is not a collective
         self._next = 0
+        # NCCL works never block a CPU wait; they are in flight until their GPU work is done.
+        self._stream: deque[tuple[float, Any]] = deque()
+        self.on_fail: list[Callable[[], None]] = []  # run once per latched error; must not block
 
     def fail(self, reason: str, gen: int | None = None) -> None:
         """Latch `reason` and release every waiter (their buffers are garbage now)."""
         with self.cond:
             if gen is not None and gen != self.gen:
                 return
-            if self.error is None:
+            first = self.error is None
+            if first:
                 self.error = reason
             works = [w for _, w in self._works.values() if w is not None]
             self._works.clear()
+            self._stream.clear()
             self.cond.notify_all()
         for w in works:
             w._complete()
+        if first:
+            for hook in list(self.on_fail):
+                hook()
 
     def clear(self) -> None:
         with self.cond:
             self.error = None
             self.gen += 1
+            self._stream.clear()
 
-    def _add(self, w: ManagedWork | None) -> int:
+    def _add(self, w: ManagedWork | None, t0: float | None = None) -> int:
         with self.cond:
             self._next += 1
-            self._works[self._next] = (time.monotonic(), w)
+            self._works[self._next] = (time.monotonic() if t0 is None else t0, w)
             return self._next
 
     def _done(self, key: int) -> None:
         with self.cond:
             self._works.pop(key, None)
             self.cond.notify_all()
+
+    def add_stream(self, inner: Any) -> None:
+        """An NCCL work: counted in flight until `is_completed()` (its GPU event) says done."""
+        self._stream.append((time.monotonic(), inner))
+        if len(self._stream) > 256:  # pruned here too, so a job nobody asks about stays bounded
+            self._prune_stream()
+
+    def _prune_stream(self) -> None:
+        s = self._stream
+        try:
+            while s and s[0][1].is_completed():
+                s.popleft()
+        except (RuntimeError, IndexError):  # an aborted communicator's work; or cleared meanwhile
+            s.clear()
 
     def begin_wait(self) -> int:
         """Count a blocking wait that is not a collective (group formation) as in flight,
@@ -79,8 +138,16 @@ class Interrupts:
 
     def oldest_in_flight_s(self, now: float) -> float:
         """How long the oldest collective in flight has been waiting (0 if none)."""
+        self._prune_stream()
         with self.cond:
-            return max((now - t0 for t0, _ in self._works.values()), default=0.0)
+            oldest = min((t0 for t0, _ in self._works.values()), default=now)
+        s = self._stream
+        if s:
+            try:
+                oldest = min(oldest, s[0][0])
+            except IndexError:
+                pass
+        return max(0.0, now - oldest)
 
     def wait_until(self, pred: Callable[[], bool], timeout_s: float | None = None) -> bool:
         """Block until `pred()` or a latched error; True if pred() holds."""
@@ -100,42 +167,41 @@ class ManagedWork(PyWork):
     """Wraps a backend Work: done when the backend is, or at once when the epoch is
     interrupted. Completion with an error latches it; nothing raises.
 
-    Cheap on the hot path (FSDP2 issues a dozen collectives a step): a wait polls the
-    backend work's future with a short, growing nap; our own torch Future (DDP's
-    reducer waits on one in C++) is made only when asked for. Works without a future
-    (gloo's point-to-point and reduce_scatter_single never report completion before
-    wait() is called) are waited on in a helper thread."""
+    The hot path (FSDP2 issues a dozen collectives a step) is one backend wait (see
+    `WaitMode`); a collective counts as in flight (for the hang detector) only once it
+    has outlasted the first wait slice. Our own torch Future (DDP's reducer waits on one
+    in C++) is made only when asked for."""
 
-    def __init__(self, inner: Any, result: Any, intr: Interrupts, p2p: bool = False) -> None:
+    def __init__(self, inner: Any, result: Any, intr: Interrupts, mode: WaitMode = WaitMode.SLICED) -> None:
         super().__init__()
-        self._inner, self._result, self._intr = inner, result, intr
+        self._inner, self._result, self._intr, self._mode = inner, result, intr, mode
         self._gen = intr.gen
         self._lock = threading.Lock()
         self._done = False
         self._fut: torch.futures.Future[Any] | None = None
         self._key: int | None = None
-        self._threaded = False
-        self._inner_fut: torch.futures.Future[Any] | None = None
-        if not p2p:
-            try:
-                self._inner_fut = inner.get_future()
-            except RuntimeError:
-                p2p = True  # e.g. gloo's reduce_scatter_single: no future, and no completion before wait()
-        if p2p:
+        self._settling = False
+        if mode is WaitMode.STREAM:
+            intr.add_stream(inner)
+        elif mode is WaitMode.THREAD:
             self._track()
-            self._start_thread()
+            self._settle_in_pool()
 
-    def _track(self) -> None:
+    def _track(self, t0: float | None = None) -> None:
         """Count as in flight: reported as waiting, and released by Interrupts.fail()."""
         with self._lock:
             if not self._done and self._key is None:
-                self._key = self._intr._add(self)
+                self._key = self._intr._add(self, t0)
 
-    def _start_thread(self) -> None:
-        self._threaded = True
-        threading.Thread(target=self._settle, name="resild-work", daemon=True).start()
+    def _settle_in_pool(self) -> None:
+        with self._lock:
+            if self._settling or self._done:
+                return
+            self._settling = True
+        _waiters.submit(self._settle)
 
     def _settle(self) -> None:
+        """Wait on the backend to the end (a helper thread, or NCCL's non-blocking wait)."""
         try:
             self._inner.wait()
         except Exception as e:  # gloo: peer reset; NCCL: communicator aborted
@@ -161,32 +227,45 @@ class ManagedWork(PyWork):
         if fut is not None and not fut.done():
             fut.set_result(self._result)
 
-    def _backend_done(self) -> bool:
-        return not self._threaded and self._inner_fut is not None and self._inner_fut.done()
-
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._done:
             return True
-        if self._backend_done():
+        intr = self._intr
+        if intr.error is not None:
+            self._complete()
+        elif self._mode is WaitMode.STREAM:
             self._settle()
-            return True
-        self._track()
-        nap_s = 2e-5
-        cond = self._intr.cond
-        while not self._done:
-            if self._intr.error is not None:
-                self._complete()
-                break
-            if self._backend_done():
-                self._settle()
-                break
-            with cond:
-                cond.wait(nap_s)
-            nap_s = min(nap_s * 2, 1e-3)
+        elif self._mode is WaitMode.SLICED:
+            self._sliced_wait()
+        else:
+            intr.wait_until(lambda: self._done)
+            self._complete()
         return True
 
+    def _sliced_wait(self) -> None:
+        slice_s = _FIRST_SLICE_S
+        t0 = time.monotonic()
+        while True:
+            try:
+                self._inner.wait(timedelta(seconds=slice_s))
+                break
+            except RuntimeError as e:
+                if str(e) != _TIMED_OUT:  # the collective itself failed
+                    self._intr.fail(f"collective failed: {e}", self._gen)
+                    break
+            if self._done or self._intr.error is not None:
+                break
+            self._track(t0)
+            slice_s = min(slice_s * 2, _MAX_SLICE_S)
+        self._complete()
+
     def is_completed(self) -> bool:
-        return self._done or self._intr.error is not None or self._backend_done()
+        if self._done or self._intr.error is not None:
+            return True
+        try:
+            return bool(self._inner.is_completed())
+        except RuntimeError:
+            return True  # failed: wait() latches it
 
     def is_success(self) -> bool:
         return self._intr.error is None
@@ -201,8 +280,14 @@ class ManagedWork(PyWork):
             fut.set_result(self._result)
             return fut
         self._track()
-        if not self._threaded and self._inner_fut is not None:
-            self._inner_fut.add_done_callback(self._on_future)
+        try:
+            inner_fut = None if self._mode is WaitMode.THREAD else self._inner.get_future()
+        except RuntimeError:  # e.g. gloo's reduce_scatter_single has no future
+            inner_fut = None
+        if inner_fut is not None:
+            inner_fut.add_done_callback(self._on_future)
+        else:
+            self._settle_in_pool()
         return fut
 
 
@@ -236,6 +321,7 @@ class StableGroup(PyProcessGroup):
         self.label, self.ranks, self.global_rank = name, list(ranks), rank
         self._intr = intr
         self._inner: Any = None  # the epoch's backend ProcessGroup
+        self.kind: str | None = None  # the epoch backend's name ("gloo", "nccl"): how its works are waited on
         self.allow = False  # collectives allowed (joined and attached)
         self.backend: str | None = None  # None: the job's backend; "gloo" for host-memory traffic on a GPU job
 
@@ -249,6 +335,7 @@ class StableGroup(PyProcessGroup):
 
     def set_backend(self, inner: Any) -> None:
         self._inner = inner
+        self.kind = None if inner is None else str(inner.name())
 
     def _run(self, result: Any, op: Callable[[Any], Any], p2p: bool = False) -> dist.Work:
         """Issue one collective on this epoch's backend (`op(backend)`), managed."""
@@ -265,7 +352,7 @@ class StableGroup(PyProcessGroup):
         except Exception as e:  # e.g. gloo refusing to start on a dead connection
             self._intr.fail(f"collective failed to start: {e}")
             return _DoneWork(result)
-        return ManagedWork(work, result, self._intr, p2p)
+        return ManagedWork(work, result, self._intr, wait_mode(self.kind, p2p))
 
 
 def register(pg: StableGroup, store: Any) -> None:

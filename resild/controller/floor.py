@@ -1,4 +1,4 @@
-"""The committed floor: the controller's one write into the job's rendezvous store."""
+"""The committed floor: the controller's one write into the job's rendezvous keys."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ class CommittedFloor:
     no rank at that step has lost every replica of the state: it must stop, not
     restart from step 0."""
 
-    def __init__(self, store: Any) -> None:
-        self.store = store
+    def __init__(self, keys: Any) -> None:
+        self.keys = keys  # resild.controller.rendezvous.Rendezvous
 
     def __call__(self, rec: dict[str, Any]) -> None:
         if rec.get("event") == EventName.FAILURE_DETECTED:
             self.publish(int(rec.get("committed_step") or 0))
 
     def publish(self, step: int) -> None:
-        self.store.set(COMMITTED_KEY, str(step))
+        self.keys.set(COMMITTED_KEY, str(step).encode())

@@ -41,6 +41,7 @@ from resild.wire.protocol import (
     ProtocolError,
     RegisterNode,
     RegisterWorker,
+    StoreRequest,
     WorkerExit,
 )
 from resild.wire.settings import Derived
@@ -73,6 +74,7 @@ class Handlers:
             MsgType.DONE: self._on_done,
             MsgType.FAILED: self._on_failed,
             MsgType.FATAL: self._on_fatal,
+            MsgType.STORE: self._on_store,
         }
 
     def handle(self, ident: bytes | None, msg: Message, now: float) -> None:
@@ -276,6 +278,11 @@ class Handlers:
     def _on_fatal(self, ident: bytes, node: NodeView, b: Fatal, now: float) -> None:
         error = b.error if b.error is not None else "no reason given"
         self.effects.decide(Decision(Action.FAIL_JOB, f"unrecoverable: {error}", detector="runtime"), now)
+
+    def _on_store(self, ident: bytes, node: NodeView, b: StoreRequest, now: float) -> None:
+        s = self.s
+        for to, reply in s.rendezvous.handle(ident, b.__dict__, now):
+            s.ch.send(MsgType.STORE_REPLY, reply, to=to)
 
     def _on_done(self, ident: bytes, node: NodeView, b: Done, now: float) -> None:
         s = self.s

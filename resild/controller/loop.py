@@ -194,6 +194,8 @@ class Controller:
         return self.state.result
 
     def _tick(self, now: float) -> None:
+        for to, reply in self.state.rendezvous.expire(now):
+            self.ch.send(MsgType.STORE_REPLY, reply, to=to)
         if self.derived.lease_interval_s > 0 and now >= self._next_lease_s:
             self.bc.send_leases(*lease_terms(self.cfg, self.derived))
             self._next_lease_s = now + self.derived.lease_interval_s

@@ -3,13 +3,13 @@ replicated by Raft (pysyncobj), so losing the leader's host loses no decision.
 
     python -m resild.controller.replica --spec RUN_DIR/controllers.json --index I
 
-Every replica binds its ROUTER endpoint and its own rendezvous store at start. A
+Every replica binds its ROUTER endpoint at start (the rendezvous keys live in the leader). A
 standby drains its socket (node processes heartbeat every replica, so the socket
 is warm) and acts on nothing. The replica Raft elects leads: it first commits a
 `leader` record (so every earlier record is applied here too), rebuilds the
 controller's state from the replicated journal (`Controller.restore`), and leases
 every node with a higher term; nodes and workers follow the highest term, register
-again and get this replica's store. A leader that loses its Raft leadership stops
+again, and their store requests go to this replica. A leader that loses its Raft leadership stops
 at its next tick without a word (the new leader speaks for the job).
 
 The spec (JSON, written by resil-run): active, spares, nproc, endpoints (ROUTER,
@@ -51,7 +51,7 @@ from resild.procutil import die_with_parent
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.settings import JobSettings
-from resild.wire.store import listen_address, store_listen_fd
+from resild.wire.store import listen_address
 
 log = logging.getLogger("resild.replica")
 
@@ -257,8 +257,6 @@ def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
 
 
 def serve(spec: dict[str, Any], index: int) -> int:
-    import torch.distributed as dist  # the store; imported here: --help stays fast
-
     run_dir = Path(spec["run_dir"])
     keys = KeyDir(Path(spec["keys"])) if spec.get("keys") else None
     ctx = zmq.Context()
@@ -270,9 +268,6 @@ def serve(spec: dict[str, Any], index: int) -> int:
         endpoints, peers = list(spec["endpoints"]), list(spec["raft"])
         server = Server(ctx, endpoints[index], keys)
     endpoint = endpoints[index]
-    host = endpoint.split("//", 1)[1].rsplit(":", 1)[0]
-    fd, port = store_listen_fd(host, cluster=cluster)
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd)
     raft = RaftLog(
         peers[index],
         [p for i, p in enumerate(peers) if i != index],
@@ -304,12 +299,9 @@ def serve(spec: dict[str, Any], index: int) -> int:
         return 0
     records = [r for r in raft.records if r.get("action") not in (Leader.ACTION, CLOSED)]
     events = EventLog(Path(spec["events"]))
-    floor = CommittedFloor(store)
-    events.listeners.append(floor)
     cfg = ControllerConfig(
         bind=endpoint,
         settings=JobSettings.from_dict(spec["settings"]),
-        store_addr=f"{host}:{store.port}",
         term=term,
         leader_index=index,
         # Under Slurm nothing else tells us the node processes are gone
@@ -332,6 +324,8 @@ def serve(spec: dict[str, Any], index: int) -> int:
         leadership=raft._isLeader,
     )
     ctl.backend = SlurmDrain() if cluster else ProcessNodes(lambda n: ctl.view.nodes[n].host_pid, nodes)
+    floor = CommittedFloor(ctl.state.rendezvous)  # the keys move with the leader
+    events.listeners.append(floor)
     if records:
         ctl.restore(records, time.monotonic())
         if ctl.max_step:

@@ -15,6 +15,7 @@ from resild.controller.broadcast import Broadcaster
 from resild.controller.budget import Budget, Limits
 from resild.controller.journal import Journal
 from resild.controller.policy import SUSPECT_WINDOW_S
+from resild.controller.rendezvous import Rendezvous
 from resild.controller.view import ClusterView, JobResult
 from resild.events.log import EventLog
 from resild.membership import Membership
@@ -64,6 +65,7 @@ class ControllerState:
     # (step, t, node) each time the job's step advanced
     commit_times: list[tuple[int, float, str | None]] = field(default_factory=list)
     budget: Budget = field(default_factory=lambda: Budget({}))  # per-node EVENT/PROGRESS limits (handlers)
+    rendezvous: Rendezvous = field(default_factory=Rendezvous)  # the epochs' group-formation keys
 
     @property
     def dropped(self) -> dict[str, int]:

@@ -56,7 +56,7 @@ CONTROLLER_HOST = EnvVar(
     "RESILD_CONTROLLER_HOST",
     "resil-run, controller replica",
     "the host's FQDN",
-    "the address nodes use to reach the controller and its store (Slurm)",
+    "the address nodes use to reach the controller (Slurm)",
 )
 DEBUG = EnvVar("RESILD_DEBUG", "controller replica", "", "any value: log at INFO level")
 CONFIG = EnvVar(

@@ -49,6 +49,8 @@ class MsgType(str, Enum):
     FENCE = "fence"
     SHUTDOWN = "shutdown"
     INJECT = "inject"
+    STORE = "store"  # worker -> controller: one rendezvous-key operation (resild.controller.rendezvous)
+    STORE_REPLY = "store_reply"  # controller -> worker: its answer, by request id
     PING = "ping"  # "answer with a heartbeat now": a liveness probe after a collective error
     MEMBERSHIP_DELTA = "membership_delta"  # to a node process holding the previous epoch: {epoch, base, moves}
     RELAY_HELLO = "relay_hello"  # worker -> its node process's relay: send me the current membership
@@ -380,6 +382,24 @@ class Lease(Body):
 
 
 @dataclass(frozen=True)
+class StoreRequest(Body):
+    """A c10d store call over the authenticated link; values travel base64-encoded."""
+
+    id: int | None = _f("int", required=True)
+    op: str | None = _f(
+        "str",
+        max_len=16,
+        required=True,
+        choices=("set", "get", "add", "check", "wait", "compare_set", "delete", "num_keys", "multi_get"),
+    )
+    keys: list[str] | None = _f("strs", max_len=512)
+    value: str | None = _f("str", max_len=MAX_FRAME_BYTES)
+    expected: str | None = _f("str", max_len=MAX_FRAME_BYTES)
+    n: int | None = _f("int", lo=-MAX_INT, hi=MAX_INT)
+    timeout_s: float | None = _f("float", hi=3600.0)
+
+
+@dataclass(frozen=True)
 class ErrorBody(Body):
     code: str | None = _f("str", max_len=64)
     detail: str | None = _f("str", max_len=MAX_FRAME_BYTES)
@@ -403,6 +423,7 @@ BODY_TYPES: dict[MsgType, type[Body]] = {
     MsgType.INJECT: Inject,
     MsgType.ERROR: ErrorBody,
     MsgType.LEASE: Lease,
+    MsgType.STORE: StoreRequest,
 }  # PING, STATUS, STATUS_REPLY and types without a class: generic checks only
 
 

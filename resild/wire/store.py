@@ -1,6 +1,6 @@
-"""The job's rendezvous store (torch's TCPStore, hosted by the controller, or by each
-standby replica: the store moves with the leader): the keys the controller keeps there
-for the workers (the controller's writer: resild.controller.floor), and its socket."""
+"""Names shared by the controller and the workers for the job's rendezvous keys (held by
+the leading controller, resild.controller.rendezvous, reached over the authenticated
+link), and where a service advertised under a host name listens."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ log = logging.getLogger(__name__)
 COMMITTED_KEY = "resild/committed"  # newest step the controller saw committed at a failure
 
 
-# ---- the rendezvous store's listening socket --------------------------------------------
+# ---- where a service listens ---------------------------------------------------------------
 
 
-def listen_address(host: str, *, cluster: bool, what: str = "the rendezvous store") -> tuple[int, str]:
+def listen_address(host: str, *, cluster: bool, what: str) -> tuple[int, str]:
     """(family, ip) to listen on for a service advertised as `host`: exactly its address,
     never every interface, so it is reachable only where peers are (loopback for a local
     job, the advertised job address under Slurm)."""
@@ -36,21 +36,3 @@ def listen_address(host: str, *, cluster: bool, what: str = "the rendezvous stor
         )
         return socket.AF_INET, "0.0.0.0"
     return family, ip
-
-
-def store_listen_fd(host: str, *, cluster: bool) -> tuple[int, int]:
-    """A TCP listening socket on exactly `host`'s address (`listen_address`), for torch's
-    TCPStore (`master_listen_fd=`), which would otherwise listen on every interface: the
-    store has no authentication. Returns (fd, port); the fd is handed over (the caller's
-    store owns it)."""
-    family, ip = listen_address(host, cluster=cluster)
-    s = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((ip, 0))
-        s.listen(4096)
-        port = s.getsockname()[1]
-    except OSError:
-        s.close()
-        raise
-    return s.detach(), port

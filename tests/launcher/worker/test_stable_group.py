@@ -1,0 +1,155 @@
+"""How a rank waits on its collectives (`WaitMode`): a normal completion costs one backend
+wait, a hung one is released by the epoch, NCCL waits never block the CPU and are
+interrupted through the communicator's abort."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from launcher.worker.recovery import Recovery
+from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, WaitMode, wait_mode
+from launcher.worker.torch_private import backend_group, hash_store
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def two_rank_gloo() -> list[Any]:
+    """Both ranks of a 2-rank gloo group, in this process (gloo connects in the constructor)."""
+    store = hash_store()
+    out: list[Any] = [None, None]
+
+    def build(r: int) -> None:
+        out[r] = backend_group("gloo", store, r, 2, timedelta(seconds=20), "127.0.0.1")
+
+    ts = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return out
+
+
+def test_the_wait_mode_follows_the_backend() -> None:
+    assert wait_mode("nccl", False) is WaitMode.STREAM
+    assert wait_mode("nccl", True) is WaitMode.STREAM
+    assert wait_mode("gloo", False) is WaitMode.SLICED
+    assert wait_mode("gloo", True) is WaitMode.THREAD
+
+
+def test_a_completed_gloo_collective_is_waited_on_without_counting_in_flight() -> None:
+    intr = Interrupts()
+    g = StableGroup("world", [0], 0, intr)
+    g.set_backend(backend_group("gloo", hash_store(), 0, 1, timedelta(seconds=10), None))
+    g.allow = True
+    assert g.kind == "gloo"
+    t = torch.ones(3)
+    w = g.allreduce([t])
+    assert isinstance(w, ManagedWork)
+    w.wait()
+    assert w.is_completed() and w.is_success()
+    assert intr.oldest_in_flight_s(time.monotonic()) == 0.0 and not intr._works
+
+
+def test_a_hung_gloo_collective_counts_in_flight_and_is_released_by_a_new_epoch() -> None:
+    r0, _r1 = two_rank_gloo()
+    intr = Interrupts()
+    g = StableGroup("world", [0, 1], 0, intr)
+    g.set_backend(r0)
+    g.allow = True
+    w = g.allreduce([torch.ones(4)])  # rank 1 never joins
+    done = threading.Event()
+    threading.Thread(target=lambda: (w.wait(), done.set()), daemon=True).start()
+    time.sleep(0.2)
+    assert not done.is_set()
+    assert intr.oldest_in_flight_s(time.monotonic()) >= 0.1  # reported as waiting: never blamed for the hang
+    t0 = time.monotonic()
+    intr.fail("epoch 2 announced")
+    assert done.wait(5)
+    assert time.monotonic() - t0 < 1.0  # within a wait slice, not the collective timeout (20 s)
+    assert intr.error == "epoch 2 announced" and not intr._works
+
+
+def test_a_hung_gloo_receive_is_released_by_a_new_epoch() -> None:
+    r0, _r1 = two_rank_gloo()
+    intr = Interrupts()
+    g = StableGroup("world", [0, 1], 0, intr)
+    g.set_backend(r0)
+    g.allow = True
+    w = g.recv([torch.zeros(4)], 1, 7)  # nothing is ever sent
+    done = threading.Event()
+    threading.Thread(target=lambda: (w.wait(), done.set()), daemon=True).start()
+    time.sleep(0.1)
+    assert not done.is_set() and intr.oldest_in_flight_s(time.monotonic()) > 0
+    intr.fail("epoch 2 announced")
+    assert done.wait(5)
+
+
+class FakeNcclWork:
+    """What the runtime sees of an NCCL work: a wait that only orders streams, and a GPU
+    event that says when the kernel finished."""
+
+    def __init__(self) -> None:
+        self.waits: list[tuple[Any, ...]] = []
+        self.finished = False
+
+    def wait(self, *args: Any) -> bool:
+        self.waits.append(args)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.finished
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        f: torch.futures.Future[Any] = torch.futures.Future()
+        f.set_result(None)  # NCCL marks its future complete at enqueue (CUDA-aware)
+        return f
+
+
+def test_an_nccl_wait_never_blocks_the_cpu_and_counts_in_flight_until_the_gpu_is_done() -> None:
+    intr = Interrupts()
+    inner = FakeNcclWork()
+    w = ManagedWork(inner, None, intr, WaitMode.STREAM)
+    w.wait()
+    assert inner.waits == [()]  # no timeout: a timed NCCL wait would spin the CPU on the GPU
+    assert intr.oldest_in_flight_s(time.monotonic() + 1.0) >= 1.0  # the kernel is still running
+    inner.finished = True
+    assert intr.oldest_in_flight_s(time.monotonic()) == 0.0
+    w2 = ManagedWork(FakeNcclWork(), "out", intr, WaitMode.STREAM)
+    assert w2.get_future().wait() == "out"
+
+
+class FakeNcclGroup:
+    def __init__(self) -> None:
+        self.aborted_on: list[str] = []
+
+    def name(self) -> str:
+        return "nccl"
+
+    def abort(self) -> None:
+        self.aborted_on.append(threading.current_thread().name)
+
+
+def test_a_new_epoch_aborts_the_nccl_communicators_of_the_old_one_off_the_callers_thread() -> None:
+    intr = Interrupts()
+    rec = Recovery(intr, GroupFactory("nccl", hash_store, 10.0), torch.device("cpu"), 0.0)
+    old = FakeNcclGroup()
+    g = StableGroup("world", [0], 0, intr)
+    g.set_backend(old)
+    rec.groups["world"] = g
+    intr.fail("epoch 2 announced")
+    deadline = time.monotonic() + 5
+    while not old.aborted_on and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert old.aborted_on == ["resild-abort"]
+    # The next epoch's communicator is never aborted by the old epoch's interruption.
+    new = FakeNcclGroup()
+    g.set_backend(new)
+    intr.clear()
+    time.sleep(0.05)
+    assert new.aborted_on == [] and old.aborted_on == ["resild-abort"]
