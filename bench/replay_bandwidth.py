@@ -325,6 +325,69 @@ def summarize(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["mb_target"], r["sources"], PATHS.index(r["path"])))
 
 
+# ---- where the time goes, without the wire ------------------------------------------------
+def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[dict[str, Any]]:
+    """Each step of both paths timed alone in this process (best of `runs`: what it costs
+    when nothing else runs), for the state of `mb` MB."""
+    import timeit
+
+    from launcher.worker import state_transport as tp
+    from launcher.worker.state_codec import assemble, parse, skeleton
+
+    torch.set_num_threads(1)
+    if cold:
+        cold_heap()
+    state, aux = shard_state(mb, layers, width)
+    n = state_bytes(state) + state_bytes(aux)
+    tr = tp.P2PTransport(None, torch.device("cpu"), lambda w: None)
+    skel, buf = flatten(state)
+    sender = tp._Sender(tr, state, aux)
+    msgs = sender._layout(1)[0]
+    wires = [sender._wire(1, 0, j) for j in range(len(msgs))]
+    skel_json = skeleton(state)[0]
+    sk, specs = parse(skel_json)
+
+    def source_prepare() -> list[torch.Tensor]:
+        s = tp._Sender(tr, state, aux)
+        return [s._wire(1, 0, j) for j in range(len(s._layout(1)[0]))]
+
+    sizes, dtypes = [x.nbytes for x in specs], [x.dtype for x in specs]
+
+    def receiver_prepare() -> Any:
+        into = tp._Destination(specs, torch.device("cpu"))
+        for m in tp.layout(sizes, dtypes, len(specs), 1)[0]:
+            into.wire(m)
+        return into
+
+    into = receiver_prepare()
+    src, dst = torch.randint(0, 255, (n,), dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("memcpy of the state's bytes, warm pages (what loopback's kernel copies do twice)", lambda: dst.copy_(src)),
+        ("memcpy into fresh pages (a receiver's first touch)", lambda: torch.empty(n, dtype=torch.uint8).copy_(src)),
+        ("CRC-32 of the state's bytes (each path: once per side)", lambda: checksum(src)),
+        ("flat: source flatten (skeleton + cat)", lambda: (flatten(state), flatten(aux))),
+        ("flat: receiver unflatten (a clone per tensor)", lambda: unflatten(skel, buf)),
+        ("direct: source skeletons + META", lambda: tp._Sender(tr, state, aux)),
+        ("direct: source skeletons + META + layout + batches", source_prepare),
+        ("direct: CRC-32 of every message", lambda: [checksum(w) for w in wires]),
+        ("direct: receiver parse", lambda: parse(skel_json)),
+        ("direct: receiver layout + allocation", receiver_prepare),
+        ("direct: receiver views + assemble", lambda: assemble(sk, into.tensors())),
+    ]
+    out = []
+    for name, f in steps:
+        best = min(timeit.repeat(f, number=1, repeat=max(3, runs)))
+        out.append(
+            {
+                "mb": round(n / 1e6, 2),
+                "tensors": tensor_count(state) + tensor_count(aux),
+                "step": name,
+                "ms": round(best * 1e3, 3),
+            }
+        )
+    return out
+
+
 # ---- the driver --------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     world = max(args.sources) + 1
@@ -370,7 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-heap", action="store_true", help="let glibc recycle the previous run's pages")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds: group timeout, and the run's bound")
     p.add_argument("--json", action="store_true", help="one JSON object per result line")
+    p.add_argument("--phases", action="store_true", help="instead: each step's cost in this process, no wire")
     args = p.parse_args(argv)
+    if args.phases:
+        for mb in args.mb:
+            for row in phases(mb, args.layers, args.width, args.runs, not args.warm_heap):
+                print(json.dumps(row) if args.json else f"{row['mb']:7.2f} MB  {row['ms']:8.2f} ms  {row['step']}")
+        return 0
     if "loopback" not in args.paths:
         args.paths = ["loopback", *args.paths]
     results = run(args)
@@ -380,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         f"{'MB':>7} {'tensors':>7} {'src':>3} {'path':<15} {'median ms':>9} {'min-max ms':>15} {'MB/s':>7} "
-        f"{'ratio':>6} {'pairs':>6} ok"
+        f"{'ratio':>6} {'pairs':>6} {'cpu ms':>7} ok"
     )
     for r in results:
         ok = {True: "yes", False: "NO"}.get(r.get("bitwise_equal"), "-")  # type: ignore[call-overload]

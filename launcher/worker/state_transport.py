@@ -294,6 +294,7 @@ class _Sender:
         self.tensors = ts + ta
         self._on_device = all(t.device == tr.device for t in self.tensors)
         self._zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=tr.device)
+        self._gaps: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self.meta = self._meta(skel, askel)
         self._layouts: dict[int, list[list[Message]]] = {}
         self._raw: dict[int, torch.Tensor] = {}  # large tensors' bytes
@@ -336,10 +337,17 @@ class _Sender:
                     pieces.append(t if self._on_device else t.to(dev))
                     gap = -t.nbytes % ALIGN
                     if gap:
-                        pieces.append(self._zeros[:gap].view(r.dtype))
+                        pieces.append(self._gap(r.dtype, gap))
                 torch.cat(pieces, out=buf[r.at : r.at + r.nbytes].view(r.dtype))
             self._bufs[key] = buf
         return self._bufs[key]
+
+    def _gap(self, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        """Zeros filling a batch up to the next tensor's aligned offset (a few dozen kinds)."""
+        key = (dtype, nbytes)
+        if key not in self._gaps:
+            self._gaps[key] = self._zeros[:nbytes].view(dtype)
+        return self._gaps[key]
 
     def post(self, sends: list[Transfer]) -> _InOrder:
         """Post META first (the receiver waits for it), then every message; checksum them
