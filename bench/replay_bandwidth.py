@@ -44,6 +44,7 @@ import argparse
 import ctypes
 import json
 import math
+import queue
 import random
 import statistics
 import sys
@@ -411,7 +412,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     for p in procs:
         p.start()
     try:
-        reports = [q.get(timeout=args.timeout * 4) for _ in procs]
+        reports = [_report(q, procs, args.timeout * 4) for _ in procs]
         for p in procs:
             p.join(timeout=args.timeout)
     finally:
@@ -420,6 +421,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 p.kill()
                 p.join()
     return summarize(reports)
+
+
+def _report(q: Any, procs: list[Any], timeout_s: float) -> dict[str, Any]:
+    """The next process's report; a process that died first fails the run at once."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            report: dict[str, Any] = q.get(timeout=0.5)
+            return report
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a benchmark process exited with {dead[0]}") from None
+    raise TimeoutError(f"no report within {timeout_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
