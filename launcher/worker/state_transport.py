@@ -2,24 +2,48 @@
 ranks behind, over the epoch's communicator (torchft's CheckpointTransport is
 the shape: the recovery sequence only says who sends what to whom).
 
-Per receiver: the source of part 0 sends a header, the JSON skeletons and the
-aux buffer (RNG, extra); every source sends its disjoint slice of the flat
-replicated buffer, straight into the receiver's buffer, all in flight at once.
+Per receiver, every message a point-to-point of raw bytes (no pickle):
+
+1. META, from the source of part 0: a fixed-size message holding a header (version,
+   lengths, the CRC of the rest) and the JSON skeletons of state and aux, so the
+   receiver waits for one message before every other receive is in flight. A
+   skeleton too long for it sends its tail as META2.
+2. The bulk, cut by `layout` from the skeleton alone, alike on both sides: the
+   state's tensors laid end to end are split into the byte slices that the plan's
+   `Transfer.part`/`parts` name (`slice_bounds`), one per source, all sources at
+   once. Tensors of 64 KB or more go straight from the source tensor's storage into
+   the tensor handed back (in 4 MB pieces, so checksums overlap the wire); smaller
+   ones are packed into one batch per slice (each message has a fixed cost), each at a
+   64-byte offset, and the state's are handed back as views of it (the aux's, RNG
+   states, are copied out: torch's RNG setters ignore a view's offset). The aux
+   (RNG, extra) rides with part 0.
+3. SUMS, per slice: the checksum of each of its messages, computed by the source
+   while they are on the wire; the receiver checksums each message as it lands,
+   while the rest are in flight. Nothing is handed back unless every sum matches.
 """
 
 from __future__ import annotations
 
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from datetime import timedelta
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from launcher.worker.replica_map import Transfer, slice_bounds
-from launcher.worker.state_codec import checksum, flatten, unflatten
+from launcher.worker.state_codec import Spec, assemble, byte_view, checksum, parse, skeleton
 
-H_TAG, SKEL_TAG, ASKEL_TAG, ABUF_TAG, SLICE_TAG, SUM_TAG = 1, 2, 3, 4, 5, 6
+VERSION = 2  # of the wire layout below; 1 was the single flat buffer
+SMALL = 64 << 10  # tensors under this are batched
+CHUNK = 4 << 20  # largest message: a large tensor is cut into pieces of this
+ALIGN = 64  # offset of each tensor in a batch and of each cut inside one, as an allocation's
+META_CAP = 64 << 10  # META's fixed size: a few hundred tensors' skeleton
+_HEADER = 64  # bytes: 8 int64 (crc, version, the two skeletons' lengths, 0...); the crc covers the rest
+META_TAG, META2_TAG = 1, 2
+_PART_SHIFT = 20  # tag of message j of slice p: ((p + 1) << 20) + j; the slice's SUMS: the last tag
 
 
 @dataclass(frozen=True)
@@ -39,6 +63,139 @@ class StateTransport(Protocol):
         """Send what `plan` asks of `me` and receive what it gives `me`."""
 
 
+# ---- the layout: which bytes travel in which message -------------------------------------
+class Piece(NamedTuple):
+    """Bytes [lo, hi) of a large tensor, sent from and received into its own storage."""
+
+    tensor: int  # in skeleton order (the state's, then the aux's)
+    lo: int
+    hi: int
+
+
+class Run(NamedTuple):
+    """Small tensors of one dtype at offset `at` of a batch, each at an ALIGN-ed offset
+    (as a fresh allocation would be: the RNG's setter, for one, reads its state as
+    a struct), the gaps zeroed: packed with one cat, handed back as views by one split."""
+
+    dtype: torch.dtype
+    at: int
+    nbytes: int
+    indices: tuple[int, ...]
+
+
+class Message(NamedTuple):
+    nbytes: int
+    piece: Piece | None  # a large tensor's bytes, or
+    runs: tuple[Run, ...]  # a batch of small ones
+
+
+def layout(sizes: Sequence[int], dtypes: Sequence[torch.dtype], n_state: int, parts: int) -> list[list[Message]]:
+    """The messages of each slice `part` of `parts`, from every tensor's bytes and dtype
+    (the state's `n_state` first): what sources and receiver compute alike. A large
+    tensor is cut at the slice bounds (moved down to ALIGN) and into CHUNKs; a small one
+    belongs whole to the slice holding its first byte; the aux goes with slice 0."""
+    total = sum(sizes[:n_state])
+    bounds = [slice_bounds(total, p, parts) for p in range(parts)]
+    small: list[dict[torch.dtype, list[int]]] = [{} for _ in range(parts)]
+    out: list[list[Message]] = [[] for _ in range(parts)]
+    off = 0
+    p = 0  # the slice holding byte `off`
+    for i, n in enumerate(sizes):
+        state = i < n_state
+        if state:
+            while p < parts - 1 and off >= bounds[p][1]:
+                p += 1
+        if n >= SMALL:
+            whole = not state or parts == 1
+            spans = (
+                [(0, 0, n)] if whole else [(q, _cut(a - off, n), _cut(b - off, n)) for q, (a, b) in enumerate(bounds)]
+            )
+            for q, lo, hi in spans:
+                if 0 < hi - lo <= CHUNK:  # the common case, kept cheap: one message
+                    out[q].append(Message(hi - lo, Piece(i, lo, hi), ()))
+                elif hi > lo:
+                    out[q] += [
+                        Message(min(CHUNK, hi - c), Piece(i, c, min(c + CHUNK, hi)), ()) for c in range(lo, hi, CHUNK)
+                    ]
+        elif n:
+            small[p if state else 0].setdefault(dtypes[i], []).append(i)
+        if state:
+            off += n
+    for q in range(parts):
+        out[q] += _batches(small[q], sizes)
+    return out
+
+
+def _cut(x: int, n: int) -> int:
+    """A slice bound inside a tensor of n bytes, moved down to an ALIGN-ed offset (so that
+    every piece starts aligned: memcpy's fast path, and the GPU checksum's int64 view)."""
+    return 0 if x <= 0 else n if x >= n else x - x % ALIGN
+
+
+def _batches(by_dtype: dict[torch.dtype, list[int]], sizes: Sequence[int]) -> list[Message]:
+    out: list[Message] = []
+    runs: list[Run] = []
+    end = 0
+    for dtype, indices in by_dtype.items():
+        run: list[int] = []
+        at = end
+        for i in indices:
+            size = _aligned(sizes[i])
+            if end + size > CHUNK and (runs or run):  # full: close this batch
+                if run:
+                    runs.append(Run(dtype, at, end - at, tuple(run)))
+                out.append(Message(end, None, tuple(runs)))
+                runs, run, at, end = [], [], 0, 0
+            run.append(i)
+            end += size
+        if run:
+            runs.append(Run(dtype, at, end - at, tuple(run)))
+    if runs:
+        out.append(Message(end, None, tuple(runs)))
+    return out
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _tag(part: int, j: int) -> int:
+    if j >= (1 << _PART_SHIFT) - 1:
+        raise ValueError(f"replay slice {part} needs more than {(1 << _PART_SHIFT) - 2} messages")
+    return ((part + 1) << _PART_SHIFT) + j
+
+
+def _sums_tag(part: int) -> int:
+    return ((part + 2) << _PART_SHIFT) - 1
+
+
+# ---- waiting ------------------------------------------------------------------------------
+class _InOrder:
+    """Several works waited as one, in order, by whichever thread waits on it (the epoch-
+    watching wait runs one helper thread per work it is given); `then(i)` runs as work i
+    completes, while the later ones are still in flight."""
+
+    def __init__(self, works: list[Any], then: Callable[[int], None] | None = None, keep: Any = None) -> None:
+        self.works, self.then = works, then
+        self.keep = keep  # buffers that must outlive the works
+        self._done = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for i, w in enumerate(self.works):
+            w.wait()
+            if self.then is not None:
+                self.then(i)
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done
+
+
+# ---- the transport ------------------------------------------------------------------------
 class P2PTransport:
     """Point-to-point over a backend group; `wait(work)` waits while watching
     for a newer epoch (and raises out of the exchange when one comes)."""
@@ -46,86 +203,225 @@ class P2PTransport:
     def __init__(self, pg: Any, device: torch.device, wait: Callable[[Any], None]) -> None:
         self.pg, self.device, self.wait = pg, device, wait
 
-    def _dev(self, t: torch.Tensor) -> torch.Tensor:
-        return t.to(self.device)
-
     def exchange(
         self, plan: list[Transfer], me: int, snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]]
     ) -> Received | None:
-        sends = [t for t in plan if t.src == me]
+        sends = sorted((t for t in plan if t.src == me), key=lambda t: (t.dst, t.part))
         recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.part)
-        works: list[Any] = []
-        keep: list[torch.Tensor] = []  # send buffers must outlive their works
-        if sends:
-            state, aux = snapshot()
-            skel, buf = flatten(state, self.device)
-            askel, abuf = flatten(aux, self.device)
-            buf, abuf = self._dev(buf), self._dev(abuf)
-            skel_t = self._dev(torch.frombuffer(bytearray(skel), dtype=torch.uint8))
-            askel_t = self._dev(torch.frombuffer(bytearray(askel), dtype=torch.uint8))
-            header = self._dev(
-                torch.tensor(
-                    [len(skel), buf.numel(), len(askel), abuf.numel(), checksum(torch.cat([skel_t, askel_t, abuf]))],
-                    dtype=torch.int64,
-                )
-            )
-            keep += [buf, abuf, skel_t, askel_t, header]
-            for t in sends:
-                if t.part == 0:
-                    works += [
-                        self.pg.send([header], t.dst, H_TAG),
-                        self.pg.send([skel_t], t.dst, SKEL_TAG),
-                        self.pg.send([askel_t], t.dst, ASKEL_TAG),
-                    ]
-                    if abuf.numel():
-                        works.append(self.pg.send([abuf], t.dst, ABUF_TAG))
-                a, b = slice_bounds(buf.numel(), t.part, t.parts)
-                if b > a:
-                    s = self._dev(torch.tensor([checksum(buf[a:b])], dtype=torch.int64))
-                    keep.append(s)
-                    works += [self.pg.send([s], t.dst, SUM_TAG), self.pg.send([buf[a:b]], t.dst, SLICE_TAG)]
+        sent = _Sender(self, *snapshot()).post(sends) if sends else None
         got = self._receive(recvs) if recvs else None
-        for w in works:
-            self.wait(w)
+        if sent is not None:
+            self.wait(sent)
         return got
 
     def _receive(self, recvs: list[Transfer]) -> Received:
         t0 = time.monotonic()
-        primary = recvs[0].src
-        header = self._dev(torch.zeros(5, dtype=torch.int64))
-        self.wait(self.pg.recv([header], primary, H_TAG))
-        n_skel, n_buf, n_askel, n_abuf, aux_sum = (int(x) for x in header.cpu().tolist())
-        skel_t = self._dev(torch.empty(n_skel, dtype=torch.uint8))
-        askel_t = self._dev(torch.empty(n_askel, dtype=torch.uint8))
-        abuf = self._dev(torch.empty(n_abuf, dtype=torch.uint8))
-        buf = self._dev(torch.empty(n_buf, dtype=torch.uint8))
-        works = [self.pg.recv([skel_t], primary, SKEL_TAG), self.pg.recv([askel_t], primary, ASKEL_TAG)]
-        if n_abuf:
-            works.append(self.pg.recv([abuf], primary, ABUF_TAG))
-        sums: list[tuple[int, int, int, torch.Tensor]] = []
+        primary, parts = recvs[0].src, recvs[0].parts
+        if [t.part for t in recvs] != list(range(parts)):
+            raise ValueError(f"replay plan gives this rank slices {[t.part for t in recvs]} of {parts}")
+        sources = [t.src for t in recvs]
+        meta = self._recv_meta(primary)
+        if meta is None:  # nothing more can be matched: the source's sends fail at its group's timeout
+            return Received({}, {}, 0, sources, time.monotonic() - t0, (primary,))
+        skel, askel, specs, n_state, n_meta, meta_ok = meta
+        msgs = layout([s.nbytes for s in specs], [s.dtype for s in specs], n_state, parts)
+        into = _Destination(specs, self.device)
+        works: list[Any] = []
+        wires: list[tuple[int, int, torch.Tensor]] = []  # (part, message, bytes) in posting order
         for t in recvs:
-            a, b = slice_bounds(n_buf, t.part, t.parts)
-            if b > a:
-                s = self._dev(torch.zeros(1, dtype=torch.int64))
-                sums.append((t.src, a, b, s))
-                works += [self.pg.recv([s], t.src, SUM_TAG), self.pg.recv([buf[a:b]], t.src, SLICE_TAG)]
-        for w in works:
-            self.wait(w)
-        # Verified before use: a damaged transfer is reported, never loaded.
-        damaged = [src for src, a, b, s in sums if checksum(buf[a:b]) != int(s.item())]
-        if checksum(torch.cat([skel_t, askel_t, abuf])) != aux_sum:
-            damaged.append(primary)
-        took = time.monotonic() - t0
-        n = n_buf + n_abuf + n_skel + n_askel
+            for j, m in enumerate(msgs[t.part]):
+                w = into.wire(m)
+                wires.append((t.part, j, w))
+                works.append(self.pg.recv([w], t.src, _tag(t.part, j)))
+        sums = [torch.empty(len(msgs[t.part]), dtype=torch.int64, device=self.device) for t in recvs]
+        works += [self.pg.recv([s], t.src, _sums_tag(t.part)) for t, s in zip(recvs, sums) if s.numel()]
+        mine: dict[tuple[int, int], int] = {}
+
+        def check(i: int) -> None:  # in the waiting thread, as message i lands
+            if i < len(wires):
+                p, j, w = wires[i]
+                mine[(p, j)] = checksum(w)
+
+        # In host memory the views need no data: build the state while the bytes flow.
+        views = into.tensors() if self.device.type == "cpu" else None
+        early = assemble(skel, views[:n_state]) if views is not None else None
+        self.wait(_InOrder(works, check))
+        damaged = set() if meta_ok else {primary}
+        for t, s in zip(recvs, sums):
+            if s.numel() and s.cpu().tolist() != [mine[(t.part, j)] for j in range(s.numel())]:
+                damaged.add(t.src)
+        n = sum(s.nbytes for s in specs) + n_meta
         if damaged:
-            return Received({}, {}, n, [t.src for t in recvs], took, tuple(sorted(set(damaged))))
-        state = unflatten(_bytes(skel_t), buf.cpu())
-        aux = unflatten(_bytes(askel_t), abuf.cpu())
-        return Received(state, aux, n, [t.src for t in recvs], took)
+            return Received({}, {}, n, sources, time.monotonic() - t0, tuple(sorted(damaged)))
+        views = views if views is not None else into.tensors()
+        state = early if early is not None else assemble(skel, views[:n_state])
+        aux = assemble(askel, [into.own(i, t) for i, t in enumerate(views[n_state:], n_state)])
+        return Received(state, aux, n, sources, time.monotonic() - t0)
+
+    def _recv_meta(self, primary: int) -> tuple[Any, Any, list[Spec], int, int, bool] | None:
+        """-> (state skeleton, aux skeleton, every tensor's Spec, how many are the state's,
+        the skeletons' bytes, whether META's checksum matched), or None when it cannot
+        even be parsed. A mismatched one is still parsed, so that what follows is drained."""
+        meta = torch.empty(META_CAP, dtype=torch.uint8, device=self.device)
+        self.wait(self.pg.recv([meta], primary, META_TAG))
+        crc, version, n_skel, n_askel = (int(x) for x in meta[:_HEADER].view(torch.int64)[:4].tolist())
+        length = _HEADER + n_skel + n_askel
+        if version != VERSION or min(n_skel, n_askel) < 0 or length > (1 << 31):
+            return None
+        if length > META_CAP:
+            tail = torch.empty(length - META_CAP, dtype=torch.uint8, device=self.device)
+            self.wait(self.pg.recv([tail], primary, META2_TAG))
+            meta = torch.cat([meta, tail])
+        ok = checksum(meta[8:length]) == crc
+        body = meta[_HEADER:length].cpu().numpy().tobytes()
+        try:
+            skel, specs = parse(body[:n_skel])
+            askel, aspecs = parse(body[n_skel:])
+        except (ValueError, KeyError, TypeError):
+            return None
+        return skel, askel, specs + aspecs, len(specs), n_skel + n_askel, ok
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.cpu().numpy().tobytes())
+class _Sender:
+    """One source's side: every slice it owes (to one or several receivers), from one
+    snapshot; a slice owed twice is packed and checksummed once."""
+
+    def __init__(self, tr: P2PTransport, state: dict[str, Any], aux: dict[str, Any]) -> None:
+        self.tr = tr
+        skel, ts = skeleton(state)
+        askel, ta = skeleton(aux)
+        self.n_state = len(ts)
+        self.tensors = ts + ta
+        self._on_device = all(t.device == tr.device for t in self.tensors)
+        self._zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=tr.device)
+        self._gaps: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self.meta = self._meta(skel, askel)
+        self._layouts: dict[int, list[list[Message]]] = {}
+        self._raw: dict[int, torch.Tensor] = {}  # large tensors' bytes
+        self._bufs: dict[tuple[int, int, int], torch.Tensor] = {}  # batches
+        self._sums: dict[tuple[int, int], torch.Tensor] = {}
+        self.works: list[Any] = []
+
+    def _meta(self, skel: bytes, askel: bytes) -> torch.Tensor:
+        # Built in Python: a torch fill of 64 KB may wake a thread pool, ms on a busy host.
+        n = _HEADER + len(skel) + len(askel)
+        raw = bytearray(max(n, META_CAP))
+        struct.pack_into("<4q", raw, 8, VERSION, len(skel), len(askel), 0)
+        raw[_HEADER:n] = skel + askel
+        m = torch.frombuffer(raw, dtype=torch.uint8).to(self.tr.device)
+        m[:8] = torch.tensor([checksum(m[8:n])], dtype=torch.int64).view(torch.uint8).to(self.tr.device)
+        return m
+
+    def _layout(self, parts: int) -> list[list[Message]]:
+        if parts not in self._layouts:
+            ts = self.tensors
+            self._layouts[parts] = layout([t.nbytes for t in ts], [t.dtype for t in ts], self.n_state, parts)
+        return self._layouts[parts]
+
+    def _wire(self, parts: int, part: int, j: int) -> torch.Tensor:
+        m = self._layout(parts)[part][j]
+        dev = self.tr.device
+        if m.piece is not None:  # straight from the tensor's storage (moved only if elsewhere)
+            i = m.piece.tensor
+            if i not in self._raw:
+                t = self.tensors[i]
+                self._raw[i] = byte_view(t if t.device == dev else t.to(dev))
+            return self._raw[i][m.piece.lo : m.piece.hi]
+        key = (parts, part, j)
+        if key not in self._bufs:
+            buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
+            for r in m.runs:
+                pieces: list[torch.Tensor] = []
+                for i in r.indices:
+                    t = self.tensors[i].reshape(-1)
+                    pieces.append(t if self._on_device else t.to(dev))
+                    gap = -t.nbytes % ALIGN
+                    if gap:
+                        pieces.append(self._gap(r.dtype, gap))
+                torch.cat(pieces, out=buf[r.at : r.at + r.nbytes].view(r.dtype))
+            self._bufs[key] = buf
+        return self._bufs[key]
+
+    def _gap(self, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        """Zeros filling a batch up to the next tensor's aligned offset (a few dozen kinds)."""
+        key = (dtype, nbytes)
+        if key not in self._gaps:
+            self._gaps[key] = self._zeros[:nbytes].view(dtype)
+        return self._gaps[key]
+
+    def post(self, sends: list[Transfer]) -> _InOrder:
+        """Post META first (the receiver waits for it), then every message; checksum them
+        while they are on the wire and post the sums. -> the works, waited on as one."""
+        pg = self.tr.pg
+        for t in sends:
+            if t.part == 0:
+                self.works.append(pg.send([self.meta[:META_CAP]], t.dst, META_TAG))
+                if self.meta.numel() > META_CAP:
+                    self.works.append(pg.send([self.meta[META_CAP:]], t.dst, META2_TAG))
+        wires: dict[tuple[int, int, int], torch.Tensor] = {}
+        for t in sends:
+            for j in range(len(self._layout(t.parts)[t.part])):
+                w = wires[(t.parts, t.part, j)] = self._wire(t.parts, t.part, j)
+                self.works.append(pg.send([w], t.dst, _tag(t.part, j)))
+        for t in sends:
+            key = (t.parts, t.part)
+            if key not in self._sums:
+                n = len(self._layout(t.parts)[t.part])
+                sums = [checksum(wires[(t.parts, t.part, j)]) for j in range(n)]
+                self._sums[key] = torch.tensor(sums, dtype=torch.int64).to(self.tr.device)
+            if self._sums[key].numel():
+                self.works.append(pg.send([self._sums[key]], t.dst, _sums_tag(t.part)))
+        return _InOrder(self.works, keep=(wires, self.meta, self._sums))
+
+
+class _Destination:
+    """The receiver's tensors: large ones allocated whole and filled piece by piece,
+    small ones of the state views of their batch (the optimizer and `copy_` take any
+    view). The aux's small ones (RNG states) get storage of their own: torch's RNG
+    setters read a view's storage from its start, not from the view's offset. On a GPU
+    the batches (counters, RNG) are handed back in host memory, as those setters expect."""
+
+    def __init__(self, specs: list[Spec], device: torch.device) -> None:
+        self.specs, self.device = specs, device
+        self.out: list[torch.Tensor | None] = [
+            torch.empty(s.shape, dtype=s.dtype, device=device) if s.nbytes >= SMALL or s.nbytes == 0 else None
+            for s in specs
+        ]
+        self.batches: list[tuple[Message, torch.Tensor]] = []
+
+    def wire(self, m: Message) -> torch.Tensor:
+        if m.piece is not None:
+            t = self.out[m.piece.tensor]
+            assert t is not None
+            return byte_view(t)[m.piece.lo : m.piece.hi]
+        buf = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
+        self.batches.append((m, buf))
+        return buf
+
+    def own(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """Tensor i with storage of its own (a copy if it is a view of a batch): once landed."""
+        return t if self.out[i] is not None else t.clone()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor, small ones as views of their batch: on a GPU only once the batches
+        have landed (they are copied to the host), else at once (no data is read)."""
+        out = list(self.out)
+        for m, buf in self.batches:
+            host = buf.cpu()
+            for r in m.runs:
+                flat = host[r.at : r.at + r.nbytes].view(r.dtype)
+                size = flat.element_size()
+                lengths: list[int] = []  # each tensor, then its gap
+                for i in r.indices:
+                    n = self.specs[i].nbytes
+                    lengths += [n // size, -n % ALIGN // size]
+                for i, v in zip(r.indices, torch.split(flat, lengths)[::2]):
+                    shape = self.specs[i].shape
+                    out[i] = v if len(shape) == 1 else v.view(shape)
+        missing = [i for i, t in enumerate(out) if t is None]
+        if missing:
+            raise ValueError(f"replay layout left tensors {missing[:5]} unfilled")
+        return [t for t in out if t is not None]
 
 
 def describe(r: Received) -> str:
@@ -134,4 +430,4 @@ def describe(r: Received) -> str:
     return f"{mb:.2f} MB from ranks {r.sources} in {r.seconds:.3f}s ({rate:.0f} MB/s)"
 
 
-__all__ = ["P2PTransport", "Received", "StateTransport", "describe"]
+__all__ = ["P2PTransport", "Received", "StateTransport", "describe", "layout"]

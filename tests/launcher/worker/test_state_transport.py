@@ -1,0 +1,179 @@
+"""Replay at wire speed (state_transport): the layout that both sides compute from the
+skeleton, the source sending from its tensors' own storage, and a real striped replay
+over gloo on 127.0.0.1 (forked ranks, as in test_rollback)."""
+
+from __future__ import annotations
+
+import functools
+import time
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from launcher.worker import state_transport as tp
+from launcher.worker.replica_map import Transfer, slice_bounds
+from launcher.worker.state_codec import flatten, skeleton, unflatten
+from tests.launcher.worker.test_rollback import in_ranks
+from tests.launcher.worker.test_snapshots import bitwise_equal
+
+pytestmark = pytest.mark.timeout(60)
+
+DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float64)
+
+
+# ---- the layout ------------------------------------------------------------------------
+@st.composite
+def tensors_and_plan(draw: Any) -> tuple[list[int], list[torch.dtype], int, int]:
+    n = draw(st.integers(0, 40))
+    dtypes = [draw(st.sampled_from(DTYPES)) for _ in range(n)]
+    numels = [
+        draw(st.one_of(st.just(0), st.integers(1, 3000), st.integers(8000, 1_300_000), st.just(tp.CHUNK // 4)))
+        for _ in range(n)
+    ]
+    sizes = [k * torch.empty(0, dtype=d).element_size() for k, d in zip(numels, dtypes)]
+    return sizes, dtypes, draw(st.integers(0, n)), draw(st.integers(1, 4))
+
+
+@settings(max_examples=150, deadline=None)
+@given(tensors_and_plan())
+def test_the_layout_carries_every_byte_once_in_slices_that_follow_the_plan(
+    case: tuple[list[int], list[torch.dtype], int, int],
+) -> None:
+    sizes, dtypes, n_state, parts = case
+    msgs = tp.layout(sizes, dtypes, n_state, parts)
+    assert len(msgs) == parts
+    starts = [sum(sizes[:i]) for i in range(n_state)]
+    bounds = [slice_bounds(sum(sizes[:n_state]), p, parts) for p in range(parts)]
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for p, part in enumerate(msgs):
+        for m in part:
+            assert 0 < m.nbytes <= tp.CHUNK
+            if m.piece is not None:  # a large tensor's bytes, inside this slice
+                x = m.piece
+                assert sizes[x.tensor] >= tp.SMALL and m.nbytes == x.hi - x.lo and not m.runs
+                covered.setdefault(x.tensor, []).append((x.lo, x.hi))
+                assert x.lo % tp.ALIGN == 0
+                if x.tensor < n_state:  # in its slice, but for cuts moved down to ALIGN
+                    a, b = bounds[p]
+                    assert a - tp.ALIGN < starts[x.tensor] + x.lo and starts[x.tensor] + x.hi <= b
+                else:
+                    assert p == 0  # the aux rides with slice 0
+                continue
+            end = 0
+            for r in m.runs:  # small tensors of one dtype, each at an aligned offset
+                assert r.at == end
+                assert r.nbytes == sum(-(-sizes[i] // tp.ALIGN) * tp.ALIGN for i in r.indices)
+                end = r.at + r.nbytes
+                for i in r.indices:
+                    assert 0 < sizes[i] < tp.SMALL and dtypes[i] == r.dtype
+                    covered.setdefault(i, []).append((0, sizes[i]))
+                    if i < n_state:
+                        a, b = bounds[p]
+                        assert a <= starts[i] < b  # in the slice holding its first byte
+                    else:
+                        assert p == 0
+            assert end == m.nbytes
+    for i, n in enumerate(sizes):
+        spans = sorted(covered.get(i, []))
+        assert [lo for lo, _ in spans] == [0] + [hi for _, hi in spans[:-1]] if n else spans == []
+        assert not n or spans[-1][1] == n
+
+
+def test_small_tensors_travel_as_one_batch_per_slice_and_large_ones_as_their_own_messages() -> None:
+    sizes = [4096] * 300 + [tp.SMALL, 10 * tp.CHUNK + 5]
+    msgs = tp.layout(sizes, [torch.float32] * 301 + [torch.uint8], 302, 1)[0]
+    assert sum(1 for m in msgs if m.runs) == 1  # 300 tensors, 1.2 MB: one message
+    assert [m.nbytes for m in msgs if m.piece] == [tp.SMALL] + [tp.CHUNK] * 10 + [5]
+
+
+# ---- the source ------------------------------------------------------------------------
+class _Recorder:
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, int, torch.Tensor]] = []
+
+    def send(self, ts: list[torch.Tensor], dst: int, tag: int) -> None:
+        self.sent.append((dst, tag, ts[0]))
+
+
+def test_a_source_sends_large_tensors_from_their_own_storage_without_a_copy() -> None:
+    big = torch.randn(300, 1000)  # 1.2 MB
+    state = {"w": big, "b": torch.randn(10), "step": torch.tensor(3.0)}
+    pg = _Recorder()
+    sender = tp._Sender(tp.P2PTransport(pg, torch.device("cpu"), lambda w: None), state, {"rng": torch.zeros(8)})
+    sender.post([Transfer(0, 1, 0, 1)])
+    ptr, n = big.untyped_storage().data_ptr(), big.nbytes
+    direct = [t for _, tag, t in pg.sent if tag not in (tp.META_TAG, tp._sums_tag(0)) and t.numel() > tp.SMALL]
+    assert direct and all(ptr <= t.data_ptr() < ptr + n for t in direct)
+    assert sum(t.numel() for t in direct) == n
+    assert len(pg.sent) == 4  # META, the large tensor (under one CHUNK), one batch of the rest, the sums
+
+
+def test_every_dtype_of_the_table_round_trips_and_others_are_refused_when_the_state_is_taken() -> None:
+    state = {d: torch.arange(6).to(d).reshape(2, 3) for d in (torch.uint16, torch.complex64, torch.float8_e4m3fn)}
+    skel, buf = flatten({str(k): v for k, v in state.items()})
+    back = unflatten(skel, buf)
+    assert all(torch.equal(back[str(k)].view(torch.uint8), v.view(torch.uint8)) for k, v in state.items())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated: which is the point
+        q = torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.quint8)
+    with pytest.raises(TypeError, match="dtype"):
+        skeleton({"q": q})
+
+
+# ---- for real: 3 ranks, 2 sources striping ----------------------------------------------
+def _state() -> tuple[dict[str, Any], dict[str, Any]]:
+    g = torch.Generator().manual_seed(11)
+    small = {f"layer{i}.bias": torch.randn(17 + i % 5, generator=g) for i in range(900)}  # skeleton > META_CAP
+    state = {
+        "model": {"big": torch.randn(700, 1000, generator=g), "t": torch.randn(40, 300, generator=g).t(), **small},
+        "optim": {"state": {0: {"step": torch.tensor(5.0), "m": torch.randn(3000, generator=g).bfloat16()}}},
+        "mask": torch.rand(70_000, generator=g) > 0.5,
+        "empty": torch.zeros(0, 4),
+        "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}],
+    }
+    return state, {"bias": torch.ones(3, dtype=torch.uint8), "rng": g.get_state(), "cursor": 12}
+
+
+def _striped(damage_from: int | None, rank: int, pg: Any) -> Any:  # pragma: no cover - forked child
+    if rank == damage_from:  # what this source sends no longer matches the sums it sends
+        real = tp.checksum
+        tp.checksum = lambda t: real(t) ^ 1  # type: ignore[assignment]
+    real_wire, slept = tp._Sender._wire, []
+
+    def late(self: tp._Sender, parts: int, part: int, j: int) -> torch.Tensor:  # after META, before the bulk
+        if not slept:
+            slept.append(time.sleep(0.3))  # the receiver builds its state before the bytes land
+        return real_wire(self, parts, part, j)
+
+    tp._Sender._wire = late  # type: ignore[method-assign]
+    plan = [Transfer(0, 2, 0, 2), Transfer(1, 2, 1, 2)]
+    got = tp.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait()).exchange(plan, rank, _state)
+    if got is None:
+        return None
+    big = got.state["model"]["big"] if not got.damaged else None
+    if not got.damaged:
+        torch.set_rng_state(got.aux["rng"])  # reads the storage from its start: a view of a batch crashes it
+    tensors = skeleton((got.state, got.aux))[1]
+    return {
+        "damaged": list(got.damaged),
+        "sources": got.sources,
+        "equal": not got.damaged and bitwise_equal((got.state, got.aux), _state()),
+        "big_owns_its_storage": big is not None and big.untyped_storage().nbytes() == big.nbytes,
+        "aligned": all(t.data_ptr() % tp.ALIGN == 0 for t in tensors if t.numel()),
+    }
+
+
+def test_a_state_striped_over_two_sources_arrives_bitwise_into_tensors_of_its_own() -> None:
+    assert len(skeleton(_state()[0])[0]) > tp.META_CAP  # the skeleton's tail travels too
+    got = in_ranks(3, functools.partial(_striped, None))
+    assert got[0] is None and got[1] is None
+    assert got[2] == {"damaged": [], "sources": [0, 1], "equal": True, "big_owns_its_storage": True, "aligned": True}
+
+
+def test_a_slice_that_arrives_damaged_names_its_source_and_nothing_is_handed_back() -> None:
+    got = in_ranks(3, functools.partial(_striped, 1))
+    assert got[2]["damaged"] == [1] and not got[2]["equal"]
