@@ -13,7 +13,6 @@ import torch.distributed as dist
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
 from resild.controller.faults import Fault
-from resild.controller.floor import CommittedFloor
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
 from resild.events.log import EventLog
@@ -64,7 +63,6 @@ def run_job(
     store_fd, store_port = store_listen_fd(spec.bind_host, cluster=spec.bind_any)
     store = dist.TCPStore(spec.bind_host, store_port, is_master=True, wait_for_workers=False, master_listen_fd=store_fd)
     events = EventLog(spec.events_path)
-    events.listeners.append(CommittedFloor(store))
     live = StatusLine(sys.stderr) if status else None  # stderr only: stdout is --json's
     if live is not None:
         events.listeners.append(live)

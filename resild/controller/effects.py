@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from statistics import median
 
 from resild.controller.faults import Injector
@@ -40,6 +41,8 @@ class Effects:
         s = self.s
         if d.action == Action.NONE:
             return
+        if d.membership is not None:  # the committed floor travels with the epoch (and its journal record)
+            d = replace(d, membership=d.membership.with_committed(s.max_step))
         s.journal.append(decided(d, s.max_step, time.time()))
         if d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node:
             s.events.emit(
@@ -153,6 +156,7 @@ class Effects:
             EventName.MEMBERSHIP,
             epoch=m.epoch,
             layout=sent.layout["node_ranks"],
+            committed=m.committed,
             view=sent.view,
             delta=sent.delta,
             direct=sent.direct,

@@ -41,7 +41,6 @@ import resild.slurm as slurm
 import resild.wire.env as resild_env
 from resild.controller.backend import Backend, SlurmDrain
 from resild.controller.faults import parse_fault
-from resild.controller.floor import CommittedFloor
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
 from resild.controller.records import Closed, Leader
@@ -304,8 +303,6 @@ def serve(spec: dict[str, Any], index: int) -> int:
         return 0
     records = [r for r in raft.records if r.get("action") not in (Leader.ACTION, CLOSED)]
     events = EventLog(Path(spec["events"]))
-    floor = CommittedFloor(store)
-    events.listeners.append(floor)
     cfg = ControllerConfig(
         bind=endpoint,
         settings=JobSettings.from_dict(spec["settings"]),
@@ -334,8 +331,6 @@ def serve(spec: dict[str, Any], index: int) -> int:
     ctl.backend = SlurmDrain() if cluster else ProcessNodes(lambda n: ctl.view.nodes[n].host_pid, nodes)
     if records:
         ctl.restore(records, time.monotonic())
-        if ctl.max_step:
-            floor.publish(ctl.max_step)
     events.emit(
         EventName.CONTROLLER_LEADER,
         pid=os.getpid(),

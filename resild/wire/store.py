@@ -1,6 +1,6 @@
 """The job's rendezvous store (torch's TCPStore, hosted by the controller, or by each
-standby replica: the store moves with the leader): the keys the controller keeps there
-for the workers (the controller's writer: resild.controller.floor), and its socket."""
+standby replica: the store moves with the leader): its socket. The controller keeps
+nothing there (the committed floor travels in the membership)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,6 @@ import logging
 import socket
 
 log = logging.getLogger(__name__)
-
-COMMITTED_KEY = "resild/committed"  # newest step the controller saw committed at a failure
-
 
 # ---- the rendezvous store's listening socket --------------------------------------------
 

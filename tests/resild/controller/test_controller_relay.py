@@ -91,22 +91,31 @@ def test_deltas_full_layouts_resync_and_direct_workers(cluster: tuple[Controller
         assert Membership.from_dict(m.body) == m1
     assert memberships(drain(nodes["s0"], 0.05)) == []  # spares hold no ranks
 
-    # b fails: a held epoch 1 -> a delta; s0 held nothing -> its view.
+    # Every rank commits step 7: the committed floor of the next epoch.
+    for n, ranks in (("a", (0, 1)), ("b", (2, 3))):
+        commits = {str(r): 7 for r in ranks}
+        nodes[n].send(MsgType.PROGRESS, {"node": n, "epoch": 1, "state": "commit", "commits": commits})
+    deadline = time.monotonic() + 5
+    while ctl.max_step < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    # b fails: a held epoch 1 -> a delta; s0 held nothing -> its view. Both carry the floor.
     nodes["b"].send(MsgType.WORKER_EXIT, {"node": "b", "local_rank": 0, "pid": 1, "returncode": -9})
-    m2 = m1.replace("b", "s0")
+    m2 = m1.replace("b", "s0").with_committed(7)
     (d,) = memberships(drain(nodes["a"]))
     assert d.type == MsgType.MEMBERSHIP_DELTA and d.body == {
         "epoch": 2,
         "base": 1,
         "world_size": 4,
         "moves": {"b": "s0"},
+        "committed": 7,
     }
     assert m1.apply_delta(d.body) == m2 and m1.view("a").apply_delta(d.body) == m2.view("a")
     (f,) = memberships(drain(nodes["s0"]))
     assert f.type == MsgType.MEMBERSHIP and Membership.from_dict(f.body) == m2.view("s0")
-    assert Membership.from_dict(f.body).rank_of("s0", 0) == 2
+    assert Membership.from_dict(f.body).rank_of("s0", 0) == 2 and f.body["committed"] == 7
     ev = wait_event(events, "membership") and [e for e in events.records if e["event"] == "membership"][-1]
-    assert (ev["epoch"], ev["view"], ev["delta"], ev["direct"]) == (2, 1, 1, 0)
+    assert (ev["epoch"], ev["view"], ev["delta"], ev["direct"], ev["committed"]) == (2, 1, 1, 0, 7)
     assert ev["layout"] == {"a": [0, 1], "s0": [2, 3]}  # the event log keeps the whole layout
 
     # a says it still holds epoch 1 (the delta was lost): right after the send, no
