@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from resild.controller.backend import Backend
 from resild.controller.loop import Controller, ControllerConfig, JobResult
 from resild.events.log import EventLog
 from resild.membership import Membership
@@ -100,6 +101,14 @@ def test_deltas_full_layouts_resync_and_direct_workers(cluster: tuple[Controller
         time.sleep(0.01)
 
     # b fails: a held epoch 1 -> a delta; s0 held nothing -> its view. Both carry the floor.
+    # The decision is journaled; the new epoch goes out before b is fenced (the critical path).
+    fenced_at: dict[str, tuple[int, int]] = {}
+
+    class Watch(Backend):
+        def fence(self, node: str, reason: str) -> None:
+            fenced_at[node] = (ctl.view.nodes["a"].epoch_sent, ctl.view.nodes["s0"].epoch_sent)
+
+    ctl.backend = Watch()
     nodes["b"].send(MsgType.WORKER_EXIT, {"node": "b", "local_rank": 0, "pid": 1, "returncode": -9})
     m2 = m1.replace("b", "s0").with_committed(7)
     (d,) = memberships(drain(nodes["a"]))
@@ -117,6 +126,7 @@ def test_deltas_full_layouts_resync_and_direct_workers(cluster: tuple[Controller
     ev = wait_event(events, "membership") and [e for e in events.records if e["event"] == "membership"][-1]
     assert (ev["epoch"], ev["view"], ev["delta"], ev["direct"], ev["committed"]) == (2, 1, 1, 0, 7)
     assert ev["layout"] == {"a": [0, 1], "s0": [2, 3]}  # the event log keeps the whole layout
+    assert fenced_at == {"b": (2, 2)}  # a (delta) and s0 (view) were sent epoch 2 before b was fenced
 
     # a says it still holds epoch 1 (the delta was lost): right after the send, no
     # resend; once resync_s has passed, its view. With "resync" at once.
