@@ -125,8 +125,16 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any, ended: Any) -> Non
     )
     out.put(("endpoint", ctl.endpoint))
 
+    asked = threading.Event()
+
     def stopper() -> None:
-        stop.wait()
+        # A pipe, not an Event: a process that exits while waiting on a multiprocessing
+        # Event leaves a sleeper that the driver's set() then waits for forever.
+        try:
+            stop.recv()
+        except EOFError:
+            pass
+        asked.set()
         ctl.result = JobResult(0, "bench over")
 
     threading.Thread(target=stopper, daemon=True).start()
@@ -137,7 +145,7 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any, ended: Any) -> Non
     else:
         ctl.run()
     ended.set()  # before the events go out: a queue's feeder holds the process until they are read
-    if ctl.result is not None and ctl.result.exit_code != 0 and not stop.is_set():
+    if ctl.result is not None and ctl.result.exit_code != 0 and not asked.is_set():
         print(f"controller_scale: the controller stopped the job: {ctl.result.reason}", file=sys.stderr, flush=True)
     keep = ("membership", "failure_detected", "spare_assigned", "node_fenced")
     recs = []
@@ -400,7 +408,8 @@ def run_one(
     first_rank = {n: i * nproc for i, n in enumerate(active)}
     first_rank.update({n: 0 for n in spare_names})
     q = mp_ctx.Queue()
-    stop, ended = mp_ctx.Event(), mp_ctx.Event()
+    stop, stop_w = mp_ctx.Pipe(duplex=False)
+    ended = mp_ctx.Event()  # set by the controller; the driver only looks (never waits on it)
     cfg = {
         "active": active,
         "spares": spare_names,
@@ -498,7 +507,10 @@ def run_one(
             failed.append(got)
             time.sleep(0.5)  # the controller's event and the generators' next step settle
     finally:
-        stop.set()
+        try:
+            stop_w.send("stop")
+        except (BrokenPipeError, OSError):
+            pass  # it is gone already
         try:
             kind, recs, fsyncs = q.get(timeout=60)
         except Exception:
