@@ -80,21 +80,27 @@ def _keys_for(keys_dir: str, node: str) -> Any:
     return keys.node(node) if hasattr(keys, "node") and (keys.path / "nodes" / node).exists() else keys
 
 
-def _cpu_s(proc: Any) -> float:
-    """A process's CPU seconds, all threads: the scheduler's nanosecond counters where Linux
-    has them (a failure is handled in tens of ms; psutil's clock ticks are 10 ms)."""
+def _cpu_s(proc: Any) -> dict[str, float]:
+    """A process's CPU seconds by thread kind: "main" (the controller's Python thread),
+    "zmq" (libzmq's I/O threads: CURVE, the sockets' writes and reads) and "other"; from the
+    scheduler's nanosecond counters where Linux has them (a failure is handled in tens of
+    ms; psutil's clock ticks are 10 ms)."""
+    out = {"main": 0.0, "zmq": 0.0, "other": 0.0}
     try:
         tids = os.listdir(f"/proc/{proc.pid}/task")
     except OSError:
         t = proc.cpu_times()
-        return float(t.user + t.system)
-    ns = 0
+        out["other"] = float(t.user + t.system)
+        return out
     for tid in tids:
         try:
-            ns += int(Path(f"/proc/{proc.pid}/task/{tid}/schedstat").read_text().split()[0])
+            ns = int(Path(f"/proc/{proc.pid}/task/{tid}/schedstat").read_text().split()[0])
+            comm = Path(f"/proc/{proc.pid}/task/{tid}/comm").read_text().strip()
         except (OSError, ValueError, IndexError):
-            pass  # a thread that ended meanwhile
-    return ns / 1e9
+            continue  # a thread that ended meanwhile
+        kind = "main" if int(tid) == proc.pid else "zmq" if comm.startswith("ZMQbg/IO") else "other"
+        out[kind] += ns / 1e9
+    return out
 
 
 # ---- the controller process ----------------------------------------------------------------
@@ -535,7 +541,9 @@ def run_one(
             got = await_epoch(k + 2, members, 60.0, watch=(spare_names[k],))
             cpu_a = _cpu_s(proc)
             got["t_fail"], got["spare"] = msg[2], spare_names[k]
-            got["ctl_cpu_s"] = cpu_a - cpu_f
+            got["ctl_cpu_s"] = sum(cpu_a.values()) - sum(cpu_f.values())
+            got["ctl_main_cpu_s"] = cpu_a["main"] - cpu_f["main"]
+            got["ctl_zmq_cpu_s"] = cpu_a["zmq"] - cpu_f["zmq"]
             failed.append(got)
             time.sleep(0.5)  # the controller's event and the generators' next step settle
     finally:
@@ -575,6 +583,8 @@ def run_one(
                 "announce_ctl_s": m.get("announce_s"),
                 "announce_cpu_s": m.get("announce_cpu_s"),
                 "ctl_cpu_s": f["ctl_cpu_s"],
+                "ctl_main_cpu_s": f["ctl_main_cpu_s"],
+                "ctl_zmq_cpu_s": f["ctl_zmq_cpu_s"],
                 "gen_cpu_s": f["gen_cpu_s"],
                 "missing": f["missing"],
                 "view": m.get("view"),
@@ -609,6 +619,8 @@ def run_one(
         # (all threads: decision, journal, sends, CURVE, and the steady traffic meanwhile) and
         # the load generators (receiving, decrypting, parsing 1,000 nodes' frames each).
         "announce_window_ctl_cpu_s": med("ctl_cpu_s"),
+        "announce_window_ctl_main_cpu_s": med("ctl_main_cpu_s"),  # its Python thread
+        "announce_window_ctl_zmq_cpu_s": med("ctl_zmq_cpu_s"),  # libzmq's I/O thread (CURVE, writes)
         "announce_window_gen_cpu_s": med("gen_cpu_s"),
         "announce_view": med("view", 0),
         "announce_delta": med("delta", 0),
