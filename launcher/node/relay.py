@@ -2,8 +2,9 @@
 
 The controller sends ONE membership message per node (a few-byte delta when the
 node holds the previous epoch, the node's view otherwise: its own ranks and the
-world size); the node process resolves it to a layout (never a delta) and hands
-it to its local workers over an ipc:// socket in a private directory (0700). Workers send their PROGRESS here: commits
+world size, and the epoch's committed floor either way); the node process resolves
+it to a layout (never a delta) and hands it, floor unchanged, to its local workers
+over an ipc:// socket in a private directory (0700). Workers send their PROGRESS here: commits
 are aggregated into one report per node (per node commit, at most one per
 COMMIT_REPORT_S); every other state ("wait", "compute", "collective_failed", ...)
 goes on at once, so the hang detector still sees each rank's state and can name
@@ -52,9 +53,14 @@ class LayoutTracker:
     def epoch(self) -> int:
         return self.membership.epoch if self.membership is not None else 0
 
-    def on_layout(self, body: dict[str, Any]) -> bool:
-        """A layout (MEMBERSHIP); True when it is newer than what we hold."""
-        m = Membership.from_dict(body)
+    def on_layout(self, body: dict[str, Any]) -> bool | None:
+        """A layout (MEMBERSHIP); True when it is newer than what we hold, None when it is
+        malformed (ask again: the controller validates what it sends, so it is a bug)."""
+        try:
+            m = Membership.from_dict(body)
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("membership layout refused: %r", e)
+            return None
         if m.epoch <= self.epoch:
             return False
         self.membership = m
@@ -62,15 +68,18 @@ class LayoutTracker:
 
     def on_delta(self, body: dict[str, Any]) -> bool | None:
         """A delta; True when applied, False when old news, None when it does not apply
-        to what we hold (a missed epoch): ask the controller for the layout."""
-        if int(body["epoch"]) <= self.epoch:
-            return False
-        if self.membership is None:
-            return None
+        to what we hold (a missed epoch) or is malformed: ask the controller for the layout."""
         try:
+            if int(body["epoch"]) <= self.epoch:
+                return False
+            if self.membership is None:
+                return None
             self.membership = self.membership.apply_delta(body)
         except DeltaMismatch as e:
             log.warning("membership delta not applicable: %s", e)
+            return None
+        except (KeyError, TypeError, ValueError) as e:  # only generic checks at decode: the fields here
+            log.error("membership delta refused: %r", e)
             return None
         return True
 

@@ -11,7 +11,6 @@ from typing import Any
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
 from resild.controller.faults import Fault
-from resild.controller.floor import CommittedFloor
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
 from resild.events.log import EventLog
@@ -77,8 +76,6 @@ def run_job(
         None,
         spec.faults,
     )
-    # The rendezvous keys live in the controller, behind CURVE: no store listener in the job.
-    events.listeners.append(CommittedFloor(ctl.state.rendezvous))
     endpoint = f"tcp://{spec.bind_host}:{ctl.endpoint.rsplit(':', 1)[1]}"
     if backend_factory is None:
         backend = LocalCluster(

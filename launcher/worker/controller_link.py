@@ -57,6 +57,9 @@ class ControlLink:
         self.welcome: dict[str, Any] | None = None
         self.pending: Membership | None = None  # newest membership not yet taken
         self.epoch = 0  # the epoch the training thread works in
+        # The membership of that epoch (the last taken): its committed floor is what a
+        # recovery into it must find (never read from the store, which anyone can write).
+        self.current: Membership | None = None
         self.inject_exception = False
         self.inject_corrupt = False  # damage every snapshot copy this rank holds (tests the checksums)
         self.inject_diverge = False  # nudge one parameter (tests the replicas' fingerprints)
@@ -134,7 +137,7 @@ class ControlLink:
         with self.intr.cond:
             m, self.pending = self.pending, None
             if m is not None:
-                self.epoch = m.epoch
+                self.epoch, self.current = m.epoch, m
             return m
 
     def newer_epoch(self) -> bool:
@@ -250,9 +253,13 @@ class ControlLink:
                 self.welcome = msg.body
                 self.wait_report_s = WorkerTimeouts.from_welcome(msg.body).wait_report_s
             elif t == MsgType.MEMBERSHIP:
-                m = Membership.from_dict(msg.body)
+                try:
+                    m: Membership | None = Membership.from_dict(msg.body)
+                except ValueError as e:  # a floor that is not a step: ours is a bug, never the trainer's end
+                    log.error("membership refused: %s", e)
+                    m = None
                 newest = max(self.epoch, self.pending.epoch if self.pending else 0)
-                if m.epoch > newest:
+                if m is not None and m.epoch > newest:
                     self.pending = m
             elif t == MsgType.INJECT and msg.body.get("kind") == "exception":
                 self.inject_exception = True

@@ -60,7 +60,6 @@ from resild.membership import Membership
 from resild.wire.exits import FENCED_EXIT
 from resild.wire.protocol import MsgType
 from resild.wire.settings import WorkerRedundancy, WorkerTimeouts
-from resild.wire.store import COMMITTED_KEY
 
 log = logging.getLogger("resild.runtime")
 
@@ -440,14 +439,12 @@ class Job:
         raise ResilienceError(why) from None
 
     def _floor(self) -> int:
-        """The newest step the controller knew committed at the last failure (the
-        runner publishes it in the store): below it, every replica of the state is gone."""
-        if self.solo or self.epoch <= 1:
+        """The newest step the controller knew committed when it decided this epoch: below
+        it, every replica of the state is gone. It comes with the epoch's membership (from
+        the authenticated controller), never from the store, which anyone can write."""
+        if self.solo or self.epoch <= 1 or self.link is None or self.link.current is None:
             return 0
-        store = self._store  # the current leader's keys (they move with the leader)
-        if not store.check([COMMITTED_KEY]):
-            return 0
-        return int(store.get(COMMITTED_KEY))
+        return self.link.current.committed
 
     def _replica_map(self) -> ReplicaMap:
         make = self._replicas or self._mesh_replicas or ReplicaMap.data_parallel

@@ -2,9 +2,10 @@
 
 Frames are encoded once and sent without blocking (a peer whose queue is full misses a
 frame; membership is asked for again by its heartbeat, a lease comes again next
-interval). An epoch costs O(ranks) once: node processes holding the previous epoch
-get one few-byte delta frame, the others their node's view (its ranks, the world
-size), and only workers not behind their node's relay get the full layout.
+interval). An epoch costs two sends per node and O(moves) of encoding: node processes
+holding the previous epoch get the same few-byte delta frame, the others their node's
+view (its ranks, the world size); only workers not behind their node's relay get the
+full layout (O(ranks), encoded once per epoch when one needs it).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
 
 import zmq
 
@@ -37,7 +37,14 @@ class Announced:
     view: int
     delta: int
     direct: int
-    layout: dict[str, Any]  # the epoch's to_dict(), made once
+    seconds: float = 0.0  # the controller's time to send it (set by its caller)
+    cpu_s: float = 0.0
+
+
+# Plain ints: `zmq.NOBLOCK | zmq.SNDMORE` is an enum operation, and pyzmq's send_multipart
+# does it for every part: at 2,000 nodes that was half of the announcement's Python time.
+_MORE = int(zmq.NOBLOCK) | int(zmq.SNDMORE)
+_LAST = int(zmq.NOBLOCK)
 
 
 class Broadcaster:
@@ -46,41 +53,71 @@ class Broadcaster:
         # Who to reach: node processes by node, direct workers by (node, local rank).
         self.node_ident: dict[str, bytes] = {}
         self.worker_ident: dict[tuple[str, int], bytes] = {}
-        self.full_json = b""  # the current membership's full layout, encoded once per epoch
         self.welcome_json = b""
+        self._layout: Membership | None = None  # the current epoch, for direct workers
+        self._full_json = b""  # its full layout, encoded on first use (none: no direct worker)
 
     def set_layout(self, m: Membership) -> None:
-        self.full_json = _json(m.to_dict())
+        self._layout, self._full_json = m, b""
+
+    @property
+    def full_json(self) -> bytes:
+        """The current epoch's full layout, encoded once per epoch, and only if a worker
+        not behind its node's relay needs it: O(ranks), never on the common path."""
+        if not self._full_json and self._layout is not None:
+            self._full_json = _json(self._layout.to_dict())
+        return self._full_json
 
     def announce(self, m: Membership, prev: Membership | None, now: float) -> Announced:
         """Epoch `m` to every node process holding ranks in it, and to its direct workers.
-        Encoded once: one delta frame for every node holding the previous epoch, one
-        full-layout frame for every direct worker (one seq each, made just before its
-        first send, so every receiver still sees our seqs rise)."""
-        layout = m.to_dict()
-        self.full_json = _json(layout)
-        full = b""
+
+        First the views (nodes new to the layout: the spare, which has the most to do,
+        and nodes that missed an epoch), then one delta frame, encoded once, as the same
+        bytes to every node holding the previous epoch: the per-node work is two sends.
+        Direct workers get one full-layout frame. (Each frame's seq is made just before
+        its first send, so every receiver still sees our seqs rise.)"""
+        self.set_layout(m)
         delta = m.delta_from(prev) if prev is not None else None
-        delta_frame = self.frame(MsgType.MEMBERSHIP_DELTA, _json(delta)) if delta is not None else b""
+        base = prev.epoch if prev is not None and delta is not None else -1
+        nodes, idents, nproc, epoch = self.view.nodes, self.node_ident, self.nproc, m.epoch
         n_view = n_delta = n_direct = 0
-        for node_id in m.node_ranks:
-            node = self.view.nodes[node_id]
-            ident = self.node_ident.get(node_id)
+        for node_id in delta["moves"].values() if delta is not None else ():
+            ident = idents.get(node_id)
             if ident is not None:
-                if delta is not None and prev is not None and node.epoch_sent == prev.epoch:
-                    self.send_raw(ident, delta_frame)
-                    node.epoch_sent, node.membership_sent_s = m.epoch, now
-                    n_delta += 1
-                else:
-                    self.send_view(node, ident, now)
-                    n_view += 1
-            if len(node.relayed) < self.nproc:  # workers not behind the node's relay: directly
-                for lr in range(self.nproc):
-                    if lr not in node.relayed and (wid := self.worker_ident.get((node_id, lr))) is not None:
-                        full = full or self.frame(MsgType.MEMBERSHIP, self.full_json)
-                        self.send_raw(wid, full)
-                        n_direct += 1
-        return Announced(n_view, n_delta, n_direct, layout)
+                self.send_view(nodes[node_id], ident, now)
+                n_view += 1
+        frame = self.frame(MsgType.MEMBERSHIP_DELTA, _json(delta)) if delta is not None else b""
+        if len(frame) > MAX_FRAME_BYTES:  # never at any real size: a delta names its moves only
+            log.error("not sending a %d-byte delta (limit %d): views instead", len(frame), MAX_FRAME_BYTES)
+            base = -1
+        send = self.ch.sock.send
+        direct: list[NodeView] = []
+        for node_id in m.node_ranks:
+            node = nodes[node_id]
+            if len(node.relayed) < nproc:
+                direct.append(node)
+            sent = node.epoch_sent
+            if sent == epoch or (ident := idents.get(node_id)) is None:
+                continue
+            if sent == base:
+                try:
+                    send(ident, _MORE)
+                    send(frame, _LAST)
+                except zmq.Again:  # its heartbeat asks again (the resync)
+                    continue
+                node.epoch_sent, node.membership_sent_s = epoch, now
+                n_delta += 1
+            else:
+                self.send_view(node, ident, now)
+                n_view += 1
+        full = b""
+        for node in direct:  # workers not behind the node's relay: the full layout directly
+            for lr in range(nproc):
+                if lr not in node.relayed and (wid := self.worker_ident.get((node.node_id, lr))) is not None:
+                    full = full or self.frame(MsgType.MEMBERSHIP, self.full_json)
+                    self.send_raw(wid, full)
+                    n_direct += 1
+        return Announced(n_view, n_delta, n_direct)
 
     def send_view(self, node: NodeView, ident: bytes, now: float) -> None:
         """A node process's own view of the epoch: O(its ranks), not O(world)."""
@@ -107,27 +144,27 @@ class Broadcaster:
             log.error("not sending a %d-byte frame (limit %d)", len(frame), MAX_FRAME_BYTES)
             return
         try:
-            self.ch.sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
+            self.ch.sock.send(ident, _MORE)
+            self.ch.sock.send(frame, _LAST)
         except zmq.Again:
             log.debug("send dropped: peer queue full")  # membership: the node's heartbeat asks again
 
     # ---- leases -----------------------------------------------------------------------
-    def lease_frame(self, term: int, leader: int, interval_s: float, timeout_s: float, store: str) -> bytes:
+    def lease_frame(self, term: int, leader: int, interval_s: float, timeout_s: float) -> bytes:
         body = {
             "term": term,
             "leader": leader,
             "interval_s": round(interval_s, 3),
             "timeout_s": round(timeout_s, 3),  # how long the node waits for the next (JobSettings.for_nodes)
-            "store": store,
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
         return self.frame(MsgType.LEASE, _json(body), ttl_s=60.0)
 
-    def send_leases(self, term: int, leader: int, interval_s: float, timeout_s: float, store: str) -> None:
+    def send_leases(self, term: int, leader: int, interval_s: float, timeout_s: float) -> None:
         """One frame, encoded once per interval, to every node process still in the job."""
         frame = b""
         for node_id, ident in self.node_ident.items():
             if self.view.nodes[node_id].role in (NodeRole.ACTIVE, NodeRole.SPARE):
-                frame = frame or self.lease_frame(term, leader, interval_s, timeout_s, store)
+                frame = frame or self.lease_frame(term, leader, interval_s, timeout_s)
                 self.send_raw(ident, frame)

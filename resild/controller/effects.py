@@ -2,7 +2,9 @@
 
 A policy decision (fence and replace a node, re-form, fail or finish the job), the
 first epoch, a new epoch announced, the faults due, and the end of the job (SHUTDOWN
-to everyone still in it, the backend's shutdown). Reads and writes the shared
+to everyone still in it, the backend's shutdown). Once a decision is journaled, its
+new epoch is sent before anything else is done about it (fencing, events): the
+announcement is the recovery's critical path. Reads and writes the shared
 ControllerState; makes no decisions of its own (those come from `policy`).
 """
 
@@ -10,8 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from statistics import median
 
+from resild.controller.broadcast import Announced
 from resild.controller.faults import Injector
 from resild.controller.policy import Action, Decision, drain_verdict
 from resild.controller.records import FaultFired, Start, decided
@@ -40,8 +44,11 @@ class Effects:
         s = self.s
         if d.action == Action.NONE:
             return
+        if d.membership is not None:  # the committed floor travels with the epoch (and its journal record)
+            d = replace(d, membership=d.membership.with_committed(s.max_step))
         s.journal.append(decided(d, s.max_step, time.time()))
-        if d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node:
+        failed = d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node
+        if failed:
             s.events.emit(
                 EventName.FAILURE_DETECTED,
                 node=d.node,
@@ -49,6 +56,15 @@ class Effects:
                 detector=d.detector,
                 committed_step=s.max_step,
             )
+        sent: Announced | None = None
+        if d.action in (Action.REPLACE_NODE, Action.REFORM) and d.membership is not None:
+            # Journaled: the new epoch goes out first; fencing the failed node (it is not
+            # in the new epoch, so it hears nothing of it) and the events follow.
+            if d.spare:
+                s.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
+            sent = self.announce(d.membership, now)
+        if failed:
+            assert d.node
             self.fence(d.node, d.reason, now, d.evidence)
         if d.action == Action.REPLACE_NODE and d.membership is None:
             # Before the first epoch: the spare takes the failed node's place in it.
@@ -70,8 +86,7 @@ class Effects:
             if s.unregistered <= 0:
                 self.start(now)
         elif d.action == Action.REPLACE_NODE:
-            assert d.spare and d.membership
-            s.view.nodes[d.spare].set_role(NodeRole.ACTIVE)
+            assert d.spare and d.membership and sent
             s.events.emit(
                 EventName.SPARE_ASSIGNED,
                 spare=d.spare,
@@ -80,11 +95,11 @@ class Effects:
                 ranks=list(d.membership.node_ranks[d.spare]),
                 spares_left=len(s.view.spares()),
             )
-            self.apply_membership(d.membership, now)
+            self.announced(d.membership, sent, now)
         elif d.action == Action.REFORM:
-            assert d.membership is not None
+            assert d.membership is not None and sent
             s.events.emit(EventName.REFORM, epoch=d.membership.epoch, reason=d.reason)
-            self.apply_membership(d.membership, now)
+            self.announced(d.membership, sent, now)
         elif d.action == Action.FAIL_JOB:
             s.events.emit(EventName.JOB_FAILED, reason=d.reason)
             s.result = JobResult(1, d.reason)
@@ -140,6 +155,11 @@ class Effects:
         self.apply_membership(self.s.initial, now)
 
     def apply_membership(self, m: Membership, now: float) -> None:
+        """Epoch `m` (already journaled) out to the nodes, then its event."""
+        self.announced(m, self.announce(m, now), now)
+
+    def announce(self, m: Membership, now: float) -> Announced:
+        """The new epoch becomes the view's and goes out: how, and what it took."""
         s = self.s
         t0, cpu0 = time.perf_counter(), time.thread_time()
         prev = s.view.membership
@@ -149,15 +169,20 @@ class Effects:
         s.view.epoch_started_s = now
         s.awaiting_full_strength = m.epoch
         sent = s.bc.announce(m, prev, now)
-        s.events.emit(
+        return replace(sent, seconds=time.perf_counter() - t0, cpu_s=time.thread_time() - cpu0)
+
+    def announced(self, m: Membership, sent: Announced, now: float) -> None:
+        """After the sends: the epoch's event (its whole layout, O(ranks)), the faults it arms."""
+        self.s.events.emit(
             EventName.MEMBERSHIP,
             epoch=m.epoch,
-            layout=sent.layout["node_ranks"],
+            layout={n: list(r) for n, r in m.node_ranks.items()},
+            committed=m.committed,
             view=sent.view,
             delta=sent.delta,
             direct=sent.direct,
-            announce_s=round(time.perf_counter() - t0, 6),
-            announce_cpu_s=round(time.thread_time() - cpu0, 6),
+            announce_s=round(sent.seconds, 6),
+            announce_cpu_s=round(sent.cpu_s, 6),
         )
         self.fire_faults(now)  # faults armed on this epoch hit during the recovery itself
 

@@ -199,7 +199,6 @@ class Handlers:
         if not s.bc.welcome_json:  # the same for every worker: encoded once per job
             s.bc.welcome_json = json.dumps(
                 {
-                    "store": self.cfg.store_addr,
                     **self.cfg.settings.worker_timeouts().to_dict(),
                     **self.cfg.settings.worker_redundancy().to_dict(),
                 },

@@ -149,10 +149,6 @@ class Rendezvous:
         for k in [k for k in self.kv if (m := _EPOCH.match(k)) is not None and int(m.group(1)) < floor]:
             self.nbytes -= len(self.kv.pop(k))
 
-    def set(self, key: str, value: bytes) -> list[Reply]:
-        """The controller's own write (not a worker's request): the replies it releases."""
-        return self._put(key, value)
-
     # ---- the tick -----------------------------------------------------------------------
     def expire(self, now: float) -> list[Reply]:
         """Parked requests past their deadline, answered with an error (the worker's store

@@ -41,7 +41,6 @@ import resild.slurm as slurm
 import resild.wire.env as resild_env
 from resild.controller.backend import Backend, SlurmDrain
 from resild.controller.faults import parse_fault
-from resild.controller.floor import CommittedFloor
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig
 from resild.controller.records import Closed, Leader
@@ -324,12 +323,8 @@ def serve(spec: dict[str, Any], index: int) -> int:
         leadership=raft._isLeader,
     )
     ctl.backend = SlurmDrain() if cluster else ProcessNodes(lambda n: ctl.view.nodes[n].host_pid, nodes)
-    floor = CommittedFloor(ctl.state.rendezvous)  # the keys move with the leader
-    events.listeners.append(floor)
     if records:
         ctl.restore(records, time.monotonic())
-        if ctl.max_step:
-            floor.publish(ctl.max_step)
     events.emit(
         EventName.CONTROLLER_LEADER,
         pid=os.getpid(),

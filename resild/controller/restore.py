@@ -1,9 +1,10 @@
 """Taking over from a journal, as a pure fold: `reduce(apply, records, initial)`.
 
 What a journal says about the job: each node's role (and why it was fenced), the
-first epoch's layout with its start-up replacements, the current epoch, the highest
-committed step, the verdict if there is one and the faults already fired. Everything
-else comes back from the nodes, which re-register with a new leader.
+first epoch's layout with its start-up replacements, the current epoch with its
+committed floor, the highest committed step, the verdict if there is one and the
+faults already fired. Everything else comes back from the nodes, which re-register
+with a new leader.
 
 The fold is pure; `snapshot` is where it starts from and `take_over` the one step
 that applies its result to the controller's shared state.
@@ -69,7 +70,10 @@ def apply(s: Restored, rec: Record) -> Restored:
         if rec.membership is None:  # a start-up replacement
             s = replace(s, initial=s.initial.replace(node or "", spare, next_epoch=False))
     if rec.membership is not None and isinstance(rec, (ReplaceNode, Reform)):
-        s = replace(s, membership=rec.membership)
+        # The epoch's committed floor is its decision's committed step (a record written
+        # before the membership carried it has only that): a new leader announces the same.
+        floor = max(rec.membership.committed, rec.committed_step)
+        s = replace(s, membership=rec.membership.with_committed(floor))
     s = replace(s, max_step=max(s.max_step, rec.committed_step))
     if isinstance(rec, FailJob):
         s = replace(s, result=JobResult(1, rec.reason))

@@ -34,7 +34,6 @@ class ControllerConfig:
     resync_s: float = 1.0  # a node still reporting an old epoch this long after a send gets its view again
     shutdown_timeout_s: float = 600.0  # at success: time for workers to finish (final save)
     wait_nodes_gone_s: float = 0.0  # > 0: at the end, wait until no node process has heartbeat for this long
-    store_addr: str = ""
     term: int = 1  # rises with every leader (standby controllers); nodes follow the highest
     leader_index: int = 0  # this controller's place in the endpoint list node processes hold
     # Per node per second (budget.py): peers' events are for the log, not worth the job; a
@@ -45,9 +44,9 @@ class ControllerConfig:
     suspect_window_s: float = SUSPECT_WINDOW_S  # a second strike within this drains a suspect node
 
 
-def lease_terms(cfg: ControllerConfig, derived: Derived) -> tuple[int, int, float, float, str]:
-    """What a lease says: term, leader index, interval, the nodes' wait, store."""
-    return cfg.term, cfg.leader_index, derived.lease_interval_s, derived.lease_timeout_s, cfg.store_addr
+def lease_terms(cfg: ControllerConfig, derived: Derived) -> tuple[int, int, float, float]:
+    """What a lease says: term, leader index, interval, the nodes' wait."""
+    return cfg.term, cfg.leader_index, derived.lease_interval_s, derived.lease_timeout_s
 
 
 @dataclass(eq=False)

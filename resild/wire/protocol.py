@@ -322,7 +322,7 @@ class Fatal(Body):
 
 @dataclass(frozen=True)
 class Welcome(Body):
-    store: str | None = _f("str", max_len=NODE)
+    """The job's worker settings (WorkerTimeouts, WorkerRedundancy: their own checks)."""
 
 
 @dataclass(frozen=True)
@@ -368,15 +368,14 @@ class Inject(Body):
 @dataclass(frozen=True)
 class Lease(Body):
     """The leader's word to node processes. `term` rises with every new leader (a node
-    follows the highest term it has heard); `store` is that leader's rendezvous store;
-    `interval_s` how often leases come, `timeout_s` how long a node process waits for
-    the next before it gives up (derived once, by the controller: JobSettings.for_nodes)."""
+    follows the highest term it has heard); `interval_s` how often leases come,
+    `timeout_s` how long a node process waits for the next before it gives up (derived
+    once, by the controller: JobSettings.for_nodes)."""
 
     term: int | None = _f("int", required=True)
     leader: int | None = _f("int", hi=64)  # the leader's place in the controller endpoint list
     interval_s: float | None = _f("float", hi=3600.0)
     timeout_s: float | None = _f("float", hi=3 * 3600.0)
-    store: str | None = _f("str", max_len=NODE)
     pid: int | None = _f("int", lo=1, hi=PID)
     host: str | None = _f("str", max_len=NODE)
 

@@ -1,6 +1,7 @@
-"""Names shared by the controller and the workers for the job's rendezvous keys (held by
-the leading controller, resild.controller.rendezvous, reached over the authenticated
-link), and where a service advertised under a host name listens."""
+"""Where a service advertised under a host name listens (the controller's socket under
+Slurm, the Raft port). The job's rendezvous keys are held by the leading controller
+(resild.controller.rendezvous) and reached over the authenticated link; the committed
+floor travels in the membership."""
 
 from __future__ import annotations
 
@@ -8,9 +9,6 @@ import logging
 import socket
 
 log = logging.getLogger(__name__)
-
-COMMITTED_KEY = "resild/committed"  # newest step the controller saw committed at a failure
-
 
 # ---- where a service listens ---------------------------------------------------------------
 

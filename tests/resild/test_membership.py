@@ -18,7 +18,7 @@ def test_delta_of_a_replacement_is_one_move_and_applies_to_the_same_layout() -> 
     m1 = layout()
     m2 = m1.replace("n2", "s0")
     d = m2.delta_from(m1)
-    assert d == {"epoch": 2, "base": 1, "world_size": 8, "moves": {"n2": "s0"}}
+    assert d == {"epoch": 2, "base": 1, "world_size": 8, "moves": {"n2": "s0"}, "committed": 0}
     assert m1.apply_delta(d) == m2
     assert list(m1.apply_delta(d).node_ranks) == list(m2.node_ranks)  # node order kept too
 
@@ -97,6 +97,38 @@ def test_a_node_view_names_its_ranks_and_follows_deltas() -> None:
 def test_full_layout_round_trips() -> None:
     m = layout(3, 4).replace("n1", "s")
     assert Membership.from_dict(m.to_dict()) == m
+
+
+def test_the_committed_floor_travels_in_views_deltas_and_layouts() -> None:
+    m1 = layout(4, 2).with_committed(3)
+    m2 = m1.replace("n3", "s0").with_committed(41)
+    assert m2.committed == 41 and m2.view("n0").committed == 41 and m2.bump().committed == 41
+    assert Membership.from_dict(m2.to_dict()) == m2 and m2.to_dict()["committed"] == 41
+    d = m2.delta_from(m1)
+    assert d is not None and d["committed"] == 41
+    assert m1.apply_delta(d).committed == 41 and m1.view("n1").apply_delta(d) == m2.view("n1")
+    assert m1 != layout(4, 2)  # the floor is part of the epoch: a different floor is another membership
+    old = {k: v for k, v in m1.to_dict().items() if k != "committed"}  # a journal from before the floor
+    assert Membership.from_dict(old).committed == 0
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "7", 1 << 53])
+def test_a_committed_floor_that_is_not_a_step_is_refused(bad: object) -> None:
+    m1 = layout(2, 1)
+    with pytest.raises(ValueError, match="committed"):
+        Membership.from_dict({**m1.to_dict(), "committed": bad})
+    with pytest.raises(ValueError, match="committed"):
+        m1.apply_delta({"epoch": 2, "base": 1, "world_size": 2, "moves": {}, "committed": bad})
+
+
+def test_the_delta_of_an_epoch_made_by_replace_is_the_one_computed_from_the_layouts() -> None:
+    m1 = layout(50, 4)
+    for m2 in (m1.replace("n7", "s0").with_committed(9), m1.bump()):
+        fresh = Membership.from_dict(m2.to_dict())  # knows nothing of how it was made: O(nodes)
+        assert m2.delta_from(m1) == fresh.delta_from(m1) is not None
+    # From another layout of the same epoch (n0 and n1 swapped): computed, never assumed.
+    other = Membership(1, 200, {**m1.node_ranks, "n0": m1.node_ranks["n1"], "n1": m1.node_ranks["n0"]})
+    assert m1.replace("n7", "s0").delta_from(other) is None
 
 
 def test_heartbeat_order_puts_the_longest_silent_node_first() -> None:

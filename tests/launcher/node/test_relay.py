@@ -47,6 +47,18 @@ def test_tracker_applies_deltas_and_asks_for_the_full_layout_after_a_gap() -> No
     assert t2.on_layout(m3.to_dict()) and t2.membership == m3
 
 
+def test_tracker_keeps_the_committed_floor_and_asks_again_for_a_malformed_epoch() -> None:
+    m1 = Membership.initial(["a", "b"], 2)
+    m2 = m1.replace("b", "s0").with_committed(12)
+    t = LayoutTracker(m1.view("a"))
+    assert t.on_delta(m2.delta_from(m1)) is True and t.membership == m2.view("a")
+    assert t.membership.to_dict()["committed"] == 12  # what the relay hands its workers
+    m3 = m2.replace("a", "s1")
+    for bad in ({**m3.delta_from(m2), "committed": -1}, {"epoch": 3, "base": 2}, {"epoch": "x"}):
+        assert t.on_delta(bad) is None and t.epoch == 2  # the controller sends the view again
+    assert t.on_layout({**m3.view("s1").to_dict(), "committed": "12"}) is None and t.epoch == 2
+
+
 # ---- CommitAggregator ------------------------------------------------------------------------
 
 
@@ -161,7 +173,7 @@ def test_relayed_path_hang_names_the_rank_late_worker_and_spare_get_full_layouts
         start_timeout_s=60.0,
         controller_timeout_s=0,
     )
-    cfg = ControllerConfig(settings=settings, store_addr="127.0.0.1:1")
+    cfg = ControllerConfig(settings=settings)
     ctl = Controller(cfg, ["node0", "node1"], ["node2"], 2, keys, events)
     cluster = LocalCluster(["node0", "node1", "node2"], 2, [sys.executable, str(STUB)], tmp_path, settings=settings)
     cluster.start(ctl.endpoint, keys.path)

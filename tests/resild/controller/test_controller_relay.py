@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from resild.controller.backend import Backend
 from resild.controller.loop import Controller, ControllerConfig, JobResult
 from resild.events.log import EventLog
 from resild.membership import Membership
@@ -52,7 +53,6 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[tuple[Controller, EventL
     cfg = ControllerConfig(
         settings=JobSettings(heartbeat_timeout_s=30.0, hang_timeout_s=hang_s, controller_timeout_s=0),
         resync_s=1.5,
-        store_addr="127.0.0.1:1",
     )
     ctl = Controller(cfg, ["a", "b"], ["s0", "s1"], 2, None, events)
     th = threading.Thread(target=ctl.run, daemon=True)
@@ -91,23 +91,41 @@ def test_deltas_full_layouts_resync_and_direct_workers(cluster: tuple[Controller
         assert Membership.from_dict(m.body) == m1
     assert memberships(drain(nodes["s0"], 0.05)) == []  # spares hold no ranks
 
-    # b fails: a held epoch 1 -> a delta; s0 held nothing -> its view.
+    # Every rank commits step 7: the committed floor of the next epoch.
+    for n, ranks in (("a", (0, 1)), ("b", (2, 3))):
+        commits = {str(r): 7 for r in ranks}
+        nodes[n].send(MsgType.PROGRESS, {"node": n, "epoch": 1, "state": "commit", "commits": commits})
+    deadline = time.monotonic() + 5
+    while ctl.max_step < 7 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+    # b fails: a held epoch 1 -> a delta; s0 held nothing -> its view. Both carry the floor.
+    # The decision is journaled; the new epoch goes out before b is fenced (the critical path).
+    fenced_at: dict[str, tuple[int, int]] = {}
+
+    class Watch(Backend):
+        def fence(self, node: str, reason: str) -> None:
+            fenced_at[node] = (ctl.view.nodes["a"].epoch_sent, ctl.view.nodes["s0"].epoch_sent)
+
+    ctl.backend = Watch()
     nodes["b"].send(MsgType.WORKER_EXIT, {"node": "b", "local_rank": 0, "pid": 1, "returncode": -9})
-    m2 = m1.replace("b", "s0")
+    m2 = m1.replace("b", "s0").with_committed(7)
     (d,) = memberships(drain(nodes["a"]))
     assert d.type == MsgType.MEMBERSHIP_DELTA and d.body == {
         "epoch": 2,
         "base": 1,
         "world_size": 4,
         "moves": {"b": "s0"},
+        "committed": 7,
     }
     assert m1.apply_delta(d.body) == m2 and m1.view("a").apply_delta(d.body) == m2.view("a")
     (f,) = memberships(drain(nodes["s0"]))
     assert f.type == MsgType.MEMBERSHIP and Membership.from_dict(f.body) == m2.view("s0")
-    assert Membership.from_dict(f.body).rank_of("s0", 0) == 2
+    assert Membership.from_dict(f.body).rank_of("s0", 0) == 2 and f.body["committed"] == 7
     ev = wait_event(events, "membership") and [e for e in events.records if e["event"] == "membership"][-1]
-    assert (ev["epoch"], ev["view"], ev["delta"], ev["direct"]) == (2, 1, 1, 0)
+    assert (ev["epoch"], ev["view"], ev["delta"], ev["direct"], ev["committed"]) == (2, 1, 1, 0, 7)
     assert ev["layout"] == {"a": [0, 1], "s0": [2, 3]}  # the event log keeps the whole layout
+    assert fenced_at == {"b": (2, 2)}  # a (delta) and s0 (view) were sent epoch 2 before b was fenced
 
     # a says it still holds epoch 1 (the delta was lost): right after the send, no
     # resend; once resync_s has passed, its view. With "resync" at once.

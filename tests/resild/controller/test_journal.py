@@ -125,14 +125,16 @@ def test_records_survive_in_order_and_a_torn_tail_is_ignored(tmp_path: Path) -> 
     recs = [parse_record(r) for r in lines(p)]
     assert [type(r) for r in recs] == [Start, ReplaceNode, FailJob]
     s = fold(recs, start_state())
-    assert s.membership == M2 and s.max_step == 9 and s.result == JobResult(1, "no spare")
+    assert s.membership == M2.with_committed(7)  # the epoch's floor: the committed step it was decided at
+    assert s.max_step == 9 and s.result == JobResult(1, "no spare")
     assert s.roles == {"a": NodeRole.FENCED, "b": NodeRole.FENCED, "s0": NodeRole.ACTIVE, "s1": NodeRole.SPARE}
     assert s.reasons["b"] == "b failed" and s.reasons["a"] == "no spare"
 
 
 def test_the_fold_over_todays_records() -> None:
     s = fold(map(parse_record, TODAY), start_state())
-    assert s.membership == M2.bump() and s.max_step == 20 and s.result == JobResult(0, "all 4 ranks finished")
+    assert s.membership == M2.bump().with_committed(14) and s.max_step == 20
+    assert s.result == JobResult(0, "all 4 ranks finished")
     assert s.fired == frozenset({"kill:b@10"})
     assert s.roles == {"a": NodeRole.ACTIVE, "b": NodeRole.FENCED, "s0": NodeRole.ACTIVE, "s1": NodeRole.FENCED}
     assert s.initial == M1  # the job had started: epoch 1 as it was

@@ -40,7 +40,7 @@ def test_restore_rebuilds_roles_epoch_floor_and_fired_faults() -> None:
     try:
         ctl.restore(records, now=100.0)
         v = ctl.view
-        assert v.membership == m2
+        assert v.membership == m2.with_committed(12)  # the epoch's floor: its decision's committed step
         assert {n: x.role for n, x in v.nodes.items()} == {
             "a": NodeRole.ACTIVE,
             "b": NodeRole.FENCED,
@@ -102,13 +102,21 @@ def test_peers_follow_the_highest_term_only() -> None:
 
 def test_a_node_an_epoch_behind_after_a_takeover_gets_its_view_again() -> None:
     """A node still at the old epoch when a standby takes over: its first heartbeat must get
-    its view of the current epoch. The resend throttle's clock (`membership_sent_s`) was never
-    declared on NodeView, so the heartbeat handler raised AttributeError instead."""
+    its view of the current epoch, with the floor the old leader announced. The resend
+    throttle's clock (`membership_sent_s`) was never declared on NodeView, so the heartbeat
+    handler raised AttributeError instead."""
     m1 = Membership.initial(["a", "b"], 2)
-    m2 = m1.replace("b", "s0")
+    m2 = m1.replace("b", "s0").with_committed(30)
     records = [
         {"action": "start", "membership": m1.to_dict()},
-        {"action": "replace_node", "node": "b", "spare": "s0", "membership": m2.to_dict(), "reason": "b failed"},
+        {
+            "action": "replace_node",
+            "node": "b",
+            "spare": "s0",
+            "membership": m2.to_dict(),
+            "committed_step": 30,
+            "reason": "b failed",
+        },
     ]
     ctl = _controller()
     ctx = zmq.Context()
@@ -126,6 +134,7 @@ def test_a_node_an_epoch_behind_after_a_takeover_gets_its_view_again() -> None:
         assert ctl.view.nodes["a"].epoch_sent == 2
         sent = [m for _, m in iter(lambda: _recv(node), None) if m.type == MsgType.MEMBERSHIP]
         assert [Membership.from_dict(m.body) for m in sent] == [m2.view("a")]
+        assert sent[0].body["committed"] == 30
     finally:
         ctl.server.close()
         ctx.destroy(linger=0)
