@@ -14,11 +14,11 @@ recovery. torchft's `ProcessGroupWrapper` and its errored-latch are the model.
 from __future__ import annotations
 
 import enum
+import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -65,7 +65,35 @@ def wait_mode(backend_kind: str | None, p2p: bool) -> WaitMode:
 # enough that a hung wait notices a new epoch within 20 ms.
 _FIRST_SLICE_S, _MAX_SLICE_S = 1e-2, 2e-2
 _TIMED_OUT = "Operation timed out!"  # c10d Work::wait(timeout) when the timeout passes; nothing else is touched
-_waiters = ThreadPoolExecutor(max_workers=256, thread_name_prefix="resild-work")  # idle threads are reused
+
+
+class _Waiters:
+    """Daemon threads that wait on gloo send/recv works to the end, reused when idle. Not
+    concurrent.futures: its threads are joined at interpreter exit, and a wait stuck on a
+    dead peer would hold the process until gloo's timeout."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            spawn = self._idle == 0
+            if not spawn:
+                self._idle -= 1
+        self._jobs.put(job)
+        if spawn:
+            threading.Thread(target=self._run, name="resild-work", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                self._idle += 1
+
+
+_waiters = _Waiters()
 
 
 class Interrupts:
@@ -168,8 +196,8 @@ class ManagedWork(PyWork):
     interrupted. Completion with an error latches it; nothing raises.
 
     The hot path (FSDP2 issues a dozen collectives a step) is one backend wait (see
-    `WaitMode`); a collective counts as in flight (for the hang detector) only once it
-    has outlasted the first wait slice. Our own torch Future (DDP's reducer waits on one
+    `WaitMode`); a collective not yet complete when waited on counts as in flight (for
+    the hang detector) until it is. Our own torch Future (DDP's reducer waits on one
     in C++) is made only when asked for."""
 
     def __init__(self, inner: Any, result: Any, intr: Interrupts, mode: WaitMode = WaitMode.SLICED) -> None:
@@ -244,7 +272,8 @@ class ManagedWork(PyWork):
 
     def _sliced_wait(self) -> None:
         slice_s = _FIRST_SLICE_S
-        t0 = time.monotonic()
+        if not self._inner.is_completed():
+            self._track()  # in flight from now: a rank blocked here is never the one blamed for a hang
         while True:
             try:
                 self._inner.wait(timedelta(seconds=slice_s))
@@ -255,7 +284,6 @@ class ManagedWork(PyWork):
                     break
             if self._done or self._intr.error is not None:
                 break
-            self._track(t0)
             slice_s = min(slice_s * 2, _MAX_SLICE_S)
         self._complete()
 
