@@ -342,7 +342,11 @@ class Job:
         link = self.link
         assert link is not None
         if self.redundancy is not None:
-            self.redundancy.abandon()  # snapshot exchanges and checkpoint writes of the failed epoch
+            token = self.intr.begin_wait()  # it may wait on transfers to a peer not yet fenced: waiting, not hung
+            try:
+                self.redundancy.abandon()  # snapshot exchanges and checkpoint writes of the failed epoch
+            finally:
+                self.intr._done(token)
         while True:
             self._check_shutdown()
             if not link.newer_epoch():
@@ -358,7 +362,11 @@ class Job:
                     "resild replaces failed nodes one for one, it never renumbers survivors"
                 )
             self.epoch = m.epoch
-            self.rec.retire()
+            token = self.intr.begin_wait()  # aborting the old backends: waiting, not hung
+            try:
+                self.rec.retire()
+            finally:
+                self.intr._done(token)
             self.intr.clear()
             if link.newer_epoch():
                 continue
