@@ -85,10 +85,10 @@ class Recovery:
             threading.Thread(target=abort_all, name="resild-abort", daemon=True).start()
 
     # ---- waiting ----------------------------------------------------------------
-    def wait(self, work: Any, p2p: bool = False) -> None:
+    def wait(self, work: Any, untimed: bool = False) -> None:
         """Wait on a backend work while watching the epoch: a latched error raises."""
         kind = self.groups["world"].kind if "world" in self.groups else None
-        mw = work if isinstance(work, ManagedWork) else ManagedWork(work, None, self.intr, wait_mode(kind, p2p))
+        mw = work if isinstance(work, ManagedWork) else ManagedWork(work, None, self.intr, wait_mode(kind, untimed))
         mw.wait()
         if self.intr.error is not None:
             raise Reformed(self.intr.error)
@@ -160,7 +160,7 @@ class Recovery:
     ) -> tuple[int, Received | None]:
         target, plan = plan_replay(steps, replicas, max_sources)
         pg = self.groups["world"]._inner
-        transport = P2PTransport(pg, self.device, lambda w: self.wait(w, p2p=True))
+        transport = P2PTransport(pg, self.device, lambda w: self.wait(w, untimed=True))
         got = transport.exchange(plan, rank, snapshot)
         if not plan:
             return target, got

@@ -215,7 +215,7 @@ class Redundancy:
         try:
             step, frozen, plan, damaged = rollback(
                 self.rec.groups["world"]._inner,
-                lambda w: self.rec.wait(w, p2p=True),
+                lambda w: self.rec.wait(w, untimed=True),
                 snap.store,
                 self.rank,
                 self.world_size,

@@ -45,8 +45,11 @@ class WaitMode(enum.Enum):
     SLICED (gloo collectives): the backend's own condition-variable wait, in slices of
         10-20 ms; between slices the latched error is checked. A collective that completes
         costs one backend wait: no thread hand-off, no polling.
-    THREAD (gloo send/recv): a timed-out wait breaks gloo's pair, so these are waited on
-        to the end in a pooled helper thread, and the rank waits on the helper or the epoch.
+    THREAD (gloo send/recv and reduce-scatter): a timed-out wait on send/recv breaks gloo's
+        pair, and gloo's reduce-scatter Works ignore the timeout (torch 2.13: their wait
+        blocks until the peer answers or its connection closes, seen as survivors stuck
+        seconds behind a dead peer). These are waited on to the end in a pooled helper
+        thread, and the rank waits on the helper or the epoch.
     """
 
     STREAM = "stream"
@@ -54,10 +57,11 @@ class WaitMode(enum.Enum):
     THREAD = "thread"
 
 
-def wait_mode(backend_kind: str | None, p2p: bool) -> WaitMode:
+def wait_mode(backend_kind: str | None, untimed: bool) -> WaitMode:
+    """`untimed`: the op's gloo Work must not be waited on with a timeout (THREAD)."""
     if backend_kind == "nccl":
         return WaitMode.STREAM
-    return WaitMode.THREAD if p2p else WaitMode.SLICED
+    return WaitMode.THREAD if untimed else WaitMode.SLICED
 
 
 # A timed-out backend wait raises a c10::Error (~0.2 ms: it captures a C++ backtrace), so
@@ -119,7 +123,9 @@ class Interrupts:
             if first:
                 self.error = reason
             works = [w for _, w in self._works.values() if w is not None]
-            self._works.clear()
+            # A wait that is not a collective (group formation, recovery) stays counted
+            # until its owner ends it: it may still block, and must not be blamed for a hang.
+            self._works = {k: v for k, v in self._works.items() if v[1] is None}
             self._stream.clear()
             self.cond.notify_all()
         for w in works:
@@ -365,7 +371,7 @@ class StableGroup(PyProcessGroup):
         self._inner = inner
         self.kind = None if inner is None else str(inner.name())
 
-    def _run(self, result: Any, op: Callable[[Any], Any], p2p: bool = False) -> dist.Work:
+    def _run(self, result: Any, op: Callable[[Any], Any], untimed: bool = False) -> dist.Work:
         """Issue one collective on this epoch's backend (`op(backend)`), managed."""
         if not self.allow:
             raise NotJoined(
@@ -380,7 +386,7 @@ class StableGroup(PyProcessGroup):
         except Exception as e:  # e.g. gloo refusing to start on a dead connection
             self._intr.fail(f"collective failed to start: {e}")
             return _DoneWork(result)
-        return ManagedWork(work, result, self._intr, wait_mode(self.kind, p2p))
+        return ManagedWork(work, result, self._intr, wait_mode(self.kind, untimed))
 
 
 def register(pg: StableGroup, store: Any) -> None:

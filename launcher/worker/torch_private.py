@@ -96,9 +96,9 @@ class PyProcessGroup(dist.ProcessGroup):
     def __init__(self, rank: int, size: int) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # stub lacks the Python-subclass overload
 
-    def _run(self, result: Any, op: Callable[[Any], Any], p2p: bool = False) -> dist.Work:
-        """Issue `op(backend)` and return a Work that completes with `result`; p2p: a
-        point-to-point op (its Work has no future before wait())."""
+    def _run(self, result: Any, op: Callable[[Any], Any], untimed: bool = False) -> dist.Work:
+        """Issue `op(backend)` and return a Work that completes with `result`. `untimed`:
+        gloo's timed wait cannot be used on this op's Work (see `WaitMode.THREAD`)."""
         raise NotImplementedError
 
     # Every collective torch issues, from Python c10d or (through the pybind
@@ -130,7 +130,7 @@ class PyProcessGroup(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # stub: other names
 
     def reduce_scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._run(outs, lambda g: g.reduce_scatter(outs, ins, opts or dist.ReduceScatterOptions()))
+        return self._run(outs, lambda g: g.reduce_scatter(outs, ins, opts or dist.ReduceScatterOptions()), untimed=True)
 
     def reduce_scatter_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
         return self._run(
@@ -138,6 +138,7 @@ class PyProcessGroup(dist.ProcessGroup):
             lambda g: _op(g, "reduce_scatter_single", "_reduce_scatter_base")(
                 out, inp, opts or dist.ReduceScatterOptions()
             ),
+            untimed=True,
         )
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # stub: other names
@@ -148,6 +149,7 @@ class PyProcessGroup(dist.ProcessGroup):
             lambda g: _op(g, "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")(
                 outs, ins, opts or dist.ReduceScatterOptions()
             ),
+            untimed=True,
         )
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # stub: other names
@@ -181,10 +183,10 @@ class PyProcessGroup(dist.ProcessGroup):
         return self._run([], lambda g: g.barrier(opts or dist.BarrierOptions()))
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
-        return self._run(tensors, lambda g: g.send(tensors, dst, tag), p2p=True)
+        return self._run(tensors, lambda g: g.send(tensors, dst, tag), untimed=True)
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
-        return self._run(tensors, lambda g: g.recv(tensors, src, tag), p2p=True)
+        return self._run(tensors, lambda g: g.recv(tensors, src, tag), untimed=True)
 
 
 def register_group(pg: dist.ProcessGroup, name: str, ranks: list[int], store: Store) -> None:
