@@ -72,6 +72,7 @@ class Outcome:
     wall_s: float
     recovery_s: list[float | None]
     steps_lost: list[int | None]
+    fired: list[str] = field(default_factory=list)  # control-plane faults the harness fired, and what they did
 
 
 def make_schedules(n: int, seed: int, steps: int) -> list[Schedule]:
@@ -328,6 +329,8 @@ def judge(
         why = f"exit {rc}: {(last or ['no output'])[0][:200]}"
     elif unfired:
         why = unfired[0][len("soak: ") :]
+    elif broken := [ln for ln in err.splitlines() if ln.startswith("soak: ") and ": failed: " in ln]:
+        why = f"the harness could not fire it: {broken[0][len('soak: ') :]}"
     elif final is None:
         why = "no final checkpoint"
     elif d := bitwise_diff(ref, final, steps):
@@ -338,7 +341,8 @@ def judge(
             why = f"bitwise equal, but committed steps lost (recomputed): {lost}"
         elif not fails:
             why = "no failure was detected"
-    return Outcome(i, sched, not why, bitwise, why, rc, wall, rec, lost)
+    fired = [ln[len("soak: ") :] for ln in err.splitlines() if ln.startswith("soak: ") and ln not in unfired]
+    return Outcome(i, sched, not why, bitwise, why, rc, wall, rec, lost, fired)
 
 
 def fmt(o: Outcome) -> str:
@@ -348,7 +352,9 @@ def fmt(o: Outcome) -> str:
     return (
         f"#{o.index:02d} {verdict} {spec:<42} {'/'.join(o.schedule.tags):<24} nodes {o.schedule.nodes} "
         f"failures {len(o.recovery_s)} recovery {rec:<14} lost {sum(x or 0 for x in o.steps_lost)} "
-        f"wall {o.wall_s:5.1f}s" + ("" if o.ok else f"  <- {o.why}")
+        f"wall {o.wall_s:5.1f}s"
+        + (f" fired {len(o.fired)}/{len(o.schedule.system)}" if o.schedule.system else "")
+        + ("" if o.ok else f"  <- {o.why}")
     )
 
 
