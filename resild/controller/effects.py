@@ -18,7 +18,7 @@ from statistics import median
 from resild.controller.broadcast import Announced
 from resild.controller.faults import Injector
 from resild.controller.policy import Action, Decision, drain_verdict
-from resild.controller.records import FaultFired, Start, decided
+from resild.controller.records import FaultFired, Record, Start, decided
 from resild.controller.state import ControllerConfig, ControllerState
 from resild.controller.view import JobResult
 from resild.events.schema import EventName
@@ -46,7 +46,8 @@ class Effects:
             return
         if d.membership is not None:  # the committed floor travels with the epoch (and its journal record)
             d = replace(d, membership=d.membership.with_committed(s.max_step))
-        s.journal.append(decided(d, s.max_step, time.time()))
+        if not self.journaled(decided(d, s.max_step, time.time()), d.reason):
+            return
         failed = d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node
         if failed:
             s.events.emit(
@@ -116,6 +117,19 @@ class Effects:
             )
             s.result = JobResult(0, d.reason)
 
+    def journaled(self, record: Record, what: str) -> bool:
+        """Write ahead. False: a replicated journal did not commit the record, so this
+        replica may no longer lead (deposed while it was stalled, or without a majority):
+        nothing of it is carried out, and the policy decides again at the next tick, here
+        or at the new leader. (An embedded journal's failed write is a full disk: the job
+        goes on without durability; see `Journal`.)"""
+        s = self.s
+        if s.journal.append(record) or not s.journal.replicated:
+            return True
+        s.deferred += 1
+        log.error("not carried out, the replicas did not commit it (no longer the leader?): %s", what)
+        return False
+
     def fence(self, node_id: str, reason: str, now: float, evidence: bool = True) -> None:
         s = self.s
         node = s.view.nodes[node_id]
@@ -150,9 +164,12 @@ class Effects:
         s.events.emit(EventName.NODE_SUSPECT, node=node_id, reason=reason, strikes=strikes, drained=True)
 
     def start(self, now: float) -> None:
-        """Every active worker registered: the first epoch, journaled like any decision."""
-        self.s.journal.append(Start(self.s.initial, "every active worker registered", time.time()))
-        self.apply_membership(self.s.initial, now)
+        """Every active worker registered: the first epoch, journaled like any decision
+        (not committed: the tick tries again)."""
+        if self.s.view.membership is not None:
+            return
+        if self.journaled(Start(self.s.initial, "every active worker registered", time.time()), "the first epoch"):
+            self.apply_membership(self.s.initial, now)
 
     def apply_membership(self, m: Membership, now: float) -> None:
         """Epoch `m` (already journaled) out to the nodes, then its event."""
@@ -190,7 +207,9 @@ class Effects:
         s = self.s
         epoch = s.view.membership.epoch if s.view.membership else 0
         for f in self.injector.due(s.max_step, now, epoch):
-            s.journal.append(FaultFired(str(f), time.time()))  # fired once, ever
+            if not self.journaled(FaultFired(str(f), time.time()), f"fault {f}"):  # fired once, ever
+                self.injector.rearm(f)
+                continue
             s.events.emit(EventName.FAULT_INJECTED, kind=f.kind, node=f.node, step=s.max_step, spec=str(f))
             if f.kind == "corrupt":  # every worker of the node holds snapshot copies
                 for (node_id, lr), wid in list(s.worker_ident.items()):

@@ -32,7 +32,13 @@ from resild.controller.effects import Effects
 from resild.controller.faults import Fault, Injector
 from resild.controller.handlers import Handlers
 from resild.controller.journal import Journal
-from resild.controller.policy import PolicyConfig, check_heartbeats, check_timeouts, on_node_failure
+from resild.controller.policy import (
+    PolicyConfig,
+    check_heartbeats,
+    check_timeouts,
+    controller_stall_s,
+    on_node_failure,
+)
 from resild.controller.records import parse_record
 from resild.controller.restore import fold, snapshot, take_over
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
@@ -186,6 +192,12 @@ class Controller:
                         log.error("no longer the leader: stopping (the new leader takes over)")
                         self.deposed = True
                         break
+                    if stalled_s := controller_stall_s(now, next_tick):
+                        log.warning(
+                            "the controller did not run for %.1fs: the nodes' clocks move on as much", stalled_s
+                        )
+                        self.view.shift_clock(stalled_s)
+                        self.events.emit(EventName.CONTROLLER_STALLED, seconds=round(stalled_s, 3))
                     self._tick(now)
                     next_tick = now + self.cfg.tick_s
         finally:
@@ -206,6 +218,8 @@ class Controller:
         if self.view.membership is None:
             # Start-up: a node lost now is replaced by a spare in the first epoch.
             self.effects.decide(check_heartbeats(now, self.view, self.policy), now)
+            if self.state.unregistered <= 0:
+                self.effects.start(now)  # its journal record was not committed before: again
             if self.state.result is None and now - self._started > self.cfg.settings.start_timeout_s:
                 missing = [
                     n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and v.workers_ready < v.nproc

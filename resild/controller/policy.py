@@ -188,6 +188,17 @@ def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     return NOTHING
 
 
+STALL_S = 0.5  # a tick this late means the controller itself did not run
+
+
+def controller_stall_s(now: float, tick_due_s: float) -> float:
+    """How long the controller itself did not run before this tick (0 when on time). Time
+    nobody watched must not count against the nodes: a leader resumed after a SIGSTOP
+    saw every heartbeat "missing" and fenced a healthy node."""
+    late_s = now - tick_due_s
+    return late_s if tick_due_s > 0 and late_s > STALL_S else 0.0
+
+
 def check_timeouts(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     """Probe answers first, then heartbeat loss (a dead node explains a stall), then hangs."""
     d = check_probe(now, view, cfg)

@@ -134,6 +134,8 @@ class RaftJournal(Journal):
     """The controller's Journal, written through Raft: `append` is true once a majority
     of the replicas holds the record."""
 
+    replicated = True
+
     def __init__(self, raft: RaftLog, timeout_s: float = 2.0) -> None:
         super().__init__(None)
         self.raft, self.timeout_s = raft, timeout_s

@@ -65,6 +65,7 @@ class ControllerState:
     commit_times: list[tuple[int, float, str | None]] = field(default_factory=list)
     budget: Budget = field(default_factory=lambda: Budget({}))  # per-node EVENT/PROGRESS limits (handlers)
     rendezvous: Rendezvous = field(default_factory=Rendezvous)  # the epochs' group-formation keys
+    deferred: int = 0  # decisions not carried out: the replicated journal did not commit them
 
     @property
     def dropped(self) -> dict[str, int]:

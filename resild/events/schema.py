@@ -43,6 +43,7 @@ class EventName(str, Enum):
     JOB_FAILED = "job_failed"
     CONTROLLER_RESTORED = "controller_restored"
     CONTROLLER_LEADER = "controller_leader"
+    CONTROLLER_STALLED = "controller_stalled"  # the controller did not run for `seconds`: ages shifted
     JOURNAL_ERROR = "journal_error"
     # -- peers (resild.wire.protocol.PEER_EVENTS): workers ----------------------------------
     GROUP_REFORMED = "group_reformed"
