@@ -27,6 +27,7 @@ from resild.controller.status import answer
 from resild.controller.view import NodeView, RankProgress
 from resild.events.schema import EventName
 from resild.membership import Membership, NodeRole
+from resild.wire.channel import peer_name
 from resild.wire.protocol import (
     BODY_TYPES,
     Done,
@@ -135,7 +136,7 @@ class Handlers:
         s = self.s
         # The node daemon may heartbeat too, but the job's liveness is its node process:
         # only that one refreshes the clock and receives FENCE/INJECT/SHUTDOWN.
-        if not ident.endswith(b"/node"):
+        if not peer_name(ident).endswith(b"/node"):
             return
         s.node_ident[node.node_id] = ident
         s.view.beat(node.node_id, now)

@@ -49,6 +49,8 @@ __all__ = ["Controller", "ControllerConfig", "JobResult"]
 
 log = logging.getLogger("resild.controller")
 
+REFUSED_EVENT_S = 10.0  # at most one peer_refused event per key holder this often
+
 
 class Controller:
     """Construction, the run loop and its tick, dispatch; the handlers (handlers.py) and
@@ -99,6 +101,8 @@ class Controller:
         self.restored = False
         self.endpoint = self.server.endpoint
         self.ch = self.server.channel
+        self.ch.on_refused = self._peer_refused
+        self._refused: dict[str, tuple[float, int]] = {}  # key holder -> (last event, refusals since)
         nodes = {n: NodeView(n, NodeRole.ACTIVE, nproc_per_node) for n in active}
         nodes.update({n: NodeView(n, NodeRole.SPARE, nproc_per_node) for n in spares})
         self.view = ClusterView(nodes)
@@ -230,6 +234,26 @@ class Controller:
             log.exception("handling %s from %s failed", msg.type.value, msg.sender)
             if ident is not None:
                 self.ch.send(MsgType.ERROR, {"code": "internal", "detail": f"{msg.type.value}: {e!r}"[:1024]}, to=ident)
+
+    def _peer_refused(self, user: str, ident: bytes | None, why: str) -> None:
+        """A key holder spoke as someone else (channel.py refused it): named in an event,
+        its first refusal and then one per REFUSED_EVENT_S with the count (a flood of forged
+        frames must not become a flood of events)."""
+        now = time.monotonic()
+        last_s, count = self._refused.get(user, (-1e9, 0))
+        count += 1
+        if now - last_s < REFUSED_EVENT_S:
+            self._refused[user] = (last_s, count)
+            return
+        self._refused[user] = (now, 0)
+        log.error("refused a message from the key of %r: %s (%d refused)", user, why, count)
+        self.events.emit(
+            EventName.PEER_REFUSED,
+            key=user,
+            routing_id=(ident or b"")[:64].decode(errors="replace"),
+            reason=why[:300],
+            refused=count,
+        )
 
     def _handle(self, ident: bytes | None, msg: Message, now: float) -> None:
         self.handlers.handle(ident, msg, now)
