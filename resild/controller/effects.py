@@ -2,7 +2,7 @@
 
 A policy decision (fence and replace a node, re-form, fail or finish the job), the
 first epoch, a new epoch announced, the faults due, and the end of the job (SHUTDOWN
-to everyone still in it, the backend's shutdown). Once a decision is journaled, its
+to everyone still in it, the backend's shutdown: only with the job's verdict). Once a decision is journaled, its
 new epoch is sent before anything else is done about it (fencing, events): the
 announcement is the recovery's critical path. Reads and writes the shared
 ControllerState; makes no decisions of its own (those come from `policy`).
@@ -207,11 +207,14 @@ class Effects:
             s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": f.local_rank, "xid": f.xid}, to=ident)
 
     def finish(self) -> None:
-        """The end of the job (not for a deposed leader: it says nothing more): SHUTDOWN to
-        every node process and direct worker still in it, then the backend's shutdown."""
+        """The end of the job, with its verdict (finished, failed, or cancelled: Ctrl-C):
+        SHUTDOWN to every node process and direct worker still in it, then the backend's
+        shutdown. Never without a verdict: a controller that failed on its own, or a deposed
+        leader, says nothing (the nodes keep training, and follow the next leader)."""
         s = self.s
-        if s.result is None:  # interrupted (Ctrl-C) or crashed: stop everything
-            s.result = JobResult(130, "interrupted")
+        if s.result is None:
+            log.error("no verdict: no SHUTDOWN sent, the backend left running")
+            return
         for node_id, ident in s.node_ident.items():
             if s.view.nodes[node_id].role != NodeRole.FENCED:
                 s.ch.send(MsgType.SHUTDOWN, {"reason": s.result.reason, "exit_code": s.result.exit_code}, to=ident)

@@ -40,6 +40,17 @@ class Decision:
 
 NOTHING = Decision(Action.NONE, "")
 
+
+@dataclass(frozen=True)
+class Verdict:
+    """A yes/no judgement with its reason (said in the events and the log)."""
+
+    guilty: bool
+    reason: str = ""
+
+
+INNOCENT = Verdict(False)
+
 # A node fenced on suspicion (no evidence) is drained at the second strike within this long:
 # one exception is the script's; two on one node within the hour are the node's.
 SUSPECT_WINDOW_S = 3600.0
@@ -252,3 +263,16 @@ def check_done(view: ClusterView) -> Decision:
     if m is not None and len(view.done_ranks) == m.world_size:
         return Decision(Action.FINISH, f"all {m.world_size} ranks finished")
     return NOTHING
+
+
+# ---- the controller's own errors (errors.py, loop.py) ----------------------------------
+def give_up_verdict(now: float, failing_since_s: float | None, limit_s: float) -> Verdict:
+    """Whether the controller stops on its own error: its tick has failed on every round
+    since `failing_since_s` (None: the last round went through) for `limit_s` or longer.
+    That long it could not detect failures (or send leases, or expire rendezvous): a new
+    leader, or the nodes' lease rules, do better than a blind controller. It stops without
+    a SHUTDOWN (no verdict: the job is not over). A message handler's errors never count:
+    a key holder's crafted message must not be able to stop the controller."""
+    if failing_since_s is None or limit_s <= 0 or now - failing_since_s < limit_s:
+        return INNOCENT
+    return Verdict(True, f"the controller's tick failed on every round for {now - failing_since_s:.1f}s")

@@ -42,6 +42,9 @@ class ControllerConfig:
     event_budget: Limits = Limits(messages=200, bytes=256 << 10)
     progress_budget: Limits = Limits(messages=5000, bytes=16 << 20)
     suspect_window_s: float = SUSPECT_WINDOW_S  # a second strike within this drains a suspect node
+    # The controller's own errors (errors.py): a tick failing on every round this long makes
+    # it stop, without a SHUTDOWN (policy.give_up_verdict); 0: never.
+    tick_error_limit_s: float = 60.0
 
 
 def lease_terms(cfg: ControllerConfig, derived: Derived) -> tuple[int, int, float, float]:
