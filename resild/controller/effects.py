@@ -17,7 +17,7 @@ from statistics import median
 
 from resild.controller.broadcast import Announced
 from resild.controller.faults import Injector
-from resild.controller.policy import Action, Decision, drain_verdict
+from resild.controller.policy import Action, Decision, drain_verdict, on_abuse
 from resild.controller.records import FaultFired, Start, decided
 from resild.controller.state import ControllerConfig, ControllerState
 from resild.controller.view import JobResult
@@ -26,6 +26,8 @@ from resild.membership import Membership, NodeRole
 from resild.wire.protocol import MsgType
 
 log = logging.getLogger("resild.controller")
+
+ABUSE_RENAME_S = 60.0  # an abusive node that could not be fenced is named again this often
 
 
 def median_step_s(commit_times: list[tuple[int, float, str | None]]) -> float | None:
@@ -115,6 +117,26 @@ class Effects:
                 step_s=median_step_s(ct),
             )
             s.result = JobResult(0, d.reason)
+
+    def abusive(self, node_id: str, reason: str, now: float) -> None:
+        """A node judged abusive (policy.abuse_verdict): fenced through the failure path
+        (its ranks to a spare) and named; with no spare left it stays in (policy.on_abuse),
+        named again at most every ABUSE_RENAME_S."""
+        s = self.s
+        d = on_abuse(s.view, node_id, reason)
+        if d.action == Action.NONE and now - s.abusive.get(node_id, -1e9) < ABUSE_RENAME_S:
+            return
+        s.abusive[node_id] = now
+        self.decide(d, now)  # the new epoch first, as for any failure
+        fenced = d.action != Action.NONE
+        log.error("%s%s", reason, "" if fenced else ": no spare left, kept (its messages over budget dropped)")
+        s.events.emit(
+            EventName.NODE_ABUSIVE,
+            node=node_id,
+            reason=reason,
+            fenced=fenced,
+            dropped=s.budget.dropped.get(node_id, 0),
+        )
 
     def fence(self, node_id: str, reason: str, now: float, evidence: bool = True) -> None:
         s = self.s

@@ -18,6 +18,7 @@ from resild.controller.effects import Effects
 from resild.controller.policy import (
     Action,
     Decision,
+    abuse_verdict,
     check_done,
     on_node_failure,
     on_worker_exception,
@@ -103,7 +104,12 @@ class Handlers:
         if msg.type in (MsgType.EVENT, MsgType.PROGRESS) and not s.budget.admit(
             node_id, msg.type.value, _size(msg, typed), now
         ):
-            return  # over the node's budget: counted and logged by the budget, not answered
+            # Over the node's budget: counted and logged by the budget, not answered; a node
+            # that stays over it is fenced.
+            v = abuse_verdict(now, node_id, s.budget.overages.get(node_id, ()), self.cfg.abuse)
+            if v.guilty:
+                self.effects.abusive(node_id, v.reason, now)
+            return
         handler = self._handlers.get(msg.type)
         if handler is None:
             s.ch.send(MsgType.ERROR, {"code": "unexpected", "detail": f"{msg.type.value} not accepted here"}, to=ident)
