@@ -190,7 +190,7 @@ class Controller:
         try:
             while self.state.result is None:
                 wait_s = max(0.001, min(self.cfg.tick_s, next_tick - time.monotonic()))  # >= 1 ms: never spin
-                got = self.ch.recv(wait_s)
+                got = self._recv(wait_s)
                 now = time.monotonic()
                 if got is not None:
                     ident, msg = got
@@ -201,7 +201,7 @@ class Controller:
                     for _ in range(self.cfg.max_batch):
                         if self.state.result is not None or time.monotonic() >= next_tick:
                             break
-                        if (got := self.ch.recv(0)) is None:
+                        if (got := self._recv(0)) is None:
                             break
                         self._dispatch(got[0], got[1], time.monotonic())
                 now = time.monotonic()
@@ -226,8 +226,20 @@ class Controller:
             raise ControllerFailed(f"the controller's loop failed: {e!r}") from e
         finally:
             self._finish()
-        assert self.state.result is not None  # a verdict, or deposed (_finish: a verdict then)
+        if self.state.result is None:  # deposed: no verdict of ours (the new leader's to say)
+            assert self.deposed
+            return JobResult(1, "deposed: another controller leads")
         return self.state.result
+
+    def _recv(self, timeout_s: float) -> tuple[bytes | None, Message] | None:
+        """The next message; an error of ours in reading one (not the socket's) drops it."""
+        try:
+            return self.ch.recv(timeout_s)
+        except zmq.ZMQError:
+            raise  # the socket itself: the loop's failure
+        except Exception as e:
+            self.errors.record("recv", e, time.monotonic())
+            return None
 
     def _guarded_tick(self, now: float) -> None:
         """The tick, its errors reported (each step's in `_step`); gives up when it has
@@ -317,6 +329,12 @@ class Controller:
         """A key holder spoke as someone else (channel.py refused it): named in an event,
         its first refusal and then one per REFUSED_EVENT_S with the count (a flood of forged
         frames must not become a flood of events)."""
+        try:
+            self._name_refused(user, ident, why)
+        except Exception as e:  # called from recv: a forged frame must never stop the loop
+            self.errors.record("refused", e, time.monotonic(), key=user)
+
+    def _name_refused(self, user: str, ident: bytes | None, why: str) -> None:
         now = time.monotonic()
         last_s, count = self._refused.get(user, (-1e9, 0))
         count += 1

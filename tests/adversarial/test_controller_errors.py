@@ -210,3 +210,28 @@ def test_a_controller_that_keeps_failing_stops_without_a_shutdown(tmp_path: Path
         nodes.th.join(5)
         ctx.destroy(linger=0)
         events.close()
+
+
+def test_an_error_of_ours_in_reading_a_message_drops_it_and_a_broken_socket_stops_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events = EventLog(tmp_path / "events.jsonl")
+    ctl = Controller(ControllerConfig(), NODES, [], 1, None, events)
+    try:
+
+        def bad_recv(timeout_s: float) -> None:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a frame we did not expect")
+
+        monkeypatch.setattr(ctl.ch, "recv", bad_recv)
+        assert ctl._recv(0.0) is None
+        assert [e["where"] for e in events.records if e["event"] == "controller_error"] == ["recv"]
+
+        def broken(timeout_s: float) -> None:
+            raise zmq.ZMQError(zmq.ETERM)
+
+        monkeypatch.setattr(ctl.ch, "recv", broken)
+        with pytest.raises(zmq.ZMQError):
+            ctl._recv(0.0)
+    finally:
+        ctl.server.close()
+        events.close()
