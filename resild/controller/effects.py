@@ -2,7 +2,7 @@
 
 A policy decision (fence and replace a node, re-form, fail or finish the job), the
 first epoch, a new epoch announced, the faults due, and the end of the job (SHUTDOWN
-to everyone still in it, the backend's shutdown). Once a decision is journaled, its
+to everyone still in it, the backend's shutdown: only with the job's verdict). Once a decision is journaled, its
 new epoch is sent before anything else is done about it (fencing, events): the
 announcement is the recovery's critical path. Reads and writes the shared
 ControllerState; makes no decisions of its own (those come from `policy`).
@@ -17,7 +17,7 @@ from statistics import median
 
 from resild.controller.broadcast import Announced
 from resild.controller.faults import Injector
-from resild.controller.policy import Action, Decision, drain_verdict
+from resild.controller.policy import Action, Decision, drain_verdict, on_abuse
 from resild.controller.records import FaultFired, Record, Start, decided
 from resild.controller.state import ControllerConfig, ControllerState
 from resild.controller.view import JobResult
@@ -26,6 +26,8 @@ from resild.membership import Membership, NodeRole
 from resild.wire.protocol import MsgType
 
 log = logging.getLogger("resild.controller")
+
+ABUSE_RENAME_S = 60.0  # an abusive node that could not be fenced is named again this often
 
 
 def median_step_s(commit_times: list[tuple[int, float, str | None]]) -> float | None:
@@ -130,6 +132,26 @@ class Effects:
         log.error("not carried out, the replicas did not commit it (no longer the leader?): %s", what)
         return False
 
+    def abusive(self, node_id: str, reason: str, now: float) -> None:
+        """A node judged abusive (policy.abuse_verdict): fenced through the failure path
+        (its ranks to a spare) and named; with no spare left it stays in (policy.on_abuse),
+        named again at most every ABUSE_RENAME_S."""
+        s = self.s
+        d = on_abuse(s.view, node_id, reason)
+        if d.action == Action.NONE and now - s.abusive.get(node_id, -1e9) < ABUSE_RENAME_S:
+            return
+        s.abusive[node_id] = now
+        self.decide(d, now)  # the new epoch first, as for any failure
+        fenced = d.action != Action.NONE
+        log.error("%s%s", reason, "" if fenced else ": no spare left, kept (its messages over budget dropped)")
+        s.events.emit(
+            EventName.NODE_ABUSIVE,
+            node=node_id,
+            reason=reason,
+            fenced=fenced,
+            dropped=s.budget.dropped.get(node_id, 0),
+        )
+
     def fence(self, node_id: str, reason: str, now: float, evidence: bool = True) -> None:
         s = self.s
         node = s.view.nodes[node_id]
@@ -226,11 +248,14 @@ class Effects:
             s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": f.local_rank, "xid": f.xid}, to=ident)
 
     def finish(self) -> None:
-        """The end of the job (not for a deposed leader: it says nothing more): SHUTDOWN to
-        every node process and direct worker still in it, then the backend's shutdown."""
+        """The end of the job, with its verdict (finished, failed, or cancelled: Ctrl-C):
+        SHUTDOWN to every node process and direct worker still in it, then the backend's
+        shutdown. Never without a verdict: a controller that failed on its own, or a deposed
+        leader, says nothing (the nodes keep training, and follow the next leader)."""
         s = self.s
-        if s.result is None:  # interrupted (Ctrl-C) or crashed: stop everything
-            s.result = JobResult(130, "interrupted")
+        if s.result is None:
+            log.error("no verdict: no SHUTDOWN sent, the backend left running")
+            return
         for node_id, ident in s.node_ident.items():
             if s.view.nodes[node_id].role != NodeRole.FENCED:
                 s.ch.send(MsgType.SHUTDOWN, {"reason": s.result.reason, "exit_code": s.result.exit_code}, to=ident)
