@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -228,6 +229,14 @@ class Tmpfs:
 
     def __exit__(self, *exc: object) -> None:
         if self.mounted:
+            # What the run left there (logs, journals, results) outlives the mount; not the filler.
+            keep = self.path.with_name(self.path.name + "-kept")
+            shutil.copytree(
+                self.path,
+                keep,
+                ignore=shutil.ignore_patterns("soak-filler", "member*", "*.wal", "*.snap"),
+                dirs_exist_ok=True,
+            )
             subprocess.run(["umount", "-l", str(self.path)], check=False)
 
 

@@ -23,7 +23,8 @@ from typing import Any
 from launcher.run.job import JobSpec, _fake_nvml
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
-from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
+from resild.controller.replica import RUNNER_ALIVE, raft_secret, wait_for_replicas
+from resild.controller.verdict_file import RESULT_FILE
 from resild.events.log import RECENT_PROGRESS, EventTail
 from resild.events.schema import EventName
 from resild.procutil import die_with_parent

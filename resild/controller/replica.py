@@ -39,6 +39,7 @@ from pysyncobj.syncobj import SyncObjException
 
 import resild.slurm as slurm
 import resild.wire.env as resild_env
+from resild.controller import verdict_file
 from resild.controller.backend import Backend, SlurmDrain
 from resild.controller.faults import parse_fault
 from resild.controller.journal import Journal
@@ -54,7 +55,6 @@ from resild.wire.store import listen_address
 
 log = logging.getLogger("resild.replica")
 
-RESULT_FILE = "result.json"  # the leader's verdict on the job, for resil-run
 RUNNER_ALIVE = "runner.alive"  # resil-run touches it while it waits (Slurm: its host may die)
 
 
@@ -259,6 +259,7 @@ def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
 
 def serve(spec: dict[str, Any], index: int) -> int:
     run_dir = Path(spec["run_dir"])
+    verdict_file.reserve(run_dir, index)  # room for the verdict, whatever fills the disk later
     keys = KeyDir(Path(spec["keys"])) if spec.get("keys") else None
     ctx = zmq.Context()
     cluster = bool(spec.get("hosts"))
@@ -345,9 +346,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
     events.close()
     if ctl.deposed:
         return 1
-    tmp = run_dir / f".{RESULT_FILE}.{index}"
-    tmp.write_text(json.dumps({"exit_code": result.exit_code, "reason": result.reason}))
-    os.replace(tmp, run_dir / RESULT_FILE)
+    verdict_file.write(run_dir, index, result.exit_code, result.reason)
     if cluster:
         end_orphaned_job(run_dir, result)
     # Tell the standbys the job is over, or they elect one of themselves the moment we go
