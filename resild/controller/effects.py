@@ -49,6 +49,8 @@ class Effects:
         if d.membership is not None:  # the committed floor travels with the epoch (and its journal record)
             d = replace(d, membership=d.membership.with_committed(s.max_step))
         if not self.journaled(decided(d, s.max_step, time.time()), d.reason):
+            if d not in s.deferred_decisions and len(s.deferred_decisions) < 64:
+                s.deferred_decisions.append(d)  # a message's decision: no tick would make it again
             return
         failed = d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node
         if failed:
@@ -151,6 +153,23 @@ class Effects:
             fenced=fenced,
             dropped=s.budget.dropped.get(node_id, 0),
         )
+
+    def retry_deferred(self, now: float) -> None:
+        """Decisions the replicas did not commit, tried again while they still fit the view
+        (same epoch, the node not fenced yet, the spare still free); otherwise dropped: the
+        world moved on and the policy decides afresh."""
+        s = self.s
+        todo, s.deferred_decisions = s.deferred_decisions, []
+        epoch = s.view.membership.epoch if s.view.membership else 0
+        for d in todo:
+            if d.membership is not None and d.membership.epoch != epoch + 1:
+                continue
+            if d.node and s.view.nodes[d.node].role == NodeRole.FENCED:
+                continue
+            if d.spare and s.view.nodes[d.spare].role != NodeRole.SPARE:
+                continue
+            if s.result is None:
+                self.decide(d, now)
 
     def fence(self, node_id: str, reason: str, now: float, evidence: bool = True) -> None:
         s = self.s

@@ -282,6 +282,7 @@ class Controller:
         # The leases first: the nodes' view of whether they have a controller at all.
         self._step("tick:leases", self._leases, now)
         self._step("tick:rendezvous", self._rendezvous_expiry, now)
+        self._step("tick:deferred", self.effects.retry_deferred, now)
         self._step("tick:exits", self._exits, now)
         started = self.view.membership is not None
         self._step("tick:checks", self._checks, now)

@@ -14,7 +14,7 @@ from resild.controller.backend import Backend
 from resild.controller.broadcast import Broadcaster
 from resild.controller.budget import Budget, Limits
 from resild.controller.journal import Journal
-from resild.controller.policy import SUSPECT_WINDOW_S, AbuseLimits
+from resild.controller.policy import SUSPECT_WINDOW_S, AbuseLimits, Decision
 from resild.controller.rendezvous import Rendezvous
 from resild.controller.view import ClusterView, JobResult
 from resild.events.log import EventLog
@@ -71,6 +71,7 @@ class ControllerState:
     budget: Budget = field(default_factory=lambda: Budget({}))  # per-node EVENT/PROGRESS limits (handlers)
     rendezvous: Rendezvous = field(default_factory=Rendezvous)  # the epochs' group-formation keys
     deferred: int = 0  # decisions not carried out: the replicated journal did not commit them
+    deferred_decisions: list[Decision] = field(default_factory=list)  # tried again at each tick
     abusive: dict[str, float] = field(default_factory=dict)  # node -> when it was last named abusive
 
     @property

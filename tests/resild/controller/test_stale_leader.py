@@ -92,3 +92,37 @@ def test_a_decision_the_replicas_did_not_commit_is_not_carried_out() -> None:
         ctl.server.close()
         events.close()
         ctx.destroy(linger=0)
+
+
+def test_a_failure_reported_while_the_replicas_refused_is_handled_once_they_commit() -> None:
+    """A worker's exit arrives as a message: no tick would decide it again by itself."""
+    ctx = zmq.Context()
+    journal = RefusingJournal()
+    events = EventLog(None)
+    ctl = Controller(ControllerConfig(), ["n0", "n1"], ["n2"], 1, None, events, journal, ctx=ctx)
+    fenced: list[str] = []
+    ctl.backend.fence = lambda node, reason: fenced.append(node)  # type: ignore[method-assign]
+    try:
+        now = time.monotonic()
+        for i, n in enumerate(["n0", "n1", "n2"]):
+            ctl._handle(f"{n}/node".encode(), _msg(MsgType.REGISTER_NODE, {"node": n, "pid": 100 + i}), now)
+            ctl._handle(
+                f"{n}/w0/1".encode(), _msg(MsgType.REGISTER_WORKER, {"node": n, "local_rank": 0, "pid": 200 + i}), now
+            )
+        m1 = ctl.view.membership
+        assert m1 is not None
+        journal.commit = False  # the standbys are stalled: no majority
+        exit_msg = {"node": "n0", "local_rank": 0, "pid": 200, "returncode": 1}
+        ctl._handle(b"n0/node", _msg(MsgType.WORKER_EXIT, exit_msg), now)
+        ctl._tick(now + 0.1)
+        assert fenced == [] and ctl.view.membership is m1
+        journal.commit = True  # they are back
+        ctl._tick(now + 0.2)
+        m2 = ctl.view.membership
+        assert fenced == ["n0"] and m2 is not None and m2.epoch == 2 and "n2" in m2.node_ranks
+        ctl._tick(now + 0.3)  # handled once
+        assert fenced == ["n0"] and ctl.view.membership is m2
+    finally:
+        ctl.server.close()
+        events.close()
+        ctx.destroy(linger=0)
