@@ -50,11 +50,14 @@ from launcher.worker.mesh_layout import MeshError, MeshLayout
 from launcher.worker.recovery import Recovery, Reformed
 from launcher.worker.redundancy import Redundancy, RedundancyError
 from launcher.worker.replica_map import NoReplica, ReplicaMap
+from launcher.worker.spare_warmup import SpareWarmup
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
 from launcher.worker.state_transport import describe
 from launcher.worker.step_state import StepState
 from launcher.worker.torch_private import device_mesh_from_groups, hash_store, prewarm_lazy_imports
 from launcher.worker.train_state import TrainState
+from launcher.worker.warmup_recipe import RECIPE_KEY
+from launcher.worker.warmup_recipe import describe as describe_recipe
 from resild.events.schema import EventName
 from resild.membership import Membership
 from resild.wire.exits import FENCED_EXIT
@@ -91,6 +94,7 @@ class Job:
         self._mesh_replicas: Replicas | None = None
         self._mesh: Any = None
         self._layout: MeshLayout | None = None
+        self._warmup: SpareWarmup | None = None  # a spare's warm-up for the job's sharded state
         self.intr = Interrupts()
         self.cfg: dict[str, Any] = {}
         self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
@@ -156,12 +160,15 @@ class Job:
         self._install_excepthook()
         ep = agent_endpoint()
         self._agent = AgentLink(ep, f"{self.node}/rank{self.local_rank}", lambda: self.step).start() if ep else None
-        # A spare waits here, warm (torch imported, CUDA context up), until it is given ranks.
+        # A spare waits here, warm (torch imported, CUDA context up, and once the job has
+        # described its sharded state, DTensor's caches filled for it), until it is given ranks.
         if not link.wait(lambda: link.pending is not None or link.shutdown is not None, 0.5):
             prewarm_lazy_imports()
+        self._warmup = SpareWarmup(self._store, self.device)
         m, self.rank = wait_for_ranks(
-            link, self.node, self.local_rank, lambda: self._check_shutdown(waiting_spare=True)
+            link, self.node, self.local_rank, lambda: self._check_shutdown(waiting_spare=True), self._warmup
         )
+        self._report_warmup()
         self.world_size, self.epoch = m.world_size, m.epoch
         self._per_node = len(m.node_ranks.get(self.node, ())) or 1
         if self.epoch > 1:  # a spare taking over: building the model may take a while, and that is no hang
@@ -206,7 +213,9 @@ class Job:
         self._layout = layout
         self._mesh_replicas = lambda w: layout.replicas()
         mesh_ranks = torch.arange(layout.world_size).view(*layout.shape)
-        self._mesh = device_mesh_from_groups(groups, device_type or self.device.type, mesh_ranks, layout.names)
+        mesh = device_mesh_from_groups(groups, device_type or self.device.type, mesh_ranks, layout.names)
+        # A spare that warmed up for this mesh hands out the mesh object its warm-up used.
+        self._mesh = self._warmup.adopt(mesh) if self._warmup is not None else mesh
         return self._mesh
 
     def hsdp_mesh(self, shard_size: int, device_type: str | None = None) -> Any:
@@ -244,7 +253,31 @@ class Job:
                 self._join()
             except Reformed:
                 self._recover()
+            if self.rank == 0:
+                self._publish_warmup_recipe()
         return self
+
+    def _publish_warmup_recipe(self) -> None:
+        """Describe the sharded state for spares to warm up on (launcher.worker.warmup_recipe);
+        nothing for a model that is not sharded on the job's mesh."""
+        assert self.state is not None
+        try:
+            text = describe_recipe(self.state.optimizer, self._mesh)
+            if text is not None:
+                self._store.set(RECIPE_KEY, text)
+        except Exception as e:  # spares then just do not warm up
+            log.info("no warm-up recipe for spares: %s", e)
+
+    def _report_warmup(self) -> None:
+        w = self._warmup
+        if w is None or (w.seconds is None and w.error is None):
+            return
+        fields: dict[str, Any] = {"node": self.node, "local_rank": self.local_rank}
+        if w.seconds is not None:
+            fields["seconds"] = round(w.seconds, 4)
+        if w.error is not None:
+            fields["error"] = w.error[:300]
+        self._event("spare_warmed", **fields)
 
     def _setup_redundancy(self) -> None:
         assert self.state is not None and self._protocol is not None
@@ -553,13 +586,26 @@ class Job:
 
 
 def wait_for_ranks(
-    link: ControlLink, node: str, local_rank: int, check_shutdown: Callable[[], None]
+    link: ControlLink,
+    node: str,
+    local_rank: int,
+    check_shutdown: Callable[[], None],
+    warmup: SpareWarmup | None = None,
 ) -> tuple[Membership, int]:
     """A spare waits for a membership that gives it a rank; epochs that leave it out
     are taken and passed over. The rank is read from the membership taken: a newer
-    one may replace the pending one between a look and the take."""
+    one may replace the pending one between a look and the take. Once an epoch has
+    left it out, it is a spare: it fetches the job's warm-up recipe and warms up here,
+    stopping as soon as a membership or the end of the job arrives."""
+
+    def news() -> bool:
+        return link.pending is not None or link.shutdown is not None
+
     while True:
-        link.wait(lambda: link.pending is not None or link.shutdown is not None, 3600.0)
+        link.wait(lambda: news() or (warmup is not None and warmup.ready()), 3600.0)
+        if warmup is not None and warmup.ready() and not news():
+            warmup.run(news)
+            continue
         check_shutdown()
         m = link.take()
         if m is None:
@@ -567,6 +613,8 @@ def wait_for_ranks(
         rank = m.rank_of(node, local_rank)
         if rank is not None:
             return m, rank
+        if warmup is not None:
+            warmup.start()  # left out of an epoch: a spare
 
 
 def init(
