@@ -164,7 +164,8 @@ class Job:
         # described its sharded state, DTensor's caches filled for it), until it is given ranks.
         if not link.wait(lambda: link.pending is not None or link.shutdown is not None, 0.5):
             prewarm_lazy_imports()
-        self._warmup = SpareWarmup(self._store, self.device)
+        if os.environ.get(resild_env.SPARE_WARMUP.name, resild_env.SPARE_WARMUP.default) != "0":
+            self._warmup = SpareWarmup(self._store, self.device)
         m, self.rank = wait_for_ranks(
             link, self.node, self.local_rank, lambda: self._check_shutdown(waiting_spare=True), self._warmup
         )
