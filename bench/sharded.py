@@ -30,10 +30,13 @@ rank 0's median) and (ii) a plain loopback copy of the same number of bytes: a g
 send/recv of a uint8 tensor between two processes on 127.0.0.1 (``--mode loopback``,
 warm connection, median of 20). ``vs_loopback`` = replay seconds / loopback seconds.
 The spare's own phases after it is given ranks (``--phases`` marks of the worker: init
-returns, ``job.hsdp_mesh``, model + ``fully_shard`` + AdamW + loader, ``job.attach``, first
-commit) show where its part of the recovery goes. ``--prewarm`` makes the worker import
-``torch._dynamo`` before ``launcher.init()``: FSDP2's first ``fully_shard`` in a process
-imports it (0.5-0.7 s here), which a spare otherwise pays after taking over.
+returns, ``job.hsdp_mesh``, model, ``fully_shard``, AdamW + loader, ``job.attach``, and its
+first step: forward + backward, clipping, commit) show where its part of the recovery goes.
+``--prewarm`` makes the worker import ``torch._dynamo`` before ``launcher.init()`` (the
+runtime now does so itself while a spare waits). ``--compare-warmup`` runs each fault run
+twice, the waiting spare's warm-up for the job's sharded state off (``RESILD_SPARE_WARMUP=0``)
+and on (``launcher/worker/spare_warmup.py``), alternating ABBA, and prints both side by side
+with ratios; ``spare_warmup_s`` is the warm-up's own time, spent while the spare waited.
 
 Usage::
 
@@ -42,6 +45,7 @@ Usage::
     .venv/bin/python bench/sharded.py --only overhead --models hsdp
     .venv/bin/python bench/sharded.py --only fault --fault-runs 3 --fault-nodes 5   # 8 ranks, 2 x 4
     .venv/bin/python bench/sharded.py --only fault --prewarm
+    .venv/bin/python bench/sharded.py --only fault --compare-warmup --fault-runs 4 --no-loopback
 
 Nothing here asserts on timings: it reports what it measured.
 """
@@ -383,7 +387,7 @@ def spare_phases(evs: list[dict], phases_dir: Path, ranks: set) -> dict:
     for name, a, b in SPARE_PHASES:
         vals = [m[b] - m[a] for m in marks if a in m and b in m]
         out[name] = max(vals) if vals else None
-    warmed = [e for e in select(evs, "worker.spare_warmed") if e["t_mono"] < t_a]
+    warmed = [e for e in select(evs, "worker.spare_warmed") if e["t_mono"] < t_a]  # while it waited
     out["spare_warmup_s"] = max((float(e["seconds"]) for e in warmed if "seconds" in e), default=None)
     out["spare_warmup_error"] = next((e["error"] for e in warmed if e.get("error")), None)
     return out

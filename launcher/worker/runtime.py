@@ -95,6 +95,7 @@ class Job:
         self._mesh: Any = None
         self._layout: MeshLayout | None = None
         self._warmup: SpareWarmup | None = None  # a spare's warm-up for the job's sharded state
+        self._took_over = False  # a spare given a failed node's ranks (not in the job's first epoch)
         self.intr = Interrupts()
         self.cfg: dict[str, Any] = {}
         self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
@@ -165,14 +166,14 @@ class Job:
         if not link.wait(lambda: link.pending is not None or link.shutdown is not None, 0.5):
             prewarm_lazy_imports()
         if os.environ.get(resild_env.SPARE_WARMUP.name, resild_env.SPARE_WARMUP.default) != "0":
-            self._warmup = SpareWarmup(self._store, self.device)
+            self._warmup = SpareWarmup(self._store, self.device, self._report_warmup)
         m, self.rank = wait_for_ranks(
             link, self.node, self.local_rank, lambda: self._check_shutdown(waiting_spare=True), self._warmup
         )
-        self._report_warmup()
         self.world_size, self.epoch = m.world_size, m.epoch
         self._per_node = len(m.node_ranks.get(self.node, ())) or 1
-        if self.epoch > 1:  # a spare taking over: building the model may take a while, and that is no hang
+        self._took_over = self.epoch > 1
+        if self._took_over:  # a spare taking over: building the model may take a while, and that is no hang
             self._progress("join")
         self._make_world(self._store)
         self._form_until_stable(only=[self.group])
@@ -254,7 +255,7 @@ class Job:
                 self._join()
             except Reformed:
                 self._recover()
-            if self.rank == 0:
+            if self.rank == 0 and not self._took_over:  # a spare that took rank 0 over finds it there
                 self._publish_warmup_recipe()
         return self
 
@@ -269,15 +270,12 @@ class Job:
         except Exception as e:  # spares then just do not warm up
             log.info("no warm-up recipe for spares: %s", e)
 
-    def _report_warmup(self) -> None:
-        w = self._warmup
-        if w is None or (w.seconds is None and w.error is None):
-            return
-        fields: dict[str, Any] = {"node": self.node, "local_rank": self.local_rank}
-        if w.seconds is not None:
-            fields["seconds"] = round(w.seconds, 4)
-        if w.error is not None:
-            fields["error"] = w.error[:300]
+    def _report_warmup(self, seconds: float, error: str | None) -> None:
+        """A waiting spare's warm-up finished (it has no rank yet)."""
+        fields: dict[str, Any] = {"rank": None, "local_rank": self.local_rank}  # the controller adds the node
+        fields["seconds"] = round(seconds, 4)
+        if error is not None:
+            fields["error"] = error[:300]
         self._event("spare_warmed", **fields)
 
     def _setup_redundancy(self) -> None:

@@ -46,6 +46,7 @@ from launcher.worker.warmup_recipe import RECIPE_KEY, Recipe, parse
 log = logging.getLogger("resild.warmup")
 
 Cancelled = Callable[[], bool]
+FETCH_SLICE_S = 300.0
 
 
 class _Stop(Exception):
@@ -143,8 +144,10 @@ class SpareWarmup:
     in the store (one parked request, no polling); the spare's own thread runs the
     warm-up when `ready()` (the fake default group must be gone before it joins)."""
 
-    def __init__(self, store: Any, device: torch.device, timeout_s: float = 3600.0) -> None:
-        self.store, self.device, self.timeout_s = store, device, timeout_s
+    def __init__(
+        self, store: Any, device: torch.device, on_done: Callable[[float, str | None], None] | None = None
+    ) -> None:
+        self.store, self.device, self.on_done = store, device, on_done
         self._text: bytes | None = None
         self._started = False
         self._done = False
@@ -159,13 +162,18 @@ class SpareWarmup:
             threading.Thread(target=self._fetch, name="resild-warmup-recipe", daemon=True).start()
 
     def _fetch(self) -> None:
+        """Wait for the recipe in slices (a parked request at the controller each; a slice
+        lost with a controller fail-over is asked again), then read it."""
         from datetime import timedelta
 
-        try:
-            self.store.wait([RECIPE_KEY], timedelta(seconds=self.timeout_s))
-            self._text = self.store.get(RECIPE_KEY)
-        except Exception as e:  # the job ended, or the link closed: no warm-up
-            self.error = f"no recipe: {e}"
+        while self._text is None:
+            try:
+                self.store.wait([RECIPE_KEY], timedelta(seconds=FETCH_SLICE_S))
+                self._text = self.store.get(RECIPE_KEY)
+            except Exception as e:  # not published yet, or the link is gone: ask again later
+                self.error = f"no recipe: {e}"
+                time.sleep(1.0)
+        self.error = None
 
     def ready(self) -> bool:
         """A recipe arrived and the warm-up has not run yet."""
@@ -183,6 +191,8 @@ class SpareWarmup:
             self.error = f"{type(e).__name__}: {e}"
             log.info("spare warm-up skipped: %s", self.error)
         self.seconds = time.monotonic() - t0
+        if self.on_done is not None:
+            self.on_done(self.seconds, self.error)
 
     def _keep(self, mesh: Any) -> None:
         self.mesh = mesh
