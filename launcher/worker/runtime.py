@@ -66,6 +66,8 @@ from resild.wire.settings import WorkerRedundancy, WorkerTimeouts
 
 log = logging.getLogger("resild.runtime")
 
+FETCH_RECIPE_AFTER_S = 2.0  # a worker without ranks this long after start-up is taken for a spare
+
 Replicas = Callable[[int], ReplicaMap]
 
 
@@ -590,18 +592,30 @@ def wait_for_ranks(
     local_rank: int,
     check_shutdown: Callable[[], None],
     warmup: SpareWarmup | None = None,
+    fetch_after_s: float = FETCH_RECIPE_AFTER_S,
 ) -> tuple[Membership, int]:
     """A spare waits for a membership that gives it a rank; epochs that leave it out
     are taken and passed over. The rank is read from the membership taken: a newer
-    one may replace the pending one between a look and the take. Once an epoch has
-    left it out, it is a spare: it fetches the job's warm-up recipe and warms up here,
-    stopping as soon as a membership or the end of the job arrives."""
+    one may replace the pending one between a look and the take. A worker still
+    without ranks after `fetch_after_s` is (most likely) a spare: it fetches the job's
+    warm-up recipe and warms up here, stopping as soon as a membership or the end of
+    the job arrives. (Nothing tells a worker that its node is a spare; at a large job's
+    start an active worker may wait that long too: then it only parks one store request.)"""
+    t0 = time.monotonic()
 
     def news() -> bool:
         return link.pending is not None or link.shutdown is not None
 
+    def warm_ready() -> bool:
+        return warmup is not None and warmup.ready()
+
     while True:
-        link.wait(lambda: news() or (warmup is not None and warmup.ready()), 3600.0)
+        wait_s = 3600.0
+        if warmup is not None and not warmup.started:
+            wait_s = max(0.0, t0 + fetch_after_s - time.monotonic())
+        link.wait(lambda: news() or warm_ready(), wait_s)
+        if warmup is not None and not warmup.started and not news() and time.monotonic() - t0 >= fetch_after_s:
+            warmup.start()
         if warmup is not None and warmup.ready() and not news():
             warmup.run(news)
             continue
@@ -611,9 +625,9 @@ def wait_for_ranks(
             continue
         rank = m.rank_of(node, local_rank)
         if rank is not None:
+            if warmup is not None:
+                warmup.stop()
             return m, rank
-        if warmup is not None:
-            warmup.start()  # left out of an epoch: a spare
 
 
 def init(

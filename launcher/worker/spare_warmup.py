@@ -128,8 +128,9 @@ def warm_up(
     with _rng_kept(device.type), fake_default_group(recipe.world_size):
         groups = []
         for dim, n in enumerate(recipe.mesh_shape):
-            g = fake_group(n)
-            register_group(g, f"resild-warmup-{dim}", dim_ranks(recipe, dim), hash_store())
+            label = f"resild-warmup-{dim}"
+            g = fake_group(label, n)
+            register_group(g, label, dim_ranks(recipe, dim), hash_store())
             groups.append(g)
         mesh = warm_mesh(recipe, groups)
         keep(mesh)
@@ -149,7 +150,8 @@ class SpareWarmup:
     ) -> None:
         self.store, self.device, self.on_done = store, device, on_done
         self._text: bytes | None = None
-        self._started = False
+        self.started = False
+        self._stopped = False
         self._done = False
         self.mesh: Any = None  # the warm mesh, adopted by job.mesh() if equal
         self.seconds: float | None = None
@@ -157,8 +159,8 @@ class SpareWarmup:
 
     def start(self) -> None:
         """Fetch the recipe (once; later calls do nothing)."""
-        if not self._started:
-            self._started = True
+        if not self.started:
+            self.started = True
             threading.Thread(target=self._fetch, name="resild-warmup-recipe", daemon=True).start()
 
     def _fetch(self) -> None:
@@ -166,14 +168,19 @@ class SpareWarmup:
         lost with a controller fail-over is asked again), then read it."""
         from datetime import timedelta
 
-        while self._text is None:
+        while self._text is None and not self._stopped:
             try:
                 self.store.wait([RECIPE_KEY], timedelta(seconds=FETCH_SLICE_S))
-                self._text = self.store.get(RECIPE_KEY)
+                if not self._stopped:  # given ranks meanwhile: the recipe is of no use
+                    self._text = self.store.get(RECIPE_KEY)
             except Exception as e:  # not published yet, or the link is gone: ask again later
                 self.error = f"no recipe: {e}"
                 time.sleep(1.0)
         self.error = None
+
+    def stop(self) -> None:
+        """This worker has ranks: fetch nothing more."""
+        self._stopped = True
 
     def ready(self) -> bool:
         """A recipe arrived and the warm-up has not run yet."""

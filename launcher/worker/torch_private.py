@@ -296,10 +296,10 @@ def retarget_device_mesh(mesh: Any, real: Any) -> Any:
 _FAKE_BACKEND = "resildfake"
 
 
-def fake_group(size: int) -> dist.ProcessGroup:
-    """A fake group of `size` ranks, this process its rank 0 (see fake_default_group).
-    torch 2.13: a FakeProcessGroup is a backend; a c10d ProcessGroup carries it, as in
-    `backend_group`."""
+def fake_group(name: str, size: int) -> dist.ProcessGroup:
+    """A fake group of `size` ranks named `name`, this process its rank 0 (see
+    fake_default_group). torch 2.13: a FakeProcessGroup is a backend; a c10d ProcessGroup
+    carries it, as in `backend_group`; DTensor's collectives find it by `group_name`."""
     from torch._C._distributed_c10d import FakeProcessGroup
 
     pg = dist.ProcessGroup(hash_store(), 0, size)
@@ -308,6 +308,7 @@ def fake_group(size: int) -> dist.ProcessGroup:
     pg._set_default_backend(kind)
     for device in ("cpu", "cuda"):
         pg._register_backend(torch.device(device), kind, be)
+    pg._set_group_name(GroupName(name))  # after the backends: it names them too
     return pg
 
 

@@ -205,7 +205,8 @@ def test_after_a_warm_up_the_first_step_propagates_nothing_and_ends_bitwise_as_c
 
 
 def test_a_warm_up_for_another_mesh_is_not_adopted_and_changes_nothing(tmp_path: Path, cold: dict[str, Any]) -> None:
-    warm = _child(tmp_path, "warm", recipe_json(names=["r", "s"]))
+    # 2 x 2: the warm-up's clipping runs DTensor collectives (on its fake groups)
+    warm = _child(tmp_path, "warm", recipe_json([2, 2]))
     assert warm["error"] is None and not warm["adopted"]
     assert warm["first_commit_misses"]  # its cache entries are for a mesh the job does not use
     assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
@@ -260,7 +261,7 @@ def _membership(epoch: int, node_ranks: dict[str, tuple[int, ...]]) -> Membershi
     return Membership(epoch=epoch, world_size=world, node_ranks=node_ranks)
 
 
-def test_a_spare_fetches_the_recipe_once_left_out_and_warms_up_before_its_ranks_come() -> None:
+def test_a_worker_left_waiting_fetches_the_recipe_and_warms_up_before_its_ranks_come() -> None:
     link = FakeLink()
     runs: list[bool] = []
 
@@ -279,7 +280,15 @@ def test_a_spare_fetches_the_recipe_once_left_out_and_warms_up_before_its_ranks_
         orig_start()
 
     w.start = start  # type: ignore[method-assign]
-    link.announce(_membership(1, {"a": (0,), "b": (1,)}))  # an epoch that leaves "spare" out
-    m, rank = wait_for_ranks(link, "spare", 0, lambda: None, w)  # type: ignore[arg-type]
+    link.announce(_membership(1, {"a": (0,), "b": (1,)}))  # an epoch that leaves "spare" out (passed over)
+    m, rank = wait_for_ranks(link, "spare", 0, lambda: None, w, fetch_after_s=0.2)  # type: ignore[arg-type]
     assert (m.epoch, rank) == (2, 1)
     assert w_started.is_set() and runs == [False]
+
+
+def test_a_worker_given_ranks_at_once_fetches_nothing() -> None:
+    link = FakeLink()
+    w = SpareWarmup(FakeStore(recipe_json()), torch.device("cpu"))
+    link.announce(_membership(1, {"a": (0,), "b": (1,)}))
+    m, rank = wait_for_ranks(link, "b", 0, lambda: None, w, fetch_after_s=5.0)  # type: ignore[arg-type]
+    assert (m.epoch, rank) == (1, 1) and not w.started
