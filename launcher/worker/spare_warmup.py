@@ -118,6 +118,39 @@ def dim_ranks(recipe: Recipe, dim: int) -> list[int]:
     return [int(r) for r in ranks[tuple(where)].tolist()]
 
 
+def _fake_groups(recipe: Recipe, prefix: str) -> list[Any]:
+    groups = []
+    for dim, n in enumerate(recipe.mesh_shape):
+        label = f"{prefix}-{dim}"
+        g = fake_group(label, n)
+        register_group(g, label, dim_ranks(recipe, dim), hash_store())
+        groups.append(g)
+    return groups
+
+
+def fsdp_steps(recipe: Recipe, device: torch.device, cancelled: Cancelled) -> None:
+    """FSDP2's per-process first-call costs (fully_shard, lazy init, its custom ops, the
+    first forward and backward): two steps of a small model sharded over a mesh of the
+    recipe's shape under names of its own. No DeviceMesh equal to it is ever the job's,
+    so nothing computed on it is ever looked up for the job's tensors."""
+    from torch.distributed.fsdp import fully_shard
+
+    names = tuple(f"resild-warmup-{n}" for n in recipe.mesh_names)
+    ranks = torch.tensor(recipe.mesh_ranks, dtype=torch.int64).view(*recipe.mesh_shape)
+    mesh = private_device_mesh(_fake_groups(recipe, "resild-warmup-fsdp"), device.type, ranks, names, 0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).to(device)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.zeros(4, 16, device=device)
+    for _ in range(2):
+        if cancelled():
+            raise _Stop
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+
 def warm_up(
     recipe: Recipe, device: torch.device, keep: Callable[[Any], None], cancelled: Cancelled = lambda: False
 ) -> None:
@@ -126,16 +159,11 @@ def warm_up(
     if recipe.device_type != device.type:
         raise ValueError(f"recipe for {recipe.device_type}, this spare runs on {device.type}")
     with _rng_kept(device.type), fake_default_group(recipe.world_size):
-        groups = []
-        for dim, n in enumerate(recipe.mesh_shape):
-            label = f"resild-warmup-{dim}"
-            g = fake_group(label, n)
-            register_group(g, label, dim_ranks(recipe, dim), hash_store())
-            groups.append(g)
-        mesh = warm_mesh(recipe, groups)
+        mesh = warm_mesh(recipe, _fake_groups(recipe, "resild-warmup"))
         keep(mesh)
         try:
             run_steps(recipe, stand_ins(recipe, mesh, device), cancelled)
+            fsdp_steps(recipe, device, cancelled)
         except _Stop:
             log.info("spare warm-up stopped: ranks arrived")
 
