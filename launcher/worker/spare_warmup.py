@@ -96,18 +96,18 @@ def stand_ins(recipe: Recipe, mesh: Any, device: torch.device) -> list[torch.nn.
 
 
 def run_steps(recipe: Recipe, params: list[torch.nn.Parameter], cancelled: Cancelled) -> None:
-    """Clip, then step the recipe's optimizer over `params` (twice: the first step takes
-    paths of its own, e.g. creating the optimizer state)."""
+    """Clip, then step the recipe's optimizer over `params`, once each: the spare's first
+    real step comes after its optimizer state was loaded, and runs the same update ops
+    (creating the state here propagates a few more, cheap ones)."""
     cls = _optimizer_class(recipe.optimizer)
     groups = [{**hp, "params": [params[i] for i in idx]} for hp, idx in recipe.groups]
     opt = cls(groups)
-    for _ in range(2):
-        if cancelled():
-            raise _Stop
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        if cancelled():
-            raise _Stop
-        opt.step()
+    if cancelled():
+        raise _Stop
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    if cancelled():
+        raise _Stop
+    opt.step()
 
 
 def dim_ranks(recipe: Recipe, dim: int) -> list[int]:
@@ -130,7 +130,7 @@ def _fake_groups(recipe: Recipe, prefix: str) -> list[Any]:
 
 def fsdp_steps(recipe: Recipe, device: torch.device, cancelled: Cancelled) -> None:
     """FSDP2's per-process first-call costs (fully_shard, lazy init, its custom ops, the
-    first forward and backward): two steps of a small model sharded over a mesh of the
+    first forward and backward): one step of a small model sharded over a mesh of the
     recipe's shape under names of its own. No DeviceMesh equal to it is ever the job's,
     so nothing computed on it is ever looked up for the job's tensors."""
     from torch.distributed.fsdp import fully_shard
@@ -143,12 +143,9 @@ def fsdp_steps(recipe: Recipe, device: torch.device, cancelled: Cancelled) -> No
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    x = torch.zeros(4, 16, device=device)
-    for _ in range(2):
-        if cancelled():
-            raise _Stop
-        model(x).sum().backward()
-        model.zero_grad(set_to_none=True)
+    if cancelled():
+        raise _Stop
+    model(torch.zeros(4, 16, device=device)).sum().backward()
 
 
 def warm_up(
