@@ -98,16 +98,30 @@ def stand_ins(recipe: Recipe, mesh: Any, device: torch.device) -> list[torch.nn.
 def run_steps(recipe: Recipe, params: list[torch.nn.Parameter], cancelled: Cancelled) -> None:
     """Clip, then step the recipe's optimizer over `params`, once each: the spare's first
     real step comes after its optimizer state was loaded, and runs the same update ops
-    (creating the state here propagates a few more, cheap ones)."""
+    (creating the state here propagates a few more, cheap ones).
+
+    The step is the warm-up's longest part (0.1-0.3 s here), and a spare given ranks in the
+    middle of it finishes it first. On the host, torch.optim's default (single-tensor)
+    implementations propagate each parameter's ops on their own, so there each parameter
+    is stepped by an optimizer of its own, and a membership stops the warm-up between two
+    parameters. Foreach and fused implementations (a GPU's default, or asked for) take the
+    whole list in each op, which is what DTensor's cache keys: those step all at once."""
     cls = _optimizer_class(recipe.optimizer)
-    groups = [{**hp, "params": [params[i] for i in idx]} for hp, idx in recipe.groups]
-    opt = cls(groups)
     if cancelled():
         raise _Stop
     torch.nn.utils.clip_grad_norm_(params, 1.0)
-    if cancelled():
-        raise _Stop
-    opt.step()
+    whole = params[0].device.type != "cpu" if params else True
+    whole = whole or any(hp.get("foreach") or hp.get("fused") for hp, _ in recipe.groups)
+    if whole:
+        if cancelled():
+            raise _Stop
+        cls([{**hp, "params": [params[i] for i in idx]} for hp, idx in recipe.groups]).step()
+        return
+    for hp, idx in recipe.groups:
+        for i in idx:
+            if cancelled():
+                raise _Stop
+            cls([{**hp, "params": [params[i]]}]).step()
 
 
 def dim_ranks(recipe: Recipe, dim: int) -> list[int]:
