@@ -372,6 +372,7 @@ SPARE_PHASES = (
 def spare_phases(evs: list[dict], phases_dir: Path, ranks: set) -> dict:
     """Where the spare's ranks spent the recovery (the slowest rank's figure per phase)."""
     out: dict = dict.fromkeys([name for name, _, _ in SPARE_PHASES] + ["spare_warmup_s", "spare_warmup_error"])
+    out["spare_warmed_ranks"] = 0
     assigned = select(evs, "spare_assigned")
     if not assigned or not ranks:
         return out
@@ -390,6 +391,7 @@ def spare_phases(evs: list[dict], phases_dir: Path, ranks: set) -> dict:
     warmed = [e for e in select(evs, "worker.spare_warmed") if e["t_mono"] < t_a]  # while it waited
     out["spare_warmup_s"] = max((float(e["seconds"]) for e in warmed if "seconds" in e), default=None)
     out["spare_warmup_error"] = next((e["error"] for e in warmed if e.get("error")), None)
+    out["spare_warmed_ranks"] = sum(1 for e in warmed if not e.get("error"))
     return out
 
 
@@ -486,24 +488,32 @@ def fault(args, base: Path, emit) -> dict:
         "runs_within_target": sum(1 for r in runs if r.get("within_target")),
     }
     out["replay_vs_loopback"] = _div(out["replay_s_per_rank"], lb and lb["seconds"])
+    # "warmed": the warm runs whose spare ranks had all finished their warm-up before the fault
+    # (a fault during it waits for the part under way: the bench's early fault can land there)
+    pick = {
+        "cold": lambda r: not r["warmup"],
+        "warm": lambda r: r["warmup"],
+        "warmed": lambda r: r["warmup"] and r.get("spare_warmed_ranks", 0) >= args.ppn,
+    }
     out["sides"] = {
-        ("warm" if warm else "cold"): {
-            k: median(r.get(k) for r in runs if r["warmup"] is warm and _num(r.get(k)))
+        side: {
+            k: median(r.get(k) for r in runs if sel(r) and _num(r.get(k)))
             for k in (*FAULT_COLS, *SPARE_COLS)
             if k != "within_target"
         }
         | {
-            "runs": sum(1 for r in runs if r["warmup"] is warm),
-            "within_target": sum(1 for r in runs if r["warmup"] is warm and r.get("within_target")),
+            "runs": sum(1 for r in runs if sel(r)),
+            "within_target": sum(1 for r in runs if sel(r) and r.get("within_target")),
         }
-        for warm in sorted({r["warmup"] for r in runs})
+        for side, sel in pick.items()
+        if any(sel(r) for r in runs)
     }
     emit({"kind": "fault", **{k: v for k, v in out.items() if k != "runs"}})
     return out
 
 
 # ---- output ------------------------------------------------------------------------------
-SPARE_COLS = (*(n for n, _, _ in SPARE_PHASES), "spare_warmup_s")
+SPARE_COLS = (*(n for n, _, _ in SPARE_PHASES), "spare_warmup_s", "spare_warmed_ranks")
 
 
 def _num(v) -> bool:
@@ -575,18 +585,26 @@ def print_fault(args, res: dict) -> None:
     )
     print(phase_table(conv, ["warmup", *SPARE_COLS], digits=3))
     sides = res.get("sides") or {}
-    if len(sides) == 2:
+    if "cold" in sides and "warm" in sides:
         cold, warm = sides["cold"], sides["warm"]
-        print("\nside by side (medians; ratio = warm / cold)")
+        warmed = sides.get("warmed", {})
+        print(
+            "\nside by side (medians; ratio = warm / cold; warmed = the warm runs whose spare had "
+            "finished its warm-up before the fault)"
+        )
         rows = [
-            {"": k, "cold": cold.get(k), "warm": warm.get(k), "ratio": _div(warm.get(k), cold.get(k))}
+            {
+                "": k,
+                "cold": cold.get(k),
+                "warm": warm.get(k),
+                "ratio": _div(warm.get(k), cold.get(k)),
+                "warmed": warmed.get(k),
+                "warmed_ratio": _div(warmed.get(k), cold.get(k)),
+            }
             for k in ("total_s", "first_step_s", "recover_s", *SPARE_COLS, "step_s", "target_s")
         ]
-        print(_no_median(phase_table(rows, ("cold", "warm", "ratio"), label="", digits=3)))
-        print(
-            f"within target: cold {cold['within_target']} of {cold['runs']}, warm {warm['within_target']} "
-            f"of {warm['runs']}"
-        )
+        print(_no_median(phase_table(rows, ("cold", "warm", "ratio", "warmed", "warmed_ratio"), label="", digits=3)))
+        print("within target: " + ", ".join(f"{k} {v['within_target']} of {v['runs']}" for k, v in sides.items()))
     print("\nreplay to the spare's ranks (state_replayed), vs a gloo send/recv of the same bytes on 127.0.0.1")
     rows = [{"run": r["run"], **p} for r in res["runs"] for p in r["replays"]]
     for p in rows:
