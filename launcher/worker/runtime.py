@@ -27,7 +27,8 @@ group and backend factory), `recovery` (the sequence), `step_state` and
 `commit` (the step's phases and the commit protocol), `state_transport` (the
 replay), `train_state` (what is replayed), `redundancy` (peer-memory snapshots
 and rollback, resild's disk checkpoints, replicas' fingerprints), `mesh_layout`
-(any mesh); private torch APIs in `torch_private`.
+(any mesh), `spare_warmup` and `warmup_recipe` (a waiting spare's warm-up for the
+job's sharded state); private torch APIs in `torch_private`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ parameter's global shape, dtype and placements, the optimizer's class and
 hyperparameters; rank 0 writes it at attach). It then builds a DeviceMesh equal to
 the job's (same rank map, shape, names, device type) over a fake process group,
 stand-in DTensor parameters and gradients of the same layouts, and runs gradient
-clipping and one optimizer step on them. That fills DTensor's sharding-propagation
+clipping and one optimizer step on them (then one step of a small FSDP2 model on a
+mesh of its own, for FSDP2's per-process first-call costs). That fills DTensor's sharding-propagation
 cache with exactly the entries the spare's first real step looks up: the slow path
 (fake-tensor dispatch and strategy expansion, 0.1-0.3 s here) runs now, not after
 the spare has taken over. Nothing depends on which ranks it will get.
@@ -16,10 +17,12 @@ The cache's entries hold the mesh object they were computed on, so when the spar
 the real groups and rank (`torch_private.retarget_device_mesh`) and returned to the
 user's code. Only the shard contents move afterwards (the replay).
 
-Isolation: the global RNG state is restored (nothing here draws from it, but a
-warm-up must not be able to shift the spare's random stream); the fake default
-group and its groups are destroyed before the spare installs its own; any error
-skips the warm-up (logged). A membership arriving mid-way stops it between steps.
+Isolation: the global RNG state is restored (the small model's initialisation draws
+from it; the spare's random stream must not shift); the fake default group and its
+groups are destroyed before the spare installs its own; any error skips the rest of
+the warm-up (logged, and reported as `worker.spare_warmed` with an `error`). A
+membership arriving mid-way stops it at the next check: between two parameters' steps
+on the host, else between clipping, the optimizer step and the FSDP2 step.
 """
 
 from __future__ import annotations
