@@ -30,10 +30,13 @@ rank 0's median) and (ii) a plain loopback copy of the same number of bytes: a g
 send/recv of a uint8 tensor between two processes on 127.0.0.1 (``--mode loopback``,
 warm connection, median of 20). ``vs_loopback`` = replay seconds / loopback seconds.
 The spare's own phases after it is given ranks (``--phases`` marks of the worker: init
-returns, ``job.hsdp_mesh``, model + ``fully_shard`` + AdamW + loader, ``job.attach``, first
-commit) show where its part of the recovery goes. ``--prewarm`` makes the worker import
-``torch._dynamo`` before ``launcher.init()``: FSDP2's first ``fully_shard`` in a process
-imports it (0.5-0.7 s here), which a spare otherwise pays after taking over.
+returns, ``job.hsdp_mesh``, model, ``fully_shard``, AdamW + loader, ``job.attach``, and its
+first step: forward + backward, clipping, commit) show where its part of the recovery goes.
+``--prewarm`` makes the worker import ``torch._dynamo`` before ``launcher.init()`` (the
+runtime now does so itself while a spare waits). ``--compare-warmup`` runs each fault run
+twice, the waiting spare's warm-up for the job's sharded state off (``RESILD_SPARE_WARMUP=0``)
+and on (``launcher/worker/spare_warmup.py``), alternating ABBA, and prints both side by side
+with ratios; ``spare_warmup_s`` is the warm-up's own time, spent while the spare waited.
 
 Usage::
 
@@ -42,6 +45,7 @@ Usage::
     .venv/bin/python bench/sharded.py --only overhead --models hsdp
     .venv/bin/python bench/sharded.py --only fault --fault-runs 3 --fault-nodes 5   # 8 ranks, 2 x 4
     .venv/bin/python bench/sharded.py --only fault --prewarm
+    .venv/bin/python bench/sharded.py --only fault --compare-warmup --fault-runs 4 --no-loopback
 
 Nothing here asserts on timings: it reports what it measured.
 """
@@ -278,7 +282,7 @@ def overhead(args, base: Path, emit) -> list[dict]:
 
 
 # ---- part 2: HSDP fault → full strength ------------------------------------------------------
-def fault_run(args, workdir: Path) -> dict:
+def fault_run(args, workdir: Path, warmup: bool = True) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     times, events, phases = workdir / "times.json", workdir / "events.jsonl", workdir / "phases"
     for p in (times, events, *phases.glob("phases-*.json")):
@@ -297,7 +301,9 @@ def fault_run(args, workdir: Path) -> dict:
         inject=[f"kill:node1@{args.kill_at}"],
         worker_extra=["--phases", str(phases), *(["--prewarm"] if args.prewarm else [])],
     )
-    r = _run(cmd, workdir, args.timeout)
+    env = _env()
+    env["RESILD_SPARE_WARMUP"] = "1" if warmup else "0"
+    r = _run(cmd, workdir, args.timeout, env=env)
     summary = _parse_summary(r.pop("stdout"))
     evs = read_events(events)
     res = analyze_resild(evs, summary, fault_node="local-node1")
@@ -330,6 +336,7 @@ def fault_run(args, workdir: Path) -> dict:
     ]
     res.update(spare_phases(evs, phases, {p["rank"] for p in res["replays"]}))
     res.update(
+        warmup=warmup,
         nproc=nproc,
         nodes=args.fault_nodes,
         ppn=args.ppn,
@@ -345,20 +352,27 @@ def fault_run(args, workdir: Path) -> dict:
 
 
 #: the spare's ranks after spare_assigned, from their --phases marks (time.monotonic(), the
-#: events' t_mono clock): launcher.init returns, job.hsdp_mesh, model built + fully_shard +
-#: AdamW + loader, job.attach returns (agree + replay + restore), first commit
+#: events' t_mono clock): launcher.init returns (world group formed), job.hsdp_mesh (mesh
+#: groups formed), model built, fully_shard, AdamW + loader, job.attach returns (redundancy
+#: set-up, agree, replay, restore), and the first step: forward + backward, clipping, commit
 SPARE_PHASES = (
     ("spare_init_s", "assigned", "init"),
     ("spare_mesh_s", "init", "mesh"),
-    ("spare_build_s", "mesh", "built"),
+    ("spare_model_s", "mesh", "model"),
+    ("spare_shard_s", "model", "sharded"),
+    ("spare_optim_s", "sharded", "built"),
     ("spare_attach_s", "built", "attached"),
-    ("spare_first_commit_s", "attached", "first_commit"),
+    ("spare_fwd_bwd_s", "attached", "first_backward"),
+    ("spare_clip_s", "first_backward", "first_clip"),
+    ("spare_commit_s", "first_clip", "first_commit"),
+    ("spare_total_s", "assigned", "first_commit"),
 )
 
 
 def spare_phases(evs: list[dict], phases_dir: Path, ranks: set) -> dict:
     """Where the spare's ranks spent the recovery (the slowest rank's figure per phase)."""
-    out: dict = dict.fromkeys(name for name, _, _ in SPARE_PHASES)
+    out: dict = dict.fromkeys([name for name, _, _ in SPARE_PHASES] + ["spare_warmup_s", "spare_warmup_error"])
+    out["spare_warmed_ranks"] = 0
     assigned = select(evs, "spare_assigned")
     if not assigned or not ranks:
         return out
@@ -374,6 +388,10 @@ def spare_phases(evs: list[dict], phases_dir: Path, ranks: set) -> dict:
     for name, a, b in SPARE_PHASES:
         vals = [m[b] - m[a] for m in marks if a in m and b in m]
         out[name] = max(vals) if vals else None
+    warmed = [e for e in select(evs, "worker.spare_warmed") if e["t_mono"] < t_a]  # while it waited
+    out["spare_warmup_s"] = max((float(e["seconds"]) for e in warmed if "seconds" in e), default=None)
+    out["spare_warmup_error"] = next((e["error"] for e in warmed if e.get("error")), None)
+    out["spare_warmed_ranks"] = sum(1 for e in warmed if not e.get("error"))
     return out
 
 
@@ -427,22 +445,27 @@ def loopback(nbytes: int, iters: int, workdir: Path, timeout_s: float) -> dict:
 
 def fault(args, base: Path, emit) -> dict:
     runs = []
+    # --compare-warmup: each run is a pair, the spare's warm-up off and on, ABBA across runs
+    plan = []
     for i in range(args.fault_runs):
+        sides = ((False, True) if i % 2 == 0 else (True, False)) if args.compare_warmup else (not args.no_warmup,)
+        plan += [(i + 1, w) for w in sides]
+    for n, (i, warm) in enumerate(plan):
         if not args.json:
             print(
-                f"fault: run {i + 1}/{args.fault_runs}, hsdp, {args.fault_nodes} nodes x {args.ppn} (1 spare), "
-                f"kill:node1@{args.kill_at} ...",
+                f"fault: run {n + 1}/{len(plan)}, hsdp, {args.fault_nodes} nodes x {args.ppn} (1 spare), "
+                f"kill:node1@{args.kill_at}, spare warm-up {'on' if warm else 'off'} ...",
                 file=sys.stderr,
                 flush=True,
             )
-        r = fault_run(args, base / "fault" / f"run{i + 1}")
-        r["run"] = i + 1
+        r = fault_run(args, base / "fault" / f"run{i}-{'warm' if warm else 'cold'}", warmup=warm)
+        r["run"] = n + 1
         runs.append(r)
         emit({"kind": "fault_run", **r})
     replays = [p for r in runs for p in r["replays"]]
     nbytes = median(p["bytes"] for p in replays)
     lb = None
-    if nbytes:
+    if nbytes and not args.no_loopback:
         if not args.json:
             print(f"loopback: gloo send/recv of {int(nbytes)} bytes ...", file=sys.stderr, flush=True)
         lb = loopback(int(nbytes), 20, base / "loopback", args.timeout)
@@ -465,11 +488,38 @@ def fault(args, base: Path, emit) -> dict:
         "runs_within_target": sum(1 for r in runs if r.get("within_target")),
     }
     out["replay_vs_loopback"] = _div(out["replay_s_per_rank"], lb and lb["seconds"])
+    # "warmed": the warm runs whose spare ranks had all finished their warm-up before the fault
+    # (a fault during it waits for the part under way: the bench's early fault can land there)
+    pick = {
+        "cold": lambda r: not r["warmup"],
+        "warm": lambda r: r["warmup"],
+        "warmed": lambda r: r["warmup"] and r.get("spare_warmed_ranks", 0) >= args.ppn,
+    }
+    out["sides"] = {
+        side: {
+            k: median(r.get(k) for r in runs if sel(r) and _num(r.get(k)))
+            for k in (*FAULT_COLS, *SPARE_COLS)
+            if k != "within_target"
+        }
+        | {
+            "runs": sum(1 for r in runs if sel(r)),
+            "within_target": sum(1 for r in runs if sel(r) and r.get("within_target")),
+        }
+        for side, sel in pick.items()
+        if any(sel(r) for r in runs)
+    }
     emit({"kind": "fault", **{k: v for k, v in out.items() if k != "runs"}})
     return out
 
 
 # ---- output ------------------------------------------------------------------------------
+SPARE_COLS = (*(n for n, _, _ in SPARE_PHASES), "spare_warmup_s", "spare_warmed_ranks")
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _ms(s):
     return None if s is None else s * 1000.0
 
@@ -519,8 +569,11 @@ def print_fault(args, res: dict) -> None:
         f"SIGKILL of node1's worker 0 at step {args.kill_at}"
         f"{', --prewarm' if args.prewarm else ''}; seconds"
     )
-    conv = [{k: (_yn(v) if isinstance(v, bool) else v) for k, v in r.items()} for r in res["runs"]]
-    print(phase_table(conv, FAULT_COLS, digits=3))
+    conv = [
+        {k: (("on" if v else "off") if k == "warmup" else _yn(v) if isinstance(v, bool) else v) for k, v in r.items()}
+        for r in res["runs"]
+    ]
+    print(phase_table(conv, ("warmup", *FAULT_COLS), digits=3))
     print(
         "total_s = detect + fence + announce + notify + recover (re-form, agree, replay) + first_step; "
         f"target_s = {TARGET_BASE_S:g} + step_s (rank 0's failure-free median)"
@@ -530,7 +583,28 @@ def print_fault(args, res: dict) -> None:
         "job.hsdp_mesh, build = model + fully_shard + AdamW + loader, attach = job.attach (agree, replay, "
         "restore), first_commit = its first step"
     )
-    print(phase_table(res["runs"], [n for n, _, _ in SPARE_PHASES], digits=3))
+    print(phase_table(conv, ["warmup", *SPARE_COLS], digits=3))
+    sides = res.get("sides") or {}
+    if "cold" in sides and "warm" in sides:
+        cold, warm = sides["cold"], sides["warm"]
+        warmed = sides.get("warmed", {})
+        print(
+            "\nside by side (medians; ratio = warm / cold; warmed = the warm runs whose spare had "
+            "finished its warm-up before the fault)"
+        )
+        rows = [
+            {
+                "": k,
+                "cold": cold.get(k),
+                "warm": warm.get(k),
+                "ratio": _div(warm.get(k), cold.get(k)),
+                "warmed": warmed.get(k),
+                "warmed_ratio": _div(warmed.get(k), cold.get(k)),
+            }
+            for k in ("total_s", "first_step_s", "recover_s", *SPARE_COLS, "step_s", "target_s")
+        ]
+        print(_no_median(phase_table(rows, ("cold", "warm", "ratio", "warmed", "warmed_ratio"), label="", digits=3)))
+        print("within target: " + ", ".join(f"{k} {v['within_target']} of {v['runs']}" for k, v in sides.items()))
     print("\nreplay to the spare's ranks (state_replayed), vs a gloo send/recv of the same bytes on 127.0.0.1")
     rows = [{"run": r["run"], **p} for r in res["runs"] for p in r["replays"]]
     for p in rows:
@@ -582,6 +656,13 @@ def main(argv: list[str] | None = None) -> int:
         help="fault: the worker imports torch._dynamo before "
         "launcher.init, so a spare does not pay fully_shard's first-call import after taking over",
     )
+    p.add_argument(
+        "--compare-warmup",
+        action="store_true",
+        help="fault: each run twice, the waiting spare's warm-up off (RESILD_SPARE_WARMUP=0) and on, ABBA",
+    )
+    p.add_argument("--no-warmup", action="store_true", help="fault: the spare does not warm up (as before)")
+    p.add_argument("--no-loopback", action="store_true", help="fault: skip the loopback yardstick")
     p.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     p.add_argument("--workdir", type=Path, help="default: a new temporary directory")
     p.add_argument("--json", action="store_true", help="one JSON object per line (runs, then summaries)")

@@ -220,12 +220,18 @@ def train_hsdp(rt, args, record, mark) -> None:
     mark("built")
     rt.attach(model, opt, scheduler=sched, extra=loader)
     mark("attached")
+    first = True
     for step in rt.steps(args.steps):
         t_top = time.perf_counter()
         x, y = next(loader)
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
+        if first:
+            mark("first_backward")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if first:
+            mark("first_clip")
+            first = False
         t_commit = time.perf_counter()
         if rt.commit():
             record(step, t_top, t_commit, time.perf_counter())
@@ -395,7 +401,8 @@ def main() -> None:
     p.add_argument(
         "--phases",
         help="every rank writes DIR/phases-<pid>.json: time.monotonic() after init, "
-        "mesh, model build, fully_shard/optimizer/loader, attach, first commit",
+        "mesh, model build, fully_shard, optimizer/loader, attach, the first step's backward, "
+        "clipping and commit",
     )
     p.add_argument(
         "--prewarm",

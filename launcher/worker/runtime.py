@@ -27,7 +27,8 @@ group and backend factory), `recovery` (the sequence), `step_state` and
 `commit` (the step's phases and the commit protocol), `state_transport` (the
 replay), `train_state` (what is replayed), `redundancy` (peer-memory snapshots
 and rollback, resild's disk checkpoints, replicas' fingerprints), `mesh_layout`
-(any mesh); private torch APIs in `torch_private`.
+(any mesh), `spare_warmup` and `warmup_recipe` (a waiting spare's warm-up for the
+job's sharded state); private torch APIs in `torch_private`.
 """
 
 from __future__ import annotations
@@ -50,11 +51,14 @@ from launcher.worker.mesh_layout import MeshError, MeshLayout
 from launcher.worker.recovery import Recovery, Reformed
 from launcher.worker.redundancy import Redundancy, RedundancyError
 from launcher.worker.replica_map import NoReplica, ReplicaMap
+from launcher.worker.spare_warmup import SpareWarmup
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
 from launcher.worker.state_transport import describe
 from launcher.worker.step_state import StepState
 from launcher.worker.torch_private import device_mesh_from_groups, hash_store, prewarm_lazy_imports
 from launcher.worker.train_state import TrainState
+from launcher.worker.warmup_recipe import RECIPE_KEY
+from launcher.worker.warmup_recipe import describe as describe_recipe
 from resild.events.schema import EventName
 from resild.membership import Membership
 from resild.wire.exits import FENCED_EXIT
@@ -62,6 +66,8 @@ from resild.wire.protocol import MsgType
 from resild.wire.settings import WorkerRedundancy, WorkerTimeouts
 
 log = logging.getLogger("resild.runtime")
+
+FETCH_RECIPE_AFTER_S = 2.0  # a worker without ranks this long after start-up is taken for a spare
 
 Replicas = Callable[[int], ReplicaMap]
 
@@ -91,6 +97,8 @@ class Job:
         self._mesh_replicas: Replicas | None = None
         self._mesh: Any = None
         self._layout: MeshLayout | None = None
+        self._warmup: SpareWarmup | None = None  # a spare's warm-up for the job's sharded state
+        self._took_over = False  # a spare given a failed node's ranks (not in the job's first epoch)
         self.intr = Interrupts()
         self.cfg: dict[str, Any] = {}
         self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
@@ -156,15 +164,19 @@ class Job:
         self._install_excepthook()
         ep = agent_endpoint()
         self._agent = AgentLink(ep, f"{self.node}/rank{self.local_rank}", lambda: self.step).start() if ep else None
-        # A spare waits here, warm (torch imported, CUDA context up), until it is given ranks.
+        # A spare waits here, warm (torch imported, CUDA context up, and once the job has
+        # described its sharded state, DTensor's caches filled for it), until it is given ranks.
         if not link.wait(lambda: link.pending is not None or link.shutdown is not None, 0.5):
             prewarm_lazy_imports()
+        if os.environ.get(resild_env.SPARE_WARMUP.name, resild_env.SPARE_WARMUP.default) != "0":
+            self._warmup = SpareWarmup(self._store, self.device, self._report_warmup)
         m, self.rank = wait_for_ranks(
-            link, self.node, self.local_rank, lambda: self._check_shutdown(waiting_spare=True)
+            link, self.node, self.local_rank, lambda: self._check_shutdown(waiting_spare=True), self._warmup
         )
         self.world_size, self.epoch = m.world_size, m.epoch
         self._per_node = len(m.node_ranks.get(self.node, ())) or 1
-        if self.epoch > 1:  # a spare taking over: building the model may take a while, and that is no hang
+        self._took_over = self.epoch > 1
+        if self._took_over:  # a spare taking over: building the model may take a while, and that is no hang
             self._progress("join")
         self._make_world(self._store)
         self._form_until_stable(only=[self.group])
@@ -206,7 +218,9 @@ class Job:
         self._layout = layout
         self._mesh_replicas = lambda w: layout.replicas()
         mesh_ranks = torch.arange(layout.world_size).view(*layout.shape)
-        self._mesh = device_mesh_from_groups(groups, device_type or self.device.type, mesh_ranks, layout.names)
+        mesh = device_mesh_from_groups(groups, device_type or self.device.type, mesh_ranks, layout.names)
+        # A spare that warmed up for this mesh hands out the mesh object its warm-up used.
+        self._mesh = self._warmup.adopt(mesh) if self._warmup is not None else mesh
         return self._mesh
 
     def hsdp_mesh(self, shard_size: int, device_type: str | None = None) -> Any:
@@ -244,7 +258,28 @@ class Job:
                 self._join()
             except Reformed:
                 self._recover()
+            if self.rank == 0 and not self._took_over:  # a spare that took rank 0 over finds it there
+                self._publish_warmup_recipe()
         return self
+
+    def _publish_warmup_recipe(self) -> None:
+        """Describe the sharded state for spares to warm up on (launcher.worker.warmup_recipe);
+        nothing for a model that is not sharded on the job's mesh."""
+        assert self.state is not None
+        try:
+            text = describe_recipe(self.state.optimizer, self._mesh)
+            if text is not None:
+                self._store.set(RECIPE_KEY, text)
+        except Exception as e:  # spares then just do not warm up
+            log.info("no warm-up recipe for spares: %s", e)
+
+    def _report_warmup(self, seconds: float, error: str | None) -> None:
+        """A waiting spare's warm-up finished (it has no rank yet)."""
+        fields: dict[str, Any] = {"rank": None, "local_rank": self.local_rank}  # the controller adds the node
+        fields["seconds"] = round(seconds, 4)
+        if error is not None:
+            fields["error"] = error[:300]
+        self._event("spare_warmed", **fields)
 
     def _setup_redundancy(self) -> None:
         assert self.state is not None and self._protocol is not None
@@ -553,19 +588,46 @@ class Job:
 
 
 def wait_for_ranks(
-    link: ControlLink, node: str, local_rank: int, check_shutdown: Callable[[], None]
+    link: ControlLink,
+    node: str,
+    local_rank: int,
+    check_shutdown: Callable[[], None],
+    warmup: SpareWarmup | None = None,
+    fetch_after_s: float = FETCH_RECIPE_AFTER_S,
 ) -> tuple[Membership, int]:
     """A spare waits for a membership that gives it a rank; epochs that leave it out
     are taken and passed over. The rank is read from the membership taken: a newer
-    one may replace the pending one between a look and the take."""
+    one may replace the pending one between a look and the take. A worker still
+    without ranks after `fetch_after_s` is (most likely) a spare: it fetches the job's
+    warm-up recipe and warms up here, stopping as soon as a membership or the end of
+    the job arrives. (Nothing tells a worker that its node is a spare; at a large job's
+    start an active worker may wait that long too: then it only parks one store request.)"""
+    t0 = time.monotonic()
+
+    def news() -> bool:
+        return link.pending is not None or link.shutdown is not None
+
+    def warm_ready() -> bool:
+        return warmup is not None and warmup.ready()
+
     while True:
-        link.wait(lambda: link.pending is not None or link.shutdown is not None, 3600.0)
+        wait_s = 3600.0
+        if warmup is not None and not warmup.started:
+            wait_s = max(0.0, t0 + fetch_after_s - time.monotonic())
+        link.wait(lambda: news() or warm_ready(), wait_s)
+        if warmup is not None and not warmup.started and not news() and time.monotonic() - t0 >= fetch_after_s:
+            warmup.start()
+        if warmup is not None and warmup.ready() and not news():
+            warmup.run(news)
+            continue
         check_shutdown()
         m = link.take()
         if m is None:
             continue
         rank = m.rank_of(node, local_rank)
         if rank is not None:
+            if warmup is not None:
+                warmup.stop()
             return m, rank
 
 

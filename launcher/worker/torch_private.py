@@ -40,10 +40,14 @@ __all__ = [
     "device_mesh_from_groups",
     "hash_store",
     "prewarm_lazy_imports",
+    "private_device_mesh",
     "register_group",
     "scaler_found_inf",
     "scaler_reset_stages",
     "scaler_unscaled",
+    "fake_default_group",
+    "fake_group",
+    "retarget_device_mesh",
     "tcp_store",
 ]
 
@@ -252,6 +256,86 @@ def device_mesh_from_groups(
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(list(groups), device_type, mesh=mesh, mesh_dim_names=names)
+
+
+def private_device_mesh(
+    groups: Sequence[dist.ProcessGroup], device_type: str, mesh: torch.Tensor, names: tuple[str, ...], rank: int
+) -> Any:
+    """A DeviceMesh over `groups` with no default process group (a spare's warm-up, before
+    it joins). torch 2.13: what `DeviceMesh.from_group` does, but through the private
+    `_rank` argument, since `from_group` asks the default group for the rank. If the
+    constructor changes, the warm-up is skipped (it logs why) and nothing else breaks."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    m = mesh.detach().to(dtype=torch.int, device="cpu")
+    dm = DeviceMesh(device_type, m, mesh_dim_names=names, _init_backend=False, _rank=rank)
+    dm._dim_group_names = [g.group_name for g in groups]
+    for g in groups:
+        dm._pg_registry[g.group_name] = g
+    return dm
+
+
+def retarget_device_mesh(mesh: Any, real: Any) -> Any:
+    """Make `mesh` (a spare's warm-up mesh, equal to `real`: same rank map, shape, names and
+    device type) communicate as `real` does, and return it. DTensor's sharding cache hands
+    out output layouts that hold the mesh object they were computed on, so the object the
+    warm-up filled the cache with must be the one the job uses. torch 2.13: a DeviceMesh's
+    groups, rank and coordinate are the instance fields below; equality and hash read none
+    of them. If the fields change, the groups stay the warm-up's (gone): the spare's first
+    sharded collective fails loudly, and test_spare_warmup.py fails first."""
+    if mesh != real:
+        raise ValueError("retarget_device_mesh: the meshes differ")
+    mesh._dim_group_names = list(real._dim_group_names)
+    mesh._pg_registry = dict(real._pg_registry)
+    mesh._rank = real._rank
+    mesh._coordinate_on_dim = real._coordinate_on_dim
+    mesh._flatten_mapping = {}
+    return mesh
+
+
+_FAKE_BACKEND = "resildfake"
+
+
+def fake_group(name: str, size: int) -> dist.ProcessGroup:
+    """A fake group of `size` ranks named `name`, this process its rank 0 (see
+    fake_default_group). torch 2.13: a FakeProcessGroup is a backend; a c10d ProcessGroup
+    carries it, as in `backend_group`; DTensor's collectives find it by `group_name`."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    pg = dist.ProcessGroup(hash_store(), 0, size)
+    be: Any = FakeProcessGroup._create_internal(0, size)
+    kind = dist.ProcessGroup.BackendType.CUSTOM
+    pg._set_default_backend(kind)
+    for device in ("cpu", "cuda"):
+        pg._register_backend(torch.device(device), kind, be)
+    pg._set_group_name(GroupName(name))  # after the backends: it names them too
+    return pg
+
+
+@contextlib.contextmanager
+def fake_default_group(world_size: int) -> Iterator[None]:
+    """A fake default group of `world_size` ranks (this process rank 0; collectives return at
+    once and move nothing) while the block runs, then none again. A spare's warm-up only:
+    a DeviceMesh asks the default group for its rank. torch 2.13: `FakeProcessGroup`
+    (what torch.testing's fake backend registers), `init_process_group` with a store, and
+    `destroy_process_group()`, which also unregisters every group (a waiting spare has
+    none of its own yet). If any of it changes, the warm-up is skipped."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    if dist.is_initialized():
+        raise RuntimeError("a default process group is already set")
+    if _FAKE_BACKEND.upper() not in dist.Backend.__dict__:
+        dist.Backend.register_backend(
+            _FAKE_BACKEND,
+            lambda common, opts: FakeProcessGroup._create_internal(common.group_rank, common.group_size, opts),  # type: ignore[call-arg]  # the stub lacks `options`
+            extended_api=True,
+            devices=["cpu", "cuda"],
+        )
+    dist.init_process_group(_FAKE_BACKEND, store=hash_store(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 # ---- DDP's reducer -----------------------------------------------------------------

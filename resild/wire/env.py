@@ -34,6 +34,12 @@ KEYS = EnvVar("RESILD_KEYS", "worker", "", "this node's CURVE key directory (onl
 RELAY = EnvVar("RESILD_RELAY", "worker", "", "the node-local relay's ipc:// endpoint", "node process")
 BACKEND = EnvVar("RESILD_BACKEND", "worker", "nccl with CUDA, else gloo", "the torch.distributed backend")
 GLOO_HOST = EnvVar("RESILD_GLOO_HOST", "worker", "the host's name", "the address gloo binds and advertises")
+SPARE_WARMUP = EnvVar(
+    "RESILD_SPARE_WARMUP",
+    "worker",
+    "1",
+    "0: a waiting spare does not warm up for the job's sharded state (comparisons, bench/sharded.py)",
+)
 AGENT_SOCKET = EnvVar(
     "RESILD_AGENT_SOCKET", "worker", "/run/resild/status.sock if present", "the node daemon's socket to register with"
 )
@@ -82,6 +88,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     RELAY,
     BACKEND,
     GLOO_HOST,
+    SPARE_WARMUP,
     AGENT_SOCKET,
     DAEMON_SOCKET,
     EXIT_GRACE_S,

@@ -1,0 +1,294 @@
+"""A waiting spare's warm-up (launcher/worker/spare_warmup.py, warmup_recipe.py).
+
+The recipe is validated like any input from the store; the warm-up leaves nothing
+behind (no default group, no registered group, the RNG as it was); the mesh the job
+hands out after a warm-up is the warm mesh, re-targeted; and the first real step
+after a warm-up runs no sharding propagation of its own and ends bitwise where a
+cold process ends (real processes: a solo job on a 1 x 1 HSDP mesh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from launcher.worker import warmup_recipe as wr
+from launcher.worker.runtime import wait_for_ranks
+from launcher.worker.spare_warmup import SpareWarmup, dim_ranks
+from resild.membership import Membership
+
+pytestmark = pytest.mark.timeout(240)  # real processes on 2 loaded cores
+
+SHAPES = [[512, 128], [512], [512, 512], [512], [128, 512], [128]]
+
+
+def recipe_json(mesh_shape: list[int] | None = None, names: list[str] | None = None, **over: Any) -> str:
+    mesh_shape = mesh_shape or [1, 1]
+    n = 1
+    for s in mesh_shape:
+        n *= s
+    params = [
+        {
+            "shape": s,
+            "stride": [s[1], 1] if len(s) == 2 else [1],
+            "dtype": "float32",
+            "placements": [["R", -1], ["S", 0]],
+        }
+        for s in SHAPES
+    ]
+    d: dict[str, Any] = {
+        "mesh": {
+            "ranks": list(range(n)),
+            "shape": mesh_shape,
+            "names": names or ["replicate", "shard"],
+            "device_type": "cpu",
+        },
+        "optimizer": "AdamW",
+        "groups": [
+            {
+                "hp": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "foreach": None},
+                "params": list(range(len(SHAPES))),
+            }
+        ],
+        "params": params,
+    }
+    d.update(over)
+    return json.dumps(d)
+
+
+# ---- the recipe ---------------------------------------------------------------------------
+def test_a_recipe_parses_into_layouts() -> None:
+    r = wr.parse(recipe_json([2, 2]))
+    assert r.mesh_shape == (2, 2) and r.world_size == 4 and r.mesh_names == ("replicate", "shard")
+    assert r.optimizer == "AdamW" and r.groups[0][0]["betas"] == (0.9, 0.999)
+    assert r.params[0].placements == (("R", -1), ("S", 0))
+    assert r.params[0].local_shape(r.mesh_shape) == (256, 128)
+    assert wr.ParamSpec((5, 3), (3, 1), "float32", (("S", 0),)).local_shape((2,)) == (3, 3)  # torch.chunk's first
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not json",
+        json.dumps({"mesh": {}}),
+        recipe_json(params=[{"shape": [4], "stride": [1], "dtype": "float32", "placements": [["P", 0], ["R", -1]]}]),
+        recipe_json(params=[{"shape": [4], "stride": [1], "dtype": "os.system", "placements": [["R", -1]] * 2}]),
+        recipe_json(params=[{"shape": [4], "stride": [1], "dtype": "float32", "placements": [["S", 3], ["R", -1]]}]),
+        recipe_json(groups=[{"hp": {}, "params": [99]}]),
+        json.dumps({**json.loads(recipe_json()), "mesh": {"ranks": [0, 0], "shape": [2], "names": ["s"]}}),
+    ],
+)
+def test_a_bad_recipe_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError):
+        wr.parse(bad)
+
+
+def test_only_optimizers_of_torch_optim_are_built() -> None:
+    from launcher.worker.spare_warmup import _optimizer_class
+
+    assert _optimizer_class("AdamW") is torch.optim.AdamW
+    for name in ("Optimizer", "lr_scheduler", "nonexistent", "__class__"):
+        with pytest.raises(ValueError):
+            _optimizer_class(name)
+
+
+def test_dim_ranks_are_rank_0s_groups() -> None:
+    r = wr.parse(recipe_json([2, 3]))
+    assert dim_ranks(r, 0) == [0, 3] and dim_ranks(r, 1) == [0, 1, 2]
+
+
+# ---- the warm-up, in a process of its own (it sets and destroys a default group) -----------
+CHILD = r"""
+import json, sys, time
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+import launcher
+from launcher.worker.spare_warmup import SpareWarmup
+
+torch.set_num_threads(1)
+mode, recipe_path, out_path = sys.argv[1:4]
+out = {}
+w = None
+if mode != "cold":
+    w = SpareWarmup(None, torch.device("cpu"))
+    w._text = open(recipe_path).read()
+    rng = torch.get_rng_state()
+    w.run(lambda: mode == "cancelled")
+    out["error"] = w.error
+    out["rng_kept"] = bool(torch.equal(rng, torch.get_rng_state()))
+    out["initialized_after"] = dist.is_initialized()
+    from torch.distributed.distributed_c10d import _world
+    out["groups_left"] = len(_world.pg_names)
+    warm_mesh = w.mesh
+job = launcher.init()  # solo: installs its own default group (refused if the warm-up left one)
+job._warmup = w
+mesh = job.hsdp_mesh(shard_size=1)
+out["adopted"] = w is not None and mesh is warm_mesh
+out["groups"] = list(mesh._dim_group_names)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                            torch.nn.GELU(), torch.nn.Linear(512, 128))
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+job.attach(model, opt)
+misses = []
+orig = ShardingPropagator.propagate_op_sharding_non_cached
+def counting(self, op_schema):
+    misses.append(str(op_schema.op))
+    return orig(self, op_schema)
+ShardingPropagator.propagate_op_sharding_non_cached = counting
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(16, 128, generator=g), torch.randn(16, 128, generator=g)
+for step in job.steps(3):
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if step == 0:
+        misses.clear()  # forward/backward run on local tensors; clipping and the step on DTensors
+        t0 = time.monotonic()
+    job.commit()
+    if step == 0:
+        out["first_commit_misses"] = list(misses)
+out["params"] = [p.to_local().detach().tolist() for p in model.parameters()]
+out["state"] = [v.to_local().detach().tolist() for st in opt.state.values() for k, v in sorted(st.items())
+                if k != "step"]
+json.dump(out, open(out_path, "w"))
+"""
+
+
+def _child(tmp: Path, mode: str, recipe: str) -> dict[str, Any]:
+    rp, op = tmp / "recipe.json", tmp / f"{mode}.json"
+    rp.write_text(recipe)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RESILD_CONTROLLER", None)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(rp), str(op)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        cwd=Path(__file__).resolve().parents[3],
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    out: dict[str, Any] = json.loads(op.read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _child(tmp_path_factory.mktemp("cold"), "cold", recipe_json())
+
+
+def test_after_a_warm_up_the_first_step_propagates_nothing_and_ends_bitwise_as_cold(
+    tmp_path: Path, cold: dict[str, Any]
+) -> None:
+    warm = _child(tmp_path, "warm", recipe_json())
+    assert warm["error"] is None
+    assert warm["rng_kept"] and not warm["initialized_after"] and warm["groups_left"] == 0
+    assert warm["adopted"] and warm["groups"] == cold["groups"] == ["resild-replicate-0", "resild-shard-0"]
+    assert cold["first_commit_misses"], "a cold process's first optimizer step propagates shardings"
+    assert warm["first_commit_misses"] == [], warm["first_commit_misses"]
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+
+
+def test_a_warm_up_for_another_mesh_is_not_adopted_and_changes_nothing(tmp_path: Path, cold: dict[str, Any]) -> None:
+    # 2 x 2: the warm-up's clipping runs DTensor collectives (on its fake groups)
+    warm = _child(tmp_path, "warm", recipe_json([2, 2]))
+    assert warm["error"] is None and not warm["adopted"]
+    assert warm["first_commit_misses"]  # its cache entries are for a mesh the job does not use
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+
+
+def test_a_warm_up_stopped_by_ranks_arriving_still_hands_its_mesh_over(tmp_path: Path, cold: dict[str, Any]) -> None:
+    warm = _child(tmp_path, "cancelled", recipe_json())
+    assert warm["error"] is None and warm["adopted"] and not warm["initialized_after"]
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+
+
+# ---- the spare's wait -------------------------------------------------------------------------
+class FakeLink:
+    def __init__(self) -> None:
+        self.pending: Membership | None = None
+        self.shutdown: dict[str, Any] | None = None
+        self.cond = threading.Condition()
+
+    def wait(self, pred: Any, timeout_s: float) -> bool:
+        with self.cond:  # polls, as ControlLink.wait does (every 0.5 s there)
+            for _ in range(200):
+                if pred():
+                    return True
+                self.cond.wait(0.05)
+            return bool(pred())
+
+    def take(self) -> Membership | None:
+        m, self.pending = self.pending, None
+        return m
+
+    def announce(self, m: Membership) -> None:
+        with self.cond:
+            self.pending = m
+            self.cond.notify_all()
+
+
+class FakeStore:
+    def __init__(self, value: str | None) -> None:
+        self.value = value
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        if self.value is None:
+            raise RuntimeError("timed out")
+
+    def get(self, key: str) -> bytes:
+        assert key == wr.RECIPE_KEY and self.value is not None
+        return self.value.encode()
+
+
+def _membership(epoch: int, node_ranks: dict[str, tuple[int, ...]]) -> Membership:
+    world = sum(len(r) for r in node_ranks.values())
+    return Membership(epoch=epoch, world_size=world, node_ranks=node_ranks)
+
+
+def test_a_worker_left_waiting_fetches_the_recipe_and_warms_up_before_its_ranks_come() -> None:
+    link = FakeLink()
+    runs: list[bool] = []
+
+    class Probe(SpareWarmup):
+        def run(self, cancelled: Any) -> None:
+            runs.append(cancelled())  # no torch work in this test (it runs in pytest's process)
+            self._done = True
+            link.announce(_membership(2, {"a": (0,), "spare": (1,)}))
+
+    w = Probe(FakeStore(recipe_json([2])), torch.device("cpu"))
+    w_started = threading.Event()
+    orig_start = w.start
+
+    def start() -> None:
+        w_started.set()
+        orig_start()
+
+    w.start = start  # type: ignore[method-assign]
+    link.announce(_membership(1, {"a": (0,), "b": (1,)}))  # an epoch that leaves "spare" out (passed over)
+    m, rank = wait_for_ranks(link, "spare", 0, lambda: None, w, fetch_after_s=0.2)  # type: ignore[arg-type]
+    assert (m.epoch, rank) == (2, 1)
+    assert w_started.is_set() and runs == [False]
+
+
+def test_a_worker_given_ranks_at_once_fetches_nothing() -> None:
+    link = FakeLink()
+    w = SpareWarmup(FakeStore(recipe_json()), torch.device("cpu"))
+    link.announce(_membership(1, {"a": (0,), "b": (1,)}))
+    m, rank = wait_for_ranks(link, "b", 0, lambda: None, w, fetch_after_s=5.0)  # type: ignore[arg-type]
+    assert (m.epoch, rank) == (1, 1) and not w.started
