@@ -1,0 +1,206 @@
+"""The job's own etcd cluster (resil-run --controllers N without --etcd): N members,
+their data on disk under RUN_DIR/etcd/, client and peer TLS with the job's CA only
+(client certificates required), requests bounded (--max-request-bytes) and the store
+bounded (--quota-backend-bytes).
+
+`LocalEtcd` runs the members on this machine (resil-run --local), bound to loopback, on
+ports picked free once and kept in RUN_DIR/etcd/cluster.json: a resumed job restarts the
+same members on the same data. Members die with the process that started them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from resild.controller.etcd_client import Etcd, EtcdError, EtcdTarget
+from resild.controller.etcd_tls import EtcdCerts, make_certs
+from resild.procutil import die_with_parent
+
+MAX_REQUEST_BYTES = 3 * 512 * 1024  # 1.5 MiB: one journal record (1 MiB, base64'd) fits, nothing much larger
+QUOTA_BACKEND_BYTES = 512 * 1024 * 1024  # the journal of a long job is a few MiB
+# Raft timing of the members (ms). A lease's TTL is at least 1.5 election timeouts: with
+# 500 ms a 1 s TTL is granted, so a dead leader is replaced within ~1-1.5 s.
+HEARTBEAT_MS = 50
+ELECTION_MS = 500
+
+
+@dataclass(frozen=True)
+class Member:
+    name: str
+    host: str
+    client_port: int
+    peer_port: int
+
+    @property
+    def client_url(self) -> str:
+        return f"https://{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"https://{self.host}:{self.peer_port}"
+
+
+def etcd_binary() -> str | None:
+    return shutil.which("etcd") or ("/usr/bin/etcd" if os.access("/usr/bin/etcd", os.X_OK) else None)
+
+
+def member_cmd(
+    binary: str, me: Member, members: list[Member], data_dir: Path, certs: EtcdCerts, token: str
+) -> list[str]:
+    cluster = ",".join(f"{m.name}={m.peer_url}" for m in members)
+    return [
+        binary,
+        "--name",
+        me.name,
+        "--data-dir",
+        str(data_dir),
+        "--listen-client-urls",
+        me.client_url,
+        "--advertise-client-urls",
+        me.client_url,
+        "--listen-peer-urls",
+        me.peer_url,
+        "--initial-advertise-peer-urls",
+        me.peer_url,
+        "--initial-cluster",
+        cluster,
+        "--initial-cluster-state",
+        "new",  # ignored once the data directory holds the member (a restart)
+        "--initial-cluster-token",
+        token,
+        "--client-cert-auth",
+        "--trusted-ca-file",
+        str(certs.ca),
+        "--cert-file",
+        str(certs.member_cert),
+        "--key-file",
+        str(certs.member_key),
+        "--peer-client-cert-auth",
+        "--peer-trusted-ca-file",
+        str(certs.ca),
+        "--peer-cert-file",
+        str(certs.member_cert),
+        "--peer-key-file",
+        str(certs.member_key),
+        "--max-request-bytes",
+        str(MAX_REQUEST_BYTES),
+        "--quota-backend-bytes",
+        str(QUOTA_BACKEND_BYTES),
+        "--heartbeat-interval",
+        str(HEARTBEAT_MS),
+        "--election-timeout",
+        str(ELECTION_MS),
+        "--auto-compaction-mode",
+        "revision",
+        "--auto-compaction-retention",
+        "10000",
+        "--logger",
+        "zap",
+        "--log-outputs",
+        "stderr",
+    ]
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class LocalEtcd:
+    """N etcd members on this machine, on loopback."""
+
+    def __init__(self, run_dir: Path, keys_dir: Path, n: int = 3, job: str = "job", host: str = "127.0.0.1") -> None:
+        binary = etcd_binary()
+        if binary is None:
+            raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
+        self.binary = binary
+        self.dir = run_dir / "etcd"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        self.certs = make_certs(keys_dir)
+        layout = self.dir / "cluster.json"
+        if layout.exists():  # a resumed job: the same members, ports and data
+            saved = json.loads(layout.read_text())
+            self.members = [Member(**m) for m in saved["members"]]
+            self.token = str(saved["token"])
+        else:
+            self.members = [Member(f"m{i}", host, _free_port(host), _free_port(host)) for i in range(n)]
+            self.token = f"resild-{job}-{os.urandom(4).hex()}"
+            layout.write_text(json.dumps({"members": [asdict(m) for m in self.members], "token": self.token}))
+        self.job = job
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+
+    def target(self, timeout_s: float = 1.0) -> EtcdTarget:
+        return EtcdTarget(
+            tuple(m.client_url for m in self.members),
+            f"/resild/{self.job}",
+            str(self.certs.ca),
+            str(self.certs.client_cert),
+            str(self.certs.client_key),
+            timeout_s,
+        )
+
+    def start_member(self, i: int) -> None:
+        m = self.members[i]
+        cmd = member_cmd(self.binary, m, self.members, self.dir / f"{m.name}.data", self.certs, self.token)
+        with open(self.dir / f"{m.name}.log", "ab") as out:
+            self.procs[i] = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,  # a terminal's ^C reaches resil-run, which stops us in order
+                preexec_fn=die_with_parent,
+            )
+
+    def start(self, timeout_s: float = 30.0) -> EtcdTarget:
+        for i in range(len(self.members)):
+            self.start_member(i)
+        target = self.target()
+        self.wait_ready(target, timeout_s)
+        return target
+
+    def wait_ready(self, target: EtcdTarget, timeout_s: float) -> None:
+        etcd = Etcd(target)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                etcd.get(f"{target.prefix}/ready")  # a linearizable read: a quorum answers
+                return
+            except EtcdError as e:
+                dead = [self.members[i].name for i, p in self.procs.items() if p.poll() is not None]
+                if dead or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"the job's etcd cluster did not start ({'exited: ' + ', '.join(dead) if dead else e}; "
+                        f"logs: {self.dir}/m*.log)"
+                    ) from None
+                time.sleep(0.1)
+
+    def stop_member(self, i: int, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        p = self.procs.pop(i, None)
+        if p is None:
+            return
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+    def stop(self) -> None:
+        for i in list(self.procs):
+            self.stop_member(i)
