@@ -1,10 +1,14 @@
-"""resil-run --controllers N (N >= 2): the controller as a Raft replica set.
+"""resil-run --controllers N (N >= 2): the controller as a replica set.
 
 resil-run starts N controller replicas (`python -m resild.controller.replica`, separate
 processes, each with its own endpoint and journal copy) and the
 node processes, which hold every replica's endpoint and follow the leader. Then it
 only waits: the job's verdict is the leader's (`result.json` in the run directory),
 and if every replica is gone the node processes end on their lease.
+
+The replicas elect their leader and keep the journal in etcd: the job's own cluster of
+N members (--local: on this machine, started and stopped here) or a site's (--etcd).
+`consensus="raft"` keeps the older pysyncobj replica set (no etcd).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 from launcher.run.job import JobSpec, _fake_nvml
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
+from resild.controller.etcd_cluster import LocalEtcd
+from resild.controller.etcd_target import EtcdTarget
 from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.events.log import RECENT_PROGRESS, EventTail
 from resild.events.schema import EventName
@@ -38,16 +44,31 @@ def run_replicated(
     slurm_job: Any = None,
     node_cmd: Callable[[str, Path], list[str]] | None = None,
     status: bool = True,
+    consensus: str = "etcd",
+    etcd: EtcdTarget | None = None,
 ) -> int:
     """`slurm_job` (an Allocation) and `node_cmd(endpoints, keys_dir)` under
     Slurm: the replicas run on the allocation's first N nodes (one srun step), the node
-    processes as usual; otherwise every process runs on this machine."""
+    processes as usual; otherwise every process runs on this machine. `etcd`: a site's
+    etcd (its prefix this job's own) instead of the job's own cluster."""
     rd = spec.run_dir
     rd.mkdir(parents=True, exist_ok=True)
     for stale in [rd / RESULT_FILE, *rd.glob("replica-*.json")]:
         stale.unlink(missing_ok=True)
     keys = generate_keys(rd / "keys")
-    raft_secret(keys.path)
+    own_etcd: LocalEtcd | None = None
+    if consensus == "raft":
+        raft_secret(keys.path)
+    elif etcd is None:
+        if slurm_job is not None:
+            print("resil-run: under Slurm, --controllers needs --etcd URL (or --consensus raft)", file=sys.stderr)
+            return 2
+        try:
+            own_etcd = LocalEtcd(rd, keys.path, n_controllers, fresh=True)
+            etcd = own_etcd.start()
+        except (RuntimeError, OSError) as e:
+            print(f"resil-run: {e}", file=sys.stderr)
+            return 1
     events_path = spec.events_path or rd / "events.jsonl"
     tail = EventTail(events_path, from_end=True)  # before any replica runs; an --events file may hold older jobs
     nodes_all = spec.active + spec.spares
@@ -61,6 +82,8 @@ def run_replicated(
         "faults": [str(f) for f in spec.faults],
         "settings": spec.settings.to_dict(),
     }
+    if etcd is not None and consensus != "raft":
+        cfg["etcd"] = etcd.to_dict()
     if slurm_job is not None:
         if len(nodes_all) < n_controllers:
             print(
@@ -172,6 +195,8 @@ def run_replicated(
                 r.wait()
         if backend is not None:
             backend.shutdown(0.0)
+        if own_etcd is not None:
+            own_etcd.stop()
         follow()
         if live is not None:
             live.close()

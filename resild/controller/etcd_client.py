@@ -18,6 +18,8 @@ import requests
 from etcd3gw import Etcd3Client
 from etcd3gw import exceptions as etcd_exc
 
+from resild.controller.etcd_target import EtcdTarget
+
 log = logging.getLogger("resild.etcd")
 
 API_PATH = "/v3/"  # etcd >= 3.4's gateway (3.3 said /v3beta/): no discovery round trip
@@ -25,49 +27,6 @@ API_PATH = "/v3/"  # etcd >= 3.4's gateway (3.3 said /v3beta/): no discovery rou
 
 class EtcdError(Exception):
     """etcd did not do what was asked: no member answered, or it refused the request."""
-
-
-@dataclass(frozen=True)
-class EtcdTarget:
-    """Where the job's etcd is and how to speak to it (a spec's `etcd` entry)."""
-
-    endpoints: tuple[str, ...]  # http(s)://host:port, client URLs of the members
-    prefix: str  # every key of this job lives under it: /resild/<job>
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    timeout_s: float = 1.0  # per request and member
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "endpoints": list(self.endpoints),
-            "prefix": self.prefix,
-            "ca": self.ca,
-            "cert": self.cert,
-            "key": self.key,
-            "timeout_s": self.timeout_s,
-        }
-
-    @staticmethod
-    def from_dict(d: dict[str, Any]) -> EtcdTarget:
-        endpoints = tuple(str(e) for e in d["endpoints"])
-        if not endpoints:
-            raise ValueError("etcd: no endpoints")
-        for e in endpoints:
-            u = urlsplit(e)
-            if u.scheme not in ("http", "https") or not u.hostname or not u.port:
-                raise ValueError(f"etcd endpoint {e!r} is not http(s)://host:port")
-        prefix = str(d["prefix"]).rstrip("/")
-        if not prefix.startswith("/"):
-            raise ValueError(f"etcd prefix {prefix!r} must start with /")
-        return EtcdTarget(
-            endpoints,
-            prefix,
-            d.get("ca"),
-            d.get("cert"),
-            d.get("key"),
-            float(d.get("timeout_s", 1.0)),
-        )
 
 
 def b64(s: str | bytes) -> str:

@@ -20,7 +20,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from resild.controller.etcd_client import Etcd, EtcdError, EtcdTarget
+from resild.controller.etcd_client import Etcd, EtcdError
+from resild.controller.etcd_target import EtcdTarget
 from resild.controller.etcd_tls import EtcdCerts, make_certs
 from resild.procutil import die_with_parent
 
@@ -118,12 +119,25 @@ def _free_port(host: str) -> int:
 class LocalEtcd:
     """N etcd members on this machine, on loopback."""
 
-    def __init__(self, run_dir: Path, keys_dir: Path, n: int = 3, job: str = "job", host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        keys_dir: Path,
+        n: int = 3,
+        job: str | None = None,
+        host: str = "127.0.0.1",
+        *,
+        fresh: bool = False,
+    ) -> None:
+        """`fresh`: a new job in this run directory, whatever an earlier one left there
+        (its members' data goes); otherwise an existing cluster is started again as it was."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
         self.binary = binary
         self.dir = run_dir / "etcd"
+        if fresh and self.dir.exists():
+            shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         self.certs = make_certs(keys_dir)
@@ -132,11 +146,14 @@ class LocalEtcd:
             saved = json.loads(layout.read_text())
             self.members = [Member(**m) for m in saved["members"]]
             self.token = str(saved["token"])
+            self.job = str(saved["job"])
         else:
             self.members = [Member(f"m{i}", host, _free_port(host), _free_port(host)) for i in range(n)]
-            self.token = f"resild-{job}-{os.urandom(4).hex()}"
-            layout.write_text(json.dumps({"members": [asdict(m) for m in self.members], "token": self.token}))
-        self.job = job
+            self.job = job or os.urandom(6).hex()
+            self.token = f"resild-{self.job}-{os.urandom(4).hex()}"
+            layout.write_text(
+                json.dumps({"members": [asdict(m) for m in self.members], "token": self.token, "job": self.job})
+            )
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def target(self, timeout_s: float = 1.0) -> EtcdTarget:

@@ -216,10 +216,11 @@ def test_the_last_leader_stands_the_standbys_down(tmp_path: Path) -> None:
     job = LiveJob(tmp_path, "--controllers", "3", steps=40)
     try:
         job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=90)
-        # The Raft port listens where the peers are (loopback in --local), not on every
-        # interface: pysyncobj's default was 0.0.0.0 (issue 18, finding 2).
-        raft = [json.loads((tmp_path / "run" / f"replica-{i}.json").read_text())["raft"] for i in range(3)]
-        ports = {int(a.rsplit(":", 1)[1]) for a in raft}
+        # The job's etcd members (client and peer ports) listen where the replicas are
+        # (loopback in --local), not on every interface (issue 18, finding 2).
+        members = json.loads((tmp_path / "run" / "etcd" / "cluster.json").read_text())["members"]
+        ports = {m[k] for m in members for k in ("client_port", "peer_port")}
+        assert len(ports) == 6
         listening = {
             (c.laddr.ip, c.laddr.port)
             for c in psutil.net_connections("tcp")
@@ -234,3 +235,13 @@ def test_the_last_leader_stands_the_standbys_down(tmp_path: Path) -> None:
     for i in range(3):
         last = json.loads((tmp_path / "run" / f"journal-{i}.jsonl").read_text().splitlines()[-1])
         assert last["action"] == "closed", (i, last)
+    assert not _etcd_left(tmp_path / "run")  # the job's etcd went with it
+
+
+def _etcd_left(run_dir: Path) -> list[int]:
+    """etcd members of this run still running (their data directory is under it)."""
+    return [
+        p.pid
+        for p in psutil.process_iter(["name", "cmdline"])
+        if p.info["name"] == "etcd" and str(run_dir) in " ".join(p.info["cmdline"] or [])
+    ]
