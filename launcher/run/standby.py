@@ -57,12 +57,16 @@ def run_replicated(
         stale.unlink(missing_ok=True)
     keys = generate_keys(rd / "keys")
     own_etcd: LocalEtcd | None = None
+    if consensus != "raft" and etcd is None and slurm_job is not None:
+        # The job's own etcd on the allocation's nodes is not there yet: a site etcd (--etcd) or Raft.
+        print(
+            "resil-run: under Slurm without --etcd the standby controllers use Raft (pysyncobj)",
+            file=sys.stderr,
+        )
+        consensus = "raft"
     if consensus == "raft":
         raft_secret(keys.path)
     elif etcd is None:
-        if slurm_job is not None:
-            print("resil-run: under Slurm, --controllers needs --etcd URL (or --consensus raft)", file=sys.stderr)
-            return 2
         try:
             own_etcd = LocalEtcd(rd, keys.path, n_controllers, fresh=True)
             etcd = own_etcd.start()

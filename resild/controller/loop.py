@@ -190,6 +190,8 @@ class Controller:
                     next_tick = now + self.cfg.tick_s
         finally:
             self._finish()
+        if self.deposed:  # no verdict of ours: the new leader's is the job's
+            return JobResult(1, "deposed: another controller replica leads")
         assert self.state.result is not None  # _finish always leaves a verdict
         return self.state.result
 

@@ -210,6 +210,44 @@ def test_killing_the_leader_controller_loses_nothing(tmp_path: Path) -> None:
     assert len(pids) == 3, pids
 
 
+def test_two_leader_changes_in_a_row_and_a_deposed_leader_stands_by(tmp_path: Path) -> None:
+    # etcd: the leader is frozen past its lease (a standby leads), thawed (it finds itself
+    # deposed and stands by again, it does not exit), then the new leader is killed: a
+    # third leadership (maybe the thawed replica's) finishes the job with nothing lost.
+    steps = 700
+    job = LiveJob(tmp_path, "--controllers", "3", steps=steps)
+    try:
+        first = job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=90)
+        job.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 20, timeout_s=90)
+        os.kill(first["pid"], signal.SIGSTOP)
+        second = job.wait_event(lambda e: e["event"] == "controller_leader" and e["pid"] != first["pid"])
+        os.kill(first["pid"], signal.SIGCONT)
+        log = tmp_path / "run" / f"replica-{first['index']}.log"
+        deadline = time.monotonic() + 10
+        while "deposed" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "deposed" in log.read_text() and not _gone(first["pid"]), log.read_text()[-2000:]
+        job.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 100 and e["t_mono"] > second["t_mono"])
+        os.kill(second["pid"], signal.SIGKILL)
+        third = job.wait_event(
+            lambda e: e["event"] == "controller_leader" and e["t_mono"] > second["t_mono"] and e["pid"] != second["pid"]
+        )
+        r = job.finish()
+    finally:
+        job.cleanup()
+    assert r.rc == 0, r.stderr[-3000:]
+    assert first["term"] < second["term"] < third["term"], (first, second, third)
+    assert third["restored"] >= second["restored"] >= 1
+    assert r.final is not None and r.final["step"] == steps
+    assert all(f["steps_lost"] == 0 for f in r.summary["failures"]), r.summary["failures"]
+    leaders = [e["pid"] for e in r.events if e["event"] == "controller_leader"]
+    assert leaders == [first["pid"], second["pid"], third["pid"]], leaders
+    # every replica still running at the end was stood down by the last leader's `closed`
+    for i in {first["index"], third["index"]} | ({0, 1, 2} - {second["index"]}):
+        last = json.loads((tmp_path / "run" / f"journal-{i}.jsonl").read_text().splitlines()[-1])
+        assert last["action"] == "closed", (i, last)
+
+
 def test_the_last_leader_stands_the_standbys_down(tmp_path: Path) -> None:
     # Without `closed` the two standbys elect a leader for the finished job the moment the
     # last leader exits (it said the verdict again, late, and skewed the summary).
