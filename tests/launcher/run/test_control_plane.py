@@ -18,6 +18,8 @@ import psutil
 import pytest
 import torch
 
+from tests.etcdlab.fixture import ensure_etcd
+
 from .conftest import REPO, STEPS, TRAIN, RunResult, _marked, assert_bitwise_equal, run_job
 
 pytestmark = pytest.mark.timeout(180)
@@ -172,7 +174,8 @@ def test_a_node_lost_during_start_up_is_replaced_by_a_spare(tmp_path: Path, refe
 
 
 def test_killing_the_leader_controller_loses_nothing(tmp_path: Path) -> None:
-    # Three controller replicas (Raft). The leader is SIGKILLed mid-job; a standby takes
+    ensure_etcd()  # the replicas' etcd cluster
+    # Three controller replicas (etcd). The leader is SIGKILLed mid-job; a standby takes
     # over from the replicated journal, and it is the one that handles the node fault
     # injected later: the job ends bitwise identical, no committed step lost.
     steps = 300  # ~25 ms steps here: the takeover (~1 s) ends long before the fault at 250
@@ -211,6 +214,7 @@ def test_killing_the_leader_controller_loses_nothing(tmp_path: Path) -> None:
 
 
 def test_two_leader_changes_in_a_row_and_a_deposed_leader_stands_by(tmp_path: Path) -> None:
+    ensure_etcd()  # the replicas' etcd cluster
     # etcd: the leader is frozen past its lease (a standby leads), thawed (it finds itself
     # deposed and stands by again, it does not exit), then the new leader is killed: a
     # third leadership (maybe the thawed replica's) finishes the job with nothing lost.
@@ -249,6 +253,7 @@ def test_two_leader_changes_in_a_row_and_a_deposed_leader_stands_by(tmp_path: Pa
 
 
 def test_the_last_leader_stands_the_standbys_down(tmp_path: Path) -> None:
+    ensure_etcd()  # the replicas' etcd cluster
     # Without `closed` the two standbys elect a leader for the finished job the moment the
     # last leader exits (it said the verdict again, late, and skewed the summary).
     job = LiveJob(tmp_path, "--controllers", "3", steps=40)
