@@ -138,11 +138,12 @@ def _copies(v: str | int) -> int:
 )
 @click.option(
     "--consensus",
-    type=click.Choice(["etcd", "raft"]),
-    default="etcd",
+    type=click.Choice(["auto", "etcd", "raft"]),
+    default="auto",
     show_default=True,
     help="With --controllers N: etcd elects the leader and keeps the journal (the job's own N-member "
-    "cluster with --local, or a site's with --etcd); raft: the older pysyncobj replica set (in memory).",
+    "cluster, or a site's with --etcd); raft: the older pysyncobj replica set (in memory). auto: etcd, "
+    "except under Slurm without --etcd (raft there for now).",
 )
 @click.option(
     "--etcd",

@@ -212,7 +212,7 @@ def run_slurm(
     requeue_on_exhaustion: bool = False,
     status: bool = True,
     controllers: int = 1,
-    consensus: str = "etcd",
+    consensus: str = "auto",
     etcd: EtcdTarget | None = None,
 ) -> int:
     try:

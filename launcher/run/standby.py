@@ -27,8 +27,9 @@ from typing import Any
 from launcher.run.job import JobSpec, _fake_nvml
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
-from resild.controller.etcd_cluster import LocalEtcd
+from resild.controller.etcd_cluster import LocalEtcd, slurm_target, wait_for_members, wait_ready
 from resild.controller.etcd_target import EtcdTarget
+from resild.controller.etcd_tls import make_certs
 from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.events.log import RECENT_PROGRESS, EventTail
 from resild.events.schema import EventName
@@ -44,7 +45,7 @@ def run_replicated(
     slurm_job: Any = None,
     node_cmd: Callable[[str, Path], list[str]] | None = None,
     status: bool = True,
-    consensus: str = "etcd",
+    consensus: str = "auto",
     etcd: EtcdTarget | None = None,
 ) -> int:
     """`slurm_job` (an Allocation) and `node_cmd(endpoints, keys_dir)` under
@@ -57,20 +58,21 @@ def run_replicated(
         stale.unlink(missing_ok=True)
     keys = generate_keys(rd / "keys")
     own_etcd: LocalEtcd | None = None
-    if consensus != "raft" and etcd is None and slurm_job is not None:
-        # The job's own etcd on the allocation's nodes is not there yet: a site etcd (--etcd) or Raft.
-        print(
-            "resil-run: under Slurm without --etcd the standby controllers use Raft (pysyncobj)",
-            file=sys.stderr,
-        )
-        consensus = "raft"
+    etcd_step: subprocess.Popen[bytes] | None = None
+    if consensus == "auto":
+        # Under Slurm the job's own etcd (on the allocation's first nodes) has run in the
+        # lab only: Raft stays the default there unless asked (--consensus etcd, or --etcd).
+        consensus = "raft" if slurm_job is not None and etcd is None else "etcd"
     if consensus == "raft":
         raft_secret(keys.path)
     elif etcd is None:
         try:
-            own_etcd = LocalEtcd(rd, keys.path, n_controllers, fresh=True)
-            etcd = own_etcd.start()
-        except (RuntimeError, OSError) as e:
+            if slurm_job is None:
+                own_etcd = LocalEtcd(rd, keys.path, n_controllers, fresh=True)
+                etcd = own_etcd.start()
+            else:
+                etcd_step, etcd = _slurm_etcd(slurm_job, spec.active + spec.spares, n_controllers, rd, keys.path)
+        except (RuntimeError, OSError, ValueError) as e:
             print(f"resil-run: {e}", file=sys.stderr)
             return 1
     events_path = spec.events_path or rd / "events.jsonl"
@@ -201,6 +203,8 @@ def run_replicated(
             backend.shutdown(0.0)
         if own_etcd is not None:
             own_etcd.stop()
+        if etcd_step is not None:
+            _stop_step(etcd_step)
         follow()
         if live is not None:
             live.close()
@@ -220,3 +224,48 @@ def run_replicated(
     ]
     print_summary(code, reason, records, as_json, {"controllers": n_controllers, "leaders": leaders})
     return code
+
+
+def _slurm_etcd(
+    alloc: Any, nodes: list[str], n: int, rd: Path, keys_dir: Path
+) -> tuple[subprocess.Popen[bytes], EtcdTarget]:
+    """The job's own etcd under Slurm: one member on each of the allocation's first n nodes
+    (the replicas' hosts), one srun step; its target once a quorum answers."""
+    from resild import slurm
+
+    hosts = nodes[:n]
+    certs = make_certs(keys_dir)
+    (rd / "etcd").mkdir(mode=0o700, exist_ok=True)
+    for stale in (rd / "etcd").glob("member-*.json"):
+        stale.unlink()
+    cmd = [
+        sys.executable,
+        "-m",
+        "resild.controller.etcd_cluster",
+        "--run-dir",
+        str(rd),
+        "--keys",
+        str(keys_dir),
+        "--hosts",
+        ",".join(hosts),
+    ]
+    step = subprocess.Popen(slurm.srun_node_launcher_cmd(alloc, hosts, cmd), start_new_session=True)
+    try:
+        alive = lambda: step.poll() is None  # noqa: E731
+        members = wait_for_members(rd, n, 120.0, alive)
+        target = slurm_target(members, certs, os.environ.get("SLURM_JOB_ID") or rd.name)
+        wait_ready(target, 60.0, alive)
+    except BaseException:
+        _stop_step(step)
+        raise
+    return step, target
+
+
+def _stop_step(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(15.0)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()

@@ -6,24 +6,39 @@ bounded (--quota-backend-bytes).
 `LocalEtcd` runs the members on this machine (resil-run --local), bound to loopback, on
 ports picked free once and kept in RUN_DIR/etcd/cluster.json: a resumed job restarts the
 same members on the same data. Members die with the process that started them.
+
+Under Slurm each member runs on its own host (one srun step on the allocation's first
+nodes, the replicas' hosts):
+
+    python -m resild.controller.etcd_cluster --run-dir RUN_DIR --keys KEYS --hosts h1,h2,h3
+
+picks its ports there, publishes them in the (shared) run directory, waits for every
+member's, makes its own certificate (the job's CA signs it) and becomes etcd (exec), its
+data on the host's local disk.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from resild.controller.etcd_client import Etcd, EtcdError
 from resild.controller.etcd_target import EtcdTarget
-from resild.controller.etcd_tls import EtcdCerts, make_certs
+from resild.controller.etcd_tls import EtcdCerts, make_certs, member_cert_for
 from resild.procutil import die_with_parent
+from resild.wire import env as resild_env
+from resild.wire.store import listen_address
 
 MAX_REQUEST_BYTES = 3 * 512 * 1024  # 1.5 MiB: one journal record (1 MiB, base64'd) fits, nothing much larger
 QUOTA_BACKEND_BYTES = 512 * 1024 * 1024  # the journal of a long job is a few MiB
@@ -40,6 +55,8 @@ class Member:
     client_port: int
     peer_port: int
 
+    listen: str = ""  # the address listened on, if not `host`'s (Slurm: the host's job address)
+
     @property
     def client_url(self) -> str:
         return f"https://{self.host}:{self.client_port}"
@@ -47,6 +64,10 @@ class Member:
     @property
     def peer_url(self) -> str:
         return f"https://{self.host}:{self.peer_port}"
+
+    def _listen(self, port: int) -> str:
+        host = self.listen or self.host
+        return f"https://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def etcd_binary() -> str | None:
@@ -64,11 +85,11 @@ def member_cmd(
         "--data-dir",
         str(data_dir),
         "--listen-client-urls",
-        me.client_url,
+        me._listen(me.client_port),
         "--advertise-client-urls",
         me.client_url,
         "--listen-peer-urls",
-        me.peer_url,
+        me._listen(me.peer_port),
         "--initial-advertise-peer-urls",
         me.peer_url,
         "--initial-cluster",
@@ -187,21 +208,12 @@ class LocalEtcd:
         return target
 
     def wait_ready(self, target: EtcdTarget, timeout_s: float) -> None:
-        etcd = Etcd(target)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                etcd.get(f"{target.prefix}/ready")  # a linearizable read: a quorum answers
-                return
-            except EtcdError as e:
-                dead = [self.members[i].name for i, p in self.procs.items() if p.poll() is not None]
-                if dead or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(
-                        f"the job's etcd cluster did not start ({'exited: ' + ', '.join(dead) if dead else e}; "
-                        f"logs: {self.dir}/m*.log)"
-                    ) from None
-                time.sleep(0.1)
+        try:
+            wait_ready(target, timeout_s, lambda: all(p.poll() is None for p in self.procs.values()))
+        except RuntimeError as e:
+            dead = [self.members[i].name for i, p in self.procs.items() if p.poll() is not None]
+            self.stop()
+            raise RuntimeError(f"{e} (exited: {', '.join(dead) or 'none'}; logs: {self.dir}/m*.log)") from None
 
     def stop_member(self, i: int, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         p = self.procs.pop(i, None)
@@ -221,3 +233,94 @@ class LocalEtcd:
     def stop(self) -> None:
         for i in list(self.procs):
             self.stop_member(i)
+
+
+# ---- under Slurm: one member per host ----------------------------------------------
+def member_file(run_dir: Path, index: int) -> Path:
+    return run_dir / "etcd" / f"member-{index}.json"
+
+
+def wait_for_members(run_dir: Path, n: int, timeout_s: float, alive: Callable[[], bool]) -> list[Member]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return [Member(**json.loads(member_file(run_dir, i).read_text())) for i in range(n)]
+        except (OSError, ValueError, TypeError):
+            if time.monotonic() > deadline or not alive():
+                raise RuntimeError(
+                    f"the job's etcd members did not all start within {timeout_s:.0f}s "
+                    f"(see {run_dir}/etcd/member-*.json and member-*.log)"
+                ) from None
+            time.sleep(0.1)
+
+
+def slurm_target(members: list[Member], certs: EtcdCerts, job: str, timeout_s: float = 1.0) -> EtcdTarget:
+    return EtcdTarget(
+        tuple(m.client_url for m in members),
+        f"/resild/{job}",
+        str(certs.ca),
+        str(certs.client_cert),
+        str(certs.client_key),
+        timeout_s,
+    )
+
+
+def wait_ready(target: EtcdTarget, timeout_s: float, alive: Callable[[], bool]) -> None:
+    etcd = Etcd(target)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            etcd.get(f"{target.prefix}/ready")  # a linearizable read: a quorum answers
+            return
+        except EtcdError as e:
+            if time.monotonic() > deadline or not alive():
+                raise RuntimeError(f"the job's etcd cluster did not become ready: {e}") from None
+            time.sleep(0.1)
+
+
+def serve_member(run_dir: Path, keys_dir: Path, hosts: list[str], index: int, timeout_s: float = 120.0) -> int:
+    binary = etcd_binary()
+    if binary is None:
+        print(f"resild etcd member {index}: etcd is not installed on {socket.gethostname()}", file=sys.stderr)
+        return 1
+    host = os.environ.get(resild_env.CONTROLLER_HOST.name) or socket.getfqdn()
+    if host in ("127.0.0.1", "::1"):  # every member on one machine (a test): loopback only
+        ip = host
+    else:
+        _, ip = listen_address(host, cluster=True, what="the etcd member")
+    me = Member(f"m{index}", host, _free_port(ip), _free_port(ip), listen=ip)
+    member_file(run_dir, index).parent.mkdir(mode=0o700, exist_ok=True)
+    tmp = member_file(run_dir, index).with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(me)))
+    os.replace(tmp, member_file(run_dir, index))
+    members = wait_for_members(run_dir, len(hosts), timeout_s, lambda: True)
+    certs = member_cert_for(keys_dir, me.name, {host, ip, socket.gethostname()} - {"0.0.0.0"})
+    data = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"resild-etcd-{run_dir.name}-{me.name}"
+    token = f"resild-{run_dir.name}"
+    cmd = member_cmd(binary, me, members, data, certs, token)
+    log = open(run_dir / "etcd" / f"member-{index}.log", "ab")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    os.execv(binary, cmd)  # srun's task is etcd itself: it ends with the step
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m resild.controller.etcd_cluster", description=__doc__)
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--keys", type=Path, required=True, help="the job's keys directory (its etcd CA)")
+    p.add_argument("--hosts", required=True, help="the members' hosts, comma-separated (Slurm node names)")
+    p.add_argument("--index", type=int, help="default: $SLURMD_NODENAME's place in --hosts")
+    a = p.parse_args(argv)
+    hosts = [h for h in a.hosts.split(",") if h]
+    index = a.index
+    if index is None:
+        node = os.environ.get("SLURMD_NODENAME", "")
+        index = hosts.index(node) if node in hosts else None
+    if index is None or not 0 <= index < len(hosts):
+        p.error(f"--index {index} is not one of --hosts {a.hosts}")
+    die_with_parent()
+    return serve_member(a.run_dir, a.keys, hosts, index)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

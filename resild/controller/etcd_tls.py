@@ -38,6 +38,15 @@ class EtcdCerts:
         d = directory / "etcd"
         return EtcdCerts(d / "ca.crt", d / "member.crt", d / "member.key", d / "client.crt", d / "client.key")
 
+    @property
+    def ca_key(self) -> Path:
+        return self.ca.with_name("ca.key")
+
+    def for_member(self, name: str) -> EtcdCerts:
+        """The same set with a member certificate of its own (`member_cert_for`)."""
+        d = self.ca.parent
+        return EtcdCerts(self.ca, d / f"member-{name}.crt", d / f"member-{name}.key", self.client_cert, self.client_key)
+
     def exist(self) -> bool:
         return all(p.exists() for p in (self.ca, self.member_cert, self.member_key, self.client_cert, self.client_key))
 
@@ -88,38 +97,68 @@ def make_certs(keys_dir: Path, hosts: Iterable[str] = ()) -> EtcdCerts:
         )  # key_cert_sign, crl_sign
         .sign(ca_key, hashes.SHA256())
     )
-    sans: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    for h in hosts:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            sans.append(x509.DNSName(h))
-
-    def leaf(cn: str, usages: list[x509.ObjectIdentifier], san: bool) -> tuple[bytes, bytes]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(_name(cn))
-            .issuer_name(ca_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(start)
-            .not_valid_after(end)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        )
-        if san:
-            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        cert = b.sign(ca_key, hashes.SHA256())
-        return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
-
-    # Members serve clients and peers and dial peers (and etcd's own gateway dials its
-    # gRPC server with this certificate): both roles.
-    m_cert, m_key = leaf("resild etcd member", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], True)
-    c_cert, c_key = leaf("resild controller", [ExtendedKeyUsageOID.CLIENT_AUTH], False)
+    m_cert, m_key = _leaf(ca, ca_key, "resild etcd member", MEMBER_USAGES, _sans(hosts), end)
+    c_cert, c_key = _leaf(ca, ca_key, "resild controller", [ExtendedKeyUsageOID.CLIENT_AUTH], None, end)
+    _write(certs.ca_key, _key_pem(ca_key))  # for members that make their own (Slurm: each on its host)
     _write(certs.member_cert, m_cert)
     _write(certs.member_key, m_key)
     _write(certs.client_cert, c_cert)
     _write(certs.client_key, c_key)
     _write(certs.ca, ca.public_bytes(serialization.Encoding.PEM))  # last: its presence says the set is whole
     return certs
+
+
+# Members serve clients and peers and dial peers (and etcd's own gateway dials its gRPC
+# server with the member's certificate): both roles.
+MEMBER_USAGES = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+
+
+def _sans(hosts: Iterable[str]) -> list[x509.GeneralName]:
+    sans: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    return sans
+
+
+def _leaf(
+    ca: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    cn: str,
+    usages: list[x509.ObjectIdentifier],
+    sans: list[x509.GeneralName] | None,
+    end: datetime.datetime,
+) -> tuple[bytes, bytes]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=5))
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    )
+    if sans is not None:
+        b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = b.sign(ca_key, hashes.SHA256())
+    return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
+
+
+def member_cert_for(keys_dir: Path, name: str, hosts: Iterable[str]) -> EtcdCerts:
+    """A member certificate for the names and addresses this member is reached at (made
+    on the member's own host, signed by the job's CA), in a set like `make_certs`'."""
+    certs = EtcdCerts.at(keys_dir)
+    ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
+    ca_key = serialization.load_pem_private_key(certs.ca_key.read_bytes(), None)
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{certs.ca_key}: not the job's CA key")
+    mine = certs.for_member(name)
+    cert, key = _leaf(ca, ca_key, f"resild etcd member {name}", MEMBER_USAGES, _sans(hosts), ca.not_valid_after_utc)
+    _write(mine.member_key, key)
+    _write(mine.member_cert, cert)
+    return mine

@@ -17,6 +17,7 @@ from resild.controller.etcd_client import Etcd, EtcdError
 from resild.controller.etcd_cluster import MAX_REQUEST_BYTES, LocalEtcd
 from resild.controller.etcd_election import Election, keepalive_period_s, lead_until, still_leader
 from resild.controller.etcd_journal import EtcdJournal, Follower, read_records, record_key
+from resild.controller.etcd_target import EtcdTarget
 from tests.etcdlab.fixture import etcd_cluster  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(90)
@@ -196,3 +197,48 @@ def test_the_journal_survives_restarting_every_member(etcd_cluster: LocalEtcd, t
     etcd_cluster.procs = again.procs  # the fixture stops them
     again.start()
     assert [r["i"] for _, r in read_records(Etcd(t), t.prefix)] == list(range(5))
+
+
+def test_members_started_one_per_host_find_each_other(tmp_path: Path) -> None:
+    # The Slurm path without Slurm: each member (python -m resild.controller.etcd_cluster)
+    # publishes its ports, waits for the others', makes its own certificate and becomes etcd.
+    import os
+    import subprocess
+    import sys
+
+    from resild.controller.etcd_cluster import slurm_target, wait_for_members, wait_ready
+    from resild.controller.etcd_tls import make_certs
+    from tests.etcdlab.fixture import ensure_etcd
+
+    ensure_etcd()
+    rd, keys = tmp_path / "run", tmp_path / "run" / "keys"
+    (rd / "etcd").mkdir(parents=True)
+    certs = make_certs(keys)
+    env = {**os.environ, "RESILD_CONTROLLER_HOST": "127.0.0.1", "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "resild.controller.etcd_cluster", "--run-dir", str(rd), "--keys", str(keys)]
+    procs = [
+        subprocess.Popen([*cmd, "--hosts", "n0,n1,n2", "--index", str(i)], env=env, start_new_session=True)
+        for i in range(3)
+    ]
+    try:
+        alive = lambda: all(p.poll() is None for p in procs)  # noqa: E731
+        members = wait_for_members(rd, 3, 30.0, alive)
+        assert [m.name for m in members] == ["m0", "m1", "m2"] and all(m.host == "127.0.0.1" for m in members)
+        target = slurm_target(members, certs, "slurmjob")
+        wait_ready(target, 30.0, alive)
+        a = Election(Etcd(target), target.prefix, 0, 1)
+        assert a.campaign()
+        j = EtcdJournal(a.etcd, target.prefix, a, Follower(a.etcd, target.prefix))
+        assert j.write({"action": "x"})
+        assert [r for _, r in read_records(Etcd(target), target.prefix)] == [{"action": "x"}]
+        a.resign()
+        assert all((keys / "etcd" / f"member-m{i}.crt").exists() for i in range(3))
+        # without the job's client certificate nothing is answered
+        anon = Etcd(EtcdTarget(target.endpoints, target.prefix, target.ca))
+        with pytest.raises(EtcdError):
+            anon.get(f"{target.prefix}/leader")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+            p.wait(15)
