@@ -74,6 +74,9 @@ class Election:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.etcd, self.key, self.index, self.pid = etcd, f"{prefix}/leader", index, pid
+        # The keep-alive thread's own connections: a journal write waiting on a slow member
+        # must not hold a renewal back (and one HTTP session is not shared across threads).
+        self._renewer = Etcd(etcd.target) if isinstance(etcd, Etcd) else etcd
         self.ttl_s = ttl_s
         self.clock = clock
         self.lease: int | None = None
@@ -165,7 +168,7 @@ class Election:
             return False
         sent = self.clock()
         try:
-            ttl = self.etcd.keepalive(lease)
+            ttl = self._renewer.keepalive(lease)
         except EtcdError as e:
             log.warning("lease keep-alive failed: %s", e)
             return self.is_leader()  # not lost yet: etcd's countdown may still run
