@@ -209,6 +209,15 @@ def _copies(v: str | int) -> int:
     help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).",
 )
 @click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    metavar="RUN_DIR",
+    help="--local --controllers N: continue the job of RUN_DIR (its resil-run gone) on its own etcd: "
+    "the members restart on their data and the new leader restores the journal (roles, fenced "
+    "nodes, epoch, fired faults); training state comes from --checkpoint-dir.",
+)
+@click.option(
     "--requeue-on-exhaustion",
     is_flag=True,
     help="Slurm: when no spare is left, requeue the job (reason in its comment) instead of failing.",
@@ -248,6 +257,7 @@ def main(
     checkpoint_dir: Path | None,
     checkpoint_every: int,
     run_dir: Path | None,
+    resume_dir: Path | None,
     requeue_on_exhaustion: bool,
     as_json: bool,
     quiet: bool,
@@ -266,6 +276,14 @@ def main(
     if controllers > 1 and importlib.util.find_spec(needs) is None:
         raise click.UsageError(f"--controllers {controllers} needs the standby extra: pip install 'resild[standby]'")
     etcd = _site_etcd(etcd_urls, etcd_ca, etcd_cert, etcd_key, etcd_prefix) if controllers > 1 else None
+    if resume_dir is not None:
+        if not local or controllers < 2 or consensus == "raft" or etcd is not None:
+            raise click.UsageError("--resume needs --local --controllers N on the job's own etcd")
+        if run_dir is not None and run_dir.resolve() != resume_dir.resolve():
+            raise click.UsageError("--resume RUN_DIR is the run directory: no other --run-dir")
+        if not (resume_dir / "etcd" / "cluster.json").exists():
+            raise click.UsageError(f"--resume {resume_dir}: no etcd of a job there (etcd/cluster.json)")
+        run_dir = resume_dir
     if checkpoint_dir is not None:
         checkpoint_dir = checkpoint_dir.expanduser().resolve()  # workers may start elsewhere
         try:
@@ -338,7 +356,17 @@ def main(
     if controllers > 1:
         from launcher.run.standby import run_replicated
 
-        sys.exit(run_replicated(spec, controllers, as_json=as_json, status=not quiet, consensus=consensus, etcd=etcd))
+        sys.exit(
+            run_replicated(
+                spec,
+                controllers,
+                as_json=as_json,
+                status=not quiet,
+                consensus=consensus,
+                etcd=etcd,
+                resume=resume_dir is not None,
+            )
+        )
     code = run_job(spec, as_json=as_json, status=not quiet)
     sys.exit(code)
 

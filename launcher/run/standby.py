@@ -47,17 +47,20 @@ def run_replicated(
     status: bool = True,
     consensus: str = "auto",
     etcd: EtcdTarget | None = None,
+    resume: bool = False,
 ) -> int:
     """`slurm_job` (an Allocation) and `node_cmd(endpoints, keys_dir)` under
     Slurm: the replicas run on the allocation's first N nodes (one srun step), the node
     processes as usual; otherwise every process runs on this machine. `etcd`: a site's
-    etcd (its prefix this job's own) instead of the job's own cluster."""
+    etcd (its prefix this job's own) instead of the job's own cluster. `resume`: the job's
+    own etcd in the run directory is started again as it was (the journal with it)."""
     rd = spec.run_dir
     rd.mkdir(parents=True, exist_ok=True)
-    for stale in [rd / RESULT_FILE, *rd.glob("replica-*.json")]:
+    for stale in [*([] if resume else [rd / RESULT_FILE]), *rd.glob("replica-*.json")]:
         stale.unlink(missing_ok=True)
     keys = generate_keys(rd / "keys")
     own_etcd: LocalEtcd | None = None
+    resume_records = 0  # the journal's length when this run resumed it
     etcd_step: subprocess.Popen[bytes] | None = None
     if consensus == "auto":
         # Under Slurm the job's own etcd (on the allocation's first nodes) has run in the
@@ -68,8 +71,14 @@ def run_replicated(
     elif etcd is None:
         try:
             if slurm_job is None:
-                own_etcd = LocalEtcd(rd, keys.path, n_controllers, fresh=True)
+                own_etcd = LocalEtcd(rd, keys.path, n_controllers, fresh=not resume)
                 etcd = own_etcd.start()
+                if resume:
+                    over, resume_records = _finished(etcd, rd)
+                    if over is not None:
+                        own_etcd.stop()
+                        return over
+                (rd / RESULT_FILE).unlink(missing_ok=True)
             else:
                 etcd_step, etcd = _slurm_etcd(slurm_job, spec.active + spec.spares, n_controllers, rd, keys.path)
         except (RuntimeError, OSError, ValueError) as e:
@@ -90,6 +99,8 @@ def run_replicated(
     }
     if etcd is not None and consensus != "raft":
         cfg["etcd"] = etcd.to_dict()
+    if resume:
+        cfg["resume_records"] = resume_records
     if slurm_job is not None:
         if len(nodes_all) < n_controllers:
             print(
@@ -269,3 +280,22 @@ def _stop_step(p: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def _finished(etcd: EtcdTarget, rd: Path) -> tuple[int | None, int]:
+    """A resumed job that its last leader closed: its verdict (said again), or None; and
+    the number of records in its journal."""
+    from resild.controller.etcd_client import Etcd
+    from resild.controller.etcd_journal import read_records
+
+    records = [r for _, r in read_records(Etcd(etcd), etcd.prefix)]
+    if not any(r.get("action") == "closed" for r in records):
+        print(f"resil-run: resuming the job of {rd} ({len(records)} journal records)", file=sys.stderr)
+        return None, len(records)
+    try:
+        result = json.loads((rd / RESULT_FILE).read_text())
+        code, reason = int(result["exit_code"]), str(result["reason"])
+    except (OSError, ValueError, KeyError):
+        code, reason = 1, "its result.json is missing"
+    print(f"resil-run: the job of {rd} is over (exit {code}: {reason}); nothing to resume", file=sys.stderr)
+    return code, len(records)

@@ -434,6 +434,10 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
             flush=True,
         )
         records = [r for r in follower.records if r.get("action") not in (Leader.ACTION, CLOSED)]
+        # resil-run --resume: the first leader of the new run starts the job again from the
+        # journal; a later one takes over from it as usual.
+        at = spec.get("resume_records")
+        resuming = at is not None and all(r.get("action") == Leader.ACTION for r in follower.records[int(at) :])
         events = EventLog(Path(spec["events"]))
         cfg = ControllerConfig(
             bind=endpoint,
@@ -457,7 +461,9 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
             leadership=election.is_leader,
         )
         ctl.backend = SlurmDrain() if cluster else ProcessNodes(_host_pid_of(ctl), nodes)
-        if records:
+        if resuming:
+            ctl.resume(records)
+        elif records:
             ctl.restore(records, time.monotonic())
         events.emit(
             EventName.CONTROLLER_LEADER,

@@ -252,6 +252,56 @@ def test_two_leader_changes_in_a_row_and_a_deposed_leader_stands_by(tmp_path: Pa
         assert last["action"] == "closed", (i, last)
 
 
+@pytest.mark.timeout(300)
+def test_a_job_resumed_from_its_etcd_keeps_its_fenced_nodes_and_fired_faults(tmp_path: Path) -> None:
+    # resil-run is killed mid-job (its replicas and etcd die with it, the nodes on their
+    # lease); `--resume RUN_DIR` restarts the job's etcd on its data: the new leader starts
+    # the job again from the journal: the node lost before stays fenced, its fault does not
+    # fire again, and the workers continue from the checkpoint.
+    ensure_etcd()
+    steps = 600
+    args = ("--controllers", "3", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "50")
+    job = LiveJob(tmp_path, *args, "--inject", "kill:node1@100", steps=steps)
+    try:
+        job.wait_event(lambda e: e["event"] == "spare_assigned", timeout_s=120)
+        job.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 220, timeout_s=120)
+        job.proc.kill()  # resil-run, as its host would die
+        job.proc.wait()
+        deadline = time.monotonic() + 20  # the replicas and etcd at once, the nodes on their 5 s lease
+        while _marked(job.mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _marked(job.mark), [(p.pid, p.name()) for p in _marked(job.mark)]
+        assert not job.save.exists()
+    finally:
+        job.cleanup()
+    t_resume = time.monotonic()
+    again = LiveJob(tmp_path, *args, "--resume", str(tmp_path / "run"), "--inject", "kill:node1@100", steps=steps)
+    try:
+        r = again.finish(timeout_s=200)
+    finally:
+        again.cleanup()
+    assert r.rc == 0, r.stderr[-3000:]
+    assert "resuming the job of" in r.stderr
+    events = [e for e in r.events if e["t_mono"] > t_resume]
+    (restored,) = [e for e in events if e["event"] == "controller_restored"]
+    assert restored["fenced"] == ["local-node1"] and restored["records"] >= 3
+    assert not [e for e in events if e["event"] in ("fault_injected", "spare_assigned")], events
+    (start,) = [e for e in events if e["event"] == "membership"][:1]
+    assert "local-node1" not in json.dumps(start), start
+    assert r.final is not None and r.final["step"] == steps
+    assert "loaded checkpoint step" in r.stderr
+    # A finished job is not run again: its verdict is said again.
+    over = subprocess.run(
+        [sys.executable, "-m", "launcher.run.cli", "--local", "--controllers", "3", "--resume", str(tmp_path / "run")]
+        + ["--", sys.executable, "-c", "raise SystemExit(3)"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert over.returncode == 0 and "is over (exit 0" in over.stderr, over.stderr[-2000:]
+
+
 def test_the_last_leader_stands_the_standbys_down(tmp_path: Path) -> None:
     ensure_etcd()  # the replicas' etcd cluster
     # Without `closed` the two standbys elect a leader for the finished job the moment the
