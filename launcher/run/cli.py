@@ -142,15 +142,15 @@ def _copies(v: str | int) -> int:
     default="auto",
     show_default=True,
     help="With --controllers N: etcd elects the leader and keeps the journal (the job's own N-member "
-    "cluster, or a site's with --etcd); raft: the older pysyncobj replica set (in memory). auto: etcd, "
-    "except under Slurm without --etcd (raft there for now).",
+    "cluster: with --local on this machine, under Slurm on the replicas' nodes; or a site's with --etcd); "
+    "raft: the older pysyncobj replica set (its log in memory). auto: etcd.",
 )
 @click.option(
     "--etcd",
     "etcd_urls",
     metavar="URL[,URL...]",
     help="A site etcd (its client URLs) for --controllers N instead of the job's own cluster; "
-    "with --etcd-ca/--etcd-cert/--etcd-key for TLS client certificates. Required under Slurm.",
+    "with --etcd-ca/--etcd-cert/--etcd-key for TLS client certificates.",
 )
 @click.option("--etcd-ca", type=click.Path(dir_okay=False, exists=True), help="The site etcd's CA (PEM).")
 @click.option("--etcd-cert", type=click.Path(dir_okay=False, exists=True), help="A client certificate (PEM).")

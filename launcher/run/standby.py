@@ -28,6 +28,7 @@ from launcher.run.job import JobSpec, _fake_nvml
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
 from resild.controller.etcd_cluster import LocalEtcd, slurm_target, wait_for_members, wait_ready
+from resild.controller.etcd_election import lease_ttl_s
 from resild.controller.etcd_target import EtcdTarget
 from resild.controller.etcd_tls import make_certs
 from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
@@ -63,9 +64,7 @@ def run_replicated(
     resume_records = 0  # the journal's length when this run resumed it
     etcd_step: subprocess.Popen[bytes] | None = None
     if consensus == "auto":
-        # Under Slurm the job's own etcd (on the allocation's first nodes) has run in the
-        # lab only: Raft stays the default there unless asked (--consensus etcd, or --etcd).
-        consensus = "raft" if slurm_job is not None and etcd is None else "etcd"
+        consensus = "etcd"
     if consensus == "raft":
         raft_secret(keys.path)
     elif etcd is None:
@@ -99,6 +98,7 @@ def run_replicated(
     }
     if etcd is not None and consensus != "raft":
         cfg["etcd"] = etcd.to_dict()
+        cfg["lease_ttl_s"] = lease_ttl_s(spec.settings.controller_timeout_s)
     if resume:
         cfg["resume_records"] = resume_records
     if slurm_job is not None:

@@ -20,6 +20,7 @@ data on the host's local disk.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -295,8 +296,12 @@ def serve_member(run_dir: Path, keys_dir: Path, hosts: list[str], index: int, ti
     os.replace(tmp, member_file(run_dir, index))
     members = wait_for_members(run_dir, len(hosts), timeout_s, lambda: True)
     certs = member_cert_for(keys_dir, me.name, {host, ip, socket.gethostname()} - {"0.0.0.0"})
-    data = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"resild-etcd-{run_dir.name}-{me.name}"
-    token = f"resild-{run_dir.name}"
+    # The member's data on the host's own disk (etcd fsyncs every commit: not a shared file
+    # system), named for this run directory and started afresh (a requeued job is a new run).
+    run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    data = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"resild-etcd-{run_id}-{me.name}"
+    shutil.rmtree(data, ignore_errors=True)
+    token = f"resild-{run_id}-{os.environ.get('SLURM_JOB_ID', '')}"
     cmd = member_cmd(binary, me, members, data, certs, token)
     log = open(run_dir / "etcd" / f"member-{index}.log", "ab")
     os.dup2(log.fileno(), 1)

@@ -41,6 +41,14 @@ def still_leader(now_s: float, term: int | None, valid_until_s: float) -> bool:
     return term is not None and now_s < valid_until_s
 
 
+def lease_ttl_s(controller_timeout_s: float) -> int:
+    """The leader's lease for a job whose nodes give up on a silent controller after
+    `controller_timeout_s`: a dead leader is replaced within about TTL + 0.5 s (etcd checks
+    expiry twice a second), well inside that; a longer TTL rides out more (an etcd member
+    lost with its host costs etcd an election of its own, during which no lease is renewed)."""
+    return max(1, min(10, int(controller_timeout_s // 4)))
+
+
 def keepalive_period_s(ttl_s: float) -> float:
     """How often the leader renews: several times per TTL, so one lost answer costs nothing."""
     return max(0.05, ttl_s / 5)

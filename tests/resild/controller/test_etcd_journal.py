@@ -15,7 +15,7 @@ import pytest
 from resild.controller import etcd_journal
 from resild.controller.etcd_client import Etcd, EtcdError
 from resild.controller.etcd_cluster import MAX_REQUEST_BYTES, LocalEtcd
-from resild.controller.etcd_election import Election, keepalive_period_s, lead_until, still_leader
+from resild.controller.etcd_election import Election, keepalive_period_s, lead_until, lease_ttl_s, still_leader
 from resild.controller.etcd_journal import EtcdJournal, Follower, read_records, record_key
 from resild.controller.etcd_target import EtcdTarget
 from tests.etcdlab.fixture import etcd_cluster  # noqa: F401 (fixture)
@@ -30,6 +30,8 @@ def test_a_leader_counts_its_lease_from_the_send_less_a_margin() -> None:
     assert still_leader(11.7, 5, 11.75) and not still_leader(11.75, 5, 11.75)
     assert not still_leader(0.0, None, 99.0)  # no term: not the leader, whatever the lease
     assert 0.05 <= keepalive_period_s(1.0) <= 0.25
+    # the lease follows the nodes' patience with a silent controller (--controller-timeout)
+    assert lease_ttl_s(5.0) == 1 and lease_ttl_s(3.0) == 1 and lease_ttl_s(15.0) == 3 and lease_ttl_s(3600) == 10
 
 
 class Clock:
