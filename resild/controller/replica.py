@@ -1,5 +1,12 @@
 """Standby controllers: N replicas of the controller, one leading, the journal
-replicated by Raft (pysyncobj), so losing the leader's host loses no decision.
+replicated (etcd; or Raft through pysyncobj with `--consensus raft`), so losing the
+leader's host loses no decision.
+
+With etcd (a spec with `etcd`: resild.controller.etcd_target.EtcdTarget as a dict, and
+`lease_ttl_s`) a replica stands by following the journal, campaigns for the leader key
+when nobody holds it (resild.controller.etcd_election), leads with the journal written
+in transactions guarded by that key (resild.controller.etcd_journal), and when deposed
+stands by again on the same endpoint (`serve_etcd`). What follows describes Raft.
 
     python -m resild.controller.replica --spec RUN_DIR/controllers.json --index I
 
