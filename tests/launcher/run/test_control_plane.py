@@ -18,7 +18,10 @@ import psutil
 import pytest
 import torch
 
-from tests.etcdlab.fixture import ensure_etcd
+from resild.controller.etcd_client import Etcd
+from resild.controller.etcd_cluster import LocalEtcd
+from resild.controller.etcd_journal import read_records
+from tests.etcdlab.fixture import ensure_etcd, etcd_cluster  # noqa: F401 (fixture)
 
 from .conftest import REPO, STEPS, TRAIN, RunResult, _marked, assert_bitwise_equal, run_job
 
@@ -300,6 +303,34 @@ def test_a_job_resumed_from_its_etcd_keeps_its_fenced_nodes_and_fired_faults(tmp
         timeout=60,
     )
     assert over.returncode == 0 and "is over (exit 0" in over.stderr, over.stderr[-2000:]
+
+
+def test_standby_controllers_on_a_site_etcd(tmp_path: Path, etcd_cluster: LocalEtcd) -> None:  # noqa: F811
+    # --etcd: the job's keys go under its prefix in the site's etcd (TLS with the given
+    # files); resil-run starts no etcd of its own.
+    site = etcd_cluster.target()
+    assert site.ca and site.cert and site.key
+    tls = ("--etcd-ca", site.ca, "--etcd-cert", site.cert, "--etcd-key", site.key)
+    job = LiveJob(
+        tmp_path / "job",
+        "--controllers",
+        "3",
+        "--etcd",
+        ",".join(site.endpoints),
+        *tls,
+        "--etcd-prefix",
+        "/site/a",
+        steps=40,
+    )
+    try:
+        r = job.finish()
+    finally:
+        job.cleanup()
+    assert r.rc == 0, r.stderr[-3000:]
+    assert not (tmp_path / "job" / "run" / "etcd").exists()
+    records = [rec["action"] for _, rec in read_records(Etcd(site), "/site/a")]
+    assert records[0] == "leader" and "start" in records and records[-1] == "closed", records
+    assert all(p.poll() is None for p in etcd_cluster.procs.values())  # the site's etcd is not the job's to stop
 
 
 def test_the_last_leader_stands_the_standbys_down(tmp_path: Path) -> None:

@@ -189,11 +189,19 @@ def test_the_journal_survives_restarting_every_member(etcd_cluster: LocalEtcd, t
     assert a.campaign()
     j = EtcdJournal(a.etcd, t.prefix, a, Follower(a.etcd, t.prefix))
     assert all(j.write({"action": "x", "i": i}) for i in range(5))
-    a.resign()
     for i in range(3):
         etcd_cluster.stop_member(i, signal.SIGKILL)  # no clean shutdown: what is committed is on disk
     with pytest.raises(EtcdError):
         Etcd(t).get(record_key(t.prefix, 0))
+    # etcd gone: a failed write (counted, logged), not an exception; then no longer the leader
+    t0 = time.monotonic()
+    assert not j.write({"action": "lost"}) and j.errors == 1 and not j.healthy
+    assert time.monotonic() - t0 < 3 * t.timeout_s + 1  # every request has its timeout
+    deadline = time.monotonic() + 3
+    while a.is_leader() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not a.is_leader()
+    a.resign()  # etcd unreachable: logged, not raised
     again = LocalEtcd(tmp_path / "run", tmp_path / "run" / "keys", 3, job="test")  # as a resumed job would
     assert again.members == etcd_cluster.members
     etcd_cluster.procs = again.procs  # the fixture stops them

@@ -11,9 +11,10 @@ import pytest
 # A meta-path finder that refuses the extras' packages, so an import of one fails loudly.
 BLOCK = """
 import sys
+EXTRAS = {"torch", "torchdata", "matplotlib", "pysyncobj", "etcd3gw", "cryptography", "numpy", "launcher"}
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "torchdata", "matplotlib", "pysyncobj", "etcd3gw", "cryptography", "numpy", "launcher"}:
+        if name.split(".")[0] in EXTRAS:
             raise ImportError(f"{name} is not a node-daemon dependency")
 sys.meta_path.insert(0, Block())
 """
