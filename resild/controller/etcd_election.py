@@ -100,6 +100,18 @@ class Election:
         with self._lock:
             return still_leader(self.clock(), self.term, self._valid_until_s)
 
+    def holds(self) -> bool:
+        """`is_leader`, asking etcd once when our own count has run out: a leader whose
+        keep-alive thread was starved of the CPU for a moment still leads if etcd still
+        has its lease (renewed by this very question). The controller loop asks this."""
+        if self.is_leader():
+            return True
+        if self.term is None or not self.renew() or not self.is_leader():
+            return False
+        if self._thread is None or not self._thread.is_alive():
+            self._start_keepalive()
+        return True
+
     # ---- campaigning ---------------------------------------------------------
     def campaign(self) -> bool:
         """One try at leading: True once the leader key is ours (and the keep-alive runs).

@@ -75,7 +75,7 @@ class EtcdJournal(Journal):
 
     def write(self, record: dict[str, Any]) -> bool:
         term = self.election.term
-        if term is None or not self.election.is_leader():  # (etcd would refuse it anyway)
+        if term is None or not self.election.holds():  # (etcd would refuse it anyway)
             self._failed(RuntimeError("etcd: not the leader"), record)
             return False
         try:

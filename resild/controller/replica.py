@@ -390,9 +390,13 @@ class Standing(enum.Enum):
 
 def stand_by(server: Server, follower: Follower, election: Election, index: int) -> Standing:
     """Drain the socket, follow the journal, and campaign whenever nobody leads."""
-    quiet_until = 0.0
+    quiet_until = next_poll = 0.0
     while True:
-        server.channel.recv(STANDBY_POLL_S)  # standby: keep the socket drained, act on nothing
+        # standby: keep the socket drained (every node heartbeats every replica), act on nothing
+        server.channel.recv(max(0.0, next_poll - time.monotonic()))
+        if time.monotonic() < next_poll:
+            continue
+        next_poll = time.monotonic() + STANDBY_POLL_S
         try:
             if election.term is None:  # (not yet won: a win whose read failed is not lost)
                 follower.poll()
@@ -465,7 +469,7 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
             [parse_fault(f) for f in spec.get("faults", [])],
             ctx=ctx,
             server=server,
-            leadership=election.is_leader,
+            leadership=election.holds,
         )
         ctl.backend = SlurmDrain() if cluster else ProcessNodes(_host_pid_of(ctl), nodes)
         if resuming:

@@ -71,11 +71,14 @@ def test_a_leader_cut_off_from_etcd_stops_leading_before_its_lease_can_have_expi
     el = Election(etcd, "/p", 0, 1, ttl_s=2, clock=clock)  # type: ignore[arg-type]
     el._start_keepalive = lambda: None  # type: ignore[method-assign]  # renewals driven by hand
     assert el.campaign() and el.term == 42 and el.is_leader()
+    clock.t += 1.9  # no renewal for longer than the lease's count (a starved keep-alive thread) ...
+    assert not el.is_leader()
+    assert el.holds() and el.is_leader()  # ... but etcd still has the lease: asked once, still the leader
     etcd.down = True
     clock.t += 1.0
     assert el.renew() and el.is_leader()  # etcd's countdown still runs: still ours
     clock.t += 0.8  # 1.8 s after the last answered send: within the margin of the 2 s TTL
-    assert not el.renew() and not el.is_leader()
+    assert not el.renew() and not el.is_leader() and not el.holds()
     el.resign()  # etcd unreachable: logged, not raised
     assert el.lease is None and el.term is None
 
