@@ -240,7 +240,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
     rec = Recovery(Interrupts(), GroupFactory("gloo", lambda: None, args["timeout_s"]), torch.device("cpu"), 0.0)
 
     def managed(w: Any) -> None:  # exactly what Recovery.replay gives the transport
-        rec.wait(w, p2p=True)
+        rec.wait(w, untimed=True)
 
     def barrier() -> None:
         t = torch.zeros(1)

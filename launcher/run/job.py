@@ -12,8 +12,9 @@ from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
 from resild.controller.faults import Fault
 from resild.controller.journal import Journal
-from resild.controller.loop import Controller, ControllerConfig
+from resild.controller.loop import Controller, ControllerConfig, ControllerFailed
 from resild.events.log import EventLog
+from resild.wire.exits import CONTROLLER_LOST_EXIT
 from resild.wire.keys import generate_keys
 from resild.wire.settings import JobSettings
 
@@ -96,6 +97,12 @@ def run_job(
     except KeyboardInterrupt:
         print("resil-run: interrupted", file=sys.stderr)
         return (130, "interrupted") if return_reason else 130
+    except ControllerFailed as e:
+        # Our own bug, not the job's verdict: no node was told to shut down (their lease
+        # runs out: CONTROLLER_LOST_EXIT, the code a requeue reads). The traceback is logged.
+        reason = f"controller failed: {e}"
+        print(f"resil-run: {reason} (nodes were not told to stop; see the controller_error event)", file=sys.stderr)
+        return (CONTROLLER_LOST_EXIT, reason) if return_reason else CONTROLLER_LOST_EXIT
     finally:
         events.close()
         if live is not None:

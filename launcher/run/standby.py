@@ -31,7 +31,8 @@ from resild.controller.etcd_cluster import LocalEtcd, slurm_target, wait_for_mem
 from resild.controller.etcd_election import lease_ttl_s
 from resild.controller.etcd_target import EtcdTarget
 from resild.controller.etcd_tls import make_certs
-from resild.controller.replica import RESULT_FILE, RUNNER_ALIVE, raft_secret, wait_for_replicas
+from resild.controller.replica import RUNNER_ALIVE, raft_secret, wait_for_replicas
+from resild.controller.verdict_file import RESULT_FILE
 from resild.events.log import RECENT_PROGRESS, EventTail
 from resild.events.schema import EventName
 from resild.procutil import die_with_parent

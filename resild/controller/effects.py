@@ -2,7 +2,7 @@
 
 A policy decision (fence and replace a node, re-form, fail or finish the job), the
 first epoch, a new epoch announced, the faults due, and the end of the job (SHUTDOWN
-to everyone still in it, the backend's shutdown). Once a decision is journaled, its
+to everyone still in it, the backend's shutdown: only with the job's verdict). Once a decision is journaled, its
 new epoch is sent before anything else is done about it (fencing, events): the
 announcement is the recovery's critical path. Reads and writes the shared
 ControllerState; makes no decisions of its own (those come from `policy`).
@@ -17,8 +17,8 @@ from statistics import median
 
 from resild.controller.broadcast import Announced
 from resild.controller.faults import Injector
-from resild.controller.policy import Action, Decision, drain_verdict
-from resild.controller.records import FaultFired, Start, decided
+from resild.controller.policy import Action, Decision, drain_verdict, on_abuse
+from resild.controller.records import FaultFired, Record, Start, decided
 from resild.controller.state import ControllerConfig, ControllerState
 from resild.controller.view import JobResult
 from resild.events.schema import EventName
@@ -26,6 +26,8 @@ from resild.membership import Membership, NodeRole
 from resild.wire.protocol import MsgType
 
 log = logging.getLogger("resild.controller")
+
+ABUSE_RENAME_S = 60.0  # an abusive node that could not be fenced is named again this often
 
 
 def median_step_s(commit_times: list[tuple[int, float, str | None]]) -> float | None:
@@ -46,7 +48,10 @@ class Effects:
             return
         if d.membership is not None:  # the committed floor travels with the epoch (and its journal record)
             d = replace(d, membership=d.membership.with_committed(s.max_step))
-        s.journal.append(decided(d, s.max_step, time.time()))
+        if not self.journaled(decided(d, s.max_step, time.time()), d.reason):
+            if d not in s.deferred_decisions and len(s.deferred_decisions) < 64:
+                s.deferred_decisions.append(d)  # a message's decision: no tick would make it again
+            return
         failed = d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node
         if failed:
             s.events.emit(
@@ -116,6 +121,56 @@ class Effects:
             )
             s.result = JobResult(0, d.reason)
 
+    def journaled(self, record: Record, what: str) -> bool:
+        """Write ahead. False: a replicated journal did not commit the record, so this
+        replica may no longer lead (deposed while it was stalled, or without a majority):
+        nothing of it is carried out, and the policy decides again at the next tick, here
+        or at the new leader. (An embedded journal's failed write is a full disk: the job
+        goes on without durability; see `Journal`.)"""
+        s = self.s
+        if s.journal.append(record) or not s.journal.replicated:
+            return True
+        s.deferred += 1
+        log.error("not carried out, the replicas did not commit it (no longer the leader?): %s", what)
+        return False
+
+    def abusive(self, node_id: str, reason: str, now: float) -> None:
+        """A node judged abusive (policy.abuse_verdict): fenced through the failure path
+        (its ranks to a spare) and named; with no spare left it stays in (policy.on_abuse),
+        named again at most every ABUSE_RENAME_S."""
+        s = self.s
+        d = on_abuse(s.view, node_id, reason)
+        if d.action == Action.NONE and now - s.abusive.get(node_id, -1e9) < ABUSE_RENAME_S:
+            return
+        s.abusive[node_id] = now
+        self.decide(d, now)  # the new epoch first, as for any failure
+        fenced = d.action != Action.NONE
+        log.error("%s%s", reason, "" if fenced else ": no spare left, kept (its messages over budget dropped)")
+        s.events.emit(
+            EventName.NODE_ABUSIVE,
+            node=node_id,
+            reason=reason,
+            fenced=fenced,
+            dropped=s.budget.dropped.get(node_id, 0),
+        )
+
+    def retry_deferred(self, now: float) -> None:
+        """Decisions the replicas did not commit, tried again while they still fit the view
+        (same epoch, the node not fenced yet, the spare still free); otherwise dropped: the
+        world moved on and the policy decides afresh."""
+        s = self.s
+        todo, s.deferred_decisions = s.deferred_decisions, []
+        epoch = s.view.membership.epoch if s.view.membership else 0
+        for d in todo:
+            if d.membership is not None and d.membership.epoch != epoch + 1:
+                continue
+            if d.node and s.view.nodes[d.node].role == NodeRole.FENCED:
+                continue
+            if d.spare and s.view.nodes[d.spare].role != NodeRole.SPARE:
+                continue
+            if s.result is None:
+                self.decide(d, now)
+
     def fence(self, node_id: str, reason: str, now: float, evidence: bool = True) -> None:
         s = self.s
         node = s.view.nodes[node_id]
@@ -150,9 +205,12 @@ class Effects:
         s.events.emit(EventName.NODE_SUSPECT, node=node_id, reason=reason, strikes=strikes, drained=True)
 
     def start(self, now: float) -> None:
-        """Every active worker registered: the first epoch, journaled like any decision."""
-        self.s.journal.append(Start(self.s.initial, "every active worker registered", time.time()))
-        self.apply_membership(self.s.initial, now)
+        """Every active worker registered: the first epoch, journaled like any decision
+        (not committed: the tick tries again)."""
+        if self.s.view.membership is not None:
+            return
+        if self.journaled(Start(self.s.initial, "every active worker registered", time.time()), "the first epoch"):
+            self.apply_membership(self.s.initial, now)
 
     def apply_membership(self, m: Membership, now: float) -> None:
         """Epoch `m` (already journaled) out to the nodes, then its event."""
@@ -190,7 +248,9 @@ class Effects:
         s = self.s
         epoch = s.view.membership.epoch if s.view.membership else 0
         for f in self.injector.due(s.max_step, now, epoch):
-            s.journal.append(FaultFired(str(f), time.time()))  # fired once, ever
+            if not self.journaled(FaultFired(str(f), time.time()), f"fault {f}"):  # fired once, ever
+                self.injector.rearm(f)
+                continue
             s.events.emit(EventName.FAULT_INJECTED, kind=f.kind, node=f.node, step=s.max_step, spec=str(f))
             if f.kind == "corrupt":  # every worker of the node holds snapshot copies
                 for (node_id, lr), wid in list(s.worker_ident.items()):
@@ -207,11 +267,14 @@ class Effects:
             s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": f.local_rank, "xid": f.xid}, to=ident)
 
     def finish(self) -> None:
-        """The end of the job (not for a deposed leader: it says nothing more): SHUTDOWN to
-        every node process and direct worker still in it, then the backend's shutdown."""
+        """The end of the job, with its verdict (finished, failed, or cancelled: Ctrl-C):
+        SHUTDOWN to every node process and direct worker still in it, then the backend's
+        shutdown. Never without a verdict: a controller that failed on its own, or a deposed
+        leader, says nothing (the nodes keep training, and follow the next leader)."""
         s = self.s
-        if s.result is None:  # interrupted (Ctrl-C) or crashed: stop everything
-            s.result = JobResult(130, "interrupted")
+        if s.result is None:
+            log.error("no verdict: no SHUTDOWN sent, the backend left running")
+            return
         for node_id, ident in s.node_ident.items():
             if s.view.nodes[node_id].role != NodeRole.FENCED:
                 s.ch.send(MsgType.SHUTDOWN, {"reason": s.result.reason, "exit_code": s.result.exit_code}, to=ident)

@@ -66,7 +66,11 @@ def read_records(etcd: Etcd, prefix: str, after_seq: int = -1) -> list[tuple[int
 
 class EtcdJournal(Journal):
     """The controller's Journal while this replica leads: `append` is true once etcd
-    (a majority of its members, on disk) holds the record."""
+    (a majority of its members, on disk) holds the record. Replicated: a record etcd did
+    not commit is a decision this replica may no longer make (the controller carries out
+    nothing of it; journal.py)."""
+
+    replicated = True
 
     def __init__(self, etcd: Etcd, prefix: str, election: Election, follower: Follower) -> None:
         super().__init__(None)

@@ -69,6 +69,12 @@ class Injector:
         self.pending = sorted(faults, key=lambda f: (f.step, f.delay_s))
         self._armed_at: dict[Fault, float] = {}
 
+    def rearm(self, f: Fault) -> None:
+        """A fault whose firing was not journaled: due again at the next check."""
+        if f not in self.pending:
+            self.pending.append(f)
+            self.pending.sort(key=lambda g: (g.step, g.delay_s))
+
     def due(self, committed_step: int, now: float, epoch: int = 0) -> list[Fault]:
         fire = []
         for f in list(self.pending):

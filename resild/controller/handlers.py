@@ -18,6 +18,7 @@ from resild.controller.effects import Effects
 from resild.controller.policy import (
     Action,
     Decision,
+    abuse_verdict,
     check_done,
     on_node_failure,
     on_worker_exception,
@@ -27,6 +28,7 @@ from resild.controller.status import answer
 from resild.controller.view import NodeView, RankProgress
 from resild.events.schema import EventName
 from resild.membership import Membership, NodeRole
+from resild.wire.channel import peer_name
 from resild.wire.protocol import (
     BODY_TYPES,
     Done,
@@ -102,7 +104,12 @@ class Handlers:
         if msg.type in (MsgType.EVENT, MsgType.PROGRESS) and not s.budget.admit(
             node_id, msg.type.value, _size(msg, typed), now
         ):
-            return  # over the node's budget: counted and logged by the budget, not answered
+            # Over the node's budget: counted and logged by the budget, not answered; a node
+            # that stays over it is fenced.
+            v = abuse_verdict(now, node_id, s.budget.overages.get(node_id, ()), self.cfg.abuse)
+            if v.guilty:
+                self.effects.abusive(node_id, v.reason, now)
+            return
         handler = self._handlers.get(msg.type)
         if handler is None:
             s.ch.send(MsgType.ERROR, {"code": "unexpected", "detail": f"{msg.type.value} not accepted here"}, to=ident)
@@ -135,7 +142,7 @@ class Handlers:
         s = self.s
         # The node daemon may heartbeat too, but the job's liveness is its node process:
         # only that one refreshes the clock and receives FENCE/INJECT/SHUTDOWN.
-        if not ident.endswith(b"/node"):
+        if not peer_name(ident).endswith(b"/node"):
             return
         s.node_ident[node.node_id] = ident
         s.view.beat(node.node_id, now)

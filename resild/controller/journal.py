@@ -7,6 +7,12 @@ turn a recoverable fault into a failed job: `append` logs loudly, emits a
 keeps `healthy`/`last_error`/`errors` for the controller's status, and returns
 False; the job goes on without durability until a write succeeds again.
 
+A *replicated* journal (standby controllers) is different: its write is what proves
+this replica still leads. A record the replicas did not commit is a decision this
+replica may no longer make (it was deposed while stalled, or lost its majority), so
+the controller carries out nothing of it (`Effects`) and the policy decides again at
+the next tick, here or at the new leader.
+
 Records are typed (resild/controller/records.py makes their JSON); `write` takes a
 record's JSON form as it is (a standby's replicated copy, agreed on by Raft).
 """
@@ -30,6 +36,8 @@ class _Events(Protocol):
 
 
 class Journal:
+    replicated = False  # True: a failed write means "not (provably) the leader": act on nothing
+
     def __init__(self, path: Path | None, events: _Events | None = None) -> None:
         self.path = path
         self.events = events

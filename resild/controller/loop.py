@@ -29,10 +29,18 @@ from resild.controller.backend import Backend
 from resild.controller.broadcast import Broadcaster
 from resild.controller.budget import Budget
 from resild.controller.effects import Effects
+from resild.controller.errors import InternalErrors
 from resild.controller.faults import Fault, Injector
 from resild.controller.handlers import Handlers
 from resild.controller.journal import Journal
-from resild.controller.policy import PolicyConfig, check_heartbeats, check_timeouts, on_node_failure
+from resild.controller.policy import (
+    PolicyConfig,
+    check_heartbeats,
+    check_timeouts,
+    controller_stall_s,
+    give_up_verdict,
+    on_node_failure,
+)
 from resild.controller.records import parse_record
 from resild.controller.restore import fold, resume, snapshot, take_over
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
@@ -45,9 +53,17 @@ from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.protocol import Message, MsgType
 
-__all__ = ["Controller", "ControllerConfig", "JobResult"]
+__all__ = ["Controller", "ControllerConfig", "ControllerFailed", "JobResult"]
 
 log = logging.getLogger("resild.controller")
+
+REFUSED_EVENT_S = 10.0  # at most one peer_refused event per key holder this often
+
+
+class ControllerFailed(RuntimeError):
+    """The controller stopped on its own error, not on a verdict: it told no node to shut
+    down (the nodes keep training and follow the next leader, or their lease rules), and
+    its caller must not report a verdict either (a standby replica exits: another takes over)."""
 
 
 class Controller:
@@ -99,6 +115,8 @@ class Controller:
         self.restored = False
         self.endpoint = self.server.endpoint
         self.ch = self.server.channel
+        self.ch.on_refused = self._peer_refused
+        self._refused: dict[str, tuple[float, int]] = {}  # key holder -> (last event, refusals since)
         nodes = {n: NodeView(n, NodeRole.ACTIVE, nproc_per_node) for n in active}
         nodes.update({n: NodeView(n, NodeRole.SPARE, nproc_per_node) for n in spares})
         self.view = ClusterView(nodes)
@@ -114,6 +132,9 @@ class Controller:
             budget=Budget({MsgType.EVENT.value: cfg.event_budget, MsgType.PROGRESS.value: cfg.progress_budget}),
         )
         self.effects = Effects(self.state, cfg, self.injector)
+        self.errors = InternalErrors(events, self.journal)  # our own bugs: reported, never the job's end
+        self._tick_failed = False
+        self._tick_failing_since: float | None = None  # the tick has failed on every round since
         self.handlers = Handlers(self.state, self.effects, cfg, self.derived)
         self._started = time.monotonic()
         # Leases: one frame per node per interval (at scale rarer still: a lease costs the
@@ -151,6 +172,12 @@ class Controller:
 
     # ---- main loop -------------------------------------------------------
     def run(self) -> JobResult:
+        """Until the job's verdict (finished, failed; cancelled: Ctrl-C). The controller's
+        own errors never end the job: a handler's drops its message, a tick step's costs
+        that step this round (errors.py). Only when the tick has failed on every round for
+        cfg.tick_error_limit_s (policy.give_up_verdict), or the loop itself failed, does
+        it stop, raising ControllerFailed, and then it tells no one to shut down: the nodes
+        keep training and follow the next leader, or their lease rules."""
         if not self.restored:  # a standby taking over continues the job, it does not start it
             self.events.emit(
                 EventName.JOB_STARTED,
@@ -164,7 +191,7 @@ class Controller:
         try:
             while self.state.result is None:
                 wait_s = max(0.001, min(self.cfg.tick_s, next_tick - time.monotonic()))  # >= 1 ms: never spin
-                got = self.ch.recv(wait_s)
+                got = self._recv(wait_s)
                 now = time.monotonic()
                 if got is not None:
                     ident, msg = got
@@ -175,7 +202,7 @@ class Controller:
                     for _ in range(self.cfg.max_batch):
                         if self.state.result is not None or time.monotonic() >= next_tick:
                             break
-                        if (got := self.ch.recv(0)) is None:
+                        if (got := self._recv(0)) is None:
                             break
                         self._dispatch(got[0], got[1], time.monotonic())
                 now = time.monotonic()
@@ -186,28 +213,103 @@ class Controller:
                         log.error("no longer the leader: stopping (the new leader takes over)")
                         self.deposed = True
                         break
-                    self._tick(now)
+                    if stalled_s := controller_stall_s(now, next_tick):
+                        log.warning(
+                            "the controller did not run for %.1fs: the nodes' clocks move on as much", stalled_s
+                        )
+                        self.view.shift_clock(stalled_s)
+                        self.events.emit(EventName.CONTROLLER_STALLED, seconds=round(stalled_s, 3))
+                    self._guarded_tick(now)
                     next_tick = now + self.cfg.tick_s
+        except KeyboardInterrupt:
+            # The operator's Ctrl-C (resil-run in a terminal): the job is cancelled, a verdict.
+            if self.state.result is None:
+                self.state.result = JobResult(130, "interrupted")
+            raise
+        except ControllerFailed:
+            raise
+        except Exception as e:  # the loop's own machinery (the socket, the leadership check)
+            self.errors.record("loop", e, time.monotonic(), fatal=True)
+            raise ControllerFailed(f"the controller's loop failed: {e!r}") from e
         finally:
             self._finish()
-        if self.deposed:  # no verdict of ours: the new leader's is the job's
-            return JobResult(1, "deposed: another controller replica leads")
-        assert self.state.result is not None  # _finish always leaves a verdict
+        if self.state.result is None:  # deposed: no verdict of ours (the new leader's to say)
+            assert self.deposed
+            return JobResult(1, "deposed: another controller leads")
         return self.state.result
 
+    def _recv(self, timeout_s: float) -> tuple[bytes | None, Message] | None:
+        """The next message; an error of ours in reading one (not the socket's) drops it."""
+        try:
+            return self.ch.recv(timeout_s)
+        except zmq.ZMQError:
+            raise  # the socket itself: the loop's failure
+        except Exception as e:
+            self.errors.record("recv", e, time.monotonic())
+            return None
+
+    def _guarded_tick(self, now: float) -> None:
+        """The tick, its errors reported (each step's in `_step`); gives up when it has
+        failed on every round for cfg.tick_error_limit_s."""
+        self._tick_failed = False
+        try:
+            self._tick(now)
+        except Exception as e:
+            self._tick_failed = True
+            self.errors.record("tick", e, now)
+        if not self._tick_failed:
+            self._tick_failing_since = None
+            return
+        if self._tick_failing_since is None:
+            self._tick_failing_since = now
+        v = give_up_verdict(now, self._tick_failing_since, self.cfg.tick_error_limit_s)
+        if v.guilty:
+            failed = ControllerFailed(v.reason)
+            self.errors.record("tick", failed, now, fatal=True)
+            raise failed
+
+    def _step(self, where: str, step: Callable[[float], None], now: float) -> None:
+        """One step of the tick: its error costs this step this round, not the others."""
+        if self.state.result is not None:
+            return
+        try:
+            step(now)
+        except Exception as e:
+            self._tick_failed = True
+            self.errors.record(where, e, now)
+
     def _tick(self, now: float) -> None:
-        for to, reply in self.state.rendezvous.expire(now):
-            self.ch.send(MsgType.STORE_REPLY, reply, to=to)
+        # The leases first: the nodes' view of whether they have a controller at all.
+        self._step("tick:leases", self._leases, now)
+        self._step("tick:rendezvous", self._rendezvous_expiry, now)
+        self._step("tick:deferred", self.effects.retry_deferred, now)
+        self._step("tick:exits", self._exits, now)
+        started = self.view.membership is not None
+        self._step("tick:checks", self._checks, now)
+        if started:
+            self._step("tick:faults", self.effects.fire_faults, now)
+
+    def _leases(self, now: float) -> None:
         if self.derived.lease_interval_s > 0 and now >= self._next_lease_s:
             self.bc.send_leases(*lease_terms(self.cfg, self.derived))
             self._next_lease_s = now + self.derived.lease_interval_s
+
+    def _rendezvous_expiry(self, now: float) -> None:
+        for to, reply in self.state.rendezvous.expire(now):
+            self.ch.send(MsgType.STORE_REPLY, reply, to=to)
+
+    def _exits(self, now: float) -> None:
         for node, rc in self.backend.exited_nodes():
             self.effects.decide(
                 on_node_failure(self.view, node, f"node process exited with code {rc}", "process-exit"), now
             )
+
+    def _checks(self, now: float) -> None:
         if self.view.membership is None:
             # Start-up: a node lost now is replaced by a spare in the first epoch.
             self.effects.decide(check_heartbeats(now, self.view, self.policy), now)
+            if self.state.unregistered <= 0:
+                self.effects.start(now)  # its journal record was not committed before: again
             if self.state.result is None and now - self._started > self.cfg.settings.start_timeout_s:
                 missing = [
                     n for n, v in self.view.nodes.items() if v.role == NodeRole.ACTIVE and v.workers_ready < v.nproc
@@ -221,17 +323,43 @@ class Controller:
         if self.view.probe_sent_s is not None and now - self.view.probe_sent_s >= self.policy.probe_timeout_s:
             self.view.probe_sent_s = None  # probe answered (or judged): done
         self.effects.decide(d, now)
-        self.effects.fire_faults(now)
 
     # ---- messages --------------------------------------------------------
     def _dispatch(self, ident: bytes | None, msg: Message, now: float) -> None:
-        """The loop outlives any one message: a handler's exception is logged and answered."""
+        """The loop outlives any one message: a handler's exception (ours) drops the message;
+        it is reported (errors.py) and its sender answered."""
         try:
             self._handle(ident, msg, now)
         except Exception as e:
-            log.exception("handling %s from %s failed", msg.type.value, msg.sender)
+            self.errors.record(f"handler:{msg.type.value}", e, now, sender=msg.sender[:128])
             if ident is not None:
                 self.ch.send(MsgType.ERROR, {"code": "internal", "detail": f"{msg.type.value}: {e!r}"[:1024]}, to=ident)
+
+    def _peer_refused(self, user: str, ident: bytes | None, why: str) -> None:
+        """A key holder spoke as someone else (channel.py refused it): named in an event,
+        its first refusal and then one per REFUSED_EVENT_S with the count (a flood of forged
+        frames must not become a flood of events)."""
+        try:
+            self._name_refused(user, ident, why)
+        except Exception as e:  # called from recv: a forged frame must never stop the loop
+            self.errors.record("refused", e, time.monotonic(), key=user)
+
+    def _name_refused(self, user: str, ident: bytes | None, why: str) -> None:
+        now = time.monotonic()
+        last_s, count = self._refused.get(user, (-1e9, 0))
+        count += 1
+        if now - last_s < REFUSED_EVENT_S:
+            self._refused[user] = (last_s, count)
+            return
+        self._refused[user] = (now, 0)
+        log.error("refused a message from the key of %r: %s (%d refused)", user, why, count)
+        self.events.emit(
+            EventName.PEER_REFUSED,
+            key=user,
+            routing_id=(ident or b"")[:64].decode(errors="replace"),
+            reason=why[:300],
+            refused=count,
+        )
 
     def _handle(self, ident: bytes | None, msg: Message, now: float) -> None:
         self.handlers.handle(ident, msg, now)
@@ -273,10 +401,18 @@ class Controller:
         )
 
     def _finish(self) -> None:
-        if not self.deposed:
-            self.effects.finish()
-        self.server.close()
-        self.journal.close()
+        """SHUTDOWN goes out only with a verdict (effects.finish): not from a deposed
+        leader (the new one speaks), nor from a controller that failed on its own."""
+        try:
+            if self.deposed:
+                pass
+            elif self.state.result is not None:
+                self.effects.finish()
+            else:
+                log.error("stopping without a verdict: the nodes are not told to shut down (they keep training)")
+        finally:
+            self.server.close()
+            self.journal.close()
 
     def status(self) -> dict[str, Any]:
         return answer(self.state)

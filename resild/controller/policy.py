@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 
+from resild.controller.budget import Overage
 from resild.controller.view import ClusterView, NodeView
 from resild.membership import Membership, NodeRole
 from resild.wire.settings import Derived, JobSettings
@@ -39,6 +40,17 @@ class Decision:
 
 
 NOTHING = Decision(Action.NONE, "")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A yes/no judgement with its reason (said in the events and the log)."""
+
+    guilty: bool
+    reason: str = ""
+
+
+INNOCENT = Verdict(False)
 
 # A node fenced on suspicion (no evidence) is drained at the second strike within this long:
 # one exception is the script's; two on one node within the hour are the node's.
@@ -188,6 +200,17 @@ def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     return NOTHING
 
 
+STALL_S = 0.5  # a tick this late means the controller itself did not run
+
+
+def controller_stall_s(now: float, tick_due_s: float) -> float:
+    """How long the controller itself did not run before this tick (0 when on time). Time
+    nobody watched must not count against the nodes: a leader resumed after a SIGSTOP
+    saw every heartbeat "missing" and fenced a healthy node."""
+    late_s = now - tick_due_s
+    return late_s if tick_due_s > 0 and late_s > STALL_S else 0.0
+
+
 def check_timeouts(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     """Probe answers first, then heartbeat loss (a dead node explains a stall), then hangs."""
     d = check_probe(now, view, cfg)
@@ -252,3 +275,55 @@ def check_done(view: ClusterView) -> Decision:
     if m is not None and len(view.done_ranks) == m.world_size:
         return Decision(Action.FINISH, f"all {m.world_size} ranks finished")
     return NOTHING
+
+
+# ---- the controller's own errors (errors.py, loop.py) ----------------------------------
+def give_up_verdict(now: float, failing_since_s: float | None, limit_s: float) -> Verdict:
+    """Whether the controller stops on its own error: its tick has failed on every round
+    since `failing_since_s` (None: the last round went through) for `limit_s` or longer.
+    That long it could not detect failures (or send leases, or expire rendezvous): a new
+    leader, or the nodes' lease rules, do better than a blind controller. It stops without
+    a SHUTDOWN (no verdict: the job is not over). A message handler's errors never count:
+    a key holder's crafted message must not be able to stop the controller."""
+    if failing_since_s is None or limit_s <= 0 or now - failing_since_s < limit_s:
+        return INNOCENT
+    return Verdict(True, f"the controller's tick failed on every round for {now - failing_since_s:.1f}s")
+
+
+# ---- a node that stays over its message budget (budget.py) -----------------------------
+@dataclass(frozen=True)
+class AbuseLimits:
+    """When a node over its EVENT/PROGRESS budget is abusive, not just loud: messages were
+    dropped in at least `intervals` of the budget's intervals (1 s, aligned on the clock)
+    within the last `window_s`, and at least `messages` of them, or `bytes` bytes, in that
+    window. n intervals take a flood more than n - 2 of them to touch (it may begin at the
+    end of one). Far above what an honest node does: its events are rare, its progress far
+    under its budget; a burst (a recovery's catch-up) touches one or two intervals, not six."""
+
+    window_s: float = 10.0
+    intervals: int = 6
+    messages: int = 1000
+    bytes: int = 64 << 20
+
+
+def abuse_verdict(now: float, node: str, overages: Sequence[Overage], limits: AbuseLimits) -> Verdict:
+    """Whether `node` is abusive now, from its intervals with drops (budget.Overage)."""
+    recent = [o for o in overages if now - o.start_s < limits.window_s]
+    messages = sum(o.messages for o in recent)
+    nbytes = sum(o.bytes for o in recent)
+    if len(recent) < limits.intervals or (messages < limits.messages and nbytes < limits.bytes):
+        return INNOCENT
+    return Verdict(
+        True,
+        f"abuse: {node} stayed over its message budget: messages dropped in {len(recent)} intervals within "
+        f"{limits.window_s:g}s ({messages} messages, {nbytes} bytes)",
+    )
+
+
+def on_abuse(view: ClusterView, node_id: str, reason: str) -> Decision:
+    """An abusive node is fenced like a failed one: its ranks go to a spare, and it is
+    drained (its key holder is hostile: evidence against the node). Unless that would end
+    the job (no spare left): the job does not pay for one node's flood; the node stays in,
+    its messages over budget dropped (what keeps the controller whole), named again later."""
+    d = on_node_failure(view, node_id, reason, "abuse")
+    return NOTHING if d.action == Action.FAIL_JOB else d

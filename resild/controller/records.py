@@ -12,6 +12,7 @@ record from a test, or an older writer) and keeps a record of an action it does 
     fail_job        a decision: the job's verdict, failed
     finish          a decision: the job's verdict, finished
     fault_fired     an injected fault fired (once, ever)
+    controller_error  the controller's own error (loop.py): where, what; restore ignores it
     leader          a standby replica took the lead (replica.py)
     closed          the leader's last record: the job is over (replica.py)
 """
@@ -144,6 +145,39 @@ class FaultFired:
 
 
 @dataclass(frozen=True)
+class ControllerError:
+    """An error of the controller's own (a handler's or the tick's exception): kept for
+    the post-mortem; it changes nothing in the job's state."""
+
+    ACTION: ClassVar[str] = "controller_error"
+    where: str
+    error: str
+    count: int = 1  # errors at `where` since the last record of it
+    fatal: bool = False  # the controller gave up (loop.py: it stops without a SHUTDOWN)
+    t_wall: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "t_wall": self.t_wall,
+            "action": self.ACTION,
+            "where": self.where,
+            "error": self.error,
+            "count": self.count,
+            "fatal": self.fatal,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ControllerError:
+        return cls(
+            str(d.get("where", "")),
+            str(d.get("error", "")),
+            int(d.get("count") or 1),
+            bool(d.get("fatal", False)),
+            float(d.get("t_wall") or 0.0),
+        )
+
+
+@dataclass(frozen=True)
 class Leader:
     ACTION: ClassVar[str] = "leader"
     index: int
@@ -182,10 +216,23 @@ class Unknown:
         return dict(self.raw)
 
 
-Record = Start | ReplaceNode | DropSpare | Reform | FailJob | Finish | FaultFired | Leader | Closed | Unknown
+Record = (
+    Start
+    | ReplaceNode
+    | DropSpare
+    | Reform
+    | FailJob
+    | Finish
+    | FaultFired
+    | ControllerError
+    | Leader
+    | Closed
+    | Unknown
+)
 
 _BY_ACTION: dict[str, Any] = {
-    c.ACTION: c for c in (Start, ReplaceNode, DropSpare, Reform, FailJob, Finish, FaultFired, Leader, Closed)
+    c.ACTION: c
+    for c in (Start, ReplaceNode, DropSpare, Reform, FailJob, Finish, FaultFired, ControllerError, Leader, Closed)
 }
 
 

@@ -47,6 +47,7 @@ from pysyncobj.syncobj import SyncObjException
 
 import resild.slurm as slurm
 import resild.wire.env as resild_env
+from resild.controller import verdict_file
 from resild.controller.backend import Backend, SlurmDrain
 from resild.controller.etcd_client import Etcd, EtcdError
 from resild.controller.etcd_election import Election
@@ -54,7 +55,7 @@ from resild.controller.etcd_journal import EtcdJournal, Follower
 from resild.controller.etcd_target import EtcdTarget
 from resild.controller.faults import parse_fault
 from resild.controller.journal import Journal
-from resild.controller.loop import Controller, ControllerConfig
+from resild.controller.loop import Controller, ControllerConfig, ControllerFailed
 from resild.controller.records import Closed, Leader
 from resild.events.log import EventLog
 from resild.events.schema import EventName
@@ -66,7 +67,6 @@ from resild.wire.store import listen_address
 
 log = logging.getLogger("resild.replica")
 
-RESULT_FILE = "result.json"  # the leader's verdict on the job, for resil-run
 RUNNER_ALIVE = "runner.alive"  # resil-run touches it while it waits (Slurm: its host may die)
 
 
@@ -145,6 +145,8 @@ def _closed(records: list[dict[str, Any]]) -> bool:
 class RaftJournal(Journal):
     """The controller's Journal, written through Raft: `append` is true once a majority
     of the replicas holds the record."""
+
+    replicated = True
 
     def __init__(self, raft: RaftLog, timeout_s: float = 2.0) -> None:
         super().__init__(None)
@@ -271,6 +273,7 @@ def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
 
 def serve(spec: dict[str, Any], index: int) -> int:
     run_dir = Path(spec["run_dir"])
+    verdict_file.reserve(run_dir, index)  # room for the verdict, whatever fills the disk later
     keys = KeyDir(Path(spec["keys"])) if spec.get("keys") else None
     ctx = zmq.Context()
     cluster = bool(spec.get("hosts"))
@@ -359,9 +362,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
     events.close()
     if ctl.deposed:
         return 1
-    tmp = run_dir / f".{RESULT_FILE}.{index}"
-    tmp.write_text(json.dumps({"exit_code": result.exit_code, "reason": result.reason}))
-    os.replace(tmp, run_dir / RESULT_FILE)
+    verdict_file.write(run_dir, index, result.exit_code, result.reason)
     if cluster:
         end_orphaned_job(run_dir, result)
     # Tell the standbys the job is over, or they elect one of themselves the moment we go
@@ -490,7 +491,15 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
             result = ctl.result
             ctl._finish()
         else:
-            result = ctl.run()
+            try:
+                result = ctl.run()
+            except ControllerFailed:
+                # Our own failure, not the job's: no verdict, nobody told to shut down. The lease
+                # goes now (a standby leads at once, not when it expires) and we exit, as with Raft.
+                events.close()
+                election.resign()
+                follower.close()
+                raise
         events.close()
         if ctl.deposed:  # another replica leads now: stand by again, on the same endpoint
             election.resign()
@@ -501,9 +510,7 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
             )
             server = Server(ctx, bind, keys)
             continue
-        tmp = run_dir / f".{RESULT_FILE}.{index}"
-        tmp.write_text(json.dumps({"exit_code": result.exit_code, "reason": result.reason}))
-        os.replace(tmp, run_dir / RESULT_FILE)
+        verdict_file.write(run_dir, index, result.exit_code, result.reason)
         if cluster:
             end_orphaned_job(run_dir, result)
         # Tell the standbys the job is over, or they elect one of themselves the moment we go

@@ -14,7 +14,7 @@ from resild.controller.backend import Backend
 from resild.controller.broadcast import Broadcaster
 from resild.controller.budget import Budget, Limits
 from resild.controller.journal import Journal
-from resild.controller.policy import SUSPECT_WINDOW_S
+from resild.controller.policy import SUSPECT_WINDOW_S, AbuseLimits, Decision
 from resild.controller.rendezvous import Rendezvous
 from resild.controller.view import ClusterView, JobResult
 from resild.events.log import EventLog
@@ -41,7 +41,12 @@ class ControllerConfig:
     # (a node process aggregates its ranks' commits every 100 ms; direct workers per step).
     event_budget: Limits = Limits(messages=200, bytes=256 << 10)
     progress_budget: Limits = Limits(messages=5000, bytes=16 << 20)
+    # A node that stays over those budgets is fenced (policy.abuse_verdict).
+    abuse: AbuseLimits = AbuseLimits()
     suspect_window_s: float = SUSPECT_WINDOW_S  # a second strike within this drains a suspect node
+    # The controller's own errors (errors.py): a tick failing on every round this long makes
+    # it stop, without a SHUTDOWN (policy.give_up_verdict); 0: never.
+    tick_error_limit_s: float = 60.0
 
 
 def lease_terms(cfg: ControllerConfig, derived: Derived) -> tuple[int, int, float, float]:
@@ -65,6 +70,9 @@ class ControllerState:
     commit_times: list[tuple[int, float, str | None]] = field(default_factory=list)
     budget: Budget = field(default_factory=lambda: Budget({}))  # per-node EVENT/PROGRESS limits (handlers)
     rendezvous: Rendezvous = field(default_factory=Rendezvous)  # the epochs' group-formation keys
+    deferred: int = 0  # decisions not carried out: the replicated journal did not commit them
+    deferred_decisions: list[Decision] = field(default_factory=list)  # tried again at each tick
+    abusive: dict[str, float] = field(default_factory=dict)  # node -> when it was last named abusive
 
     @property
     def dropped(self) -> dict[str, int]:

@@ -91,5 +91,21 @@ class ClusterView:
         for n in self._hb_order:
             yield self.nodes[n]
 
+    def shift_clock(self, dt_s: float) -> None:
+        """The controller did not run for `dt_s` (stopped, paused, starved): every age it
+        judges by moves on by as much, so nobody is blamed for the controller's own silence
+        (a node silent before keeps its age). A uniform shift keeps the heartbeat order."""
+        for n in self.nodes.values():
+            n.last_heartbeat_s += dt_s
+        for p in self.progress.values():
+            p.t_s += dt_s
+        if self.last_commit_s:
+            self.last_commit_s += dt_s
+        self.epoch_started_s += dt_s
+        if self.first_done_s is not None:
+            self.first_done_s += dt_s
+        if self.probe_sent_s is not None:
+            self.probe_sent_s += dt_s
+
     def spares(self) -> list[NodeView]:
         return [n for n in self.nodes.values() if n.role == NodeRole.SPARE]

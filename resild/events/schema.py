@@ -43,7 +43,11 @@ class EventName(str, Enum):
     JOB_FAILED = "job_failed"
     CONTROLLER_RESTORED = "controller_restored"
     CONTROLLER_LEADER = "controller_leader"
+    CONTROLLER_STALLED = "controller_stalled"  # the controller did not run for `seconds`: ages shifted
     JOURNAL_ERROR = "journal_error"
+    PEER_REFUSED = "peer_refused"  # a key holder spoke as another node (routing id, sender, body)
+    NODE_ABUSIVE = "node_abusive"  # a node stayed over its message budget: fenced (policy.abuse_verdict)
+    CONTROLLER_ERROR = "controller_error"  # the controller's own bug: logged, the job goes on (loop.py)
     # -- peers (resild.wire.protocol.PEER_EVENTS): workers ----------------------------------
     GROUP_REFORMED = "group_reformed"
     STATE_REPLAYED = "state_replayed"

@@ -2,15 +2,24 @@
 
 The controller binds a ROUTER (`Server`); agents, node processes and workers connect
 DEALERs (`connect`). The controller takes a message's node from the key that
-authenticated it: `Server`'s channel drops (ERROR reply + log) any message whose
-routing id, sender or body "node" names another node, and any replayed or
-reordered `seq` (per-sender high-water mark).
+authenticated it: `Server`'s channel drops (ERROR reply + log, and `on_refused` names
+the key's holder) any message whose routing id, sender or body "node" names another
+node, and any replayed or reordered `seq` (per-sender high-water mark).
+
+Routing ids are unguessable: `connect` gives each socket `<sender>#<random>`. A ROUTER
+ignores a second peer with a routing id already in use, so a key holder that connected
+first with another node's routing id (`b/node`) used to lock that node out; it cannot
+name a routing id it has never seen (CURVE encrypts it), and the controller replies to the
+routing id each node's own key last used. The ROUTER hands a routing id over to its newest
+connection (ROUTER_HANDOVER): a node that reconnects is not locked out by its own ghost.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -23,6 +32,21 @@ from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolErro
 log = logging.getLogger(__name__)
 
 MAX_SENDERS = 65536  # high-water marks kept (oldest forgotten first)
+NONCE_SEP = b"#"  # a routing id is the sender, then this and a random nonce (`connect`)
+
+
+def routing_id(sender: str) -> bytes:
+    """A fresh routing id for a socket of `sender`: its name, then 64 random bits."""
+    return sender.encode() + NONCE_SEP + secrets.token_hex(8).encode()
+
+
+def peer_name(ident: bytes) -> bytes:
+    """The sender a routing id is for (its nonce cut off)."""
+    return ident.split(NONCE_SEP, 1)[0]
+
+
+# Told of every message refused for its identity: (the key's holder, its routing id, why).
+Refused = Callable[[str, bytes | None, str], None]
 
 
 class Channel:
@@ -38,6 +62,7 @@ class Channel:
         self.authenticated = authenticated
         self.seq = Sequencer(sender)
         self.rejected = 0  # frames dropped as malformed / wrong version / expired / replayed / forged
+        self.on_refused: Refused | None = None  # the controller names the key holder (event)
         self._hwm: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     def send(
@@ -105,7 +130,9 @@ class Channel:
                 user = ""
             why = _forged(user, ident, msg)
             if why:
-                self._reject(ident, "identity", why)
+                self._reject(ident, "identity", f"key {user or '?'}: {why}")
+                if self.on_refused is not None:
+                    self.on_refused(user, ident, why)
                 return None
         if msg.expired():
             self.rejected += 1
@@ -131,8 +158,8 @@ def _forged(user: str, ident: bytes | None, msg: Message) -> str:
     """Why this message does not come from who it says, or "" if it does."""
     if not user:
         return "no authenticated identity"
-    if ident is not None and ident != msg.sender.encode():
-        return f"routing id does not match sender {msg.sender!r}"
+    if ident is not None and peer_name(ident) != msg.sender.encode():
+        return f"routing id {ident[:64]!r} does not match sender {msg.sender[:64]!r}"
     node = msg.body.get("node")
     if user == ADMIN:
         return f"the operator key speaks for no node (body names {str(node)[:64]!r})" if node is not None else ""
@@ -165,6 +192,7 @@ class Server:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its routing id back
         limit_frame_size(sock)
         if keys is not None:
             auth = _KeyAuthenticator(ctx, keys.authorized)
@@ -188,7 +216,7 @@ def connect(ctx: zmq.SyncContext, endpoint: str, keys: KeyDir | None, sender: st
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 10000)
     limit_frame_size(sock)
-    sock.setsockopt_string(zmq.IDENTITY, sender)
+    sock.setsockopt(zmq.IDENTITY, routing_id(sender))  # unguessable: no one can take it first
     if keys is not None:
         _set_curve_client(sock, keys)
     sock.connect(endpoint)

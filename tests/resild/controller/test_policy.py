@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from resild.controller.budget import Budget, Limits
 from resild.controller.policy import (
+    AbuseLimits,
     Action,
     PolicyConfig,
+    Verdict,
+    abuse_verdict,
     check_done,
     check_timeouts,
+    on_abuse,
     on_node_failure,
     on_worker_exception,
     pick_spare,
@@ -231,3 +236,55 @@ def test_only_evidence_against_the_node_drains_it() -> None:
     assert not drain_verdict(1000.0, False, (), 3600.0)
     assert drain_verdict(1000.0, False, (900.0,), 3600.0)
     assert not drain_verdict(5000.0, False, (900.0,), 3600.0)
+
+
+# ---- abuse (policy.abuse_verdict, on_abuse), on a fake clock through the real Budget ----
+ABUSE = AbuseLimits()
+
+
+def _flood(budget: Budget, node: str, t0: float, seconds: float, per_s: int, size: int = 100) -> float:
+    """`per_s` EVENTs a second from `node` for `seconds`; returns the clock at the end."""
+    n = int(seconds * per_s)
+    for i in range(n):
+        budget.admit(node, "event", size, t0 + i / per_s)
+    return t0 + seconds
+
+
+def _verdict(budget: Budget, node: str, now: float, limits: AbuseLimits = ABUSE) -> Verdict:
+    return abuse_verdict(now, node, budget.overages.get(node, ()), limits)
+
+
+def test_a_node_that_stays_over_its_budget_is_abusive_and_named() -> None:
+    budget = Budget({"event": Limits(messages=200, bytes=1 << 20)})
+    now = _flood(budget, "a", 1000.0, 5.0, 1000)  # 800 dropped a second, for 5 s
+    assert not _verdict(budget, "a", now).guilty  # 5 intervals of the 6: not yet
+    now = _flood(budget, "a", now, 1.0, 1000)
+    v = _verdict(budget, "a", now)
+    assert v.guilty and v.reason.startswith("abuse: a stayed over its message budget: messages dropped in 6 intervals")
+    assert "4800 messages" in v.reason
+    assert not _verdict(budget, "b", now).guilty  # the budget, and the verdict, are per node
+    assert not _verdict(budget, "a", now + 20.0).guilty  # it stopped: the window forgets it
+
+
+def test_a_burst_or_a_node_at_its_budget_is_not_abusive() -> None:
+    budget = Budget({"event": Limits(messages=200, bytes=1 << 20)})
+    now = _flood(budget, "a", 1000.0, 0.9, 20000)  # 18000 at once, within one interval
+    assert budget.dropped["a"] > 10000 and not _verdict(budget, "a", now).guilty
+    now = _flood(budget, "b", 1000.0, 30.0, 200)  # just at its budget, for long
+    assert "b" not in budget.dropped and not _verdict(budget, "b", now).guilty
+    # Over the budget in most intervals but by a little (a few messages a second): loud, not abusive.
+    now = _flood(budget, "c", 1000.0, 10.0, 210)
+    assert budget.dropped["c"] > 0 and not _verdict(budget, "c", now).guilty
+    # ...unless what it sends is large: the bytes count too.
+    big = Budget({"event": Limits(messages=200, bytes=256 << 10)})
+    now = _flood(big, "d", 1000.0, 10.0, 20, size=1 << 20)  # a 1 MB event 20 times a second
+    assert _verdict(big, "d", now).guilty
+
+
+def test_an_abusive_node_goes_to_a_spare_and_only_a_spare_saves_the_job() -> None:
+    d = on_abuse(view(), "a", "abuse: a flooded")
+    assert d.action == Action.REPLACE_NODE and d.node == "a" and d.spare == "s0" and d.evidence
+    assert "abuse: a flooded" in d.reason and d.detector == "abuse"
+    # No spare: fencing it would end the job, which is what the flood could not do. It stays.
+    assert on_abuse(view(spares=0), "a", "abuse: a flooded").action == Action.NONE
+    assert on_abuse(view(), "s0", "abuse: s0 flooded").action == Action.DROP_SPARE

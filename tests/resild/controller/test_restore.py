@@ -11,7 +11,7 @@ from resild.controller.faults import parse_fault
 from resild.controller.loop import Controller, ControllerConfig
 from resild.events.log import EventLog
 from resild.membership import Membership, NodeRole
-from resild.wire.channel import Channel, connect
+from resild.wire.channel import Channel, connect, peer_name
 from resild.wire.leader import ControllerSet
 from resild.wire.protocol import Message, MsgType
 
@@ -157,7 +157,7 @@ def test_a_node_an_epoch_behind_after_a_takeover_gets_its_view_again() -> None:
             got = ctl.ch.recv(0.1)
             if got is not None:
                 break
-        assert got is not None and got[0] == b"a/node"
+        assert got is not None and peer_name(got[0]) == b"a/node"
         ctl._handle(got[0], got[1], 101.0)  # raised AttributeError before the fix
         assert ctl.view.nodes["a"].epoch_sent == 2
         sent = [m for _, m in iter(lambda: _recv(node), None) if m.type == MsgType.MEMBERSHIP]

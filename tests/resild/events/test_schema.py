@@ -30,9 +30,10 @@ REPO = Path(__file__).resolve().parents[3]
 # The strings in files written before the schema existed: renaming one breaks every reader.
 NAMES = """job_started node_registered worker_registered membership progress collective_failed
 fault_injected failure_detected node_fenced spare_assigned reform full_strength_step rank_done
-job_finished job_failed controller_restored controller_leader journal_error group_reformed
+job_finished job_failed controller_restored controller_leader controller_stalled journal_error group_reformed
 state_replayed resumed process_running process_exited process_zombie process_hung node_suspect
-rolled_back snapshot_corrupt snapshots replica_diverged checkpoint_loaded""".split()
+rolled_back snapshot_corrupt snapshots replica_diverged checkpoint_loaded peer_refused node_abusive
+controller_error""".split()
 
 
 def test_names_are_todays_strings() -> None:

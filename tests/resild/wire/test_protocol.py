@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from resild.wire.channel import Server, connect
+from resild.wire.channel import Server, connect, peer_name
 from resild.wire.keys import ADMIN, KeyDir, generate_keys
 from resild.wire.protocol import (
     MAX_FRAME_BYTES,
@@ -311,10 +311,44 @@ def test_every_socket_has_a_size_limit_and_a_huge_frame_is_dropped(keys: KeyDir,
         assert got is not None and got[1].sender == "n2/node"
         assert server.channel.recv(0.5) is None
         # A reply over the limit is not sent (the peer would drop the connection): an ERROR is.
-        server.channel.send(MsgType.STATUS_REPLY, {"blob": "y" * MAX_FRAME_BYTES}, to=b"n2/node")
+        server.channel.send(MsgType.STATUS_REPLY, {"blob": "y" * MAX_FRAME_BYTES}, to=got[0])
         err = ok.recv(2.0)
         assert err is not None and err[1].type is MsgType.ERROR and err[1].body["code"] == "too_large"
     finally:
         big.close()
         ok.close()
+        server.close()
+
+
+def test_routing_ids_are_unguessable_and_a_reconnecting_peer_is_not_locked_out(keys: KeyDir, ctx) -> None:
+    """Each socket's routing id is its sender and a random nonce (no key holder can take
+    another node's first); a new connection with a routing id in use takes it over."""
+    server = Server(ctx, "tcp://127.0.0.1:0", keys)
+    first = connect(ctx, server.endpoint, keys.node("n1"), "n1/node")
+    again = connect(ctx, server.endpoint, keys.node("n1"), "n1/node")
+    try:
+        first.send(MsgType.HEARTBEAT, {"node": "n1"})
+        got = server.channel.recv(2.0)
+        assert got is not None and got[1].sender == "n1/node"
+        ident = got[0]
+        assert ident.startswith(b"n1/node#") and len(ident) == len(b"n1/node#") + 16 and peer_name(ident) == b"n1/node"
+        assert first.sock.getsockopt(zmq.IDENTITY) == ident != again.sock.getsockopt(zmq.IDENTITY)
+        # The same routing id on a new connection (a reconnect the ROUTER has not noticed
+        # the end of yet): the new one gets in, and the replies go to it.
+        again.sock.close(linger=0)
+        again = first
+        second = ctx.socket(zmq.DEALER)
+        second.setsockopt(zmq.LINGER, 0)
+        second.setsockopt(zmq.IDENTITY, ident)
+        second.curve_publickey, second.curve_secretkey = keys.node("n1").client()
+        second.curve_serverkey = keys.server_public()
+        second.connect(server.endpoint)
+        second.send(encode(Sequencer("n1/node").make(MsgType.HEARTBEAT, {"node": "n1"})))
+        got = server.channel.recv(2.0)
+        assert got is not None and got[0] == ident
+        server.channel.send(MsgType.STATUS_REPLY, {}, to=ident)
+        assert second.poll(2000, zmq.POLLIN)
+        second.close(linger=0)
+    finally:
+        first.close()
         server.close()

@@ -1,0 +1,128 @@
+"""A leader that was stopped (SIGSTOP, a paused VM) and resumes must not act on a world
+that moved on: the time it did not run counts against nobody, and a decision the
+replicated journal did not commit is carried out by nobody. (Found by the system soak:
+a resumed leader fenced a healthy spare as "no heartbeat for 2.2s" and killed it.)"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import zmq
+
+from resild.controller.journal import Journal
+from resild.controller.loop import Controller, ControllerConfig
+from resild.controller.policy import STALL_S, PolicyConfig, check_heartbeats, controller_stall_s
+from resild.controller.view import ClusterView, NodeView
+from resild.events.log import EventLog
+from resild.membership import NodeRole
+from resild.wire.protocol import PROTOCOL_VERSION, Message, MsgType
+
+
+def test_a_late_tick_is_the_controllers_own_stall() -> None:
+    assert controller_stall_s(10.0, 10.0) == 0.0
+    assert controller_stall_s(10.0 + STALL_S / 2, 10.0) == 0.0  # a busy moment
+    assert controller_stall_s(13.0, 10.0) == 3.0
+    assert controller_stall_s(13.0, 0.0) == 0.0  # the first tick has no due time
+
+
+def test_time_nobody_watched_counts_against_nobody() -> None:
+    nodes = {n: NodeView(n, NodeRole.ACTIVE, 1, registered=True) for n in ("a", "b")}
+    view = ClusterView(nodes)
+    view.beat("a", 100.0)  # silent for a while already
+    view.beat("b", 103.0)
+    cfg = PolicyConfig(heartbeat_timeout_s=4.0, start_heartbeat_timeout_s=4.0)
+    stopped_s = 5.0  # the controller did not run from 103.5 to 108.5
+    view.shift_clock(stopped_s)
+    assert check_heartbeats(108.6, view, cfg).node is None  # b: 0.6 s of watched silence
+    d = check_heartbeats(109.2, view, cfg)  # a: 4.2 s watched (100 -> 103.5, then 108.5 -> 109.2)
+    assert d.node == "a", d
+
+
+class RefusingJournal(Journal):
+    """A replicated journal whose replicas stopped committing (this replica was deposed)."""
+
+    replicated = True
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.commit = True
+        self.refused: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> bool:
+        if not self.commit:
+            self.refused.append(record)
+        return self.commit
+
+
+def _msg(mtype: MsgType, body: dict[str, Any]) -> Message:
+    return Message(mtype, "t", 1, time.time() + 60, body, PROTOCOL_VERSION)
+
+
+def test_a_decision_the_replicas_did_not_commit_is_not_carried_out() -> None:
+    ctx = zmq.Context()
+    journal = RefusingJournal()
+    events = EventLog(None)
+    ctl = Controller(ControllerConfig(), ["n0", "n1"], ["n2"], 1, None, events, journal, ctx=ctx)
+    fenced: list[str] = []
+    ctl.backend.fence = lambda node, reason: fenced.append(node)  # type: ignore[method-assign]
+    try:
+        now = time.monotonic()
+        journal.commit = False
+        for i, n in enumerate(["n0", "n1", "n2"]):
+            ctl._handle(f"{n}/node".encode(), _msg(MsgType.REGISTER_NODE, {"node": n, "pid": 100 + i}), now)
+            ctl._handle(
+                f"{n}/w0/1".encode(), _msg(MsgType.REGISTER_WORKER, {"node": n, "local_rank": 0, "pid": 200 + i}), now
+            )
+        assert ctl.view.membership is None  # the first epoch was not committed: not announced
+        journal.commit = True
+        ctl._tick(now + 0.1)
+        m = ctl.view.membership
+        assert m is not None and m.epoch == 1  # committed at the next tick: announced
+
+        # Deposed: every node "silent" past the heartbeat timeout is what a resumed
+        # leader sees; its decision is refused by the replicas, so nothing happens.
+        journal.commit = False
+        ctl._tick(now + 60.0)
+        assert journal.refused and ctl.state.deferred >= 1
+        assert fenced == [] and ctl.view.membership is m
+        assert all(v.role != NodeRole.FENCED for v in ctl.view.nodes.values())
+        assert not [e for e in events.records if e["event"] in ("failure_detected", "node_fenced", "spare_assigned")]
+    finally:
+        ctl.server.close()
+        events.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_failure_reported_while_the_replicas_refused_is_handled_once_they_commit() -> None:
+    """A worker's exit arrives as a message: no tick would decide it again by itself."""
+    ctx = zmq.Context()
+    journal = RefusingJournal()
+    events = EventLog(None)
+    ctl = Controller(ControllerConfig(), ["n0", "n1"], ["n2"], 1, None, events, journal, ctx=ctx)
+    fenced: list[str] = []
+    ctl.backend.fence = lambda node, reason: fenced.append(node)  # type: ignore[method-assign]
+    try:
+        now = time.monotonic()
+        for i, n in enumerate(["n0", "n1", "n2"]):
+            ctl._handle(f"{n}/node".encode(), _msg(MsgType.REGISTER_NODE, {"node": n, "pid": 100 + i}), now)
+            ctl._handle(
+                f"{n}/w0/1".encode(), _msg(MsgType.REGISTER_WORKER, {"node": n, "local_rank": 0, "pid": 200 + i}), now
+            )
+        m1 = ctl.view.membership
+        assert m1 is not None
+        journal.commit = False  # the standbys are stalled: no majority
+        exit_msg = {"node": "n0", "local_rank": 0, "pid": 200, "returncode": 1}
+        ctl._handle(b"n0/node", _msg(MsgType.WORKER_EXIT, exit_msg), now)
+        ctl._tick(now + 0.1)
+        assert fenced == [] and ctl.view.membership is m1
+        journal.commit = True  # they are back
+        ctl._tick(now + 0.2)
+        m2 = ctl.view.membership
+        assert fenced == ["n0"] and m2 is not None and m2.epoch == 2 and "n2" in m2.node_ranks
+        ctl._tick(now + 0.3)  # handled once
+        assert fenced == ["n0"] and ctl.view.membership is m2
+    finally:
+        ctl.server.close()
+        events.close()
+        ctx.destroy(linger=0)
