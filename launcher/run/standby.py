@@ -72,6 +72,14 @@ def run_replicated(
         try:
             if slurm_job is None:
                 own_etcd = LocalEtcd(rd, keys.path, n_controllers, fresh=not resume)
+                if resume and not own_etcd.has_data():
+                    over = _over(rd)
+                    print(
+                        f"resil-run: {rd}: the job's etcd data is gone (removed when the job ended)"
+                        + ("" if over is None else "; the job is over"),
+                        file=sys.stderr,
+                    )
+                    return 1 if over is None else over
                 etcd = own_etcd.start()
                 if resume:
                     over, resume_records = _finished(etcd, rd)
@@ -214,7 +222,10 @@ def run_replicated(
         if backend is not None:
             backend.shutdown(0.0)
         if own_etcd is not None:
-            own_etcd.stop()
+            if (rd / RESULT_FILE).exists():  # the job is over: its etcd's data goes (the journal copies stay)
+                own_etcd.remove_data()
+            else:  # kept for --resume
+                own_etcd.stop()
         if etcd_step is not None:
             _stop_step(etcd_step)
         follow()
@@ -293,10 +304,16 @@ def _finished(etcd: EtcdTarget, rd: Path) -> tuple[int | None, int]:
     if not any(r.get("action") == "closed" for r in records):
         print(f"resil-run: resuming the job of {rd} ({len(records)} journal records)", file=sys.stderr)
         return None, len(records)
+    code = _over(rd)
+    return (1 if code is None else code), len(records)
+
+
+def _over(rd: Path) -> int | None:
+    """The verdict of the job of `rd`, said again; None if it has none."""
     try:
         result = json.loads((rd / RESULT_FILE).read_text())
         code, reason = int(result["exit_code"]), str(result["reason"])
     except (OSError, ValueError, KeyError):
-        code, reason = 1, "its result.json is missing"
+        return None
     print(f"resil-run: the job of {rd} is over (exit {code}: {reason}); nothing to resume", file=sys.stderr)
-    return code, len(records)
+    return code

@@ -1,11 +1,12 @@
 """The job's own etcd cluster (resil-run --controllers N without --etcd): N members,
-their data on disk under RUN_DIR/etcd/, client and peer TLS with the job's CA only
+their data on disk (not in the run directory: see LocalEtcd), client and peer TLS with the job's CA only
 (client certificates required), requests bounded (--max-request-bytes) and the store
 bounded (--quota-backend-bytes).
 
 `LocalEtcd` runs the members on this machine (resil-run --local), bound to loopback, on
-ports picked free once and kept in RUN_DIR/etcd/cluster.json: a resumed job restarts the
-same members on the same data. Members die with the process that started them.
+ports picked free once and kept in RUN_DIR/etcd/cluster.json (with where their data is:
+$TMPDIR/resild-etcd-<run>/): a resumed job restarts the same members on the same data.
+Members die with the process that started them.
 
 Under Slurm each member runs on its own host (one srun step on the allocation's first
 nodes, the replicas' hosts):
@@ -150,32 +151,53 @@ class LocalEtcd:
         host: str = "127.0.0.1",
         *,
         fresh: bool = False,
+        data_root: Path | None = None,
     ) -> None:
         """`fresh`: a new job in this run directory, whatever an earlier one left there
-        (its members' data goes); otherwise an existing cluster is started again as it was."""
+        (its members' data goes); otherwise an existing cluster is started again as it was.
+        `data_root`: where the members keep their data (default: $TMPDIR/resild-etcd-<run>;
+        not the run directory: a full run directory must not stop etcd, whose members exit
+        on a failed write)."""
         binary = etcd_binary()
         if binary is None:
             raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
         self.binary = binary
         self.dir = run_dir / "etcd"
+        layout = self.dir / "cluster.json"
+        if fresh and layout.exists():  # an earlier job's members: their data goes too
+            try:
+                shutil.rmtree(json.loads(layout.read_text())["data"], ignore_errors=True)
+            except (OSError, ValueError, KeyError):
+                pass
         if fresh and self.dir.exists():
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         self.certs = make_certs(keys_dir)
-        layout = self.dir / "cluster.json"
         if layout.exists():  # a resumed job: the same members, ports and data
             saved = json.loads(layout.read_text())
             self.members = [Member(**m) for m in saved["members"]]
             self.token = str(saved["token"])
             self.job = str(saved["job"])
+            self.data = Path(saved["data"])
         else:
             self.members = [Member(f"m{i}", host, _free_port(host), _free_port(host)) for i in range(n)]
             self.job = job or os.urandom(6).hex()
             self.token = f"resild-{self.job}-{os.urandom(4).hex()}"
+            run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+            self.data = data_root or Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"resild-etcd-{run_id}"
+            shutil.rmtree(self.data, ignore_errors=True)
             layout.write_text(
-                json.dumps({"members": [asdict(m) for m in self.members], "token": self.token, "job": self.job})
+                json.dumps(
+                    {
+                        "members": [asdict(m) for m in self.members],
+                        "token": self.token,
+                        "job": self.job,
+                        "data": str(self.data),
+                    }
+                )
             )
+        self.data.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def target(self, timeout_s: float = 1.0) -> EtcdTarget:
@@ -190,7 +212,7 @@ class LocalEtcd:
 
     def start_member(self, i: int) -> None:
         m = self.members[i]
-        cmd = member_cmd(self.binary, m, self.members, self.dir / f"{m.name}.data", self.certs, self.token)
+        cmd = member_cmd(self.binary, m, self.members, self.data / f"{m.name}.data", self.certs, self.token)
         with open(self.dir / f"{m.name}.log", "ab") as out:
             self.procs[i] = subprocess.Popen(
                 cmd,
@@ -234,6 +256,14 @@ class LocalEtcd:
     def stop(self) -> None:
         for i in list(self.procs):
             self.stop_member(i)
+
+    def has_data(self) -> bool:
+        return any(self.data.glob("*.data"))
+
+    def remove_data(self) -> None:
+        """The members' data, once the job is over (its journal copies stay in the run directory)."""
+        self.stop()
+        shutil.rmtree(self.data, ignore_errors=True)
 
 
 # ---- under Slurm: one member per host ----------------------------------------------

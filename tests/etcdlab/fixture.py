@@ -63,4 +63,4 @@ def etcd_cluster(tmp_path: Path) -> Iterator[LocalEtcd]:
     try:
         yield cluster
     finally:
-        cluster.stop()
+        cluster.remove_data()  # stops the members first

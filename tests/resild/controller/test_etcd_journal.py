@@ -206,7 +206,8 @@ def test_the_journal_survives_restarting_every_member(etcd_cluster: LocalEtcd, t
     assert not a.is_leader()
     a.resign()  # etcd unreachable: logged, not raised
     again = LocalEtcd(tmp_path / "run", tmp_path / "run" / "keys", 3, job="test")  # as a resumed job would
-    assert again.members == etcd_cluster.members
+    assert again.members == etcd_cluster.members and again.data == etcd_cluster.data and again.has_data()
+    assert not str(again.data).startswith(str(tmp_path / "run"))  # a full run directory must not stop etcd
     etcd_cluster.procs = again.procs  # the fixture stops them
     again.start()
     assert [r["i"] for _, r in read_records(Etcd(t), t.prefix)] == list(range(5))
