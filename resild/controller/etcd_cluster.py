@@ -197,7 +197,6 @@ class LocalEtcd:
                     }
                 )
             )
-        self.data.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def target(self, timeout_s: float = 1.0) -> EtcdTarget:
@@ -212,6 +211,7 @@ class LocalEtcd:
 
     def start_member(self, i: int) -> None:
         m = self.members[i]
+        self.data.mkdir(mode=0o700, parents=True, exist_ok=True)
         cmd = member_cmd(self.binary, m, self.members, self.data / f"{m.name}.data", self.certs, self.token)
         with open(self.dir / f"{m.name}.log", "ab") as out:
             self.procs[i] = subprocess.Popen(

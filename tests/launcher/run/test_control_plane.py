@@ -303,6 +303,8 @@ def test_a_job_resumed_from_its_etcd_keeps_its_fenced_nodes_and_fired_faults(tmp
         timeout=60,
     )
     assert over.returncode == 0 and "is over (exit 0" in over.stderr, over.stderr[-2000:]
+    # the finished job's etcd data is gone (outside the run directory, where nothing else removes it)
+    assert not Path(json.loads((tmp_path / "run" / "etcd" / "cluster.json").read_text())["data"]).exists()
 
 
 def test_standby_controllers_on_a_site_etcd(tmp_path: Path, etcd_cluster: LocalEtcd) -> None:  # noqa: F811
