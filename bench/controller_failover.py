@@ -7,7 +7,7 @@ Each trial runs a real job on this machine (resil-run --local --nodes 3 --spares
 examples/train.py --steps 600) and takes its controller away once it has committed
 --kill-at steps:
 
-- standby (--controllers 3, Raft): SIGKILL the leader replica (pid from the first
+- standby (--controllers 3, etcd): SIGKILL the leader replica (pid from the first
   `controller_leader` event) at t_kill = time.monotonic(). From the event file
   (t_mono is CLOCK_MONOTONIC, comparable across processes on one host):
     takeover_s = new leader's `controller_leader`.t_mono - t_kill  (election + restore)

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 import click
 
+from resild.controller.etcd_target import EtcdTarget
 from resild.controller.faults import Fault, FaultSpecError, parse_fault
 from resild.wire.settings import AUTO_COPIES, JobSettings, SettingsError
 
@@ -135,6 +137,30 @@ def _copies(v: str | int) -> int:
     "the job survives the loss of any minority of them, the leader's and the batch host's included.",
 )
 @click.option(
+    "--consensus",
+    type=click.Choice(["auto", "etcd", "raft"]),
+    default="auto",
+    show_default=True,
+    help="With --controllers N: etcd elects the leader and keeps the journal (the job's own N-member "
+    "cluster: with --local on this machine, under Slurm on the replicas' nodes; or a site's with --etcd); "
+    "raft: the older pysyncobj replica set (its log in memory). auto: etcd.",
+)
+@click.option(
+    "--etcd",
+    "etcd_urls",
+    metavar="URL[,URL...]",
+    help="A site etcd (its client URLs) for --controllers N instead of the job's own cluster; "
+    "with --etcd-ca/--etcd-cert/--etcd-key for TLS client certificates.",
+)
+@click.option("--etcd-ca", type=click.Path(dir_okay=False, exists=True), help="The site etcd's CA (PEM).")
+@click.option("--etcd-cert", type=click.Path(dir_okay=False, exists=True), help="A client certificate (PEM).")
+@click.option("--etcd-key", type=click.Path(dir_okay=False, exists=True), help="Its private key (PEM).")
+@click.option(
+    "--etcd-prefix",
+    metavar="/PATH",
+    help="Where in the site etcd this job's keys go (default: /resild/<Slurm job id or a random id>).",
+)
+@click.option(
     "--snapshot-copies",
     default="auto",
     show_default=True,
@@ -183,6 +209,15 @@ def _copies(v: str | int) -> int:
     help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).",
 )
 @click.option(
+    "--resume",
+    "resume_dir",
+    type=click.Path(file_okay=False, exists=True, path_type=Path),
+    metavar="RUN_DIR",
+    help="--local --controllers N: continue the job of RUN_DIR (its resil-run gone) on its own etcd: "
+    "the members restart on their data and the new leader restores the journal (roles, fenced "
+    "nodes, epoch, fired faults); training state comes from --checkpoint-dir.",
+)
+@click.option(
     "--requeue-on-exhaustion",
     is_flag=True,
     help="Slurm: when no spare is left, requeue the job (reason in its comment) instead of failing.",
@@ -210,12 +245,19 @@ def main(
     start_timeout_s: float,
     controller_timeout_s: float,
     controllers: int,
+    consensus: str,
+    etcd_urls: str | None,
+    etcd_ca: str | None,
+    etcd_cert: str | None,
+    etcd_key: str | None,
+    etcd_prefix: str | None,
     snapshot_copies: int,
     snapshot_every: int,
     fingerprint_every: int,
     checkpoint_dir: Path | None,
     checkpoint_every: int,
     run_dir: Path | None,
+    resume_dir: Path | None,
     requeue_on_exhaustion: bool,
     as_json: bool,
     quiet: bool,
@@ -230,8 +272,18 @@ def main(
             raise click.UsageError(f"cannot write --events {events}: {e.strerror}") from None
     if controllers == 2:
         raise click.UsageError("--controllers 2 survives no loss (Raft needs a majority): use 3")
-    if controllers > 1 and importlib.util.find_spec("pysyncobj") is None:
+    needs = "pysyncobj" if consensus == "raft" else "etcd3gw"
+    if controllers > 1 and importlib.util.find_spec(needs) is None:
         raise click.UsageError(f"--controllers {controllers} needs the standby extra: pip install 'resild[standby]'")
+    etcd = _site_etcd(etcd_urls, etcd_ca, etcd_cert, etcd_key, etcd_prefix) if controllers > 1 else None
+    if resume_dir is not None:
+        if not local or controllers < 2 or consensus == "raft" or etcd is not None:
+            raise click.UsageError("--resume needs --local --controllers N on the job's own etcd")
+        if run_dir is not None and run_dir.resolve() != resume_dir.resolve():
+            raise click.UsageError("--resume RUN_DIR is the run directory: no other --run-dir")
+        if not (resume_dir / "etcd" / "cluster.json").exists():
+            raise click.UsageError(f"--resume {resume_dir}: no etcd of a job there (etcd/cluster.json)")
+        run_dir = resume_dir
     if checkpoint_dir is not None:
         checkpoint_dir = checkpoint_dir.expanduser().resolve()  # workers may start elsewhere
         try:
@@ -271,6 +323,8 @@ def main(
                 requeue_on_exhaustion=requeue_on_exhaustion,
                 status=not quiet,
                 controllers=controllers,
+                consensus=consensus,
+                etcd=etcd,
             )
         )
     n = nodes or 3
@@ -302,9 +356,45 @@ def main(
     if controllers > 1:
         from launcher.run.standby import run_replicated
 
-        sys.exit(run_replicated(spec, controllers, as_json=as_json, status=not quiet))
+        sys.exit(
+            run_replicated(
+                spec,
+                controllers,
+                as_json=as_json,
+                status=not quiet,
+                consensus=consensus,
+                etcd=etcd,
+                resume=resume_dir is not None,
+            )
+        )
     code = run_job(spec, as_json=as_json, status=not quiet)
     sys.exit(code)
+
+
+def _site_etcd(
+    urls: str | None, ca: str | None, cert: str | None, key: str | None, prefix: str | None
+) -> EtcdTarget | None:
+    """--etcd and its TLS files as the replicas' target (None: the job's own cluster)."""
+    if urls is None:
+        if any((ca, cert, key, prefix)):
+            raise click.UsageError("--etcd-ca/--etcd-cert/--etcd-key/--etcd-prefix need --etcd")
+        return None
+    if (cert is None) != (key is None):
+        raise click.UsageError("--etcd-cert and --etcd-key go together")
+    job = os.environ.get("SLURM_JOB_ID") or os.urandom(6).hex()
+    abspath = lambda p: str(Path(p).resolve()) if p else None  # noqa: E731  # replicas may start elsewhere
+    try:
+        return EtcdTarget.from_dict(
+            {
+                "endpoints": [u.strip() for u in urls.split(",") if u.strip()],
+                "prefix": prefix or f"/resild/{job}",
+                "ca": abspath(ca),
+                "cert": abspath(cert),
+                "key": abspath(key),
+            }
+        )
+    except (ValueError, KeyError) as e:
+        raise click.UsageError(f"--etcd: {e}") from None
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -19,6 +20,9 @@ import resild.wire.env as resild_env
 from resild import slurm
 from resild.controller.faults import FaultSpecError, parse_fault
 from resild.wire.settings import JobSettings
+
+if TYPE_CHECKING:
+    from resild.controller.etcd_target import EtcdTarget
 
 # ---- will Slurm cancel the allocation when a node fails? -----------------------------------------
 # Without `sbatch --no-kill` Slurm revokes the whole allocation when one of its nodes fails, and
@@ -208,6 +212,8 @@ def run_slurm(
     requeue_on_exhaustion: bool = False,
     status: bool = True,
     controllers: int = 1,
+    consensus: str = "auto",
+    etcd: EtcdTarget | None = None,
 ) -> int:
     try:
         alloc = slurm.allocation_from_env(os.environ)
@@ -286,7 +292,16 @@ def run_slurm(
     if controllers > 1:
         from launcher.run.standby import run_replicated
 
-        return run_replicated(spec, controllers, as_json=as_json, slurm_job=alloc, node_cmd=node_cmd, status=status)
+        return run_replicated(
+            spec,
+            controllers,
+            as_json=as_json,
+            slurm_job=alloc,
+            node_cmd=node_cmd,
+            status=status,
+            consensus=consensus,
+            etcd=etcd,
+        )
     code, reason = run_job(spec, as_json=as_json, backend_factory=make_backend, return_reason=True, status=status)
     if code != 0 and requeue_on_exhaustion and reason.startswith("no spare left"):
         try:

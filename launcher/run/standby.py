@@ -1,10 +1,14 @@
-"""resil-run --controllers N (N >= 2): the controller as a Raft replica set.
+"""resil-run --controllers N (N >= 2): the controller as a replica set.
 
 resil-run starts N controller replicas (`python -m resild.controller.replica`, separate
 processes, each with its own endpoint and journal copy) and the
 node processes, which hold every replica's endpoint and follow the leader. Then it
 only waits: the job's verdict is the leader's (`result.json` in the run directory),
 and if every replica is gone the node processes end on their lease.
+
+The replicas elect their leader and keep the journal in etcd: the job's own cluster of
+N members (--local: on this machine, started and stopped here) or a site's (--etcd).
+`consensus="raft"` keeps the older pysyncobj replica set (no etcd).
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from typing import Any
 from launcher.run.job import JobSpec, _fake_nvml
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
+from resild.controller.etcd_cluster import LocalEtcd, slurm_target, wait_for_members, wait_ready
+from resild.controller.etcd_election import lease_ttl_s
+from resild.controller.etcd_target import EtcdTarget
+from resild.controller.etcd_tls import make_certs
 from resild.controller.replica import RUNNER_ALIVE, raft_secret, wait_for_replicas
 from resild.controller.verdict_file import RESULT_FILE
 from resild.events.log import RECENT_PROGRESS, EventTail
@@ -39,16 +47,51 @@ def run_replicated(
     slurm_job: Any = None,
     node_cmd: Callable[[str, Path], list[str]] | None = None,
     status: bool = True,
+    consensus: str = "auto",
+    etcd: EtcdTarget | None = None,
+    resume: bool = False,
 ) -> int:
     """`slurm_job` (an Allocation) and `node_cmd(endpoints, keys_dir)` under
     Slurm: the replicas run on the allocation's first N nodes (one srun step), the node
-    processes as usual; otherwise every process runs on this machine."""
+    processes as usual; otherwise every process runs on this machine. `etcd`: a site's
+    etcd (its prefix this job's own) instead of the job's own cluster. `resume`: the job's
+    own etcd in the run directory is started again as it was (the journal with it)."""
     rd = spec.run_dir
     rd.mkdir(parents=True, exist_ok=True)
-    for stale in [rd / RESULT_FILE, *rd.glob("replica-*.json")]:
+    for stale in [*([] if resume else [rd / RESULT_FILE]), *rd.glob("replica-*.json")]:
         stale.unlink(missing_ok=True)
     keys = generate_keys(rd / "keys")
-    raft_secret(keys.path)
+    own_etcd: LocalEtcd | None = None
+    resume_records = 0  # the journal's length when this run resumed it
+    etcd_step: subprocess.Popen[bytes] | None = None
+    if consensus == "auto":
+        consensus = "etcd"
+    if consensus == "raft":
+        raft_secret(keys.path)
+    elif etcd is None:
+        try:
+            if slurm_job is None:
+                own_etcd = LocalEtcd(rd, keys.path, n_controllers, fresh=not resume)
+                if resume and not own_etcd.has_data():
+                    over = _over(rd)
+                    print(
+                        f"resil-run: {rd}: the job's etcd data is gone (removed when the job ended)"
+                        + ("" if over is None else "; the job is over"),
+                        file=sys.stderr,
+                    )
+                    return 1 if over is None else over
+                etcd = own_etcd.start()
+                if resume:
+                    over, resume_records = _finished(etcd, rd)
+                    if over is not None:
+                        own_etcd.stop()
+                        return over
+                (rd / RESULT_FILE).unlink(missing_ok=True)
+            else:
+                etcd_step, etcd = _slurm_etcd(slurm_job, spec.active + spec.spares, n_controllers, rd, keys.path)
+        except (RuntimeError, OSError, ValueError) as e:
+            print(f"resil-run: {e}", file=sys.stderr)
+            return 1
     events_path = spec.events_path or rd / "events.jsonl"
     tail = EventTail(events_path, from_end=True)  # before any replica runs; an --events file may hold older jobs
     nodes_all = spec.active + spec.spares
@@ -62,6 +105,11 @@ def run_replicated(
         "faults": [str(f) for f in spec.faults],
         "settings": spec.settings.to_dict(),
     }
+    if etcd is not None and consensus != "raft":
+        cfg["etcd"] = etcd.to_dict()
+        cfg["lease_ttl_s"] = lease_ttl_s(spec.settings.controller_timeout_s)
+    if resume:
+        cfg["resume_records"] = resume_records
     if slurm_job is not None:
         if len(nodes_all) < n_controllers:
             print(
@@ -173,6 +221,13 @@ def run_replicated(
                 r.wait()
         if backend is not None:
             backend.shutdown(0.0)
+        if own_etcd is not None:
+            if (rd / RESULT_FILE).exists():  # the job is over: its etcd's data goes (the journal copies stay)
+                own_etcd.remove_data()
+            else:  # kept for --resume
+                own_etcd.stop()
+        if etcd_step is not None:
+            _stop_step(etcd_step)
         follow()
         if live is not None:
             live.close()
@@ -191,4 +246,74 @@ def run_replicated(
         if e["event"] == EventName.CONTROLLER_LEADER
     ]
     print_summary(code, reason, records, as_json, {"controllers": n_controllers, "leaders": leaders})
+    return code
+
+
+def _slurm_etcd(
+    alloc: Any, nodes: list[str], n: int, rd: Path, keys_dir: Path
+) -> tuple[subprocess.Popen[bytes], EtcdTarget]:
+    """The job's own etcd under Slurm: one member on each of the allocation's first n nodes
+    (the replicas' hosts), one srun step; its target once a quorum answers."""
+    from resild import slurm
+
+    hosts = nodes[:n]
+    certs = make_certs(keys_dir)
+    (rd / "etcd").mkdir(mode=0o700, exist_ok=True)
+    for stale in (rd / "etcd").glob("member-*.json"):
+        stale.unlink()
+    cmd = [
+        sys.executable,
+        "-m",
+        "resild.controller.etcd_cluster",
+        "--run-dir",
+        str(rd),
+        "--keys",
+        str(keys_dir),
+        "--hosts",
+        ",".join(hosts),
+    ]
+    step = subprocess.Popen(slurm.srun_node_launcher_cmd(alloc, hosts, cmd), start_new_session=True)
+    try:
+        alive = lambda: step.poll() is None  # noqa: E731
+        members = wait_for_members(rd, n, 120.0, alive)
+        target = slurm_target(members, certs, os.environ.get("SLURM_JOB_ID") or rd.name)
+        wait_ready(target, 60.0, alive)
+    except BaseException:
+        _stop_step(step)
+        raise
+    return step, target
+
+
+def _stop_step(p: subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGTERM)
+    try:
+        p.wait(15.0)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _finished(etcd: EtcdTarget, rd: Path) -> tuple[int | None, int]:
+    """A resumed job that its last leader closed: its verdict (said again), or None; and
+    the number of records in its journal."""
+    from resild.controller.etcd_client import Etcd
+    from resild.controller.etcd_journal import read_records
+
+    records = [r for _, r in read_records(Etcd(etcd), etcd.prefix)]
+    if not any(r.get("action") == "closed" for r in records):
+        print(f"resil-run: resuming the job of {rd} ({len(records)} journal records)", file=sys.stderr)
+        return None, len(records)
+    code = _over(rd)
+    return (1 if code is None else code), len(records)
+
+
+def _over(rd: Path) -> int | None:
+    """The verdict of the job of `rd`, said again; None if it has none."""
+    try:
+        result = json.loads((rd / RESULT_FILE).read_text())
+        code, reason = int(result["exit_code"]), str(result["reason"])
+    except (OSError, ValueError, KeyError):
+        return None
+    print(f"resil-run: the job of {rd} is over (exit {code}: {reason}); nothing to resume", file=sys.stderr)
     return code

@@ -42,7 +42,7 @@ from resild.controller.policy import (
     on_node_failure,
 )
 from resild.controller.records import parse_record
-from resild.controller.restore import fold, snapshot, take_over
+from resild.controller.restore import fold, resume, snapshot, take_over
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
 from resild.controller.status import answer
 from resild.controller.view import ClusterView, JobResult, NodeView
@@ -383,6 +383,21 @@ class Controller:
             fenced=sorted(n.node_id for n in self.view.nodes.values() if n.role == NodeRole.FENCED),
             spares=[n.node_id for n in self.view.spares()],
             committed_step=self.state.max_step,
+        )
+
+    def resume(self, records: list[dict[str, Any]]) -> None:
+        """Start a new run of the job from its journal (restore.resume): the job starts
+        again (a `job_started`), with the nodes it had and without the ones it fenced."""
+        folded = fold(map(parse_record, records), snapshot(self.state))
+        resume(self.state, folded)
+        self.injector.pending = [f for f in self.injector.pending if str(f) not in folded.fired]
+        self.events.emit(
+            EventName.CONTROLLER_RESTORED,
+            records=len(records),
+            epoch=0,
+            fenced=sorted(n.node_id for n in self.view.nodes.values() if n.role == NodeRole.FENCED),
+            spares=[n.node_id for n in self.view.spares()],
+            committed_step=0,
         )
 
     def _finish(self) -> None:

@@ -1,5 +1,12 @@
 """Standby controllers: N replicas of the controller, one leading, the journal
-replicated by Raft (pysyncobj), so losing the leader's host loses no decision.
+replicated (etcd; or Raft through pysyncobj with `--consensus raft`), so losing the
+leader's host loses no decision.
+
+With etcd (a spec with `etcd`: resild.controller.etcd_target.EtcdTarget as a dict, and
+`lease_ttl_s`) a replica stands by following the journal, campaigns for the leader key
+when nobody holds it (resild.controller.etcd_election), leads with the journal written
+in transactions guarded by that key (resild.controller.etcd_journal), and when deposed
+stands by again on the same endpoint (`serve_etcd`). What follows describes Raft.
 
     python -m resild.controller.replica --spec RUN_DIR/controllers.json --index I
 
@@ -21,6 +28,7 @@ dict, validated again here).
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import logging
 import os
@@ -41,9 +49,13 @@ import resild.slurm as slurm
 import resild.wire.env as resild_env
 from resild.controller import verdict_file
 from resild.controller.backend import Backend, SlurmDrain
+from resild.controller.etcd_client import Etcd, EtcdError
+from resild.controller.etcd_election import Election
+from resild.controller.etcd_journal import EtcdJournal, Follower
+from resild.controller.etcd_target import EtcdTarget
 from resild.controller.faults import parse_fault
 from resild.controller.journal import Journal
-from resild.controller.loop import Controller, ControllerConfig
+from resild.controller.loop import Controller, ControllerConfig, ControllerFailed
 from resild.controller.records import Closed, Leader
 from resild.events.log import EventLog
 from resild.events.schema import EventName
@@ -202,9 +214,11 @@ def discover(
     The ROUTER is bound before its port is published: a peer connecting to a port
     nobody listens on yet can end up connected to itself (TCP self-connect) for good."""
     host = spec.get("advertise") or os.environ.get(resild_env.CONTROLLER_HOST.name) or socket.getfqdn()
-    with socket.socket() as b:
-        b.bind(("", 0))  # Raft's port: pysyncobj binds it itself (and retries)
-        mine = {"endpoint": f"tcp://{host}:{router_port}", "raft": f"{host}:{b.getsockname()[1]}"}
+    mine = {"endpoint": f"tcp://{host}:{router_port}", "raft": ""}
+    if "etcd" not in spec:
+        with socket.socket() as b:
+            b.bind(("", 0))  # Raft's port: pysyncobj binds it itself (and retries)
+            mine["raft"] = f"{host}:{b.getsockname()[1]}"
     tmp = run_dir / f".replica-{index}.json.tmp"
     tmp.write_text(json.dumps(mine))
     os.replace(tmp, run_dir / f"replica-{index}.json")
@@ -267,8 +281,10 @@ def serve(spec: dict[str, Any], index: int) -> int:
         server = Server(ctx, f"tcp://{'*' if cluster else spec.get('advertise', '127.0.0.1')}:0", keys)
         endpoints, peers = discover(spec, index, run_dir, int(server.endpoint.rsplit(":", 1)[1]))
     else:
-        endpoints, peers = list(spec["endpoints"]), list(spec["raft"])
+        endpoints, peers = list(spec["endpoints"]), list(spec.get("raft") or [])
         server = Server(ctx, endpoints[index], keys)
+    if "etcd" in spec:
+        return serve_etcd(spec, index, ctx, server, endpoints[index])
     endpoint = endpoints[index]
     raft = RaftLog(
         peers[index],
@@ -359,6 +375,152 @@ def serve(spec: dict[str, Any], index: int) -> int:
         log.warning("replica %d: could not tell the standbys the job is over: %s", index, e.errorCode)
     raft.destroy()
     return 0
+
+
+def _host_pid_of(ctl: Controller) -> Callable[[str], int | None]:
+    return lambda node: ctl.view.nodes[node].host_pid
+
+
+STANDBY_POLL_S = 0.05  # a standby reads the journal and looks for a leader this often
+
+
+class Standing(enum.Enum):
+    LEADER = "leader"  # this replica won the election
+    CLOSED = "closed"  # the job is over: nothing to take over
+
+
+def stand_by(server: Server, follower: Follower, election: Election, index: int) -> Standing:
+    """Drain the socket, follow the journal, and campaign whenever nobody leads."""
+    quiet_until = next_poll = 0.0
+    while True:
+        # standby: keep the socket drained (every node heartbeats every replica), act on nothing
+        server.channel.recv(max(0.0, next_poll - time.monotonic()))
+        if time.monotonic() < next_poll:
+            continue
+        next_poll = time.monotonic() + STANDBY_POLL_S
+        try:
+            if election.term is None:  # (not yet won: a win whose read failed is not lost)
+                follower.poll()
+                if _closed(follower.records):  # the leader finished the job and stood down
+                    return Standing.CLOSED
+                if election.leader() is not None or not election.campaign():
+                    continue
+            follower.poll()  # every record the last leader committed, before we act
+            if _closed(follower.records):  # elected as the old leader stood down: nothing to lead
+                election.resign()
+                return Standing.CLOSED
+            return Standing.LEADER
+        except EtcdError as e:
+            if time.monotonic() >= quiet_until:  # one line per 10 s while etcd is away
+                log.warning("replica %d: etcd: %s", index, e)
+                quiet_until = time.monotonic() + 10.0
+
+
+def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: Server, endpoint: str) -> int:
+    """The replica with etcd: stand by, lead when elected, stand by again when deposed."""
+    run_dir = Path(spec["run_dir"])
+    keys = KeyDir(Path(spec["keys"])) if spec.get("keys") else None
+    cluster = bool(spec.get("hosts"))
+    target = EtcdTarget.from_dict(spec["etcd"])
+    etcd = Etcd(target)
+    follower = Follower(etcd, target.prefix, run_dir / f"journal-{index}.jsonl")
+    election = Election(etcd, target.prefix, index, os.getpid(), ttl_s=int(spec.get("lease_ttl_s", 1)))
+    bind = server.endpoint  # the address bound (a wildcard under Slurm): bound again after a deposition
+    nodes = list(spec["active"]) + list(spec["spares"])
+    log.info("replica %d: standing by (%s, etcd %s)", index, endpoint, ",".join(target.endpoints))
+    while True:
+        if stand_by(server, follower, election, index) is Standing.CLOSED:
+            server.close()
+            follower.close()
+            return 0
+        t_elected = time.monotonic()
+        term = election.term
+        journal = EtcdJournal(etcd, target.prefix, election, follower)
+        if term is None or not journal.write(Leader(index, os.getpid(), time.time()).to_dict()):
+            log.warning("replica %d: elected but could not commit: %s", index, journal.last_error)
+            election.resign()
+            continue
+        print(
+            f"resild controller replica (pid {os.getpid()}): leader (term {term}) at t_mono {time.monotonic():.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
+        records = [r for r in follower.records if r.get("action") not in (Leader.ACTION, CLOSED)]
+        # resil-run --resume: the first leader of the new run starts the job again from the
+        # journal; a later one takes over from it as usual.
+        at = spec.get("resume_records")
+        resuming = at is not None and all(r.get("action") == Leader.ACTION for r in follower.records[int(at) :])
+        events = EventLog(Path(spec["events"]))
+        cfg = ControllerConfig(
+            bind=endpoint,
+            settings=JobSettings.from_dict(spec["settings"]),
+            term=term,
+            leader_index=index,
+            wait_nodes_gone_s=2.0 if cluster else 0.0,
+        )
+        ctl = Controller(
+            cfg,
+            list(spec["active"]),
+            list(spec["spares"]),
+            int(spec["nproc"]),
+            keys,
+            events,
+            journal,
+            None,
+            [parse_fault(f) for f in spec.get("faults", [])],
+            ctx=ctx,
+            server=server,
+            leadership=election.holds,
+        )
+        ctl.backend = SlurmDrain() if cluster else ProcessNodes(_host_pid_of(ctl), nodes)
+        if resuming:
+            ctl.resume(records)
+        elif records:
+            ctl.restore(records, time.monotonic())
+        events.emit(
+            EventName.CONTROLLER_LEADER,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            term=term,
+            index=index,
+            endpoint=endpoint,
+            restored=len(records),
+            elected_s=round(time.monotonic() - t_elected, 4),
+        )
+        if ctl.result is not None:  # the job had ended when the old leader died: say so again
+            result = ctl.result
+            ctl._finish()
+        else:
+            try:
+                result = ctl.run()
+            except ControllerFailed:
+                # Our own failure, not the job's: no verdict, nobody told to shut down. The lease
+                # goes now (a standby leads at once, not when it expires) and we exit, as with Raft.
+                events.close()
+                election.resign()
+                follower.close()
+                raise
+        events.close()
+        if ctl.deposed:  # another replica leads now: stand by again, on the same endpoint
+            election.resign()
+            print(
+                f"resild controller replica (pid {os.getpid()}): deposed at t_mono {time.monotonic():.3f}; standing by",
+                file=sys.stderr,
+                flush=True,
+            )
+            server = Server(ctx, bind, keys)
+            continue
+        verdict_file.write(run_dir, index, result.exit_code, result.reason)
+        if cluster:
+            end_orphaned_job(run_dir, result)
+        # Tell the standbys the job is over, or they elect one of themselves the moment we go
+        # (which would say the verdict again, late). Not committed: they take over, which is
+        # right, since nodes might still need the SHUTDOWN.
+        if not journal.write(Closed(index, time.time()).to_dict()):
+            log.warning("replica %d: could not tell the standbys the job is over: %s", index, journal.last_error)
+        election.resign()
+        follower.close()
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:

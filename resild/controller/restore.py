@@ -99,6 +99,23 @@ def snapshot(s: ControllerState) -> Restored:
     )
 
 
+def resume(s: ControllerState, r: Restored) -> None:
+    """The folded journal as a new run of the job starts from it (resil-run --resume: every
+    node process and worker is new, the training state comes from the checkpoint): fenced
+    nodes stay fenced, promoted spares stay active, fired faults stay fired; the first epoch
+    is the layout the job had last, announced once every active worker has registered."""
+    nodes = s.view.nodes
+    for node_id, role in r.roles.items():
+        if nodes[node_id].role != role:
+            nodes[node_id].set_role(role)
+        nodes[node_id].reason = r.reasons[node_id]
+    last = r.membership or r.initial
+    s.initial = Membership(1, last.world_size, dict(last.node_ranks))
+    s.view.membership = None
+    s.max_step, s.result = 0, None
+    s.unregistered = sum(nodes[n].nproc for n in s.initial.node_ranks)
+
+
 def take_over(s: ControllerState, r: Restored, now: float) -> None:
     """The folded journal applied to the controller's shared state: roles and reasons,
     the epochs, the step and the verdict; every live node counts as registered (silent

@@ -18,6 +18,11 @@ import psutil
 import pytest
 import torch
 
+from resild.controller.etcd_client import Etcd
+from resild.controller.etcd_cluster import LocalEtcd
+from resild.controller.etcd_journal import read_records
+from tests.etcdlab.fixture import ensure_etcd, etcd_cluster  # noqa: F401 (fixture)
+
 from .conftest import REPO, STEPS, TRAIN, RunResult, _marked, assert_bitwise_equal, run_job
 
 pytestmark = pytest.mark.timeout(180)
@@ -172,7 +177,8 @@ def test_a_node_lost_during_start_up_is_replaced_by_a_spare(tmp_path: Path, refe
 
 
 def test_killing_the_leader_controller_loses_nothing(tmp_path: Path) -> None:
-    # Three controller replicas (Raft). The leader is SIGKILLed mid-job; a standby takes
+    ensure_etcd()  # the replicas' etcd cluster
+    # Three controller replicas (etcd). The leader is SIGKILLed mid-job; a standby takes
     # over from the replicated journal, and it is the one that handles the node fault
     # injected later: the job ends bitwise identical, no committed step lost.
     steps = 300  # ~25 ms steps here: the takeover (~1 s) ends long before the fault at 250
@@ -210,16 +216,137 @@ def test_killing_the_leader_controller_loses_nothing(tmp_path: Path) -> None:
     assert len(pids) == 3, pids
 
 
+def test_two_leader_changes_in_a_row_and_a_deposed_leader_stands_by(tmp_path: Path) -> None:
+    ensure_etcd()  # the replicas' etcd cluster
+    # etcd: the leader is frozen past its lease (a standby leads), thawed (it finds itself
+    # deposed and stands by again, it does not exit), then the new leader is killed: a
+    # third leadership (maybe the thawed replica's) finishes the job with nothing lost.
+    steps = 700
+    job = LiveJob(tmp_path, "--controllers", "3", steps=steps)
+    try:
+        first = job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=90)
+        job.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 20, timeout_s=90)
+        os.kill(first["pid"], signal.SIGSTOP)
+        second = job.wait_event(lambda e: e["event"] == "controller_leader" and e["pid"] != first["pid"])
+        os.kill(first["pid"], signal.SIGCONT)
+        log = tmp_path / "run" / f"replica-{first['index']}.log"
+        deadline = time.monotonic() + 10
+        while "deposed" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "deposed" in log.read_text() and not _gone(first["pid"]), log.read_text()[-2000:]
+        job.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 100 and e["t_mono"] > second["t_mono"])
+        os.kill(second["pid"], signal.SIGKILL)
+        third = job.wait_event(
+            lambda e: e["event"] == "controller_leader" and e["t_mono"] > second["t_mono"] and e["pid"] != second["pid"]
+        )
+        r = job.finish()
+    finally:
+        job.cleanup()
+    assert r.rc == 0, r.stderr[-3000:]
+    assert first["term"] < second["term"] < third["term"], (first, second, third)
+    assert third["restored"] >= second["restored"] >= 1
+    assert r.final is not None and r.final["step"] == steps
+    assert all(f["steps_lost"] == 0 for f in r.summary["failures"]), r.summary["failures"]
+    leaders = [e["pid"] for e in r.events if e["event"] == "controller_leader"]
+    assert leaders == [first["pid"], second["pid"], third["pid"]], leaders
+    # every replica still running at the end was stood down by the last leader's `closed`
+    for i in {first["index"], third["index"]} | ({0, 1, 2} - {second["index"]}):
+        last = json.loads((tmp_path / "run" / f"journal-{i}.jsonl").read_text().splitlines()[-1])
+        assert last["action"] == "closed", (i, last)
+
+
+@pytest.mark.timeout(300)
+def test_a_job_resumed_from_its_etcd_keeps_its_fenced_nodes_and_fired_faults(tmp_path: Path) -> None:
+    # resil-run is killed mid-job (its replicas and etcd die with it, the nodes on their
+    # lease); `--resume RUN_DIR` restarts the job's etcd on its data: the new leader starts
+    # the job again from the journal: the node lost before stays fenced, its fault does not
+    # fire again, and the workers continue from the checkpoint.
+    ensure_etcd()
+    steps = 600
+    args = ("--controllers", "3", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "50")
+    job = LiveJob(tmp_path, *args, "--inject", "kill:node1@100", steps=steps)
+    try:
+        job.wait_event(lambda e: e["event"] == "spare_assigned", timeout_s=120)
+        job.wait_event(lambda e: e["event"] == "progress" and e["step"] >= 220, timeout_s=120)
+        job.proc.kill()  # resil-run, as its host would die
+        job.proc.wait()
+        deadline = time.monotonic() + 20  # the replicas and etcd at once, the nodes on their 5 s lease
+        while _marked(job.mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _marked(job.mark), [(p.pid, p.name()) for p in _marked(job.mark)]
+        assert not job.save.exists()
+    finally:
+        job.cleanup()
+    t_resume = time.monotonic()
+    again = LiveJob(tmp_path, *args, "--resume", str(tmp_path / "run"), "--inject", "kill:node1@100", steps=steps)
+    try:
+        r = again.finish(timeout_s=200)
+    finally:
+        again.cleanup()
+    assert r.rc == 0, r.stderr[-3000:]
+    assert "resuming the job of" in r.stderr
+    events = [e for e in r.events if e["t_mono"] > t_resume]
+    (restored,) = [e for e in events if e["event"] == "controller_restored"]
+    assert restored["fenced"] == ["local-node1"] and restored["records"] >= 3
+    assert not [e for e in events if e["event"] in ("fault_injected", "spare_assigned")], events
+    (start,) = [e for e in events if e["event"] == "membership"][:1]
+    assert "local-node1" not in json.dumps(start), start
+    assert r.final is not None and r.final["step"] == steps
+    assert "loaded checkpoint step" in r.stderr
+    # A finished job is not run again: its verdict is said again.
+    over = subprocess.run(
+        [sys.executable, "-m", "launcher.run.cli", "--local", "--controllers", "3", "--resume", str(tmp_path / "run")]
+        + ["--", sys.executable, "-c", "raise SystemExit(3)"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert over.returncode == 0 and "is over (exit 0" in over.stderr, over.stderr[-2000:]
+    # the finished job's etcd data is gone (outside the run directory, where nothing else removes it)
+    assert not Path(json.loads((tmp_path / "run" / "etcd" / "cluster.json").read_text())["data"]).exists()
+
+
+def test_standby_controllers_on_a_site_etcd(tmp_path: Path, etcd_cluster: LocalEtcd) -> None:  # noqa: F811
+    # --etcd: the job's keys go under its prefix in the site's etcd (TLS with the given
+    # files); resil-run starts no etcd of its own.
+    site = etcd_cluster.target()
+    assert site.ca and site.cert and site.key
+    tls = ("--etcd-ca", site.ca, "--etcd-cert", site.cert, "--etcd-key", site.key)
+    job = LiveJob(
+        tmp_path / "job",
+        "--controllers",
+        "3",
+        "--etcd",
+        ",".join(site.endpoints),
+        *tls,
+        "--etcd-prefix",
+        "/site/a",
+        steps=40,
+    )
+    try:
+        r = job.finish()
+    finally:
+        job.cleanup()
+    assert r.rc == 0, r.stderr[-3000:]
+    assert not (tmp_path / "job" / "run" / "etcd").exists()
+    records = [rec["action"] for _, rec in read_records(Etcd(site), "/site/a")]
+    assert records[0] == "leader" and "start" in records and records[-1] == "closed", records
+    assert all(p.poll() is None for p in etcd_cluster.procs.values())  # the site's etcd is not the job's to stop
+
+
 def test_the_last_leader_stands_the_standbys_down(tmp_path: Path) -> None:
+    ensure_etcd()  # the replicas' etcd cluster
     # Without `closed` the two standbys elect a leader for the finished job the moment the
     # last leader exits (it said the verdict again, late, and skewed the summary).
     job = LiveJob(tmp_path, "--controllers", "3", steps=40)
     try:
         job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=90)
-        # The Raft port listens where the peers are (loopback in --local), not on every
-        # interface: pysyncobj's default was 0.0.0.0 (issue 18, finding 2).
-        raft = [json.loads((tmp_path / "run" / f"replica-{i}.json").read_text())["raft"] for i in range(3)]
-        ports = {int(a.rsplit(":", 1)[1]) for a in raft}
+        # The job's etcd members (client and peer ports) listen where the replicas are
+        # (loopback in --local), not on every interface (issue 18, finding 2).
+        members = json.loads((tmp_path / "run" / "etcd" / "cluster.json").read_text())["members"]
+        ports = {m[k] for m in members for k in ("client_port", "peer_port")}
+        assert len(ports) == 6
         listening = {
             (c.laddr.ip, c.laddr.port)
             for c in psutil.net_connections("tcp")
@@ -234,3 +361,13 @@ def test_the_last_leader_stands_the_standbys_down(tmp_path: Path) -> None:
     for i in range(3):
         last = json.loads((tmp_path / "run" / f"journal-{i}.jsonl").read_text().splitlines()[-1])
         assert last["action"] == "closed", (i, last)
+    assert not _etcd_left(tmp_path / "run")  # the job's etcd went with it
+
+
+def _etcd_left(run_dir: Path) -> list[int]:
+    """etcd members of this run still running (their data directory is under it)."""
+    return [
+        p.pid
+        for p in psutil.process_iter(["name", "cmdline"])
+        if p.info["name"] == "etcd" and str(run_dir) in " ".join(p.info["cmdline"] or [])
+    ]

@@ -3,6 +3,8 @@ rebuilds, and how peers follow a new leader."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import zmq
 
 from resild.controller.faults import parse_fault
@@ -52,6 +54,32 @@ def test_restore_rebuilds_roles_epoch_floor_and_fired_faults() -> None:
         # Every node still in the job is expected to speak within the heartbeat timeout.
         assert all(v.nodes[n].registered and v.nodes[n].last_heartbeat_s == 100.0 for n in ("a", "s0", "s1"))
         assert ctl.node_ident["s1"] == b"s1/node" and "b" not in ctl.node_ident
+    finally:
+        ctl.server.close()
+
+
+def test_a_resumed_run_starts_again_from_the_layout_it_had_without_its_fenced_nodes() -> None:
+    # resil-run --resume: every process is new, so nothing counts as registered and no epoch
+    # is current; the layout the job had last is its first epoch once every worker is back.
+    m1 = Membership.initial(["a", "b"], 2)
+    m2 = m1.replace("b", "s0")
+    records: list[dict[str, Any]] = [
+        {"action": "start", "membership": m1.to_dict()},
+        {"action": "fault_fired", "spec": "kill:b@10"},
+        {"action": "replace_node", "node": "b", "spare": "s0", "membership": m2.to_dict(), "committed_step": 12},
+    ]
+    ctl = _controller(["kill:b@10", "kill:a@50"])
+    try:
+        ctl.resume(records)
+        v = ctl.view
+        assert v.membership is None and ctl.max_step == 0 and ctl.result is None
+        assert ctl.state.initial.node_ranks == {"a": (0, 1), "s0": (2, 3)} and ctl.state.initial.world_size == 4
+        assert v.nodes["b"].role == NodeRole.FENCED and v.nodes["s0"].role == NodeRole.ACTIVE
+        assert v.nodes["s1"].role == NodeRole.SPARE
+        assert not any(x.registered for x in v.nodes.values())  # every node process is new
+        assert ctl.state.unregistered == 4
+        assert [str(f) for f in ctl.injector.pending] == ["kill:a@50"]
+        assert not ctl.restored  # a new run: it says job_started
     finally:
         ctl.server.close()
 

@@ -1,5 +1,5 @@
 """The node daemon installs with its own few dependencies: nothing it runs imports torch,
-plotting, Raft or the launcher (those are extras: launcher, standby, report)."""
+plotting, Raft, etcd or the launcher (those are extras: launcher, standby, report)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import pytest
 # A meta-path finder that refuses the extras' packages, so an import of one fails loudly.
 BLOCK = """
 import sys
+EXTRAS = {"torch", "torchdata", "matplotlib", "pysyncobj", "etcd3gw", "cryptography", "numpy", "launcher"}
 class Block:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "torchdata", "matplotlib", "pysyncobj", "cryptography", "numpy", "launcher"}:
+        if name.split(".")[0] in EXTRAS:
             raise ImportError(f"{name} is not a node-daemon dependency")
 sys.meta_path.insert(0, Block())
 """
