@@ -388,7 +388,7 @@ def spare_phases(evs: list[dict], phases_dir: Path, ranks: set) -> dict:
     for name, a, b in SPARE_PHASES:
         vals = [m[b] - m[a] for m in marks if a in m and b in m]
         out[name] = max(vals) if vals else None
-    warmed = [e for e in select(evs, "worker.spare_warmed") if e["t_mono"] < t_a]  # while it waited
+    warmed = [e for e in select(evs, "spare_warmed") if e["t_mono"] < t_a]  # while it waited
     out["spare_warmup_s"] = max((float(e["seconds"]) for e in warmed if "seconds" in e), default=None)
     out["spare_warmup_error"] = next((e["error"] for e in warmed if e.get("error")), None)
     out["spare_warmed_ranks"] = sum(1 for e in warmed if not e.get("error"))

@@ -279,7 +279,7 @@ class Job:
         fields["seconds"] = round(seconds, 4)
         if error is not None:
             fields["error"] = error[:300]
-        self._event("spare_warmed", **fields)
+        self._event(EventName.SPARE_WARMED, **fields)
 
     def _setup_redundancy(self) -> None:
         assert self.state is not None and self._protocol is not None

@@ -20,7 +20,7 @@ user's code. Only the shard contents move afterwards (the replay).
 Isolation: the global RNG state is restored (the small model's initialisation draws
 from it; the spare's random stream must not shift); the fake default group and its
 groups are destroyed before the spare installs its own; any error skips the rest of
-the warm-up (logged, and reported as `worker.spare_warmed` with an `error`). A
+the warm-up (logged, and reported as `spare_warmed` with an `error`). A
 membership arriving mid-way stops it at the next check: between two parameters' steps
 on the host, else between clipping, the optimizer step and the FSDP2 step.
 """

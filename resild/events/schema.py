@@ -57,6 +57,7 @@ class EventName(str, Enum):
     SNAPSHOTS = "snapshots"  # a rank's snapshot costs (taken, skipped, capture seconds, memory), before DONE
     REPLICA_DIVERGED = "replica_diverged"  # replicas' state fingerprints differ (odd ranks, or no majority)
     CHECKPOINT_LOADED = "checkpoint_loaded"  # every in-memory copy lost: resild's disk checkpoint loaded
+    SPARE_WARMED = "spare_warmed"  # a waiting spare's warm-up for the job's sharded state ended (or its error)
     # -- peers: the node daemon's process watch ("process_" + ProcState) -------------------
     PROCESS_RUNNING = "process_running"
     PROCESS_EXITED = "process_exited"

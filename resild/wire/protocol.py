@@ -256,6 +256,7 @@ PEER_EVENTS: dict[str, dict[str, Any]] = {
     EventName.SNAPSHOTS: {"taken": _f("int").metadata, "held_bytes": _f("int").metadata},
     EventName.REPLICA_DIVERGED: {"step": _f("int", required=True).metadata},
     EventName.CHECKPOINT_LOADED: {"step": _f("int", required=True).metadata},
+    EventName.SPARE_WARMED: {"seconds": _f("float", hi=1e9).metadata},
     EventName.PROCESS_RUNNING: {},
     EventName.PROCESS_EXITED: {},
     EventName.PROCESS_ZOMBIE: {},

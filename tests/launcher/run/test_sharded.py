@@ -84,7 +84,7 @@ def test_hsdp_node_loss_is_recovered_bitwise(
     assert all(e["bytes"] < full_bytes / 3 for e in replays), (replays, full_bytes)
     # The waiting spare warmed up for this job's shards (launcher/worker/spare_warmup.py) if the
     # fault left it the time; warmed, stopped half-way or not at all, the result is the same bits.
-    warmed = [e for e in r.events if e["event"] == "worker.spare_warmed"]
+    warmed = [e for e in r.events if e["event"] == "spare_warmed"]
     assert all(e.get("node") == "local-node4" and not e.get("error") for e in warmed), warmed
 
 
