@@ -247,24 +247,27 @@ class Effects:
     def fire_faults(self, now: float) -> None:
         s = self.s
         epoch = s.view.membership.epoch if s.view.membership else 0
-        for f in self.injector.due(s.max_step, now, epoch):
+        # A recovery or a leader's takeover under way: step faults wait for full strength
+        # (faults meant to hit a recovery are armed on its epoch: KIND:NODE@eN).
+        busy = s.awaiting_full_strength is not None
+        for f in self.injector.due(s.max_step, now, epoch, busy):
+            if f.kind == "corrupt":  # every worker of the node holds snapshot copies
+                targets = [(wid, lr) for (node_id, lr), wid in list(s.worker_ident.items()) if node_id == f.node]
+            elif f.kind in ("exception", "diverge"):
+                wid = s.worker_ident.get((f.node, f.local_rank))
+                targets = [] if wid is None else [(wid, f.local_rank)]
+            else:
+                ident = s.node_ident.get(f.node)
+                targets = [] if ident is None else [(ident, f.local_rank)]
+            if not targets:  # not (yet) connected to this leader: a fault never lost unfired
+                self.injector.rearm(f)
+                continue
             if not self.journaled(FaultFired(str(f), time.time()), f"fault {f}"):  # fired once, ever
                 self.injector.rearm(f)
                 continue
             s.events.emit(EventName.FAULT_INJECTED, kind=f.kind, node=f.node, step=s.max_step, spec=str(f))
-            if f.kind == "corrupt":  # every worker of the node holds snapshot copies
-                for (node_id, lr), wid in list(s.worker_ident.items()):
-                    if node_id == f.node:
-                        s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": lr}, to=wid)
-                continue
-            if f.kind in ("exception", "diverge"):
-                ident = s.worker_ident.get((f.node, f.local_rank))
-            else:
-                ident = s.node_ident.get(f.node)
-            if ident is None:
-                log.warning("cannot inject %s: %s is not connected", f, f.node)
-                continue
-            s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": f.local_rank, "xid": f.xid}, to=ident)
+            for to, lr in targets:
+                s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": lr, "xid": f.xid}, to=to)
 
     def finish(self) -> None:
         """The end of the job, with its verdict (finished, failed, or cancelled: Ctrl-C):

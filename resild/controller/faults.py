@@ -75,10 +75,14 @@ class Injector:
             self.pending.append(f)
             self.pending.sort(key=lambda g: (g.step, g.delay_s))
 
-    def due(self, committed_step: int, now: float, epoch: int = 0) -> list[Fault]:
+    def due(self, committed_step: int, now: float, epoch: int = 0, busy: bool = False) -> list[Fault]:
+        """Faults to fire now. Step faults: not while `busy` (a recovery or a takeover under
+        way), and only the earliest step's when several are due at once (a controller that
+        was away must not fire a schedule's faults all together: they were meant apart)."""
         fire = []
+        first = min((f.step for f in self.pending if f.epoch is None and committed_step >= f.step), default=None)
         for f in list(self.pending):
-            if (f.epoch is not None and epoch >= f.epoch) or (f.epoch is None and committed_step >= f.step):
+            if (f.epoch is not None and epoch >= f.epoch) or (f.epoch is None and not busy and f.step == first):
                 t0 = self._armed_at.setdefault(f, now)
                 if now - t0 >= f.delay_s:
                     fire.append(f)

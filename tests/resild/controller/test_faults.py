@@ -41,3 +41,18 @@ def test_epoch_trigger_fires_when_the_epoch_is_announced() -> None:
     inj = Injector([Fault("kill", "s", 0, epoch=2)])
     assert inj.due(50, now=0.0, epoch=1) == []
     assert [f.node for f in inj.due(50, now=0.0, epoch=2)] == ["s"]
+
+
+def test_step_faults_wait_for_full_strength_and_fire_apart_when_several_are_due() -> None:
+    # A leader away for a while (or a long recovery) must not fire a schedule's faults all
+    # together: the soak lost a job when two faults meant 24 steps apart hit both nodes at once.
+    inj = Injector([Fault("exception", "a", 125), Fault("kill", "b", 149), Fault("hang", "c", 149)])
+    assert inj.due(178, now=0.0, busy=True) == []  # a takeover or recovery under way
+    assert [f.node for f in inj.due(178, now=0.1)] == ["a"]  # the earliest step only
+    assert [f.node for f in inj.due(180, now=0.2)] == ["b", "c"]  # one step's faults together
+    assert inj.due(200, now=0.3) == []
+
+
+def test_an_epoch_fault_fires_during_a_recovery() -> None:
+    inj = Injector([Fault("kill", "s", 0, epoch=2)])
+    assert [f.node for f in inj.due(5, now=0.0, epoch=2, busy=True)] == ["s"]
