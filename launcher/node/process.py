@@ -83,6 +83,7 @@ class NodeProcess:
         # One link per controller replica (comma-separated endpoints); sends go to the leader.
         self.ch = ControllerSet(self.ctx, controller.split(","), keys, sender=f"{node}/node")
         self.exited: list[dict] = []  # worker exits so far: told again to a new leader
+        self.health: dict | None = None  # the newest health verdict sent: told again to a new leader
         self.env = {
             **os.environ,
             resild_env.CONTROLLER.name: controller,
@@ -199,7 +200,7 @@ class NodeProcess:
                     elif fd == self._wake_r:
                         os.read(self._wake_r, 4096)
                         while not self.health_q.empty():
-                            self.ch.send(MsgType.HEALTH, {"node": self.node, **self.health_q.get()})
+                            self._send_health(self.health_q.get())
                     else:
                         self._reap(fd, poller)
                 if self.shutting_down_until is not None:
@@ -249,6 +250,10 @@ class NodeProcess:
         self._heartbeat()
         for body in self.exited:
             self.ch.send(MsgType.WORKER_EXIT, body)
+        if self.health is not None and self.health.get("verdict") != "healthy":
+            # A verdict the old leader got and died before acting on (seen: an Xid 79 sent
+            # to a leader killed a moment later; its successor let the bad GPU train on).
+            self.ch.send(MsgType.HEALTH, {"node": self.node, **self.health})
         if self.relay is not None:
             self.relay.broadcast(MsgType.LEASE, lease)
 
@@ -304,7 +309,11 @@ class NodeProcess:
         assert self.probe is not None
         body = self.probe.poll()
         if body is not None:  # None: no daemon and no probe applies here (e.g. no NVML)
-            self.ch.send(MsgType.HEALTH, {"node": self.node, **body})
+            self._send_health(body)
+
+    def _send_health(self, body: dict) -> None:
+        self.health = body  # the newest verdict: a new leader hears it again (_new_leader)
+        self.ch.send(MsgType.HEALTH, {"node": self.node, **body})
 
     def _lease_expired(self, now: float) -> bool:
         if self.lease_timeout_s <= 0 or self.shutting_down_until is not None:
