@@ -6,8 +6,10 @@ a resumed leader fenced a healthy spare as "no heartbeat for 2.2s" and killed it
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import zmq
 
 from resild.controller.journal import Journal
@@ -59,7 +61,13 @@ def _msg(mtype: MsgType, body: dict[str, Any]) -> Message:
     return Message(mtype, "t", 1, time.time() + 60, body, PROTOCOL_VERSION)
 
 
-def test_a_decision_the_replicas_did_not_commit_is_not_carried_out() -> None:
+Rig = tuple[Controller, RefusingJournal, EventLog, list[str]]
+
+
+@pytest.fixture
+def rig() -> Iterator[Rig]:
+    """A controller for 2 active nodes and a spare over a journal that may refuse; the
+    nodes it fences are recorded instead of killed."""
     ctx = zmq.Context()
     journal = RefusingJournal()
     events = EventLog(None)
@@ -67,62 +75,57 @@ def test_a_decision_the_replicas_did_not_commit_is_not_carried_out() -> None:
     fenced: list[str] = []
     ctl.backend.fence = lambda node, reason: fenced.append(node)  # type: ignore[method-assign]
     try:
-        now = time.monotonic()
-        journal.commit = False
-        for i, n in enumerate(["n0", "n1", "n2"]):
-            ctl._handle(f"{n}/node".encode(), _msg(MsgType.REGISTER_NODE, {"node": n, "pid": 100 + i}), now)
-            ctl._handle(
-                f"{n}/w0/1".encode(), _msg(MsgType.REGISTER_WORKER, {"node": n, "local_rank": 0, "pid": 200 + i}), now
-            )
-        assert ctl.view.membership is None  # the first epoch was not committed: not announced
-        journal.commit = True
-        ctl._tick(now + 0.1)
-        m = ctl.view.membership
-        assert m is not None and m.epoch == 1  # committed at the next tick: announced
-
-        # Deposed: every node "silent" past the heartbeat timeout is what a resumed
-        # leader sees; its decision is refused by the replicas, so nothing happens.
-        journal.commit = False
-        ctl._tick(now + 60.0)
-        assert journal.refused and ctl.state.deferred >= 1
-        assert fenced == [] and ctl.view.membership is m
-        assert all(v.role != NodeRole.FENCED for v in ctl.view.nodes.values())
-        assert not [e for e in events.records if e["event"] in ("failure_detected", "node_fenced", "spare_assigned")]
+        yield ctl, journal, events, fenced
     finally:
         ctl.server.close()
         events.close()
         ctx.destroy(linger=0)
 
 
-def test_a_failure_reported_while_the_replicas_refused_is_handled_once_they_commit() -> None:
+def register(ctl: Controller, now: float) -> None:
+    for i, n in enumerate(["n0", "n1", "n2"]):
+        ctl._handle(f"{n}/node".encode(), _msg(MsgType.REGISTER_NODE, {"node": n, "pid": 100 + i}), now)
+        ctl._handle(
+            f"{n}/w0/1".encode(), _msg(MsgType.REGISTER_WORKER, {"node": n, "local_rank": 0, "pid": 200 + i}), now
+        )
+
+
+def test_a_decision_the_replicas_did_not_commit_is_not_carried_out(rig: Rig) -> None:
+    ctl, journal, events, fenced = rig
+    now = time.monotonic()
+    journal.commit = False
+    register(ctl, now)
+    assert ctl.view.membership is None  # the first epoch was not committed: not announced
+    journal.commit = True
+    ctl._tick(now + 0.1)
+    m = ctl.view.membership
+    assert m is not None and m.epoch == 1  # committed at the next tick: announced
+
+    # Deposed: every node "silent" past the heartbeat timeout is what a resumed
+    # leader sees; its decision is refused by the replicas, so nothing happens.
+    journal.commit = False
+    ctl._tick(now + 60.0)
+    assert journal.refused and ctl.state.deferred >= 1
+    assert fenced == [] and ctl.view.membership is m
+    assert all(v.role != NodeRole.FENCED for v in ctl.view.nodes.values())
+    assert not [e for e in events.records if e["event"] in ("failure_detected", "node_fenced", "spare_assigned")]
+
+
+def test_a_failure_reported_while_the_replicas_refused_is_handled_once_they_commit(rig: Rig) -> None:
     """A worker's exit arrives as a message: no tick would decide it again by itself."""
-    ctx = zmq.Context()
-    journal = RefusingJournal()
-    events = EventLog(None)
-    ctl = Controller(ControllerConfig(), ["n0", "n1"], ["n2"], 1, None, events, journal, ctx=ctx)
-    fenced: list[str] = []
-    ctl.backend.fence = lambda node, reason: fenced.append(node)  # type: ignore[method-assign]
-    try:
-        now = time.monotonic()
-        for i, n in enumerate(["n0", "n1", "n2"]):
-            ctl._handle(f"{n}/node".encode(), _msg(MsgType.REGISTER_NODE, {"node": n, "pid": 100 + i}), now)
-            ctl._handle(
-                f"{n}/w0/1".encode(), _msg(MsgType.REGISTER_WORKER, {"node": n, "local_rank": 0, "pid": 200 + i}), now
-            )
-        m1 = ctl.view.membership
-        assert m1 is not None
-        journal.commit = False  # the standbys are stalled: no majority
-        exit_msg = {"node": "n0", "local_rank": 0, "pid": 200, "returncode": 1}
-        ctl._handle(b"n0/node", _msg(MsgType.WORKER_EXIT, exit_msg), now)
-        ctl._tick(now + 0.1)
-        assert fenced == [] and ctl.view.membership is m1
-        journal.commit = True  # they are back
-        ctl._tick(now + 0.2)
-        m2 = ctl.view.membership
-        assert fenced == ["n0"] and m2 is not None and m2.epoch == 2 and "n2" in m2.node_ranks
-        ctl._tick(now + 0.3)  # handled once
-        assert fenced == ["n0"] and ctl.view.membership is m2
-    finally:
-        ctl.server.close()
-        events.close()
-        ctx.destroy(linger=0)
+    ctl, journal, events, fenced = rig
+    now = time.monotonic()
+    register(ctl, now)
+    m1 = ctl.view.membership
+    assert m1 is not None
+    journal.commit = False  # the standbys are stalled: no majority
+    exit_msg = {"node": "n0", "local_rank": 0, "pid": 200, "returncode": 1}
+    ctl._handle(b"n0/node", _msg(MsgType.WORKER_EXIT, exit_msg), now)
+    ctl._tick(now + 0.1)
+    assert fenced == [] and ctl.view.membership is m1
+    journal.commit = True  # they are back
+    ctl._tick(now + 0.2)
+    m2 = ctl.view.membership
+    assert fenced == ["n0"] and m2 is not None and m2.epoch == 2 and "n2" in m2.node_ranks
+    ctl._tick(now + 0.3)  # handled once
+    assert fenced == ["n0"] and ctl.view.membership is m2
