@@ -226,6 +226,7 @@ class Effects:
         s.view.first_done_s = None
         s.view.epoch_started_s = now
         s.awaiting_full_strength = m.epoch
+        self.injector.settled()
         sent = s.bc.announce(m, prev, now)
         return replace(sent, seconds=time.perf_counter() - t0, cpu_s=time.thread_time() - cpu0)
 
@@ -265,6 +266,7 @@ class Effects:
             if not self.journaled(FaultFired(str(f), time.time()), f"fault {f}"):  # fired once, ever
                 self.injector.rearm(f)
                 continue
+            self.injector.fired(f, now)
             s.events.emit(EventName.FAULT_INJECTED, kind=f.kind, node=f.node, step=s.max_step, spec=str(f))
             for to, lr in targets:
                 s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": lr, "xid": f.xid}, to=to)

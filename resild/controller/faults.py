@@ -65,9 +65,33 @@ def parse_fault(spec: str) -> Fault:
 class Injector:
     """Decides which faults are due; pure apart from remembering what fired."""
 
-    def __init__(self, faults: list[Fault]) -> None:
+    def __init__(self, faults: list[Fault], settle_s: float = 30.0) -> None:
         self.pending = sorted(faults, key=lambda f: (f.step, f.delay_s))
         self._armed_at: dict[Fault, float] = {}
+        # A fired fault is unsettled until its recovery's epoch is announced (or settle_s,
+        # for a fault nobody detects): the next step fault waits, else two faults meant
+        # apart can hit before the first was even seen, and take out both copies of a state.
+        self.settle_s = settle_s
+        self._unsettled_since: float | None = None
+
+    def fired(self, f: Fault, now: float) -> None:
+        """`f` went out. A corrupt fault damages copies without failing anything: no
+        recovery will follow it, so it holds nothing back."""
+        if f.kind != "corrupt":
+            self.hold(now)
+
+    def hold(self, now: float) -> None:
+        """Step faults wait until the next epoch (or settle_s): a fault is on its way."""
+        self._unsettled_since = now
+
+    def settled(self) -> None:
+        """A new epoch was announced: the fault (if any) has been detected and handled."""
+        self._unsettled_since = None
+
+    def unsettled(self, now: float) -> bool:
+        if self._unsettled_since is not None and now - self._unsettled_since >= self.settle_s:
+            self._unsettled_since = None
+        return self._unsettled_since is not None
 
     def rearm(self, f: Fault) -> None:
         """A fault whose firing was not journaled: due again at the next check."""
@@ -77,8 +101,10 @@ class Injector:
 
     def due(self, committed_step: int, now: float, epoch: int = 0, busy: bool = False) -> list[Fault]:
         """Faults to fire now. Step faults: not while `busy` (a recovery or a takeover under
-        way), and only the earliest step's when several are due at once (a controller that
-        was away must not fire a schedule's faults all together: they were meant apart)."""
+        way, or a fired fault not yet detected), and only the earliest step's when several
+        are due at once (a controller that was away must not fire a schedule's faults all
+        together: they were meant apart)."""
+        busy = busy or self.unsettled(now)
         fire = []
         first = min((f.step for f in self.pending if f.epoch is None and committed_step >= f.step), default=None)
         for f in list(self.pending):

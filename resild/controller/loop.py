@@ -105,7 +105,10 @@ class Controller:
         self.cfg = cfg
         self.events = events
         self.journal = journal or Journal(None)
-        self.injector = Injector(faults or [])
+        # A fired fault is detected within the hang check's worst case (2 x --hang-timeout)
+        # or a lost node's silence: the next step fault waits that long at most.
+        settle_s = 2 * cfg.settings.hang_timeout_s + self.derived.heartbeat_timeout_s + 5.0
+        self.injector = Injector(faults or [], settle_s)
         self.ctx = ctx or zmq.Context.instance()
         self.server = server or Server(self.ctx, cfg.bind, keys)
         # A standby replica's view of whether it still leads: checked every tick; a deposed
@@ -374,6 +377,8 @@ class Controller:
         folded = fold(map(parse_record, records), snapshot(self.state))
         take_over(self.state, folded, now)
         self.injector.pending = [f for f in self.injector.pending if str(f) not in folded.fired]
+        if folded.unsettled:  # the old leader fired a fault whose failure nobody has handled yet
+            self.injector.hold(now)
         self._next_lease_s = 0.0
         m = self.view.membership
         self.events.emit(

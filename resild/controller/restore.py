@@ -45,6 +45,7 @@ class Restored:
     max_step: int = 0
     result: JobResult | None = None
     fired: frozenset[str] = frozenset()  # specs of the faults that fired (once, ever)
+    unsettled: bool = False  # the last fault fired after the last decision: its recovery may be ahead
 
 
 def _set(s: Restored, node: str, role: NodeRole, reason: str = "") -> Restored:
@@ -56,11 +57,12 @@ def _set(s: Restored, node: str, role: NodeRole, reason: str = "") -> Restored:
 def apply(s: Restored, rec: Record) -> Restored:
     """The state after one more record; records of other kinds (leader, unknown) change nothing."""
     if isinstance(rec, FaultFired):
-        return replace(s, fired=s.fired | {rec.spec})
+        return replace(s, fired=s.fired | {rec.spec}, unsettled=True)
     if isinstance(rec, Start):
-        return replace(s, membership=rec.membership)
+        return replace(s, membership=rec.membership, unsettled=False)
     if not isinstance(rec, (ReplaceNode, DropSpare, Reform, FailJob, Finish)):
         return s
+    s = replace(s, unsettled=False)
     node, spare = rec.node, rec.spare
     if isinstance(rec, (ReplaceNode, DropSpare, FailJob)) and node in s.roles and s.roles[node] in _LIVE:
         s = _set(s, node, NodeRole.FENCED, rec.reason)

@@ -56,3 +56,25 @@ def test_step_faults_wait_for_full_strength_and_fire_apart_when_several_are_due(
 def test_an_epoch_fault_fires_during_a_recovery() -> None:
     inj = Injector([Fault("kill", "s", 0, epoch=2)])
     assert [f.node for f in inj.due(5, now=0.0, epoch=2, busy=True)] == ["s"]
+
+
+def test_a_fired_fault_holds_the_next_until_its_recovery_is_announced() -> None:
+    # Soak schedule #14: after a takeover a second fault fired 16 ms after the first,
+    # before the first was detected, and both copies of a state were lost.
+    inj = Injector([Fault("kill", "a", 10), Fault("kill", "b", 12), Fault("kill", "c", 14)], settle_s=20.0)
+    (first,) = inj.due(12, now=0.0)
+    inj.fired(first, now=0.0)
+    assert inj.due(12, now=0.016) == []  # detected or not, nobody has recovered yet
+    inj.settled()  # the recovery's epoch went out
+    (second,) = inj.due(12, now=1.0)
+    assert second.node == "b"
+    inj.fired(second, now=1.0)
+    assert inj.due(14, now=20.9) == []
+    assert [f.node for f in inj.due(14, now=21.0)] == ["c"]  # a fault nobody detected holds back settle_s
+
+
+def test_a_corrupt_fault_holds_nothing_back() -> None:
+    inj = Injector([Fault("corrupt", "a", 10), Fault("kill", "b", 11)])
+    (c,) = inj.due(11, now=0.0)
+    inj.fired(c, now=0.0)
+    assert [f.node for f in inj.due(11, now=0.1)] == ["b"]

@@ -51,9 +51,24 @@ def test_restore_rebuilds_roles_epoch_floor_and_fired_faults() -> None:
         }
         assert ctl.max_step == 12 and ctl.result is None
         assert [str(f) for f in ctl.injector.pending] == ["kill:a@50"]  # fired once, ever
+        assert not ctl.injector.unsettled(100.0)  # kill:b@10 was handled: its epoch is in the journal
         # Every node still in the job is expected to speak within the heartbeat timeout.
         assert all(v.nodes[n].registered and v.nodes[n].last_heartbeat_s == 100.0 for n in ("a", "s0", "s1"))
         assert ctl.node_ident["s1"] == b"s1/node" and "b" not in ctl.node_ident
+    finally:
+        ctl.server.close()
+
+
+def test_a_fault_the_old_leader_fired_last_holds_the_next_one_back() -> None:
+    # The old leader fired kill:b@10 and died before anyone handled it: the new leader
+    # must not fire kill:a@11 on top of it (both nodes' state gone at once).
+    m1 = Membership.initial(["a", "b"], 2)
+    records = [{"action": "start", "membership": m1.to_dict()}, {"action": "fault_fired", "spec": "kill:b@10"}]
+    ctl = _controller(["kill:b@10", "kill:a@11"])
+    try:
+        ctl.restore(records, now=100.0)
+        assert ctl.injector.unsettled(100.0)
+        assert ctl.injector.due(12, now=100.5) == []
     finally:
         ctl.server.close()
 
