@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.soak import make_system_schedules
+from bench.soak import make_system_schedules, unfired_node_faults
 from bench.soak_system import SystemFault, SystemFaults, Tmpfs, can_mount, fill
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,3 +73,14 @@ def test_the_full_disk_stays_full(tmp_path: Path) -> None:
         with pytest.raises(OSError):
             (d / "more").write_bytes(b"x" * 65536)
     assert not os.path.ismount(d)
+
+
+def test_a_node_fault_that_never_fired_is_named(tmp_path: Path) -> None:
+    # Soak #12: two leader changes took so long that the job finished before any leader
+    # fired its Xid 79; the verdict must say so, not "no failure was detected".
+    events = tmp_path / "events.jsonl"
+    events.write_text(
+        json.dumps({"event": "fault_injected", "spec": "kill:node0@40"}) + "\n" + json.dumps({"event": "x"}) + "\n"
+    )
+    assert unfired_node_faults(events, ["kill:node0@40", "xid79:node1@119"]) == ["xid79:node1@119"]
+    assert unfired_node_faults(tmp_path / "missing.jsonl", ["kill:node0@40"]) == []
