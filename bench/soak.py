@@ -307,13 +307,14 @@ def bitwise_diff(a: dict, b: dict, steps: int) -> str:
 
 
 def unfired_node_faults(events: Path, faults: list[str]) -> list[str]:
-    """The schedule's node faults no controller fired (no `fault_injected` for them)."""
+    """The schedule's node faults no controller fired (no `fault_injected` for them).
+    resil-run --local names node `nodeK` `local-nodeK`: the event's spec carries that name."""
     fired = set()
     try:
         for line in events.read_text().splitlines():
             e = json.loads(line)
             if e.get("event") == "fault_injected":
-                fired.add(e.get("spec"))
+                fired.add(str(e.get("spec")).replace(":local-", ":", 1))
     except (OSError, ValueError):
         return []  # no events to judge by: the other checks speak
     return [f for f in faults if f not in fired]

@@ -80,7 +80,10 @@ def test_a_node_fault_that_never_fired_is_named(tmp_path: Path) -> None:
     # fired its Xid 79; the verdict must say so, not "no failure was detected".
     events = tmp_path / "events.jsonl"
     events.write_text(
-        json.dumps({"event": "fault_injected", "spec": "kill:node0@40"}) + "\n" + json.dumps({"event": "x"}) + "\n"
+        json.dumps({"event": "fault_injected", "spec": "kill:local-node0@40"})
+        + "\n"
+        + json.dumps({"event": "x"})
+        + "\n"
     )
     assert unfired_node_faults(events, ["kill:node0@40", "xid79:node1@119"]) == ["xid79:node1@119"]
     assert unfired_node_faults(tmp_path / "missing.jsonl", ["kill:node0@40"]) == []
