@@ -43,6 +43,8 @@ from launcher.worker.torch_private import (
     private_device_mesh,
     register_group,
     retarget_device_mesh,
+    retarget_submesh,
+    strided_shard_type,
 )
 from launcher.worker.warmup_recipe import RECIPE_KEY, Recipe, parse
 
@@ -77,19 +79,40 @@ def warm_mesh(recipe: Recipe, groups: list[Any]) -> Any:
     return private_device_mesh(groups, recipe.device_type, ranks, recipe.mesh_names, 0)
 
 
-def stand_ins(recipe: Recipe, mesh: Any, device: torch.device) -> list[torch.nn.Parameter]:
-    """One DTensor parameter per recipe entry, with a zero gradient of the same layout."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+def _placement(kind: str, dim: int, split: int) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
 
+    if kind == "R":
+        return Replicate()
+    return Shard(dim) if kind == "S" else strided_shard_type()(dim, split_factor=split)
+
+
+def stand_ins(
+    recipe: Recipe, mesh: Any, device: torch.device, slices: dict[tuple[int, ...], Any] | None = None
+) -> list[torch.nn.Parameter]:
+    """One DTensor parameter per recipe entry, with a zero gradient of the same layout, on
+    the warm mesh or the slice of it the recipe names (cut once per set of dimensions,
+    kept in `slices`: the cache's entries hold them, so they are re-targeted too)."""
+    from torch.distributed.tensor import DTensor
+
+    slices = {} if slices is None else slices
+    whole = tuple(range(len(recipe.mesh_shape)))
     out = []
     for spec in recipe.params:
-        placements = [Replicate() if k == "R" else Shard(d) for k, d in spec.placements]
+        placements = [_placement(*x) for x in spec.placements]
         dtype = spec.torch_dtype()
+        dims = spec.mesh_dims(len(whole))
+        if dims == whole:
+            on = mesh
+        else:
+            on = slices.get(dims)
+            if on is None:
+                on = slices[dims] = mesh[tuple(recipe.mesh_names[d] for d in dims)]
 
-        def dt(spec: Any = spec, placements: Any = placements, dtype: torch.dtype = dtype) -> Any:
+        def dt(spec: Any = spec, placements: Any = placements, dtype: torch.dtype = dtype, on: Any = on) -> Any:
             local = torch.zeros(spec.local_shape(recipe.mesh_shape), dtype=dtype, device=device)
             return DTensor.from_local(
-                local, mesh, placements, run_check=False, shape=torch.Size(spec.shape), stride=spec.stride
+                local, on, placements, run_check=False, shape=torch.Size(spec.shape), stride=spec.stride
             )
 
         p = torch.nn.Parameter(dt())
@@ -112,7 +135,12 @@ def run_steps(recipe: Recipe, params: list[torch.nn.Parameter], cancelled: Cance
     cls = _optimizer_class(recipe.optimizer)
     if cancelled():
         raise _Stop
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    by_mesh: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in params:  # one norm per mesh: torch's clipping takes one mesh at a time
+        dt: Any = p  # a DTensor parameter
+        by_mesh.setdefault(dt.device_mesh, []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grad_norm_(group, 1.0)
     whole = params[0].device.type != "cpu" if params else True
     whole = whole or any(hp.get("foreach") or hp.get("fused") for hp, _ in recipe.groups)
     if whole:
@@ -166,17 +194,22 @@ def fsdp_steps(recipe: Recipe, device: torch.device, cancelled: Cancelled) -> No
 
 
 def warm_up(
-    recipe: Recipe, device: torch.device, keep: Callable[[Any], None], cancelled: Cancelled = lambda: False
+    recipe: Recipe,
+    device: torch.device,
+    keep: Callable[[Any, dict[tuple[int, ...], Any]], None],
+    cancelled: Cancelled = lambda: False,
 ) -> None:
-    """Run the warm-up. `keep` receives the warm mesh as soon as it exists: it must be
-    adopted even if what follows fails or stops, since cache entries may hold it."""
+    """Run the warm-up. `keep` receives the warm mesh and its slices (filled as they are
+    cut) as soon as it exists: they must be adopted even if what follows fails or stops,
+    since cache entries may hold them."""
     if recipe.device_type != device.type:
         raise ValueError(f"recipe for {recipe.device_type}, this spare runs on {device.type}")
     with _rng_kept(device.type), fake_default_group(recipe.world_size):
         mesh = warm_mesh(recipe, _fake_groups(recipe, "resild-warmup"))
-        keep(mesh)
+        slices: dict[tuple[int, ...], Any] = {}
+        keep(mesh, slices)
         try:
-            run_steps(recipe, stand_ins(recipe, mesh, device), cancelled)
+            run_steps(recipe, stand_ins(recipe, mesh, device, slices), cancelled)
             fsdp_steps(recipe, device, cancelled)
         except _Stop:
             log.info("spare warm-up stopped: ranks arrived")
@@ -196,6 +229,7 @@ class SpareWarmup:
         self._stopped = False
         self._done = False
         self.mesh: Any = None  # the warm mesh, adopted by job.mesh() if equal
+        self.slices: dict[tuple[int, ...], Any] = {}  # slices of it the stand-ins live on
         self.seconds: float | None = None
         self.error: str | None = None
 
@@ -243,13 +277,18 @@ class SpareWarmup:
         if self.on_done is not None:
             self.on_done(self.seconds, self.error)
 
-    def _keep(self, mesh: Any) -> None:
-        self.mesh = mesh
+    def _keep(self, mesh: Any, slices: dict[tuple[int, ...], Any]) -> None:
+        self.mesh, self.slices = mesh, slices
 
     def adopt(self, real: Any) -> Any:
         """The mesh the job should hand out: the warm mesh re-targeted at `real`'s groups
-        if the two are equal (then the warm-up's cache entries are the job's), else `real`."""
+        if the two are equal (then the warm-up's cache entries are the job's), else `real`.
+        Its slices follow: the job's own slices are equal to them, so the cache hands them out."""
         warm, self.mesh = self.mesh, None
+        slices, self.slices = self.slices, {}
         if warm is None or warm != real:
             return real
-        return retarget_device_mesh(warm, real)
+        retarget_device_mesh(warm, real)
+        for sub in slices.values():
+            retarget_submesh(sub, warm)
+        return warm

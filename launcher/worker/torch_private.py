@@ -48,6 +48,9 @@ __all__ = [
     "fake_default_group",
     "fake_group",
     "retarget_device_mesh",
+    "retarget_submesh",
+    "strided_shard_type",
+    "submesh_dims",
     "tcp_store",
 ]
 
@@ -291,6 +294,39 @@ def retarget_device_mesh(mesh: Any, real: Any) -> Any:
     mesh._coordinate_on_dim = real._coordinate_on_dim
     mesh._flatten_mapping = {}
     return mesh
+
+
+def strided_shard_type() -> Any:
+    """torch's _StridedShard: FSDP2's shard of a dimension tensor parallelism already split."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard
+
+
+def submesh_dims(mesh: Any, root: Any) -> tuple[int, ...] | None:
+    """Which of `root`'s dimensions `mesh` is: all of them for `root` itself or a copy of
+    it, a subset for a slice (`root["shard"]`), None for a mesh not cut from `root`.
+    torch 2.13: a slice knows its root (`_get_root_mesh`); DTensor compares meshes by
+    value (rank map, layout, device type, names), so an equal slice is the same mesh."""
+    if mesh is root:
+        return tuple(range(root.ndim))
+    names, root_names = getattr(mesh, "mesh_dim_names", None), root.mesh_dim_names
+    if not names or not root_names or mesh._get_root_mesh() is not root or not set(names) <= set(root_names):
+        return None
+    dims = tuple(root_names.index(n) for n in names)
+    cut = root if dims == tuple(range(root.ndim)) else root[tuple(names)]
+    return dims if cut == mesh else None
+
+
+def retarget_submesh(sub: Any, root: Any) -> Any:
+    """A slice of a warm mesh, after `retarget_device_mesh(root, ...)`: its groups are the
+    root's for its dimensions (a slice copies the group names when it is cut), its rank
+    and coordinate this process's. torch 2.13 fields, as retarget_device_mesh."""
+    names = root.mesh_dim_names
+    sub._dim_group_names = [root._dim_group_names[names.index(n)] for n in sub.mesh_dim_names]
+    sub._rank = root._rank
+    sub._coordinate_on_dim = sub._compute_coordinate_on_dim()
+    return sub
 
 
 _FAKE_BACKEND = "resildfake"

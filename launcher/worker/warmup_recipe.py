@@ -11,9 +11,11 @@ the job's store under `RECIPE_KEY`), and a spare waiting for ranks replays an
 optimizer step and a clipping on stand-ins of the same layout
 (`launcher.worker.spare_warmup`).
 
-Only parameters on the mesh `job.mesh()` built qualify (the spare adopts that mesh
-object, see spare_warmup), and only optimizers of `torch.optim`; anything else
-gives no recipe, and a spare simply does not warm up. The recipe is read from the
+Only parameters on the mesh `job.mesh()` built, or on a slice of it (FSDP2 + tensor
+parallelism: `mesh["shard"]` for the FSDP-only parameters, the whole mesh for the
+TP-split ones), qualify (the spare adopts that mesh object and the slices it made, see
+spare_warmup), and only optimizers of `torch.optim`; anything else gives no recipe,
+and a spare simply does not warm up. The recipe is read from the
 store, which any worker can write: it is parsed as JSON and validated, it never
 names code to import beyond a `torch.optim` class, and a bad one only costs the
 warm-up.
@@ -28,11 +30,15 @@ from typing import Any
 
 import torch
 
-RECIPE_KEY = "resild/spare-warmup/v1"
+from launcher.worker.torch_private import strided_shard_type, submesh_dims
+
+RECIPE_KEY = "resild/spare-warmup/v2"
 MAX_RECIPE_BYTES = 256 << 10  # the store takes values up to 512 KB
 MAX_PARAMS = 20_000
 
-Placement = tuple[str, int]  # ("R", -1) replicate, ("S", dim) shard
+# ("R", -1, 1) replicate, ("S", dim, 1) shard, ("T", dim, split) a strided shard (FSDP2's
+# shard of a dimension tensor parallelism already split: torch's _StridedShard)
+Placement = tuple[str, int, int]
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,10 @@ class ParamSpec:
     stride: tuple[int, ...]
     dtype: str  # "float32"
     placements: tuple[Placement, ...]
+    dims: tuple[int, ...] = ()  # the job mesh's dimensions the parameter lives on (): all of them
+
+    def mesh_dims(self, ndim: int) -> tuple[int, ...]:
+        return self.dims or tuple(range(ndim))
 
     def torch_dtype(self) -> torch.dtype:
         dt = getattr(torch, self.dtype, None)
@@ -51,8 +61,9 @@ class ParamSpec:
     def local_shape(self, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shard a rank at coordinate 0 holds (torch.chunk's sizes, as FSDP2 and DTensor)."""
         out = list(self.shape)
-        for (kind, dim), n in zip(self.placements, mesh_shape):
-            if kind == "S":
+        sizes = [mesh_shape[d] for d in self.mesh_dims(len(mesh_shape))]
+        for (kind, dim, _), n in zip(self.placements, sizes):
+            if kind in ("S", "T"):
                 out[dim] = math.ceil(out[dim] / n) if out[dim] else 0
         return tuple(out)
 
@@ -76,10 +87,12 @@ def _placement(p: Any) -> Placement | None:
     from torch.distributed.tensor import Replicate, Shard
 
     if type(p) is Replicate:
-        return ("R", -1)
+        return ("R", -1, 1)
     if type(p) is Shard:
-        return ("S", int(p.dim))
-    return None  # Partial, _StridedShard and others: not described
+        return ("S", int(p.dim), 1)
+    if type(p) is strided_shard_type():
+        return ("T", int(p.dim), int(p.split_factor))
+    return None  # Partial and others: not described
 
 
 def _jsonable(v: Any) -> Any:
@@ -97,8 +110,9 @@ def _jsonable(v: Any) -> Any:
 
 def describe(optimizer: torch.optim.Optimizer, mesh: Any) -> str | None:
     """The recipe of `optimizer` over `mesh` (JSON), or None if a spare could not use one:
-    an optimizer outside torch.optim, a parameter that is not a DTensor on `mesh`
-    itself, a placement other than Replicate/Shard, a hyperparameter JSON cannot hold."""
+    an optimizer outside torch.optim, a parameter that is not a DTensor on `mesh` or a
+    slice of it, a placement other than Replicate/Shard/strided Shard, a hyperparameter
+    JSON cannot hold."""
     from torch.distributed.tensor import DTensor
 
     cls = type(optimizer)
@@ -114,7 +128,8 @@ def describe(optimizer: torch.optim.Optimizer, mesh: Any) -> str | None:
         for g in optimizer.param_groups:
             idx = []
             for p in g["params"]:
-                if not isinstance(p, DTensor) or p.device_mesh is not mesh:
+                dims = submesh_dims(p.device_mesh, mesh) if isinstance(p, DTensor) else None
+                if dims is None:
                     return None
                 pl = [_placement(x) for x in p.placements]
                 if any(x is None for x in pl):
@@ -126,6 +141,7 @@ def describe(optimizer: torch.optim.Optimizer, mesh: Any) -> str | None:
                         "stride": list(p.stride()),
                         "dtype": str(p.dtype).removeprefix("torch."),
                         "placements": pl,
+                        "dims": list(dims),
                     }
                 )
             hp = {k: _jsonable(v) for k, v in g.items() if k != "params"}
@@ -156,6 +172,16 @@ def _ints(v: Any, what: str) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _placement_of(v: Any) -> Placement:
+    """[kind, dim] or [kind, dim, split]."""
+    if not isinstance(v, list) or len(v) not in (2, 3):
+        raise ValueError("recipe: a placement is [kind, dim] or [kind, dim, split]")
+    split = int(v[2]) if len(v) == 3 else 1
+    if split < 1 or split > 1 << 20:
+        raise ValueError("recipe: a strided shard's split factor is out of range")
+    return (str(v[0]), int(v[1]), split)
+
+
 def _tuples(v: Any) -> Any:
     return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
 
@@ -176,12 +202,15 @@ def parse(text: bytes | str) -> Recipe:
         params = []
         for p in d["params"][:MAX_PARAMS]:
             pshape, stride = _ints(p["shape"], "shape"), _ints(p["stride"], "stride")
-            pl = tuple((str(k), int(dim)) for k, dim in p["placements"])
-            if len(stride) != len(pshape) or len(pl) != len(shape):
+            dims = _ints(p.get("dims", list(range(len(shape)))), "dims")
+            if not dims or len(set(dims)) != len(dims) or any(d >= len(shape) for d in dims):
+                raise ValueError("recipe: a parameter's mesh dimensions are not the mesh's")
+            pl = tuple(_placement_of(x) for x in p["placements"])
+            if len(stride) != len(pshape) or len(pl) != len(dims):
                 raise ValueError("recipe: a parameter's stride or placements do not fit")
-            if any(k not in ("R", "S") or (k == "S" and not 0 <= dim < len(pshape)) for k, dim in pl):
+            if any(k not in ("R", "S", "T") or (k != "R" and not 0 <= dim < len(pshape)) for k, dim, _ in pl):
                 raise ValueError("recipe: unknown placement")
-            spec = ParamSpec(pshape, stride, str(p["dtype"]), pl)
+            spec = ParamSpec(pshape, stride, str(p["dtype"]), pl, () if dims == tuple(range(len(shape))) else dims)
             spec.torch_dtype()
             params.append(spec)
         groups = []

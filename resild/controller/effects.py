@@ -252,6 +252,10 @@ class Effects:
         # (faults meant to hit a recovery are armed on its epoch: KIND:NODE@eN).
         busy = s.awaiting_full_strength is not None
         for f in self.injector.due(s.max_step, now, epoch, busy):
+            target = s.view.nodes.get(f.node)
+            if target is not None and target.role == NodeRole.FENCED:  # it can never hit: dropped
+                log.warning("fault %s dropped: %s is fenced", f, f.node)
+                continue
             if f.kind == "corrupt":  # every worker of the node holds snapshot copies
                 targets = [(wid, lr) for (node_id, lr), wid in list(s.worker_ident.items()) if node_id == f.node]
             elif f.kind in ("exception", "diverge"):

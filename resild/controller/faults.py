@@ -78,11 +78,7 @@ class Injector:
         """`f` went out. A corrupt fault damages copies without failing anything: no
         recovery will follow it, so it holds nothing back."""
         if f.kind != "corrupt":
-            self.hold(now)
-
-    def hold(self, now: float) -> None:
-        """Step faults wait until the next epoch (or settle_s): a fault is on its way."""
-        self._unsettled_since = now
+            self._unsettled_since = now
 
     def settled(self) -> None:
         """A new epoch was announced: the fault (if any) has been detected and handled."""

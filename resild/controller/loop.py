@@ -376,9 +376,8 @@ class Controller:
         self.restored = True
         folded = fold(map(parse_record, records), snapshot(self.state))
         take_over(self.state, folded, now)
-        self.injector.pending = [f for f in self.injector.pending if str(f) not in folded.fired]
-        if folded.unsettled:  # the old leader fired a fault whose failure nobody has handled yet
-            self.injector.hold(now)
+        gone = folded.fired - folded.unsettled  # fired and handled: never again
+        self.injector.pending = [f for f in self.injector.pending if str(f) not in gone]
         self._next_lease_s = 0.0
         m = self.view.membership
         self.events.emit(

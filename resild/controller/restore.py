@@ -45,7 +45,10 @@ class Restored:
     max_step: int = 0
     result: JobResult | None = None
     fired: frozenset[str] = frozenset()  # specs of the faults that fired (once, ever)
-    unsettled: bool = False  # the last fault fired after the last decision: its recovery may be ahead
+    # Faults fired after the last decision: the old leader may have died between journaling
+    # one and sending it, so a new leader fires them again (a fault that did hit finds its
+    # worker dead or stopped already, or its node fenced: firing twice changes nothing).
+    unsettled: frozenset[str] = frozenset()
 
 
 def _set(s: Restored, node: str, role: NodeRole, reason: str = "") -> Restored:
@@ -57,12 +60,12 @@ def _set(s: Restored, node: str, role: NodeRole, reason: str = "") -> Restored:
 def apply(s: Restored, rec: Record) -> Restored:
     """The state after one more record; records of other kinds (leader, unknown) change nothing."""
     if isinstance(rec, FaultFired):
-        return replace(s, fired=s.fired | {rec.spec}, unsettled=True)
+        return replace(s, fired=s.fired | {rec.spec}, unsettled=s.unsettled | {rec.spec})
     if isinstance(rec, Start):
-        return replace(s, membership=rec.membership, unsettled=False)
+        return replace(s, membership=rec.membership, unsettled=frozenset())
     if not isinstance(rec, (ReplaceNode, DropSpare, Reform, FailJob, Finish)):
         return s
-    s = replace(s, unsettled=False)
+    s = replace(s, unsettled=frozenset())
     node, spare = rec.node, rec.spare
     if isinstance(rec, (ReplaceNode, DropSpare, FailJob)) and node in s.roles and s.roles[node] in _LIVE:
         s = _set(s, node, NodeRole.FENCED, rec.reason)

@@ -68,9 +68,9 @@ def test_a_recipe_parses_into_layouts() -> None:
     r = wr.parse(recipe_json([2, 2]))
     assert r.mesh_shape == (2, 2) and r.world_size == 4 and r.mesh_names == ("replicate", "shard")
     assert r.optimizer == "AdamW" and r.groups[0][0]["betas"] == (0.9, 0.999)
-    assert r.params[0].placements == (("R", -1), ("S", 0))
+    assert r.params[0].placements == (("R", -1, 1), ("S", 0, 1))
     assert r.params[0].local_shape(r.mesh_shape) == (256, 128)
-    assert wr.ParamSpec((5, 3), (3, 1), "float32", (("S", 0),)).local_shape((2,)) == (3, 3)  # torch.chunk's first
+    assert wr.ParamSpec((5, 3), (3, 1), "float32", (("S", 0, 1),)).local_shape((2,)) == (3, 3)  # torch.chunk's first
 
 
 @pytest.mark.parametrize(
@@ -116,7 +116,7 @@ import launcher
 from launcher.worker.spare_warmup import SpareWarmup
 
 torch.set_num_threads(1)
-mode, recipe_path, out_path = sys.argv[1:4]
+mode, recipe_path, out_path, kind = sys.argv[1:5]
 out = {}
 w = None
 if mode != "cold":
@@ -132,17 +132,32 @@ if mode != "cold":
     warm_mesh = w.mesh
 job = launcher.init()  # solo: installs its own default group (refused if the warm-up left one)
 job._warmup = w
-mesh = job.hsdp_mesh(shard_size=1)
+if kind == "tp":  # examples/train_fsdp_tp.py's model: FSDP2 on "shard", tensor parallel on "tp"
+    sys.path.insert(0, "examples")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from train_fsdp_tp import Model, clip_grad_norm
+    mesh = job.mesh((-1, 1), ("shard", "tp"))
+    model = Model(0, 0.0)
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}, src_data_rank=None)
+        fully_shard(b, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    clip = lambda: clip_grad_norm(list(model.parameters()), 1.0)
+else:
+    mesh = job.hsdp_mesh(shard_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                                torch.nn.GELU(), torch.nn.Linear(512, 128))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 out["adopted"] = w is not None and mesh is warm_mesh
 out["groups"] = list(mesh._dim_group_names)
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
-                            torch.nn.GELU(), torch.nn.Linear(512, 128))
-for layer in model:
-    if isinstance(layer, torch.nn.Linear):
-        fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+from launcher.worker.warmup_recipe import describe
+out["recipe"] = describe(opt, mesh)
 job.attach(model, opt)
 misses = []
 orig = ShardingPropagator.propagate_op_sharding_non_cached
@@ -155,7 +170,7 @@ x, y = torch.randn(16, 128, generator=g), torch.randn(16, 128, generator=g)
 for step in job.steps(3):
     opt.zero_grad()
     F.mse_loss(model(x), y).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    clip()
     if step == 0:
         misses.clear()  # forward/backward run on local tensors; clipping and the step on DTensors
         t0 = time.monotonic()
@@ -169,13 +184,14 @@ json.dump(out, open(out_path, "w"))
 """
 
 
-def _child(tmp: Path, mode: str, recipe: str) -> dict[str, Any]:
+def _child(tmp: Path, mode: str, recipe: str, kind: str = "hsdp") -> dict[str, Any]:
+    tmp.mkdir(parents=True, exist_ok=True)
     rp, op = tmp / "recipe.json", tmp / f"{mode}.json"
     rp.write_text(recipe)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("RESILD_CONTROLLER", None)
     p = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(rp), str(op)],
+        [sys.executable, "-c", CHILD, mode, str(rp), str(op), kind],
         capture_output=True,
         text=True,
         timeout=100,
@@ -201,6 +217,50 @@ def test_after_a_warm_up_the_first_step_propagates_nothing_and_ends_bitwise_as_c
     assert warm["adopted"] and warm["groups"] == cold["groups"] == ["resild-replicate-0", "resild-shard-0"]
     assert cold["first_commit_misses"], "a cold process's first optimizer step propagates shardings"
     assert warm["first_commit_misses"] == [], warm["first_commit_misses"]
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+
+
+def test_fsdp2_with_tensor_parallelism_warms_up_on_the_mesh_and_its_slices(tmp_path: Path) -> None:
+    # The FSDP-only parameters live on mesh["shard"], the TP-split ones on the whole mesh:
+    # the recipe names each one's dimensions, the spare cuts the same slices, and adopts them.
+    cold = _child(tmp_path / "cold", "cold", recipe_json(), "tp")
+    recipe = cold["recipe"]
+    assert recipe is not None, "FSDP2 + TP gives a recipe"
+    assert {tuple(p["dims"]) for p in json.loads(recipe)["params"]} == {(0,), (0, 1)}
+    assert cold["first_commit_misses"]
+    warm = _child(tmp_path / "warm", "warm", recipe, "tp")
+    assert warm["error"] is None and warm["adopted"]
+    assert warm["first_commit_misses"] == [], warm["first_commit_misses"]
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+
+
+def tp_recipe_2x2() -> str:
+    """What describe() gives for examples/train_fsdp_tp.py on a 2 x 2 ("shard", "tp") mesh:
+    FSDP2's shard of a dimension TP split is a strided shard."""
+    params = [
+        {"shape": [512, 128], "stride": [128, 1], "dtype": "float32", "placements": [["T", 0, 2], ["S", 0, 1]]},
+        {"shape": [128, 512], "stride": [512, 1], "dtype": "float32", "placements": [["S", 0, 1], ["S", 1, 1]]},
+        {"shape": [128], "stride": [1], "dtype": "float32", "placements": [["S", 0, 1], ["R", -1, 1]]},
+        {"shape": [128], "stride": [1], "dtype": "float32", "placements": [["S", 0, 1]], "dims": [0]},
+    ]
+    return recipe_json([2, 2], ["shard", "tp"], params=params, groups=[{"hp": {"lr": 1e-3}, "params": [0, 1, 2, 3]}])
+
+
+def test_a_tensor_parallel_recipe_parses_with_strided_shards_and_slices() -> None:
+    r = wr.parse(tp_recipe_2x2())
+    assert r.params[0].placements == (("T", 0, 2), ("S", 0, 1))
+    assert r.params[0].local_shape(r.mesh_shape) == (128, 128)
+    assert r.params[3].dims == (0,) and r.params[3].local_shape(r.mesh_shape) == (64,)
+    bad = json.loads(tp_recipe_2x2())
+    bad["params"][3]["dims"] = [2]
+    with pytest.raises(ValueError, match="mesh dimensions"):
+        wr.parse(json.dumps(bad))
+
+
+def test_a_tensor_parallel_warm_up_on_a_2x2_mesh_runs_and_leaves_nothing(tmp_path: Path, cold: dict[str, Any]) -> None:
+    warm = _child(tmp_path, "warm", tp_recipe_2x2())
+    assert warm["error"] is None and not warm["adopted"]  # the job's mesh is 1 x 1
+    assert warm["rng_kept"] and not warm["initialized_after"] and warm["groups_left"] == 0
     assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
 
 

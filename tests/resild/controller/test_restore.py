@@ -59,16 +59,19 @@ def test_restore_rebuilds_roles_epoch_floor_and_fired_faults() -> None:
         ctl.server.close()
 
 
-def test_a_fault_the_old_leader_fired_last_holds_the_next_one_back() -> None:
-    # The old leader fired kill:b@10 and died before anyone handled it: the new leader
-    # must not fire kill:a@11 on top of it (both nodes' state gone at once).
+def test_a_fault_the_old_leader_fired_last_is_fired_again_and_holds_the_next_one_back() -> None:
+    # Soak: the old leader journaled hang:node0@157 and was killed before it sent it; the new
+    # leader took it as fired and the fault never hit. A fault fired after the last decision
+    # is fired again (if it did hit, its worker is already dead or stopped: nothing changes),
+    # and the next one waits for its recovery (two faults at once could take both copies).
     m1 = Membership.initial(["a", "b"], 2)
     records = [{"action": "start", "membership": m1.to_dict()}, {"action": "fault_fired", "spec": "kill:b@10"}]
     ctl = _controller(["kill:b@10", "kill:a@11"])
     try:
         ctl.restore(records, now=100.0)
-        assert ctl.injector.unsettled(100.0)
-        assert ctl.injector.due(12, now=100.5) == []
+        assert [str(f) for f in ctl.injector.due(12, now=100.5)] == ["kill:b@10"]
+        ctl.injector.fired(parse_fault("kill:b@10"), 100.5)
+        assert ctl.injector.due(12, now=101.0) == []
     finally:
         ctl.server.close()
 
@@ -185,3 +188,25 @@ def test_a_node_an_epoch_behind_after_a_takeover_gets_its_view_again() -> None:
 
 def _recv(ch: Channel) -> tuple[bytes | None, Message] | None:
     return ch.recv(0.5)
+
+
+def test_a_fault_aimed_at_a_fenced_node_is_dropped_and_holds_nothing_back() -> None:
+    # Left pending, a fault that can never hit would be "the earliest step's" for ever and
+    # hold every later fault back.
+    m1 = Membership.initial(["a", "b"], 2)
+    m2 = m1.replace("b", "s0")
+    records = [
+        {"action": "start", "membership": m1.to_dict()},
+        {"action": "replace_node", "node": "b", "spare": "s0", "membership": m2.to_dict(), "committed_step": 12},
+    ]
+    ctl = _controller(["kill:b@50", "kill:a@60"])
+    try:
+        ctl.restore(records, now=100.0)
+        ctl.state.awaiting_full_strength = None
+        ctl.state.max_step = 70
+        ctl.effects.fire_faults(100.1)  # kill:b@50: b is fenced
+        assert [str(f) for f in ctl.injector.pending] == ["kill:a@60"]
+        ctl.effects.fire_faults(100.2)
+        assert ctl.injector.pending == []
+    finally:
+        ctl.server.close()
