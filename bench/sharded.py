@@ -46,6 +46,7 @@ Usage::
     .venv/bin/python bench/sharded.py --only fault --fault-runs 3 --fault-nodes 5   # 8 ranks, 2 x 4
     .venv/bin/python bench/sharded.py --only fault --prewarm
     .venv/bin/python bench/sharded.py --only fault --compare-warmup --fault-runs 4 --no-loopback
+    .venv/bin/python bench/sharded.py --only fault --compare-warmup --fault-model tp --no-loopback
 
 Nothing here asserts on timings: it reports what it measured.
 """
@@ -290,7 +291,7 @@ def fault_run(args, workdir: Path, warmup: bool = True) -> dict:
     phases.mkdir(exist_ok=True)
     nproc = (args.fault_nodes - 1) * args.ppn
     cmd = resild_cmd(
-        "hsdp",
+        args.fault_model,
         nproc,
         args.ppn,
         1,
@@ -453,7 +454,7 @@ def fault(args, base: Path, emit) -> dict:
     for n, (i, warm) in enumerate(plan):
         if not args.json:
             print(
-                f"fault: run {n + 1}/{len(plan)}, hsdp, {args.fault_nodes} nodes x {args.ppn} (1 spare), "
+                f"fault: run {n + 1}/{len(plan)}, {args.fault_model}, {args.fault_nodes} nodes x {args.ppn} (1 spare), "
                 f"kill:node1@{args.kill_at}, spare warm-up {'on' if warm else 'off'} ...",
                 file=sys.stderr,
                 flush=True,
@@ -662,6 +663,13 @@ def main(argv: list[str] | None = None) -> int:
         help="fault: each run twice, the waiting spare's warm-up off (RESILD_SPARE_WARMUP=0) and on, ABBA",
     )
     p.add_argument("--no-warmup", action="store_true", help="fault: the spare does not warm up (as before)")
+    p.add_argument(
+        "--fault-model",
+        choices=("hsdp", "tp"),
+        default="hsdp",
+        help="fault: hsdp (replayed from a replica) or tp (FSDP2 + tensor parallelism, 2 ranks per TP "
+        "group: rolled back to a peer-memory snapshot)",
+    )
     p.add_argument("--no-loopback", action="store_true", help="fault: skip the loopback yardstick")
     p.add_argument("--timeout", type=float, default=300.0, help="per run, seconds")
     p.add_argument("--workdir", type=Path, help="default: a new temporary directory")

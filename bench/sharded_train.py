@@ -23,6 +23,9 @@ Models, data and loops are those of the examples:
   (replicate x shard, shard = world size / 2), AdamW, CosineAnnealingLR, clipping, a
   ``StatefulDataLoader`` over a ``DistributedSampler`` (``launcher.worker.data.ResumableLoader``, a
   plain data cursor with no resild runtime in it, in both modes).
+- ``--model tp``: ``examples/train_fsdp_tp.py`` (FSDP2 on "shard" x tensor parallelism on
+  "tp", 2 ranks per TP group): its model, clipping per mesh, data and loop; resild recovers
+  it from peer-memory snapshots (no rank holds a replica).
 - ``--model fsdp``: ``examples/train_fsdp.py`` (plain FSDP2, ZeRO-3): the hsdp model, data and
   loop over a 1-D mesh of every rank (``job.mesh((W,), ("shard",))`` /
   ``init_device_mesh("cpu", (W,), mesh_dim_names=("shard",))``); no rank holds a replica of
@@ -133,6 +136,9 @@ class Plain:
     def mesh_1d(self):
         return init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("shard",))
 
+    def mesh_tp(self, tp: int):
+        return init_device_mesh("cpu", (self.world_size // tp, tp), mesh_dim_names=("shard", "tp"))
+
     def attach(self, model, opt, scheduler=None, scaler=None, extra=None) -> None:
         self.opt, self.sched, self.scaler = opt, scheduler, scaler
 
@@ -162,6 +168,9 @@ class Resild:
 
     def mesh_1d(self):
         return self.job.mesh((self.world_size,), ("shard",))
+
+    def mesh_tp(self, tp: int):
+        return self.job.mesh((-1, tp), ("shard", "tp"))
 
     def attach(self, model, opt, scheduler=None, scaler=None, extra=None) -> None:
         self.job.attach(model, opt, scheduler=scheduler, scaler=scaler, extra=extra)
@@ -229,6 +238,50 @@ def train_hsdp(rt, args, record, mark) -> None:
         if first:
             mark("first_backward")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if first:
+            mark("first_clip")
+            first = False
+        t_commit = time.perf_counter()
+        if rt.commit():
+            record(step, t_top, t_commit, time.perf_counter())
+
+
+def train_tp(rt, args, record, mark) -> None:
+    """examples/train_fsdp_tp.py's loop (its model and per-mesh clipping, imported)."""
+    import sys
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from train_fsdp_tp import Model, clip_grad_norm, dataset
+
+    tp = 2
+    mesh = rt.mesh_tp(tp)
+    mark("mesh")
+    model = Model(args.seed, 0.1)
+    mark("model")
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}, src_data_rank=None)
+        fully_shard(b, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    mark("sharded")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
+    ds, dp = dataset(args.seed), mesh["shard"]
+    sampler = DistributedSampler(ds, num_replicas=dp.size(), rank=dp.get_local_rank(), shuffle=True, seed=args.seed)
+    loader = ResumableLoader(StatefulDataLoader(ds, batch_size=16, sampler=sampler))
+    mark("built")
+    rt.attach(model, opt, scheduler=sched, extra=loader)
+    mark("attached")
+    first = True
+    for step in rt.steps(args.steps):
+        t_top = time.perf_counter()
+        x, y = next(loader)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if first:
+            mark("first_backward")
+        clip_grad_norm(list(model.parameters()), 1.0)
         if first:
             mark("first_clip")
             first = False
@@ -394,7 +447,7 @@ def loopback(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("resild", "plain", "loopback"), required=True)
-    p.add_argument("--model", choices=("ddp", "hsdp", "fsdp"), default="ddp")
+    p.add_argument("--model", choices=("ddp", "hsdp", "fsdp", "tp"), default="ddp")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--times", help="rank 0 writes its per-step times here (JSON)")
@@ -440,7 +493,8 @@ def main() -> None:
             mark("first_commit")
         rows.append([step, t_top, t_commit, t_end])
 
-    extra = {"ddp": train_ddp, "hsdp": train_hsdp, "fsdp": train_fsdp}[args.model](rt, args, record, mark) or {}
+    loops = {"ddp": train_ddp, "hsdp": train_hsdp, "fsdp": train_fsdp, "tp": train_tp}
+    extra = loops[args.model](rt, args, record, mark) or {}
     if args.phases:
         with open(os.path.join(args.phases, f"phases-{os.getpid()}.json"), "w") as f:
             json.dump({"rank": rt.rank, "pid": os.getpid(), "marks": marks}, f)
