@@ -144,7 +144,13 @@ class Handlers:
         # only that one refreshes the clock and receives FENCE/INJECT/SHUTDOWN.
         if not peer_name(ident).endswith(b"/node"):
             return
-        s.node_ident[node.node_id] = ident
+        if s.node_ident.get(node.node_id) != ident:
+            # First heard on this socket (a takeover, a restarted node process): the lease
+            # first, or whatever we send next (an INJECT, a FENCE) is dropped by a node
+            # still following the old leader.
+            s.node_ident[node.node_id] = ident
+            if self.derived.lease_interval_s > 0:
+                s.bc.send_raw(ident, s.bc.lease_frame(*lease_terms(self.cfg, self.derived)))
         s.view.beat(node.node_id, now)
         node.registered = True
         if node.host_pid is None and b.pid is not None:

@@ -137,9 +137,10 @@ def take_over(s: ControllerState, r: Restored, now: float) -> None:
         if n.role in (NodeRole.ACTIVE, NodeRole.SPARE):
             n.registered = True  # known from before: silent from now on means lost
             s.view.beat(n.node_id, now)
-            # Node processes connect to every replica under this identity: the first
-            # lease reaches them before they speak to us.
-            s.node_ident[n.node_id] = f"{n.node_id}/node".encode()
+    # No routing ids: each of a node process's sockets has a random one, learnt from the
+    # heartbeats it sends every replica; a node is reached once it is heard (handlers:
+    # the lease first, so it follows us before anything else we send arrives).
+    s.node_ident.clear()
     s.unregistered = sum(s.view.nodes[n].nproc for n in s.initial.node_ranks)
     if m is not None:
         s.bc.set_layout(m)
