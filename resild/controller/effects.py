@@ -54,6 +54,7 @@ class Effects:
             return
         failed = d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node
         if failed:
+            self.injector.settled()  # a fault's failure was seen (a spare's brings no new epoch)
             s.events.emit(
                 EventName.FAILURE_DETECTED,
                 node=d.node,

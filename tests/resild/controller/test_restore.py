@@ -240,3 +240,24 @@ def test_a_fault_aimed_at_a_fenced_node_is_dropped_and_holds_nothing_back() -> N
         assert ctl.injector.pending == []
     finally:
         ctl.server.close()
+
+
+def test_a_failed_spare_settles_the_fault_that_hit_it() -> None:
+    # A spare's failure brings no new epoch: without this the next fault waited settle_s.
+    from resild.controller.policy import Action, Decision
+
+    m1 = Membership.initial(["a", "b"], 2)
+    ctl = _controller(["kill:s1@5", "kill:a@6"])
+    try:
+        ctl.restore([{"action": "start", "membership": m1.to_dict()}], now=100.0)
+        ctl.state.awaiting_full_strength = None
+        ctl.state.max_step = 10
+        ctl.state.node_ident.update({"a": b"a/node#0", "s1": b"s1/node#0"})
+        ctl.effects.fire_faults(100.0)  # kill:s1@5
+        assert [str(f) for f in ctl.injector.pending] == ["kill:a@6"] and ctl.injector.unsettled(100.1)
+        ctl.effects.decide(Decision(Action.DROP_SPARE, "s1 failed", node="s1"), 100.2)
+        assert not ctl.injector.unsettled(100.3)
+        ctl.effects.fire_faults(100.3)
+        assert ctl.injector.pending == []
+    finally:
+        ctl.server.close()
