@@ -113,7 +113,7 @@ def lane_ops(epoch: int, pattern: str, ranks: list[int], nproc: int, world: int)
     return sets + gets
 
 
-def epoch_result(parts: list[tuple[float, float, bytes, int, int]]) -> dict[str, Any]:
+def epoch_result(parts: list[tuple[float, float, bytes, int, int, int]]) -> dict[str, Any]:
     """Merge the requesters' (first sent, last answered, latencies, requests, errors)."""
     lat = array("d")
     for part in parts:
@@ -132,6 +132,7 @@ def epoch_result(parts: list[tuple[float, float, bytes, int, int]]) -> dict[str,
         "answered": len(lat_s),
         "errors": sum(p[4] for p in parts),  # answered with an error
         "unanswered": n - len(lat_s),  # never answered (dropped, or after its lane's error)
+        "server_requests": sum(p[5] for p in parts),  # what reached the store server
         "p50_ms": pct(0.50),
         "p99_ms": pct(0.99),
     }
@@ -183,9 +184,10 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any) -> None:
 
 
 def resild_gen_main(
-    nodes: list[int], nproc: int, lpn: int, world: int, keys_dir: str, endpoint: str, conn: Any
+    nodes: list[int], nproc: int, lpn: int, world: int, keys_dir: str, endpoint: str, through_node: bool, conn: Any
 ) -> None:
     _raise_fd_limit()
+    from launcher.node.node_store import NodeStore
     from resild.wire.channel import Channel, connect
     from resild.wire.keys import KeyDir
     from resild.wire.protocol import MsgType
@@ -235,7 +237,7 @@ def resild_gen_main(
                     held.add(i)
         return len(held)
 
-    def run_epoch(epoch: int, pattern: str, timeout_s: float) -> tuple[float, float, bytes, int, int]:
+    def run_epoch(epoch: int, pattern: str, timeout_s: float) -> tuple[float, float, bytes, int, int, int]:
         nonlocal rid
         lanes = [
             (i, lane_ops(epoch, pattern, lane_ranks(n, k, nproc, lpn), nproc, world))
@@ -246,10 +248,14 @@ def resild_gen_main(
         pos = [0] * len(lanes)
         inflight: dict[int, tuple[int, float]] = {}  # request id -> (lane, sent at)
         lat = array("d")
-        errors = 0
+        errors = forwarded = 0
+        # --sides resild-node: each simulated node process's NodeStore (launcher/node/node_store.py,
+        # the real class) between its lanes and the controller; its ipc hop is not simulated.
+        stores = [NodeStore() for _ in nodes] if through_node else []
+        answered: list[tuple[dict[str, Any], float]] = []  # replies to process (a reply may send)
 
         def send(li: int) -> None:
-            nonlocal rid
+            nonlocal rid, forwarded
             i, ops = lanes[li]
             op, key, value = ops[pos[li]]
             rid += 1
@@ -263,34 +269,56 @@ def resild_gen_main(
             if op == "set":
                 body["value"] = b64[value]
             inflight[rid] = (li, time.monotonic())
-            chans[i].send(MsgType.STORE, body)  # the worker's TTL (10 s): a backlog past it drops requests
+            if not through_node:
+                chans[i].send(MsgType.STORE, body)  # the worker's TTL (10 s): a backlog past it drops requests
+                return
+            scope = "node" if key.startswith(f"resild/e{epoch}/node") else "job"
+            replies, fwd = stores[i].request(b"", {**body, "scope": scope}, time.monotonic())
+            now = time.monotonic()
+            answered.extend((b, now) for _, b in replies)
+            if fwd is not None:
+                forwarded += 1
+                chans[i].send(MsgType.STORE, {**fwd, "node": node_name(nodes[i])}, ttl_s=timeout_s + 1.0)
+
+        def complete(b: dict[str, Any], t: float) -> None:
+            nonlocal errors, t_last
+            slot = inflight.pop(int(b.get("id", -1)), None)
+            if slot is None:
+                return
+            li, t_sent = slot
+            lat.append(t - t_sent)
+            t_last = t
+            if not b.get("ok"):
+                errors += 1  # this lane stops: its next requests count as unanswered
+                return
+            pos[li] += 1
+            if pos[li] < len(lanes[li][1]):
+                send(li)
+
+        def drain() -> None:
+            while answered:
+                complete(*answered.pop())
 
         n_req = sum(len(ops) for _, ops in lanes)
         t_first = time.monotonic()
         t_last = t_first
         for li in range(len(lanes)):
             send(li)
+            drain()
         deadline = t_first + timeout_s
         while inflight and time.monotonic() < deadline:
-            for _, raw, t in frames(50):
+            for i, raw, t in frames(50):
                 if raw.get("type") != "store_reply":
                     if raw.get("type") == "error":
                         errors += 1
                     continue
-                b = raw["body"]
-                slot = inflight.pop(int(b.get("id", -1)), None)
-                if slot is None:
-                    continue
-                li, t_sent = slot
-                lat.append(t - t_sent)
-                t_last = t
-                if not b.get("ok"):
-                    errors += 1  # this lane stops: its next requests count as unanswered
-                    continue
-                pos[li] += 1
-                if pos[li] < len(lanes[li][1]):
-                    send(li)
-        return t_first, t_last, lat.tobytes(), n_req, errors
+                if through_node:
+                    answered.extend((b, t) for _, b in stores[i].reply(raw["body"]))
+                else:
+                    answered.append((raw["body"], t))
+                drain()
+        n_fwd = forwarded if through_node else n_req
+        return t_first, t_last, lat.tobytes(), n_req, errors, n_fwd
 
     conn.send(("connected",))
     while True:
@@ -373,7 +401,7 @@ def tcp_client_main(port: int, lanes: list[list[int]], nproc: int, world: int, t
                     break
                 t_last = time.monotonic()
                 lat.append(t_last - t)
-            results[i] = (t_first, t_last, lat.tobytes(), len(ops), errors)
+            results[i] = (t_first, t_last, lat.tobytes(), len(ops), errors, len(ops))
             end.wait()
 
     conn.send(("ready",))
@@ -402,6 +430,7 @@ def tcp_client_main(port: int, lanes: list[list[int]], nproc: int, world: int, t
                     lat.tobytes(),
                     sum(r[3] for r in results),
                     sum(r[4] for r in results),
+                    sum(r[5] for r in results),
                 ),
             )
         )
@@ -478,7 +507,15 @@ class Side:
 
 
 def start_resild(
-    side: Side, mp_ctx: Any, n_nodes: int, nproc: int, lpn: int, tmp: Path, stop: Any, log: Callable[[str], None]
+    side: Side,
+    mp_ctx: Any,
+    n_nodes: int,
+    nproc: int,
+    lpn: int,
+    tmp: Path,
+    stop: Any,
+    log: Callable[[str], None],
+    through_node: bool = False,
 ) -> None:
     import psutil
 
@@ -502,7 +539,9 @@ def start_resild(
     n_gen = max(1, math.ceil(n_nodes / NODES_PER_GENERATOR))
     for g in range(n_gen):
         p, _ = side.spawn(
-            mp_ctx, resild_gen_main, (list(range(g, n_nodes, n_gen)), nproc, lpn, n_nodes * nproc, keys, endpoint)
+            mp_ctx,
+            resild_gen_main,
+            (list(range(g, n_nodes, n_gen)), nproc, lpn, n_nodes * nproc, keys, endpoint, through_node),
         )
         side.gens.append(psutil.Process(p.pid))
     for c in side.conns:
@@ -558,10 +597,10 @@ def run_n(n_nodes: int, pattern: str, a: argparse.Namespace, log: Callable[[str]
     srv_conns: list[Any] = []
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in a.sides}
     try:
-        if "resild" in sides:
-            start_resild(
-                sides["resild"], mp_ctx, n_nodes, nproc, lpn, Path(tempfile.mkdtemp(prefix="resild-rdv-")), stop, log
-            )
+        for name in ("resild", "resild-node"):
+            if name in sides:
+                tmp = Path(tempfile.mkdtemp(prefix="resild-rdv-"))
+                start_resild(sides[name], mp_ctx, n_nodes, nproc, lpn, tmp, stop, log, name == "resild-node")
         if "tcpstore" in sides:
             srv_conns.append(start_tcpstore(sides["tcpstore"], mp_ctx, n_nodes, nproc, lpn, a.epoch_timeout, log))
         order = [*a.sides, *reversed(a.sides)]  # ABBA
@@ -579,7 +618,8 @@ def run_n(n_nodes: int, pattern: str, a: argparse.Namespace, log: Callable[[str]
             r["gen_cpu_s"] = _cpu(side.gens) - g0
             runs[side.name].append(r)
             log(
-                f"  {side.name:>8} e{epoch}: {r['formation_s']:.3f}s, {r['requests']} requests, "
+                f"  {side.name:>11} e{epoch}: {r['formation_s']:.3f}s, {r['requests']} requests "
+                f"({r['server_requests']} to the server), "
                 f"server cpu {r['server_cpu_s']:.2f}s, errors {r['errors']}, unanswered {r['unanswered']}"
             )
     finally:
@@ -599,12 +639,13 @@ def run_n(n_nodes: int, pattern: str, a: argparse.Namespace, log: Callable[[str]
                 "nodes": n_nodes,
                 "ranks": world,
                 "requests": reqs,
+                "server_requests": rs[0]["server_requests"],
                 "formation_s": round(med["formation_s"], 3),
                 "req_per_s": round(reqs / med["formation_s"]) if med["formation_s"] > 0 else None,
                 "server_cpu_s": round(med["server_cpu_s"], 3),
                 "req_per_cpu_s": round(reqs / med["server_cpu_s"]) if med["server_cpu_s"] > 0 else None,
                 # resild: the controller's Python loop thread (the rest: zmq I/O and CURVE)
-                "server_main_cpu_s": round(med["server_main_cpu_s"], 3) if name == "resild" else None,
+                "server_main_cpu_s": round(med["server_main_cpu_s"], 3) if name != "tcpstore" else None,
                 "p50_ms": round(med["p50_ms"], 2),
                 "p99_ms": round(med["p99_ms"], 2),
                 "errors": sum(r["errors"] for r in rs),
@@ -637,7 +678,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="requesters per node, both sides (a divisor of --nproc; 0: as many as --tcp-clients allows)",
     )
-    p.add_argument("--sides", default="resild,tcpstore", help="resild, tcpstore or both (ABBA)")
+    p.add_argument(
+        "--sides",
+        default="resild-node,resild,tcpstore",
+        help="any of resild-node (through each node process's store, as a job with a relay runs), resild "
+        "(every request to the controller) and tcpstore, in ABBA order",
+    )
     p.add_argument(
         "--epoch-timeout", type=float, default=120.0, help="seconds an epoch may take before it counts errors"
     )
@@ -651,8 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.nproc < 1 or a.repeats < 1 or a.tcp_clients < 1:
         p.error("--nproc, --repeats and --tcp-clients must be >= 1")
     a.sides = [x.strip() for x in a.sides.split(",") if x.strip()]
-    if not a.sides or any(x not in ("resild", "tcpstore") for x in a.sides) or len(set(a.sides)) != len(a.sides):
-        p.error("--sides takes resild, tcpstore or resild,tcpstore")
+    known = ("resild-node", "resild", "tcpstore")
+    if not a.sides or any(x not in known for x in a.sides) or len(set(a.sides)) != len(a.sides):
+        p.error(f"--sides takes a comma-separated subset of {', '.join(known)}")
     if a.lanes_per_node and (a.lanes_per_node < 0 or a.nproc % a.lanes_per_node):
         p.error("--lanes-per-node must divide --nproc")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # torch's per-connection warnings, in every child
@@ -666,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
             check_fds(n, n * lpn if "tcpstore" in a.sides else 0)
         if not a.json:
             print(
-                f"{'pattern':>10} {'nodes':>5} {'ranks':>6} {'side':>8} {'requests':>8} {'formation_s':>11} "
+                f"{'pattern':>10} {'nodes':>5} {'ranks':>6} {'side':>11} {'requests':>8} {'to_srv':>7} {'formation_s':>11} "
                 f"{'req/s':>6} {'srv_cpu_s':>9} {'req/cpu_s':>9} {'p50_ms':>7} {'p99_ms':>8}  "
                 "(lanes/node, generators' cpu_s, load1)",
                 flush=True,
@@ -677,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(r), flush=True)
                     continue
                 print(
-                    f"{r['pattern']:>10} {r['nodes']:>5} {r['ranks']:>6} {r['side']:>8} {r['requests']:>8} "
+                    f"{r['pattern']:>10} {r['nodes']:>5} {r['ranks']:>6} {r['side']:>11} {r['requests']:>8} "
+                    f"{r['server_requests']:>7} "
                     f"{r['formation_s']:>11.3f} {r['req_per_s']!s:>6} {r['server_cpu_s']:>9.2f} "
                     f"{r['req_per_cpu_s']!s:>9} {r['p50_ms']:>7.1f} {r['p99_ms']:>8.1f}  "
                     f"({r['lanes_per_node']}, {r['gen_cpu_s']:.1f}, {r['load1']})"

@@ -36,6 +36,7 @@ import zmq
 
 import launcher.node.lease as lease
 import resild.wire.env as resild_env
+from launcher.node.node_store import NodeStore
 from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
 from resild.procutil import die_with_parent
 from resild.wire.exits import CONTROLLER_LOST_EXIT, FENCED_EXIT
@@ -107,6 +108,7 @@ class NodeProcess:
         self.layout = LayoutTracker()
         self.commits = CommitAggregator(expected=nproc)
         self.relay: RelayServer | None = None
+        self.store = NodeStore()  # node-local groups' keys, and the job's thinned out (node_store.py)
         self._relayed_sent: list[int] | None = None  # the relayed set the controller last heard
 
     # ---- health: the node daemon's verdict, or the same probes in-process -----
@@ -190,7 +192,9 @@ class NodeProcess:
                     self._report_commits(now)
                 if self._lease_expired(now):
                     break
-                wake = min(next_hb, self.commits.next_due_s() or next_hb)
+                if now >= self.store.next_deadline():
+                    self._store_replies(self.store.expire(now))
+                wake = min(next_hb, self.commits.next_due_s() or next_hb, self.store.next_deadline())
                 timeout_ms = max(1, int((wake - time.monotonic()) * 1000))
                 for fd, _ in poller.poll(timeout_ms):
                     if (index := self.ch.index_of(fd)) is not None:
@@ -255,6 +259,7 @@ class NodeProcess:
             # to a leader killed a moment later; its successor let the bad GPU train on).
             self.ch.send(MsgType.HEALTH, {"node": self.node, **self.health})
         if self.relay is not None:
+            self._store_replies(self.store.leader_changed())  # the new leader never saw them
             self.relay.broadcast(MsgType.LEASE, lease)
 
     def _on_membership(self, msg: Message) -> None:
@@ -276,13 +281,24 @@ class NodeProcess:
             got = self.relay.recv()
             if got is None:
                 return
-            _, msg = got
+            ident, msg = got
             if msg.type == MsgType.RELAY_HELLO:
                 self._heartbeat()  # tell the controller this rank no longer needs direct sends
+            elif msg.type == MsgType.STORE:
+                replies, forward = self.store.request(ident, msg.body, time.monotonic())
+                self._store_replies(replies)
+                if forward is not None:  # lives as long as its own timeout, as the worker's does
+                    ttl_s = float(forward.get("timeout_s") or 60.0) + 1.0
+                    self.ch.send(MsgType.STORE, {**forward, "node": self.node}, ttl_s=ttl_s)
             elif msg.type == MsgType.PROGRESS:
                 self._on_progress(msg.body)
             else:  # anything else is the controller's business, unchanged
                 self.ch.send(msg.type, {**msg.body, "node": self.node})
+
+    def _store_replies(self, replies: list[tuple[bytes, dict]]) -> None:
+        assert self.relay is not None
+        for ident, body in replies:
+            self.relay.ch.send(MsgType.STORE_REPLY, body, to=ident)
 
     def _on_progress(self, b: dict) -> None:
         now = time.monotonic()
@@ -383,6 +399,8 @@ class NodeProcess:
                     self.heartbeat_s = max(self.heartbeat_s, float(floor_s))
             elif msg.type in (MsgType.MEMBERSHIP, MsgType.MEMBERSHIP_DELTA):
                 self._on_membership(msg)
+            elif msg.type == MsgType.STORE_REPLY:
+                self._store_replies(self.store.reply(msg.body))
             elif msg.type == MsgType.INJECT:
                 self._inject(msg.body)
             elif msg.type == MsgType.ERROR:

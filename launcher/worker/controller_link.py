@@ -73,6 +73,9 @@ class ControlLink:
         self._req_lock = threading.Lock()
         self._req_next = 0
         self._requests: dict[int, list[Any]] = {}  # id -> [Event, reply or None]
+        # With a node process relaying (RESILD_RELAY), store requests go to it: it serves the
+        # node-local groups' keys itself and forwards the rest (launcher/node/node_store.py).
+        self.via_relay = bool(os.environ.get(resild_env.RELAY.name))
         self._thread = threading.Thread(target=self._run, name="resild-control", daemon=True)
 
     def start(self) -> ControlLink:
@@ -96,9 +99,12 @@ class ControlLink:
         self._out.put((mtype, body, ttl_s))
         os.write(self._wake_w, b"x")
 
-    def request(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """One STORE request to the leader; its reply body. Raises TimeoutError past the
-        deadline, ConnectionError when the leader changed or the link closed meanwhile."""
+    def request(self, body: dict[str, Any], timeout_s: float, node_local: bool = False) -> dict[str, Any]:
+        """One STORE request (to the node process with a relay, else to the leader); its reply
+        body. `node_local`: for a group whose ranks all live on this node. Raises TimeoutError
+        past the deadline, ConnectionError when the leader changed or the link closed meanwhile."""
+        if self.via_relay:
+            body = {**body, "scope": "node" if node_local else "job"}
         slot: list[Any] = [threading.Event(), None]
         with self._req_lock:
             self._req_next += 1
@@ -217,8 +223,8 @@ class ControlLink:
                 mtype, body, ttl_s = self._out.get_nowait()
             except queue.Empty:
                 return
-            if mtype == MsgType.PROGRESS and relay is not None:
-                relay.send(mtype, body)
+            if relay is not None and (mtype == MsgType.PROGRESS or "scope" in body):
+                relay.send(mtype, body, ttl_s=ttl_s)
             else:
                 ch.send(mtype, body, ttl_s=ttl_s)
 

@@ -1,6 +1,6 @@
 """The worker's c10d store: every call is one request to the controller over the
 worker's CURVE-authenticated link (`ControlLink.request`), answered from the
-controller's rendezvous keys (`resild.controller.rendezvous`). No store listener is
+controller's rendezvous keys (`resild.rendezvous`). No store listener is
 left open in a job: a local user who can reach the node's ports can neither read the
 peers' addresses nor write a key.
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-Request = Callable[[dict[str, Any], float], dict[str, Any]]
+Request = Callable[[dict[str, Any], float, bool], dict[str, Any]]
 
 
 def _b64(v: bytes | str) -> str:
@@ -26,12 +26,13 @@ def _b64(v: bytes | str) -> str:
 
 
 class LinkStore(dist.Store):
-    def __init__(self, request: Request, timeout_s: float) -> None:
+    def __init__(self, request: Request, timeout_s: float, node_local: bool = False) -> None:
         super().__init__()  # the pybind trampoline needs it
-        self._request, self.timeout_s = request, timeout_s
+        self._request, self.timeout_s, self.node_local = request, timeout_s, node_local
 
     def _call(self, op: str, timeout_s: float | None = None, **body: Any) -> dict[str, Any]:
-        reply = self._request({"op": op, **body}, self.timeout_s if timeout_s is None else timeout_s)
+        t = self.timeout_s if timeout_s is None else timeout_s
+        reply = self._request({"op": op, **body}, t, self.node_local)
         if not reply.get("ok"):
             raise RuntimeError(f"resild store {op}: {reply.get('error') or 'refused'}")
         return reply

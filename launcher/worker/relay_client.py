@@ -45,8 +45,8 @@ class RelayClient:
         got = self.ch.recv(timeout_s)
         return got[1] if got is not None else None
 
-    def send(self, mtype: MsgType, body: dict[str, Any]) -> None:
-        self.ch.send(mtype, body)
+    def send(self, mtype: MsgType, body: dict[str, Any], ttl_s: float | None = None) -> None:
+        self.ch.send(mtype, body, ttl_s=ttl_s)
 
     def close(self) -> None:
         if not self.sock.closed:

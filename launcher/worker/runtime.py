@@ -158,8 +158,17 @@ class Job:
         timeout_s = self.timeouts.collective_timeout_s
         # One store for the job, kept referenced here (torch calls it from C++): its keys
         # live with the leading controller, reached over the authenticated link.
-        self._store = LinkStore(link.request, float(self.cfg.get("store_timeout_s", timeout_s)))
-        factory = GroupFactory(self.backend, lambda: self._store, timeout_s, os.environ.get(resild_env.GLOO_HOST.name))
+        store_timeout_s = float(self.cfg.get("store_timeout_s", timeout_s))
+        self._store = LinkStore(link.request, store_timeout_s)
+        self._node_store = LinkStore(link.request, store_timeout_s, node_local=True)
+        factory = GroupFactory(
+            self.backend,
+            lambda: self._store,
+            timeout_s,
+            os.environ.get(resild_env.GLOO_HOST.name),
+            local_store_client=lambda: self._node_store,
+            node_ranks=self._node_ranks,
+        )
         self.rec = Recovery(self.intr, factory, self.device, timeout_s + 5.0)
         self._install_excepthook()
         ep = agent_endpoint()
@@ -180,6 +189,11 @@ class Job:
             self._progress("join")
         self._make_world(self._store)
         self._form_until_stable(only=[self.group])
+
+    def _node_ranks(self) -> frozenset[int]:
+        """This node's ranks in the epoch taken last (the one being formed)."""
+        m = self.link.current if self.link is not None else None
+        return frozenset(m.node_ranks.get(self.node, ())) if m is not None else frozenset()
 
     def _make_world(self, store: Any) -> None:
         self.group: StableGroup = StableGroup("world", list(range(self.world_size)), self.rank, self.intr)

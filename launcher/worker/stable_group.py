@@ -408,18 +408,36 @@ def install_default(pg: StableGroup, store: Any) -> None:
 
 class GroupFactory:
     """Builds one epoch's backend group for a StableGroup: gloo on CPU, NCCL on
-    GPU, wrapped in a c10d ProcessGroup so every collective name resolves."""
+    GPU, wrapped in a c10d ProcessGroup so every collective name resolves.
+
+    `local_store_client` and `node_ranks` (this node's ranks in the epoch being formed):
+    a group whose ranks all live on this node forms through the node process's store
+    (launcher/node/node_store.py), and the controller never hears of it."""
 
     def __init__(
-        self, backend: str, store_client: Callable[[], Any], timeout_s: float, gloo_host: str | None = None
+        self,
+        backend: str,
+        store_client: Callable[[], Any],
+        timeout_s: float,
+        gloo_host: str | None = None,
+        local_store_client: Callable[[], Any] | None = None,
+        node_ranks: Callable[[], frozenset[int]] | None = None,
     ) -> None:
         self.backend, self._store_client, self.timeout_s, self.gloo_host = backend, store_client, timeout_s, gloo_host
+        self._local_store_client, self._node_ranks = local_store_client, node_ranks
+
+    def node_local(self, group: StableGroup) -> bool:
+        if self._local_store_client is None or self._node_ranks is None:
+            return False
+        return set(group.ranks) <= self._node_ranks()
 
     def build(self, epoch: int, group: StableGroup) -> Any:
         """Blocking (gloo connects a full mesh here); run it off the training thread.
         Each formation gets its own store client: an abandoned one blocks in
         store.wait() holding its client, which would stall the next epoch."""
-        store = PrefixStore(f"resild/e{epoch}/{group.label}/", self._store_client())
+        client = self._local_store_client if self.node_local(group) else self._store_client
+        assert client is not None
+        store = PrefixStore(f"resild/e{epoch}/{group.label}/", client())
         timeout = timedelta(seconds=self.timeout_s)
         backend = group.backend or self.backend
         return backend_group(backend, store, group.rank(), group.size(), timeout, self.gloo_host)

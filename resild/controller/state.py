@@ -15,10 +15,10 @@ from resild.controller.broadcast import Broadcaster
 from resild.controller.budget import Budget, Limits
 from resild.controller.journal import Journal
 from resild.controller.policy import SUSPECT_WINDOW_S, AbuseLimits, Decision
-from resild.controller.rendezvous import Rendezvous
 from resild.controller.view import ClusterView, JobResult
 from resild.events.log import EventLog
 from resild.membership import Membership
+from resild.rendezvous import Rendezvous
 from resild.wire.channel import Channel
 from resild.wire.settings import Derived, JobSettings
 

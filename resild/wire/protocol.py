@@ -49,7 +49,7 @@ class MsgType(str, Enum):
     FENCE = "fence"
     SHUTDOWN = "shutdown"
     INJECT = "inject"
-    STORE = "store"  # worker -> controller: one rendezvous-key operation (resild.controller.rendezvous)
+    STORE = "store"  # worker -> controller: one rendezvous-key operation (resild.rendezvous)
     STORE_REPLY = "store_reply"  # controller -> worker: its answer, by request id
     PING = "ping"  # "answer with a heartbeat now": a liveness probe after a collective error
     MEMBERSHIP_DELTA = "membership_delta"  # to a node process holding the previous epoch: {epoch, base, moves}
@@ -397,6 +397,9 @@ class StoreRequest(Body):
     expected: str | None = _f("str", max_len=MAX_FRAME_BYTES)
     n: int | None = _f("int", lo=-MAX_INT, hi=MAX_INT)
     timeout_s: float | None = _f("float", hi=3600.0)
+    # worker -> its node process only: "node" for a group whose ranks all live on this node
+    # (served by the node process itself), "job" for one the leading controller serves.
+    scope: str | None = _f("str", max_len=8, choices=("node", "job"))
 
 
 @dataclass(frozen=True)

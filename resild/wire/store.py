@@ -1,6 +1,6 @@
 """Where a service advertised under a host name listens (the controller's socket under
 Slurm, the Raft port). The job's rendezvous keys are held by the leading controller
-(resild.controller.rendezvous) and reached over the authenticated link; the committed
+(resild.rendezvous) and reached over the authenticated link; the committed
 floor travels in the membership."""
 
 from __future__ import annotations

@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import torch
 
+from launcher.node.node_store import NodeStore
 from launcher.worker.link_store import LinkStore
 from launcher.worker.torch_private import backend_group
-from resild.controller.rendezvous import Rendezvous
+from resild.rendezvous import Rendezvous
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,7 +30,7 @@ class Loopback:
         self.n = 0
         self.ops: list[str] = []
 
-    def request(self, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def request(self, body: dict[str, Any], timeout_s: float, node_local: bool = False) -> dict[str, Any]:
         slot: list[Any] = [threading.Event(), None]
         with self.lock:
             self.n += 1
@@ -77,3 +78,69 @@ def test_a_refused_request_raises_in_the_caller() -> None:
     assert store.add("n", 4) == 4 and store.check(["k", "n"])
     with pytest.raises(RuntimeError, match="limit"):
         store.set("big", b"x" * (1 << 20))
+
+
+class ThroughNode:
+    """Workers -> their node process's NodeStore -> the controller's Rendezvous, in-process
+    (what RelayClient, NodeProcess and ControlLink carry over ipc and CURVE)."""
+
+    def __init__(self) -> None:
+        self.node, self.controller = NodeStore(), Rendezvous()
+        self.lock = threading.Lock()
+        self.slots: dict[tuple[bytes, int], list[Any]] = {}
+        self.n = 0
+        self.to_controller: list[str] = []
+
+    def _deliver(self, replies: list[tuple[bytes, dict[str, Any]]]) -> None:
+        for ident, reply in replies:
+            got = self.slots.pop((ident, int(reply["id"])))
+            got[1] = reply
+            got[0].set()
+
+    def request(self, body: dict[str, Any], timeout_s: float, node_local: bool = False) -> dict[str, Any]:
+        slot: list[Any] = [threading.Event(), None]
+        ident = threading.current_thread().name.encode()  # one "worker" per forming thread
+        with self.lock:
+            self.n += 1
+            rid = self.n
+            self.slots[(ident, rid)] = slot
+            scoped = {"id": rid, "timeout_s": timeout_s, "scope": "node" if node_local else "job", **body}
+            replies, fwd = self.node.request(ident, scoped, time.monotonic())
+            self._deliver(replies)
+            if fwd is not None:
+                self.to_controller.append(fwd["keys"][0] if fwd.get("keys") else fwd["op"])
+                for _, reply in self.controller.handle(b"node", fwd, time.monotonic()):
+                    self._deliver(self.node.reply(reply))
+        assert slot[0].wait(timeout_s)
+        reply: dict[str, Any] = slot[1]
+        return reply
+
+
+def test_a_node_local_group_forms_on_the_node_and_a_job_group_through_the_controller() -> None:
+    tn = ThroughNode()
+    local = [LinkStore(tn.request, 20.0, node_local=True) for _ in range(2)]
+    job = [LinkStore(tn.request, 20.0) for _ in range(2)]
+    groups: dict[tuple[str, int], Any] = {}
+
+    def form(label: str, r: int, store: LinkStore) -> None:
+        pfx = torch.distributed.PrefixStore(f"resild/e1/{label}/", store)
+        groups[(label, r)] = backend_group("gloo", pfx, r, 2, timedelta(seconds=20), "127.0.0.1")
+
+    threads = [
+        threading.Thread(target=form, args=(label, r, stores[r]), name=f"{label}{r}")
+        for label, stores in (("shard", local), ("world", job))
+        for r in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(groups) == 4
+    assert tn.node.local.kv and all(k.startswith("resild/e1/shard/") for k in tn.node.local.kv)
+    assert tn.to_controller and all(k.startswith("resild/e1/world/") for k in tn.to_controller)
+    assert all(k.startswith("resild/e1/world/") for k in tn.controller.kv)
+    for label in ("shard", "world"):
+        ts = [torch.full((2,), float(r + 1)) for r in range(2)]
+        for w in [groups[(label, r)].allreduce([ts[r]]) for r in range(2)]:
+            w.wait()
+        assert all(torch.equal(t, torch.full((2,), 3.0)) for t in ts)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from resild.controller.rendezvous import KEEP_EPOCHS, MAX_VALUE_BYTES, Rendezvous, b64, unb64
+from resild.rendezvous import KEEP_EPOCHS, MAX_VALUE_BYTES, Rendezvous, b64, unb64
 
 A, B = b"worker-a", b"worker-b"
 
