@@ -127,20 +127,24 @@ def make_system_schedules(n: int, seed: int, steps: int) -> list[Schedule]:
     """Node faults mixed with control-plane faults, under --controllers 3. The first
     ones cover each system fault once with a node fault after it (the new leader must
     handle it), then two leader changes in a row, then random mixes. A flood's node may
-    be fenced as abusive: it gets a spare of its own."""
+    be fenced as abusive: it gets a spare of its own, and no node fault is aimed at it (a
+    fault aimed at a fenced node is dropped by design: soak #13 of seed 0 was one)."""
     rng = random.Random(seed)
     lo, hi = max(20, steps // 6), max(30, steps * 2 // 3)
 
-    def node_fault(after: int, node: int | None = None, exception: bool = True) -> str:
+    def node_fault(after: int, node: int | None = None, exception: bool = True, avoid: set[int] | None = None) -> str:
         kinds = ("kill", "exception", "hang", "nodeloss", "xid79")
         k = rng.choice([x for x in kinds if exception or x != "exception"])
-        n = rng.randrange(ACTIVE) if node is None else node
+        n = rng.choice([x for x in range(ACTIVE) if x not in (avoid or set())]) if node is None else node
         return f"{k}:node{n}@{min(steps - 10, after + rng.randint(15, 40))}"
+
+    def flooders(*specs: str) -> set[int]:
+        return {int(f.target[len("node") :]) for x in specs if (f := SystemFault.parse(x)).kind == "flood"}
 
     def one(system: str) -> Schedule:
         f = SystemFault.parse(system)
         extra = 1 if f.kind == "flood" else 0
-        return Schedule([node_fault(f.at_step)], 1 + extra, ["system", f.kind], [system])
+        return Schedule([node_fault(f.at_step, avoid=flooders(system))], 1 + extra, ["system", f.kind], [system])
 
     def at() -> int:
         return rng.randint(lo, hi // 2)
@@ -167,8 +171,8 @@ def make_system_schedules(n: int, seed: int, steps: int) -> list[Schedule]:
         kinds = [SystemFault.parse(x).kind for x in (a, b)]
         extra = sum(k == "flood" for k in kinds)
         top = max(SystemFault.parse(x).at_step for x in (a, b))
-        faults = [node_fault(top)]
-        if rng.random() < 0.5:  # the other node (the first one's is gone), never a second exception
+        faults = [node_fault(top, avoid=flooders(a, b))]
+        if not flooders(a, b) and rng.random() < 0.5:  # the other node, never a second exception
             first = int(faults[0].split(":node")[1].split("@")[0])
             faults.append(node_fault(top + 20, (first + 1) % ACTIVE, exception=not faults[0].startswith("exception")))
         return Schedule(faults, len(faults) + extra, ["system", *kinds], [a, b])

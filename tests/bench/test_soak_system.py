@@ -40,6 +40,9 @@ def test_system_schedules_cover_every_kind_and_give_a_flooder_its_own_spare() ->
         assert s.spares == len(s.faults) + floods, s
         excs = [f for f in s.faults if f.startswith("exception")]
         assert len(excs) <= 1, s  # the same exception twice stops a job by design
+        # a flooder is fenced as abusive: a node fault aimed at it would be dropped, never fired
+        flooders = {SystemFault.parse(x).target for x in s.system if x.startswith("flood")}
+        assert not flooders & {f.split(":")[1].split("@")[0] for f in s.faults}, s
 
 
 def test_it_fires_at_the_committed_step_on_the_current_leader(tmp_path: Path) -> None:
