@@ -189,6 +189,7 @@ class SimNode:
     epoch: int = 0
     alive: bool = True
     hb_s: float = 0.25
+    last_report_s: float = -1e9  # its last commit report (a heartbeat too, with reports_beat)
 
 
 @dataclass
@@ -213,6 +214,7 @@ def generator_main(
     endpoint: str,
     hb_s: float,
     steps_per_s: float,
+    reports_beat: bool,
     conn: Any,
 ) -> None:
     """Every loop iteration is O(ready sockets), never O(nodes): a scan of 1,000 simulated
@@ -307,6 +309,10 @@ def generator_main(
                 due, i = heapq.heappop(hb_heap)
                 s = sims[names[i]]
                 if s.alive:
+                    if reports_beat and now - s.last_report_s < s.hb_s:
+                        # as launcher/node/process.py: a recent commit report was the heartbeat
+                        heapq.heappush(hb_heap, (s.last_report_s + s.hb_s, i))
+                        continue
                     send(s, MsgType.HEARTBEAT, {"node": s.name, "epoch": s.epoch}, 5)
                     heapq.heappush(hb_heap, (due + s.hb_s, i))
             step = int((now - t0) * steps_per_s) if steps_per_s > 0 else -1
@@ -321,6 +327,7 @@ def generator_main(
                             MsgType.PROGRESS,
                             {"node": s.name, "epoch": s.epoch, "state": "commit", "commits": commits},
                         )
+                        s.last_report_s = now
         if awaiting is not None and (not awaiting.left or now > awaiting.deadline):
             report(awaiting)
             awaiting = None
@@ -426,6 +433,7 @@ def run_one(
     heartbeat_timeout_s: float,
     failures: int = 1,
     inject_phase: float = 0.5,
+    reports_beat: bool = True,
 ) -> dict[str, Any]:
     from resild.wire.keys import generate_keys
 
@@ -470,7 +478,18 @@ def run_one(
         p = mp_ctx.Process(
             target=generator_main,
             daemon=True,
-            args=(gid, chunk, nproc, {n: first_rank[n] for n in chunk}, keys_dir, endpoint, hb_s, steps_per_s, b),
+            args=(
+                gid,
+                chunk,
+                nproc,
+                {n: first_rank[n] for n in chunk},
+                keys_dir,
+                endpoint,
+                hb_s,
+                steps_per_s,
+                reports_beat,
+                b,
+            ),
         )
         p.start()
         gens.append(p)
@@ -753,6 +772,12 @@ def main(argv: list[str] | None = None) -> int:
         "--store-clients", type=int, default=0, help="also measure a TCPStore formation at this many clients"
     )
     p.add_argument("--store-procs", type=int, default=4)
+    p.add_argument(
+        "--no-report-heartbeats",
+        action="store_true",
+        help="simulated node processes heartbeat every interval even right after a commit report "
+        "(the node process before issue 17; the baseline of the side-by-side run)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     a = p.parse_args(argv)
     _raise_fd_limit()
@@ -775,7 +800,9 @@ def main(argv: list[str] | None = None) -> int:
             a.heartbeat_timeout,
             a.failures,
             a.inject_phase,
+            not a.no_report_heartbeats,
         )
+        r["report_heartbeats"] = not a.no_report_heartbeats
         rows.append(r)
         if a.json:
             print(json.dumps(r), flush=True)

@@ -37,7 +37,7 @@ import zmq
 import launcher.node.lease as lease
 import resild.wire.env as resild_env
 from launcher.node.node_store import NodeStore
-from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer
+from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer, leader_heartbeat_due
 from resild.procutil import die_with_parent
 from resild.wire.exits import CONTROLLER_LOST_EXIT, FENCED_EXIT
 from resild.wire.keys import KeyDir
@@ -110,6 +110,8 @@ class NodeProcess:
         self.relay: RelayServer | None = None
         self.store = NodeStore()  # node-local groups' keys, and the job's thinned out (node_store.py)
         self._relayed_sent: list[int] | None = None  # the relayed set the controller last heard
+        self._report_s = -1e9  # when a commit report last went to the leader (it is a heartbeat too)
+        self._epoch_sent = -1  # the epoch the leader last heard we hold, in a heartbeat
 
     # ---- health: the node daemon's verdict, or the same probes in-process -----
     def _start_probe(self) -> None:
@@ -183,8 +185,10 @@ class NodeProcess:
             while self.exit_code is None:
                 now = time.monotonic()
                 if now >= next_hb:
-                    self._heartbeat()
-                    next_hb = now + self.heartbeat_s
+                    # skipped for the leader after a recent commit report: the next one is due an
+                    # interval after that report, so the leader never waits more than an interval
+                    to_leader = self._heartbeat(periodic=True)
+                    next_hb = now + self.heartbeat_s if to_leader else self._report_s + self.heartbeat_s
                 if self.probe is not None and now >= next_probe:
                     self._poll_probe()
                     next_probe = now + self.probe_interval_s
@@ -225,7 +229,9 @@ class NodeProcess:
         return self.exit_code
 
     # ---- relay: membership down, progress up ----------------------------------
-    def _heartbeat(self, resync: bool = False) -> None:
+    def _heartbeat(self, resync: bool = False, periodic: bool = False) -> bool:
+        """Heartbeat every replica (the leader too, unless `periodic` and a commit report has
+        just told it we are alive); True when the leader got it."""
         body: dict = {"node": self.node, "epoch": self.layout.epoch, "pid": os.getpid()}
         relayed = sorted(self.relay.workers) if self.relay is not None else []
         if relayed != self._relayed_sent:  # only on change: the controller keeps it
@@ -233,7 +239,15 @@ class NodeProcess:
             self._relayed_sent = relayed
         if resync:
             body["resync"] = True
+        news = not periodic or resync or "relayed" in body or self.layout.epoch != self._epoch_sent
+        if self.ch.leader is not None and not leader_heartbeat_due(
+            time.monotonic(), self._report_s, self.heartbeat_s, news
+        ):
+            self.ch.send_standbys(MsgType.HEARTBEAT, body, ttl_s=5)
+            return False
+        self._epoch_sent = self.layout.epoch
         self.ch.send_all(MsgType.HEARTBEAT, body, ttl_s=5)  # a standby taking over hears every node at once
+        return True
 
     def _register(self) -> None:
         self.ch.send_all(MsgType.REGISTER_NODE, {"node": self.node, "pid": os.getpid(), "nproc": self.nproc})
@@ -251,6 +265,7 @@ class NodeProcess:
         )
         self._register()
         self._relayed_sent = None  # the new leader learns which ranks we relay
+        self._report_s = -1e9  # a report the old leader got is no heartbeat to the new one
         self._heartbeat()
         for body in self.exited:
             self.ch.send(MsgType.WORKER_EXIT, body)
@@ -320,6 +335,8 @@ class NodeProcess:
         body = self.commits.take(now)
         if body is not None:
             self.ch.send(MsgType.PROGRESS, {"node": self.node, **body})
+            if self.ch.leader is not None:
+                self._report_s = now
 
     def _poll_probe(self) -> None:
         assert self.probe is not None

@@ -137,6 +137,15 @@ class CommitAggregator:
         return body
 
 
+def leader_heartbeat_due(now: float, last_report_s: float, interval_s: float, news: bool) -> bool:
+    """Does this periodic heartbeat go to the leader too? Not when a commit report reached
+    it within the interval: the leader counts that report as the node's heartbeat (it comes
+    from the node process's own socket), and a node would otherwise cost it two messages
+    per interval. `news` (a new epoch held, a changed relay set) always goes. Standbys get
+    every heartbeat: a replica that takes over must know every node at once."""
+    return news or now - last_report_s >= interval_s
+
+
 # ---- node side -----------------------------------------------------------------------
 
 

@@ -228,6 +228,10 @@ class Handlers:
     def _on_progress(self, ident: bytes, node: NodeView, b: Progress, now: float) -> None:
         s = self.s
         if b.commits is not None:
+            if s.node_ident.get(node.node_id) == ident:
+                # From the node process's own socket, already heard on: a heartbeat too (the
+                # node sends no other while its reports keep coming: relay.leader_heartbeat_due).
+                s.view.beat(node.node_id, now)
             self._on_commits(node, b.commits, b.epoch, now)
             return
         rank, epoch, step = b.rank, b.epoch, b.step

@@ -44,6 +44,12 @@ class ControllerSet:
         for c in self.chans:
             c.send(mtype, body, ttl_s=ttl_s)
 
+    def send_standbys(self, mtype: MsgType, body: dict[str, Any] | None = None, *, ttl_s: float | None = None) -> None:
+        """Every replica but the leader (all of them while no leader is known)."""
+        for i, c in enumerate(self.chans):
+            if i != self.leader:
+                c.send(mtype, body, ttl_s=ttl_s)
+
     def follow(self, term: int, leader: int) -> bool:
         """A lease of `term` naming replica `leader`: True when this is a new leader (or a
         restarted one) that must be told who we are again."""

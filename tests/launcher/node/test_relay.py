@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import zmq
 
-from launcher.node.relay import CommitAggregator, LayoutTracker, RelayServer
+from launcher.node.relay import CommitAggregator, LayoutTracker, RelayServer, leader_heartbeat_due
 from launcher.run.local import LocalCluster
 from launcher.worker.relay_client import RelayClient, wait_for
 from resild.controller.loop import Controller, ControllerConfig, JobResult
 from resild.events.log import EventLog
 from resild.membership import Membership
 from resild.wire.keys import generate_keys
+from resild.wire.leader import ControllerSet
 from resild.wire.protocol import MsgType
 from resild.wire.settings import JobSettings
 
@@ -233,3 +234,27 @@ def test_a_killed_node_process_relay_dir_is_swept_by_the_next(tmp_path: Path) ->
         assert sweep_stale_relay_dirs(str(tmp_path)) == []
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_periodic_heartbeat_skips_the_leader_only_after_a_recent_commit_report() -> None:
+    assert leader_heartbeat_due(now=10.0, last_report_s=-1e9, interval_s=0.25, news=False)
+    assert not leader_heartbeat_due(now=10.0, last_report_s=9.9, interval_s=0.25, news=False)
+    assert leader_heartbeat_due(now=10.0, last_report_s=9.75, interval_s=0.25, news=False)
+    assert leader_heartbeat_due(now=10.0, last_report_s=9.99, interval_s=0.25, news=True)  # a new epoch held
+
+
+def test_send_standbys_reaches_every_replica_but_the_leader() -> None:
+    ctx = zmq.Context()
+    try:
+        routers = [ctx.socket(zmq.ROUTER) for _ in range(3)]
+        ports = [r.bind_to_random_port("tcp://127.0.0.1") for r in routers]
+        cs = ControllerSet(ctx, [f"tcp://127.0.0.1:{p}" for p in ports], None, "n0/node")
+        cs.follow(term=1, leader=1)
+        cs.send_standbys(MsgType.HEARTBEAT, {"node": "n0", "epoch": 1})
+        got = [r.poll(500) for r in routers]
+        assert [bool(g) for g in got] == [True, False, True]
+        cs.close(linger_ms=0)
+        for r in routers:
+            r.close(linger=0)
+    finally:
+        ctx.term()

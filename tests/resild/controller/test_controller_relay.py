@@ -179,3 +179,38 @@ def test_aggregated_commits_and_relayed_waits_name_the_hung_rank(
     assert fail["node"] == "b" and fail["detector"] == "hang"
     assert "rank 2 " in fail["cause"] and "last step 5, state commit" in fail["cause"], fail
     assert ctl.max_step == 5
+
+
+def test_a_node_process_commit_report_is_its_heartbeat_and_silence_is_still_a_loss() -> None:
+    events = EventLog(None)
+    cfg = ControllerConfig(settings=JobSettings(heartbeat_timeout_s=1.0, controller_timeout_s=0))
+    ctl = Controller(cfg, ["a", "b"], ["s0"], 1, None, events)
+    th = threading.Thread(target=ctl.run, daemon=True)
+    th.start()
+    ctx = zmq.Context()
+    try:
+        nodes = {n: connect(ctx, ctl.endpoint, None, f"{n}/node") for n in ("a", "b", "s0")}
+        for n, ch in nodes.items():
+            ch.send(MsgType.REGISTER_NODE, {"node": n, "pid": 1, "nproc": 1, "epoch": 0, "relayed": [0]})
+            ch.send(MsgType.REGISTER_WORKER, {"node": n, "local_rank": 0, "pid": 1})
+            ch.send(MsgType.HEARTBEAT, {"node": n, "epoch": 0})
+        wait_event(events, "membership")
+        # 2.5 heartbeat timeouts: a only reports commits, b and the spare only heartbeat
+        for step in range(1, 26):
+            nodes["a"].send(MsgType.PROGRESS, {"node": "a", "epoch": 1, "state": "commit", "commits": {"0": step}})
+            for n in ("b", "s0"):
+                nodes[n].send(MsgType.HEARTBEAT, {"node": n, "epoch": 1})
+            time.sleep(0.1)
+        assert not [e for e in events.records if e["event"] == "failure_detected"]
+        # a's reports go quiet (nothing else from it): lost after the timeout, as before
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0 and not [e for e in events.records if e["event"] == "failure_detected"]:
+            for n in ("b", "s0"):
+                nodes[n].send(MsgType.HEARTBEAT, {"node": n, "epoch": 1})
+            time.sleep(0.1)
+        fail = wait_event(events, "failure_detected", 1.0)
+        assert fail["node"] == "a" and fail["detector"] == "heartbeat", fail
+    finally:
+        ctl.result = JobResult(1, "test over")
+        th.join(10)
+        ctx.destroy(linger=0)
