@@ -13,7 +13,9 @@ the culprit.
     worker: RelayClient(os.environ["RESILD_RELAY"], sender)  --RELAY_HELLO-->  node: RelayServer
             <-- MEMBERSHIP (a layout, never a delta; again on every hello) --
 
-Everything other than PROGRESS (REGISTER_WORKER, EVENT, DONE, FAILED, FATAL) goes
+STORE (group formation) comes here too: the node process serves the keys of groups
+that live on this node and forwards the rest (launcher/node/node_store.py), answering
+with STORE_REPLY. Everything else (REGISTER_WORKER, EVENT, DONE, FAILED, FATAL) goes
 from the worker to the controller directly, as without a relay.
 """
 

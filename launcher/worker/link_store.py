@@ -2,7 +2,9 @@
 worker's CURVE-authenticated link (`ControlLink.request`), answered from the
 controller's rendezvous keys (`resild.rendezvous`). No store listener is
 left open in a job: a local user who can reach the node's ports can neither read the
-peers' addresses nor write a key.
+peers' addresses nor write a key. Behind a relay the request goes to the node process
+first, which serves a node-local group's keys itself (`node_local=True`) and forwards the
+rest (launcher/node/node_store.py).
 
 torch calls these methods from C++ (gloo's and NCCL's rendezvous, in the thread that
 forms a group) through its Python-store trampoline; the object must stay referenced
