@@ -12,6 +12,7 @@ from resild.wire.protocol import MsgType
 
 class FakeControllers:
     leader_endpoint = "tcp://127.0.0.1:1"
+    leader = 0
 
     def __init__(self) -> None:
         self.sent: list[tuple[MsgType, dict[str, Any]]] = []
@@ -22,6 +23,9 @@ class FakeControllers:
     def send_all(self, mtype: MsgType, body: dict[str, Any], ttl_s: float | None = None) -> None:
         self.sent.append((mtype, body))
 
+    def send_standbys(self, mtype: MsgType, body: dict[str, Any], ttl_s: float | None = None) -> None:
+        pass
+
 
 class Layout:
     epoch = 1
@@ -31,6 +35,7 @@ def node_process() -> NodeProcess:
     p = object.__new__(NodeProcess)  # only what _new_leader reads: no sockets, no workers
     p.node, p.nproc, p.layout, p.relay = "n0", 1, Layout(), None
     p.exited, p.health, p._relayed_sent = [], None, None
+    p._report_s, p._epoch_sent, p.heartbeat_s = -1e9, -1, 0.25
     p.ch = FakeControllers()  # type: ignore[assignment]
     return p
 
