@@ -29,6 +29,7 @@ from resild.rendezvous import Rendezvous
 
 Reply = tuple[bytes, dict[str, Any]]
 FORWARD_GRACE_S = 2.0  # a forwarded request unanswered this long past its timeout is given up
+DEFAULT_TIMEOUT_S = 60.0  # for a request that names none
 
 
 @dataclass
@@ -52,19 +53,19 @@ class NodeStore:
         req = {k: v for k, v in body.items() if k not in ("scope", "node")}
         if body.get("scope") == "node":
             return self.local.handle(ident, req, now), None
-        timeout_s = float(req.get("timeout_s") or 0.0) or 60.0
         keys = list(req.get("keys") or [])
-        if req.get("op") == "get" and len(keys) == 1 and (fid := self.gets.get(keys[0])) is not None:
+        key = keys[0] if req.get("op") == "get" and len(keys) == 1 else None  # coalescible
+        if key is not None and (fid := self.gets.get(key)) is not None:
             self.forwarded[fid].askers.append((ident, rid))
             self.coalesced += 1
             return [], None
+        timeout_s = float(req.get("timeout_s") or 0.0) or DEFAULT_TIMEOUT_S
         self._next_id += 1
         fid = self._next_id
-        key = keys[0] if req.get("op") == "get" and len(keys) == 1 else None
         self.forwarded[fid] = _Forwarded([(ident, rid)], now + timeout_s + FORWARD_GRACE_S, key)
         if key is not None:
             self.gets[key] = fid
-        return [], {**req, "id": fid}
+        return [], {**req, "id": fid, "timeout_s": timeout_s}
 
     def reply(self, body: dict[str, Any]) -> list[Reply]:
         """The controller's STORE_REPLY to a forward -> the same answer for each asker."""

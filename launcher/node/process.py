@@ -196,9 +196,11 @@ class NodeProcess:
                     self._report_commits(now)
                 if self._lease_expired(now):
                     break
-                if now >= self.store.next_deadline():
+                store_due = self.store.next_deadline()
+                if now >= store_due:
                     self._store_replies(self.store.expire(now))
-                wake = min(next_hb, self.commits.next_due_s() or next_hb, self.store.next_deadline())
+                    store_due = self.store.next_deadline()
+                wake = min(next_hb, self.commits.next_due_s() or next_hb, store_due)
                 timeout_ms = max(1, int((wake - time.monotonic()) * 1000))
                 for fd, _ in poller.poll(timeout_ms):
                     if (index := self.ch.index_of(fd)) is not None:
@@ -303,7 +305,7 @@ class NodeProcess:
                 replies, forward = self.store.request(ident, msg.body, time.monotonic())
                 self._store_replies(replies)
                 if forward is not None:  # lives as long as its own timeout, as the worker's does
-                    ttl_s = float(forward.get("timeout_s") or 60.0) + 1.0
+                    ttl_s = forward["timeout_s"] + 1.0
                     self.ch.send(MsgType.STORE, {**forward, "node": self.node}, ttl_s=ttl_s)
             elif msg.type == MsgType.PROGRESS:
                 self._on_progress(msg.body)

@@ -223,7 +223,7 @@ class ControlLink:
                 mtype, body, ttl_s = self._out.get_nowait()
             except queue.Empty:
                 return
-            if relay is not None and (mtype == MsgType.PROGRESS or "scope" in body):
+            if relay is not None and mtype in (MsgType.PROGRESS, MsgType.STORE):  # STORE: see request()
                 relay.send(mtype, body, ttl_s=ttl_s)
             else:
                 ch.send(mtype, body, ttl_s=ttl_s)
