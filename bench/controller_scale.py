@@ -2,7 +2,9 @@
 
     python bench/controller_scale.py                      # N = 250, 1000, 2000, 4000 x 8, a table
     python bench/controller_scale.py --nodes 250 --json   # one JSON object per line, one line per N
-    python bench/controller_scale.py --store-clients 2000 # TCPStore rendezvous at 2,000 clients
+
+Group formation (the controller's store path, the node stores, TCPStore side by side) is
+bench/rendezvous_scale.py's.
 
 The controller runs in its own process exactly as under resil-run (ROUTER socket,
 CURVE on, journal with fsync, the policy), with a no-op scheduler backend. Load
@@ -657,92 +659,6 @@ def run_one(
     return out
 
 
-# ---- rendezvous store ---------------------------------------------------------------------------
-
-
-def store_client_main(host: str, port: int, ranks: list[int], world: int, epochs: int, conn: Any) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    conn.send(("ready",))
-    assert conn.recv()[0] == "connect"
-    stores: list[Any] = [None] * len(ranks)
-
-    def open_store(i: int) -> None:
-        stores[i] = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=120))
-
-    openers = [threading.Thread(target=open_store, args=(i,)) for i in range(len(ranks))]
-    for t in openers:
-        t.start()
-    for t in openers:
-        t.join()
-    conn.send(("connected", time.monotonic()))
-    for e in range(1, epochs + 1):
-        assert conn.recv()[0] == "go"
-        errors: list[str] = []
-
-        def formation(store: Any, r: int) -> None:
-            # What a formation does under the epoch prefix: publish, count in, wait, read a peer.
-            try:
-                ps = dist.PrefixStore(f"resild/e{e}/", store)
-                ps.set(f"addr{r}", f"10.0.{r // 256}.{r % 256}:29500")
-                if ps.add("count", 1) == world:
-                    ps.set("ready", "1")
-                ps.wait(["ready"])
-                ps.get(f"addr{(r + 1) % world}")
-            except Exception as ex:  # reported, not raised: the driver counts failures
-                errors.append(repr(ex))
-
-        threads = [threading.Thread(target=formation, args=(s, r)) for s, r in zip(stores, ranks)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        conn.send(("done", time.monotonic(), len(errors)))
-
-
-def run_store(clients: int, procs: int, epochs: int = 3) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    mp_ctx = mp.get_context("spawn")
-    conns, ps = [], []
-    for i in range(procs):
-        a, b = mp_ctx.Pipe()
-        p = mp_ctx.Process(
-            target=store_client_main,
-            daemon=True,
-            args=("127.0.0.1", master.port, list(range(i, clients, procs)), clients, epochs, b),
-        )
-        p.start()
-        conns.append(a)
-        ps.append(p)
-    for c in conns:
-        assert c.recv()[0] == "ready"  # torch imported
-    t_connect = time.monotonic()
-    for c in conns:
-        c.send(("connect",))
-    connect_s = max(c.recv()[1] for c in conns) - t_connect
-    rounds, errors = [], 0
-    for _ in range(epochs):
-        t0 = time.monotonic()
-        for c in conns:
-            c.send(("go",))
-        ends = [c.recv() for c in conns]
-        rounds.append(max(e[1] for e in ends) - t0)
-        errors += sum(e[2] for e in ends)
-    for p in ps:
-        p.join(30)
-    return {
-        "store_clients": clients,
-        "connect_s": round(connect_s, 2),
-        "formation_s": round(sorted(rounds)[len(rounds) // 2], 3),
-        "formation_all_s": [round(r, 3) for r in rounds],
-        "errors": errors,
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", default="250,1000,2000,4000", help="comma-separated node counts (active nodes)")
@@ -768,10 +684,6 @@ def main(argv: list[str] | None = None) -> int:
         default=0.5,
         help="where in a step the failure is injected (0: with the step's commit reports of every node)",
     )
-    p.add_argument(
-        "--store-clients", type=int, default=0, help="also measure a TCPStore formation at this many clients"
-    )
-    p.add_argument("--store-procs", type=int, default=4)
     p.add_argument(
         "--no-report-heartbeats",
         action="store_true",
@@ -813,15 +725,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['relay_hop_s']:.4f}; ctl {r['announce_ctl_s']:.4f}s; {r['msgs_per_s']}/s)",
                 flush=True,
             )
-    if a.store_clients:
-        s = run_store(a.store_clients, a.store_procs)
-        print(
-            json.dumps(s)
-            if a.json
-            else f"TCPStore formation, {s['store_clients']} clients: {s['formation_s']:.3f}s median "
-            f"({s['formation_all_s']}), connect {s['connect_s']:.2f}s, errors {s['errors']}",
-            flush=True,
-        )
     return 0
 
 
