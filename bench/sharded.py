@@ -71,7 +71,7 @@ from bench.recovery import _parse_summary, analyze_resild
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "bench" / "sharded_train.py"
-TARGET_OVERHEAD = 0.03  # resild/plain - 1
+TARGET_OVERHEAD = 0.05  # resild/plain - 1 (issue 17)
 TARGET_BASE_S = 0.3  # fault → full strength within 0.3 s + one step
 
 FAULT_COLS = (
@@ -276,7 +276,7 @@ def overhead(args, base: Path, emit) -> list[dict]:
         pairs = [_div(a["step_s"], b["step_s"]) for a, b in zip(rs, pl)]
         pairs = [p for p in pairs if p is not None]
         row["pair_ratio_min"], row["pair_ratio_max"] = (min(pairs), max(pairs)) if pairs else (None, None)
-        row["within_3pct"] = None if row["ratio"] is None else row["ratio"] <= 1 + TARGET_OVERHEAD
+        row["within_5pct"] = None if row["ratio"] is None else row["ratio"] <= 1 + TARGET_OVERHEAD
         out.append(row)
         emit({"kind": "overhead", **row})
     return out
@@ -552,7 +552,7 @@ def print_overhead(args, rows: list[dict]) -> None:
         "plain_commit_ms",
         "resild_compute_ms",
         "plain_compute_ms",
-        "within_3pct",
+        "within_5pct",
         "failed_runs",
     )
     conv = [{k: (_yn(v) if isinstance(v, bool) else v) for k, v in r.items()} for r in rows]

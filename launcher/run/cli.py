@@ -204,16 +204,6 @@ def _copies(v: str | int) -> int:
     help="With --checkpoint-dir: a checkpoint every M committed steps.",
 )
 @click.option(
-    "--commit-vote",
-    type=click.Choice(("auto", "blocking")),
-    default="auto",
-    show_default=True,
-    help="How a step's commit vote is waited for. auto: where every rank holds the whole state (DP, DDP) "
-    "on gloo, the optimizer steps while the vote is in flight (a rank that stepped counts as holding "
-    "the new step in a recovery); sharded jobs (HSDP, FSDP2, TP) and NCCL wait for the vote first. "
-    "blocking: always wait.",
-)
-@click.option(
     "--run-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Keys, journal and NVML stand-in state go here (default: a fresh temporary directory).",
@@ -266,7 +256,6 @@ def main(
     fingerprint_every: int,
     checkpoint_dir: Path | None,
     checkpoint_every: int,
-    commit_vote: str,
     run_dir: Path | None,
     resume_dir: Path | None,
     requeue_on_exhaustion: bool,
@@ -314,7 +303,6 @@ def main(
             fingerprint_every=fingerprint_every,
             checkpoint_dir=str(checkpoint_dir or ""),
             checkpoint_every=checkpoint_every if checkpoint_dir is not None else 0,
-            commit_vote=commit_vote,
         )
     except SettingsError as e:
         raise click.UsageError(str(e)) from None

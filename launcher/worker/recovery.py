@@ -93,6 +93,15 @@ class Recovery:
         if self.intr.error is not None:
             raise Reformed(self.intr.error)
 
+    def read(self, t: torch.Tensor) -> list[Any]:
+        """A collective's result, on the host. On NCCL `wait()` only orders streams and
+        this read is what blocks; an abort releases it with garbage, so the latched error
+        (set before the abort) is checked after the read, never only before."""
+        out = t.cpu().tolist()
+        if self.intr.error is not None:
+            raise Reformed(self.intr.error)
+        return out
+
     # ---- forming ------------------------------------------------------------------
     def retire(self) -> None:
         """Abort the old backends and keep them alive off the hot path: freeing a
@@ -153,7 +162,7 @@ class Recovery:
         rows = torch.zeros(world, 3, dtype=torch.int64, device=self.device)
         rows[rank] = torch.tensor(row, dtype=torch.int64)
         self.wait(self.groups["world"]._inner.allreduce([rows]))
-        return agree(rows.cpu().tolist(), floor)
+        return agree(self.read(rows), floor)
 
     def replay(
         self, steps: list[int], replicas: ReplicaMap, rank: int, max_sources: int, snapshot: Any
@@ -167,9 +176,10 @@ class Recovery:
         # Every rank learns whether any transfer arrived damaged, so all take the same next step.
         bad = torch.tensor([len(got.damaged) if got is not None else 0], dtype=torch.int64, device=self.device)
         self.wait(pg.allreduce([bad]))
-        if int(bad.item()):
+        (n_bad,) = self.read(bad)
+        if n_bad:
             raise DamagedReplay(
-                f"{int(bad.item())} replayed transfer(s) failed their checksum"
+                f"{n_bad} replayed transfer(s) failed their checksum"
                 + (f" (from rank(s) {list(got.damaged)} to rank {rank})" if got is not None and got.damaged else "")
             )
         return target, got

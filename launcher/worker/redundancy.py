@@ -153,9 +153,10 @@ class Redundancy:
         vals = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         vals[self.rank] = fingerprint(self.state.snapshot(step))
         group.allreduce([vals]).wait()
+        values = vals.cpu().tolist()  # on NCCL the read is what waits: the error is checked after it
         if group._intr.error is not None:
             return  # the epoch is failing: the next vote finds out
-        verdict = judge(vals.cpu().tolist(), replicas.groups)
+        verdict = judge(values, replicas.groups)
         if verdict.clean:
             return
         if self.rank == 0:
@@ -251,7 +252,7 @@ class Redundancy:
         seen = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         seen[self.rank] = (mine if mine is not None else -1) + 1
         self.rec.wait(self.rec.groups["world"]._inner.allreduce([seen]))
-        views = set(seen.cpu().tolist())
+        views = set(self.rec.read(seen))
         if len(views) > 1:
             self.fatal(
                 f"ranks see different newest checkpoints in {self.ckpt.directory} (steps "

@@ -44,7 +44,7 @@ import torch
 
 import resild.wire.env as resild_env
 from launcher.worker.agent_link import AgentLink, agent_endpoint
-from launcher.worker.commit import CommitProtocol, ReplicasDisagree, vote_mode
+from launcher.worker.commit import CommitProtocol
 from launcher.worker.controller_link import ControlLink, keys_from_env
 from launcher.worker.link_store import LinkStore
 from launcher.worker.mesh_layout import MeshError, MeshLayout
@@ -307,17 +307,10 @@ class Job:
             self._event,
             self._fatal,
         )
-        replicas = self._replica_map()
         try:
-            red.setup(self.state, self.steps_state, self._protocol, replicas, self._host_group)
+            red.setup(self.state, self.steps_state, self._protocol, self._replica_map(), self._host_group)
         except RedundancyError as e:
             self._fatal(str(e))  # every rank computes the same: stop the job, do not burn spares on it
-        choice = vote_mode(
-            self.redundancy_cfg.commit_vote, self.backend, replicas, self.world_size, red.snap is not None
-        )
-        self._protocol.mode = choice.mode
-        if self.rank == 0:
-            self._event(EventName.COMMIT_VOTE, mode=choice.mode.value, reason=choice.reason)
 
     def _host_group(self, label: str) -> StableGroup:
         """A gloo group of every rank for host-memory traffic (snapshots, checkpoints), formed now."""
@@ -593,13 +586,7 @@ class Job:
         if red is not None and self.link.inject_diverge:
             self.link.inject_diverge = False
             red.nudge()
-        try:
-            voted = protocol.vote()
-        except ReplicasDisagree as e:
-            if e.no_majority:
-                self._fatal(str(e))
-            raise  # outvoted: this node leaves, a spare takes its ranks with the majority's state
-        if voted:
+        if protocol.vote():
             self._progress("commit")
             if red is not None:
                 red.after_commit(self.step, self._replica_map, self.group)

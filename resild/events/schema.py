@@ -57,7 +57,6 @@ class EventName(str, Enum):
     SNAPSHOTS = "snapshots"  # a rank's snapshot costs (taken, skipped, capture seconds, memory), before DONE
     REPLICA_DIVERGED = "replica_diverged"  # replicas' state fingerprints differ (odd ranks, or no majority)
     CHECKPOINT_LOADED = "checkpoint_loaded"  # every in-memory copy lost: resild's disk checkpoint loaded
-    COMMIT_VOTE = "commit_vote"  # rank 0 at attach: how the job waits for its commit vote (mode, reason)
     SPARE_WARMED = "spare_warmed"  # a waiting spare's warm-up for the job's sharded state ended (or its error)
     # -- peers: the node daemon's process watch ("process_" + ProcState) -------------------
     PROCESS_RUNNING = "process_running"

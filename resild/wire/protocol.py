@@ -257,10 +257,6 @@ PEER_EVENTS: dict[str, dict[str, Any]] = {
     EventName.REPLICA_DIVERGED: {"step": _f("int", required=True).metadata},
     EventName.CHECKPOINT_LOADED: {"step": _f("int", required=True).metadata},
     EventName.SPARE_WARMED: {"seconds": _f("float", hi=1e9).metadata},
-    EventName.COMMIT_VOTE: {
-        "mode": _f("str", required=True, choices=("blocking", "overlapped")).metadata,
-        "reason": _f("str", max_len=NODE).metadata,
-    },
     EventName.PROCESS_RUNNING: {},
     EventName.PROCESS_EXITED: {},
     EventName.PROCESS_ZOMBIE: {},

@@ -42,12 +42,10 @@ FLAGS = {
     "fingerprint_every": "--fingerprint-every",
     "checkpoint_every": "--checkpoint-every",
     "checkpoint_dir": "--checkpoint-dir",
-    "commit_vote": "--commit-vote",
 }
 COUNTS = ("snapshot_copies", "snapshot_every", "fingerprint_every", "checkpoint_every")  # whole numbers
 COUNT_MIN = {"snapshot_copies": -1, "snapshot_every": 1, "fingerprint_every": 0, "checkpoint_every": 0}
-TEXTS = ("checkpoint_dir", "commit_vote")
-VOTE_SETTINGS = ("auto", "blocking")  # launcher.worker.commit.vote_mode reads them
+TEXTS = ("checkpoint_dir",)
 MAX_COPIES = 8
 AUTO_COPIES = -1  # --snapshot-copies auto: 1 where no rank has a replica (FSDP2, TP), else 0
 MIN_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL collectives never time out sooner than this
@@ -106,7 +104,6 @@ class WorkerRedundancy:
     fingerprint_every: int = 0
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
-    commit_vote: str = "auto"
 
     def to_dict(self) -> dict[str, int | str]:
         return dataclasses.asdict(self)
@@ -123,7 +120,6 @@ class WorkerRedundancy:
             count("fingerprint_every", 0, 0),
             d if isinstance(d := body.get("checkpoint_dir"), str) else "",
             count("checkpoint_every", 0, 0),
-            v if (v := body.get("commit_vote")) in VOTE_SETTINGS else "auto",
         )
 
     def copies(self, has_replicas: bool, nodes: int) -> int:
@@ -157,15 +153,10 @@ class JobSettings:
     # resild's own disk checkpoints (torch.distributed.checkpoint): "" none; every N commits.
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
-    # auto: jobs whose ranks all hold the whole state step the optimizer while the commit
-    # vote is in flight (launcher.worker.commit.vote_mode); blocking: always wait for it.
-    commit_vote: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.checkpoint_dir, str) or len(self.checkpoint_dir) > 4096:
             raise SettingsError(f"--checkpoint-dir must be a path, not {self.checkpoint_dir!r}")
-        if self.commit_vote not in VOTE_SETTINGS:
-            raise SettingsError(f"--commit-vote must be one of {', '.join(VOTE_SETTINGS)}, not {self.commit_vote!r}")
         for name in COUNTS:
             v = getattr(self, name)
             bad_copies = name == "snapshot_copies" and isinstance(v, int) and v > MAX_COPIES
@@ -228,7 +219,6 @@ class JobSettings:
             self.fingerprint_every,
             self.checkpoint_dir,
             self.checkpoint_every,
-            self.commit_vote,
         )
 
     def for_nodes(self, n_nodes: int) -> Derived:

@@ -64,17 +64,6 @@ def test_single_fault_is_survived_bitwise(tmp_path: Path, reference: RunResult, 
     assert f["fault"].startswith(fault.split(":")[0])
 
 
-def test_the_blocking_vote_recovers_to_the_same_bits(tmp_path: Path, reference: RunResult) -> None:
-    """DP steps the optimizer during the vote by default; --commit-vote blocking waits
-    for it first. Both end bitwise identical, and rank 0 says which one ran."""
-    assert [e["mode"] for e in reference.events if e["event"] == "commit_vote"] == ["overlapped"]
-    r = run_job(tmp_path, "--commit-vote", "blocking", "--inject", "kill:node1@20")
-    check_recovered(r, reference, 1)
-    assert [e["mode"] for e in r.events if e["event"] == "commit_vote"] == ["blocking"]
-    bad = run_job(tmp_path / "bad", "--commit-vote", "sometimes", timeout_s=30)
-    assert bad.rc == 2 and "--commit-vote" in bad.stderr and "Traceback" not in bad.stderr
-
-
 def test_two_faults_in_sequence_with_two_spares(tmp_path: Path, reference: RunResult) -> None:
     r = run_job(tmp_path, "--inject", "kill:node0@15", "--inject", "nodeloss:node1@35", nodes=4, spares=2)
     fs = check_recovered(r, reference, 2)
