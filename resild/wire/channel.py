@@ -107,10 +107,14 @@ class Channel:
             self.send(MsgType.ERROR, {"code": code, "detail": detail}, to=ident)
 
     def recv(self, timeout_s: float) -> tuple[bytes | None, Message] | None:
-        """Return (peer identity or None, message) or None on timeout or a dropped frame."""
-        if not self.poll(timeout_s):
+        """Return (peer identity or None, message) or None on timeout or a dropped frame.
+        `timeout_s` <= 0 (a loop draining its queue): one non-blocking receive, no poll."""
+        if timeout_s > 0 and not self.poll(timeout_s):
             return None
-        parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        try:
+            parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
         ident = parts[0].bytes if self.router else None
         if len(parts) != (2 if self.router else 1):
             self._reject(ident, "malformed", f"{len(parts) - (1 if self.router else 0)} frames, expected 1")

@@ -64,6 +64,9 @@ class MsgType(str, Enum):
     ERROR = "error"
 
 
+_MSG_TYPES: dict[str, MsgType] = {t.value: t for t in MsgType}  # decode's lookup (no Enum call per message)
+
+
 class ProtocolError(Exception):
     """A frame that cannot be accepted; `code` is sent back in an ERROR reply."""
 
@@ -112,15 +115,26 @@ class Body:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Body:
         kw: dict[str, Any] = {}
-        for f in fields(cls):
-            v = raw.get(f.name)
-            meta = f.metadata
+        for name, meta in _spec(cls):
+            v = raw.get(name)
             if v is None:
-                if meta.get("required"):
-                    raise ProtocolError("bad_body", f"{f.name} is required")
+                if meta["required"]:
+                    raise ProtocolError("bad_body", f"{name} is required")
                 continue
-            kw[f.name] = _check_field(f.name, v, meta)
+            kw[name] = _check_field(name, v, meta)
         return cls(**kw)
+
+
+# Each body class's (name, metadata) pairs, read once: decoding runs per message, and at
+# thousands of messages a second dataclasses.fields() per message is a measurable share.
+_SPECS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _spec(cls: type) -> tuple[tuple[str, Any], ...]:
+    spec = _SPECS.get(cls)
+    if spec is None:
+        spec = _SPECS[cls] = tuple((f.name, f.metadata) for f in fields(cls))
+    return spec
 
 
 def _check_field(name: str, v: Any, m: Any) -> Any:
@@ -158,16 +172,7 @@ def _check_field(name: str, v: Any, m: Any) -> Any:
             )
         v = list(v)
     elif kind == "steps":
-        if (
-            not isinstance(v, dict)
-            or len(v) > MAX_ITEMS
-            or not all(_rank_key(k) and _int_in(x, m["lo"], m["hi"]) for k, x in v.items())
-        ):
-            raise ProtocolError(
-                "bad_body",
-                f"{name} must map at most {MAX_ITEMS} ranks (decimal strings) to integers in [{m['lo']}, {m['hi']}]",
-            )
-        v = {int(k): x for k, x in v.items()}
+        v = _steps(name, v, m["lo"], m["hi"])
     elif kind == "obj":
         if not isinstance(v, dict):
             raise ProtocolError("bad_body", f"{name} must be a JSON object")
@@ -178,8 +183,24 @@ def _int_in(v: Any, lo: float, hi: float) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
-def _rank_key(k: str) -> bool:
-    return 0 < len(k) <= 10 and k.isascii() and k.isdigit() and int(k) <= RANK
+def _steps(name: str, v: Any, lo: float, hi: float) -> dict[int, int]:
+    """{rank: step} with ranks as decimal strings (JSON keys), in one pass: a node's
+    commit report carries one entry per rank, at every commit."""
+    out: dict[int, int] = {}
+    if isinstance(v, dict) and len(v) <= MAX_ITEMS:
+        for k, x in v.items():
+            # type() is int: not a bool; keys are str (JSON), ascii digits only
+            if type(x) is not int or not lo <= x <= hi or not 0 < len(k) <= 10 or not k.isascii() or not k.isdigit():
+                break
+            r = int(k)
+            if r > RANK:
+                break
+            out[r] = x
+        else:
+            return out
+    raise ProtocolError(
+        "bad_body", f"{name} must map at most {MAX_ITEMS} ranks (decimal strings) to integers in [{lo}, {hi}]"
+    )
 
 
 @dataclass(frozen=True)
@@ -464,25 +485,29 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a finite number")
 
 
-def _finite(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise ValueError(f"{text[:20]} is not a finite number")
-    return v
+# One decoder for every frame (json.loads with an option builds a new one per call).
+# Frames are UTF-8: every sender is json.dumps(...).encode().
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
+_INT_LO, _INT_HI = -(1 << 63), 1 << 63
 
 
 def _check_json(v: Any, depth: int = 0) -> None:
-    """Generic limits on any body: bounded nesting and 64-bit integers."""
-    if depth > MAX_DEPTH:
+    """Generic limits on any body: bounded nesting, 64-bit integers, finite numbers
+    (json parses 1e999 as inf; NaN/Infinity literals are refused by the parser)."""
+    if depth > MAX_DEPTH or (depth == MAX_DEPTH and v):  # v's items would be deeper than the limit
         raise ProtocolError("malformed", f"body nested deeper than {MAX_DEPTH}")
-    if isinstance(v, dict):
-        for x in v.values():
+    for x in v.values() if isinstance(v, dict) else v:
+        t = type(x)
+        if t is int:
+            if not _INT_LO <= x < _INT_HI:
+                raise ProtocolError("malformed", "integer out of 64-bit range")
+        elif t is float:
+            if not math.isfinite(x):
+                raise ProtocolError("malformed", "not JSON: a number is not finite")
+        elif t is dict or t is list:
             _check_json(x, depth + 1)
-    elif isinstance(v, list):
-        for x in v:
-            _check_json(x, depth + 1)
-    elif isinstance(v, int) and not isinstance(v, bool) and not -(1 << 63) <= v < (1 << 63):
-        raise ProtocolError("malformed", "integer out of 64-bit range")
 
 
 def decode(frame: bytes) -> Message:
@@ -492,7 +517,7 @@ def decode(frame: bytes) -> Message:
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError("too_large", f"{len(frame)} bytes > {MAX_FRAME_BYTES}")
     try:
-        raw = json.loads(bytes(frame), parse_constant=_no_constant, parse_float=_finite)
+        raw = _DECODER.decode(bytes(frame).decode("utf-8"))  # floats: _check_json and the header checks
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ProtocolError("malformed", f"not JSON: {str(e)[:200]}") from None
     if not isinstance(raw, dict):
@@ -500,10 +525,9 @@ def decode(frame: bytes) -> Message:
     v = raw.get("v")
     if v != PROTOCOL_VERSION or isinstance(v, bool):
         raise ProtocolError("bad_version", f"protocol version {str(v)[:20]!r}, this peer speaks {PROTOCOL_VERSION}")
-    try:
-        mtype = MsgType(raw.get("type"))
-    except (ValueError, TypeError):
-        raise ProtocolError("bad_type", f"unknown message type {str(raw.get('type'))[:64]!r}") from None
+    mtype = _MSG_TYPES.get(t) if isinstance(t := raw.get("type"), str) else None
+    if mtype is None:
+        raise ProtocolError("bad_type", f"unknown message type {str(t)[:64]!r}")
     sender, seq, deadline, body = raw.get("sender"), raw.get("seq"), raw.get("deadline"), raw.get("body", {})
     if not isinstance(sender, str) or not sender or len(sender) > NODE:
         raise ProtocolError("malformed", f"sender must be a non-empty string of at most {NODE} characters")

@@ -13,6 +13,7 @@ import zmq
 from resild.wire.channel import Server, connect, peer_name
 from resild.wire.keys import ADMIN, KeyDir, generate_keys
 from resild.wire.protocol import (
+    MAX_DEPTH,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
     Event,
@@ -78,6 +79,11 @@ def test_round_trip() -> None:
         (_frame(sender="s" * 300), "malformed"),
         (_frame(body={"a": json.loads("[" * 20 + "1" + "]" * 20)}), "malformed"),
         (_frame(body={"x": 1 << 70}), "malformed"),
+        # 1e999 parses as inf: refused wherever it sits, a key no body type reads included
+        (_frame(body={"extra": [0.5]}).replace(b"0.5", b"1e999"), "malformed"),
+        (_frame(body={"extra": {"deep": 0.5}}).replace(b"0.5", b"-1e999"), "malformed"),
+        (_frame().replace(b'"heartbeat"', b'"h\xffeartbeat"'), "malformed"),  # not UTF-8
+        (_frame().replace(b'"heartbeat"', '"h\u00e9artbeat"'.encode()), "bad_type"),
         # Typed bodies: ranges, types and lengths checked once, here.
         (_frame("progress", {"node": "n", "rank": -1, "epoch": 1, "step": 1}), "bad_body"),
         (_frame("progress", {"node": "n", "rank": "0", "epoch": 1, "step": 1}), "bad_body"),
@@ -117,6 +123,15 @@ def test_decode_rejects(frame: bytes, code: str) -> None:
     with pytest.raises(ProtocolError) as e:
         decode(frame)
     assert e.value.code == code
+
+
+def test_the_nesting_limit_is_exact() -> None:
+    # MAX_DEPTH containers deep is the most a body may nest: one more is refused
+    ok = decode(_frame(body={"a": json.loads("[" * (MAX_DEPTH - 1) + "1" + "]" * (MAX_DEPTH - 1))}))
+    assert ok.body["a"]
+    with pytest.raises(ProtocolError) as e:
+        decode(_frame(body={"a": json.loads("[" * MAX_DEPTH + "1" + "]" * MAX_DEPTH)}))
+    assert e.value.code == "malformed"
 
 
 def test_typed_body_alongside_the_dict() -> None:
