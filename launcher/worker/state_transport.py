@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from launcher.worker.prefault import populate_ahead
 from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.state_codec import Spec, assemble, byte_view, checksum, parse, skeleton
 
@@ -230,9 +231,12 @@ class P2PTransport:
         wires: list[tuple[int, int, torch.Tensor]] = []  # (part, message, bytes) in posting order
         for t in recvs:
             for j, m in enumerate(msgs[t.part]):
-                w = into.wire(m)
-                wires.append((t.part, j, w))
-                works.append(self.pg.recv([w], t.src, _tag(t.part, j)))
+                wires.append((t.part, j, into.wire(m)))
+        # Fresh pages faulted in ahead of the bytes, in the order they land: the parts'
+        # messages interleaved, as their sources send them at once.
+        populate_ahead([w for _, _, w in sorted(wires, key=lambda x: (x[1], x[0]))])
+        for p, j, w in wires:
+            works.append(self.pg.recv([w], recvs[p].src, _tag(p, j)))
         sums = [torch.empty(len(msgs[t.part]), dtype=torch.int64, device=self.device) for t in recvs]
         works += [self.pg.recv([s], t.src, _sums_tag(t.part)) for t, s in zip(recvs, sums) if s.numel()]
         mine: dict[tuple[int, int], int] = {}
