@@ -13,6 +13,8 @@ Paths, timed on the receiver from a barrier to the last byte usable:
 - ``direct``: ``P2PTransport.exchange`` as ``Recovery.replay`` drives it (each wait
   through ``Recovery.wait``, which watches the epoch): tensors sent from their own
   storage, received into the tensors handed back, checksummed on both sides.
+- ``direct_unfaulted``: ``direct`` without faulting the receiver's fresh pages in ahead
+  of the bytes (``launcher.worker.prefault``), as it was before: what that buys.
 - ``flat``: the transport as it was before issue 17 (one flat buffer: snapshot, cat,
   CRC, header round trip, receive, CRC, unflatten clones), kept here to compare.
 - ``loopback``: the yardstick, a plain gloo send/recv of the same number of bytes into a
@@ -64,8 +66,8 @@ from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.state_codec import checksum, flatten, unflatten
 from launcher.worker.state_transport import P2PTransport, Received
 
-PATHS = ("loopback", "loopback_fresh", "direct", "flat")
-DEFAULT_PATHS = ("loopback", "loopback_fresh", "direct", "flat")
+PATHS = ("loopback", "loopback_fresh", "direct", "direct_unfaulted", "flat")
+DEFAULT_PATHS = ("loopback", "loopback_fresh", "direct", "direct_unfaulted", "flat")
 
 
 # ---- the state ---------------------------------------------------------------------------
@@ -230,6 +232,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
     torch.set_num_threads(1)
     if args["cold"]:
         cold_heap()
+    from launcher.worker import prefault
     from launcher.worker.recovery import Recovery
     from launcher.worker.stable_group import GroupFactory, Interrupts
     from launcher.worker.torch_private import PrefixStore, backend_group, tcp_store
@@ -247,6 +250,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
         pg.allreduce([t]).wait()
 
     receiver = world - 1
+    linux = prefault._supported
     wall: dict[str, list[float]] = {}  # "mb/k/path" -> the receiver's seconds per run
     cpu: dict[str, list[float]] = {}  # -> this process's CPU seconds per run (all its threads: gloo's too)
     info: dict[str, dict[str, Any]] = {}
@@ -277,7 +281,8 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                         elif rank < k:
                             pg.send([warm_src[slice(*slice_bounds(nbytes, rank, k))]], receiver, 9).wait()
                     elif rank == receiver or rank < k:
-                        tr: Any = P2PTransport(pg, torch.device("cpu"), managed) if path == "direct" else None
+                        prefault._supported = path != "direct_unfaulted" and linux  # the receiver's pages
+                        tr: Any = P2PTransport(pg, torch.device("cpu"), managed) if path != "flat" else None
                         tr = tr or FlatTransport(pg, managed)
                         got = tr.exchange(plan, rank, snapshot)
                     dt, dc = time.perf_counter() - t0, time.process_time() - c0

@@ -55,10 +55,14 @@ def populate(tensors: list[torch.Tensor]) -> int:
     return done
 
 
-def populate_ahead(tensors: list[torch.Tensor]) -> threading.Thread | None:
-    """`populate` in a daemon thread (it holds the tensors until it is done)."""
+MIN_AHEAD_BYTES = 4 << 20  # below this a thread costs more than the faults it saves
+
+
+def populate_ahead(tensors: list[torch.Tensor], min_bytes: int = MIN_AHEAD_BYTES) -> threading.Thread | None:
+    """`populate` in a daemon thread (it holds the tensors until it is done), for a
+    receive of at least `min_bytes`."""
     todo = [t for t in tensors if t.device.type == "cpu" and t.numel()]
-    if not todo or not _supported:
+    if not _supported or sum(t.numel() * t.element_size() for t in todo) < min_bytes:
         return None
     th = threading.Thread(target=populate, args=(todo,), name="resild-prefault", daemon=True)
     th.start()

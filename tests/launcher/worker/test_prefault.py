@@ -55,4 +55,5 @@ def test_the_helper_thread_populates_in_the_background_and_holds_the_tensors() -
 
 def test_nothing_to_do_is_nothing() -> None:
     assert prefault.populate_ahead([]) is None
+    assert prefault.populate_ahead([torch.empty(1 << 20, dtype=torch.uint8)]) is None  # small: not worth a thread
     assert prefault.populate([torch.empty(16)]) == 0  # under a page
