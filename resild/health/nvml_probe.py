@@ -19,7 +19,6 @@ Principles:
 from __future__ import annotations
 
 import copy
-import ctypes
 import logging
 import threading
 import time
@@ -31,6 +30,31 @@ from typing import Any
 from resild.health.deadline import CallTimeout, DeadlineRunner
 from resild.health.kmsg import KmsgXid, pci_bus_key
 from resild.health.model import GpuStatus, HealthEvent, RemapStatus, Verdict, worst
+from resild.health.nvml_codes import (
+    CLOCK_EVENT_NAMES,
+    DEGRADING_CLOCK_EVENTS,
+    EVENT_DOUBLE_BIT_ECC,
+    EVENT_GPU_UNAVAILABLE,
+    EVENT_RECOVERY_ACTION,
+    EVENT_XID,
+    FIELD_GPU_RECOVERY_ACTION,
+    FUNCTION_NOT_FOUND,
+    INVALID_ARGUMENT,
+    LOST_CODES,
+    MEMORY_ERROR_UNCORRECTED,
+    NOT_SUPPORTED,
+    PCIE_REPLAY_MAX_PER_WINDOW,
+    PCIE_REPLAY_WINDOW_S,
+    TEMPERATURE_GPU,
+    TIMEOUT,
+    VOLATILE_ECC,
+    WATCHED_EVENTS,
+    XID_DEDUP_WINDOW_S,
+    as_text,
+    describe_error,
+    field_value,
+    handle_key,
+)
 from resild.health.xid import (
     XID_RECOVERY_ACTION_CHANGED,
     XidOverrides,
@@ -40,50 +64,6 @@ from resild.health.xid import (
 )
 
 log = logging.getLogger(__name__)
-
-# nvmlReturn_t values (nvml.h), compared numerically so any binding works.
-_INVALID_ARGUMENT = 2
-_NOT_SUPPORTED = 3
-_TIMEOUT = 10
-_FUNCTION_NOT_FOUND = 13
-_GPU_IS_LOST = 15
-_RESET_REQUIRED = 16
-_LOST_CODES = {_GPU_IS_LOST: "GPU is lost", _RESET_REQUIRED: "GPU requires reset"}
-
-EVENT_SINGLE_BIT_ECC = 0x1
-EVENT_DOUBLE_BIT_ECC = 0x2
-EVENT_XID = 0x8
-EVENT_GPU_UNAVAILABLE = 0x4000
-EVENT_RECOVERY_ACTION = 0x8000
-WATCHED_EVENTS = EVENT_XID | EVENT_DOUBLE_BIT_ECC | EVENT_GPU_UNAVAILABLE | EVENT_RECOVERY_ACTION
-
-FIELD_GPU_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
-_TEMPERATURE_GPU = 0
-_MEMORY_ERROR_UNCORRECTED = 1
-_VOLATILE_ECC = 0
-
-CLOCK_EVENT_NAMES = {
-    0x1: "gpu_idle",
-    0x2: "applications_clocks_setting",
-    0x4: "sw_power_cap",
-    0x8: "hw_slowdown",
-    0x10: "sync_boost",
-    0x20: "sw_thermal_slowdown",
-    0x40: "hw_thermal_slowdown",
-    0x80: "hw_power_brake_slowdown",
-    0x100: "display_clock_setting",
-}
-# Slowdowns caused by the hardware or its cooling. In synchronous training one
-# slow GPU slows every rank, so these degrade the GPU; the others are normal.
-DEGRADING_CLOCK_EVENTS = 0x8 | 0x20 | 0x40 | 0x80
-
-# DCGM's threshold: more than 8 PCIe replays a minute deserves a warning.
-PCIE_REPLAY_WINDOW_S = 60.0
-PCIE_REPLAY_MAX_PER_WINDOW = 8
-
-# The same Xid on the same GPU within this window (e.g. from NVML and from
-# kmsg) is reported once.
-XID_DEDUP_WINDOW_S = 5.0
 
 
 class NvmlUnavailable(RuntimeError):
@@ -118,7 +98,7 @@ class _Finding:
 class _Gpu:
     index: int
     handle: Any = None
-    addr: Any = None  # identity of the handle (see _handle_key)
+    addr: Any = None  # identity of the handle (see handle_key)
     uuid: str | None = None
     name: str | None = None
     pci_bus_id: str | None = None
@@ -204,7 +184,7 @@ class NvmlProbe:
             raise NvmlUnavailable(f"NVML unavailable: nvmlInit hung ({e})") from None
         except Exception as e:
             raise NvmlUnavailable(
-                f"NVML unavailable: nvmlInit failed: {_describe(e)}. Is the NVIDIA driver "
+                f"NVML unavailable: nvmlInit failed: {describe_error(e)}. Is the NVIDIA driver "
                 f"loaded and libnvidia-ml.so.1 on the library path?"
             ) from e
         self._initialised = True
@@ -288,11 +268,11 @@ class NvmlProbe:
 
     def _read_all(self, g: _Gpu, st: GpuStatus, found: list[_Finding]) -> None:
         h = g.handle
-        if (v := self._read(g, found, "nvmlDeviceGetTemperature", h, _TEMPERATURE_GPU)) is not _SKIP:
+        if (v := self._read(g, found, "nvmlDeviceGetTemperature", h, TEMPERATURE_GPU)) is not _SKIP:
             st.temperature_c = int(v)
         if (v := self._read(g, found, "nvmlDeviceGetPowerUsage", h)) is not _SKIP:
             st.power_w = int(v) / 1000.0
-        v = self._read(g, found, "nvmlDeviceGetTotalEccErrors", h, _MEMORY_ERROR_UNCORRECTED, _VOLATILE_ECC)
+        v = self._read(g, found, "nvmlDeviceGetTotalEccErrors", h, MEMORY_ERROR_UNCORRECTED, VOLATILE_ECC)
         if v is not _SKIP:
             st.ecc_uncorrected = int(v)
             if st.ecc_uncorrected > 0:
@@ -382,10 +362,10 @@ class NvmlProbe:
         v = values[0]
         rc = int(v.nvmlReturn)
         if rc == 0:
-            return int(_field_value(v))
-        if rc in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND, _INVALID_ARGUMENT):
+            return int(field_value(v))
+        if rc in (NOT_SUPPORTED, FUNCTION_NOT_FOUND, INVALID_ARGUMENT):
             g.unsupported.add(fn)  # driver predates field 230
-        elif rc in _LOST_CODES:
+        elif rc in LOST_CODES:
             self._mark_lost(g, rc, f"{fn}[{FIELD_GPU_RECOVERY_ACTION}]")
             raise _Abort
         else:
@@ -434,15 +414,17 @@ class NvmlProbe:
             return _SKIP
         except Exception as e:
             code = self._code(e)
-            if code in (_NOT_SUPPORTED, _FUNCTION_NOT_FOUND):
+            if code in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
                 if cache_unsupported:
                     g.unsupported.add(fn)
                 return _SKIP
-            if code in _LOST_CODES:
+            if code in LOST_CODES:
                 self._mark_lost(g, code, fn)
                 raise _Abort from None
             found.append(
-                _Finding(f"probe_error:{fn}", "probe_error", code, Verdict.FAILED, f"probe error: {fn}: {_describe(e)}")
+                _Finding(
+                    f"probe_error:{fn}", "probe_error", code, Verdict.FAILED, f"probe error: {fn}: {describe_error(e)}"
+                )
             )
             return _SKIP
 
@@ -465,7 +447,7 @@ class NvmlProbe:
         try:
             self._call(None, fn_name, *args)
         except Exception as e:
-            log.debug("%s failed during stop: %s", fn_name, _describe(e))
+            log.debug("%s failed during stop: %s", fn_name, describe_error(e))
 
     def _code(self, exc: BaseException) -> int | None:
         if isinstance(exc, self._nvml_error):
@@ -477,13 +459,13 @@ class NvmlProbe:
 
     def _enumerate(self) -> None:
         try:
-            self.driver_version = _text(self._call(None, "nvmlSystemGetDriverVersion"))
+            self.driver_version = as_text(self._call(None, "nvmlSystemGetDriverVersion"))
         except Exception as e:
-            log.info("cannot read the NVIDIA driver version: %s", _describe(e))
+            log.info("cannot read the NVIDIA driver version: %s", describe_error(e))
         try:
             count = int(self._call(None, "nvmlDeviceGetCount"))
         except Exception as e:
-            raise NvmlUnavailable(f"NVML unavailable: nvmlDeviceGetCount failed: {_describe(e)}") from e
+            raise NvmlUnavailable(f"NVML unavailable: nvmlDeviceGetCount failed: {describe_error(e)}") from e
         for i in range(count):
             g = _Gpu(index=i)
             self._gpus.append(g)
@@ -491,7 +473,7 @@ class NvmlProbe:
                 g.handle = self._call(None, "nvmlDeviceGetHandleByIndex", i)
             except Exception as e:
                 code = self._code(e)
-                if code in _LOST_CODES:
+                if code in LOST_CODES:
                     self._mark_lost(g, code, "nvmlDeviceGetHandleByIndex")
                 else:
                     self._add_sticky(
@@ -501,18 +483,18 @@ class NvmlProbe:
                             "probe_error",
                             code,
                             Verdict.FAILED,
-                            f"probe error: no NVML handle: {_describe(e)}",
+                            f"probe error: no NVML handle: {describe_error(e)}",
                         ),
                     )
                 continue
-            g.addr = _handle_key(g.handle)
+            g.addr = handle_key(g.handle)
             if g.addr is not None:
                 self._by_addr[g.addr] = g
-            g.uuid = _text(self._info(g, "nvmlDeviceGetUUID", g.handle))
-            g.name = _text(self._info(g, "nvmlDeviceGetName", g.handle))
+            g.uuid = as_text(self._info(g, "nvmlDeviceGetUUID", g.handle))
+            g.name = as_text(self._info(g, "nvmlDeviceGetName", g.handle))
             pci = self._info(g, "nvmlDeviceGetPciInfo", g.handle)
             if pci is not None:
-                g.pci_bus_id = bus_id = _text(pci.busId)
+                g.pci_bus_id = bus_id = as_text(pci.busId)
                 try:
                     self._by_bus[pci_bus_key(bus_id or "")] = g
                 except ValueError:
@@ -526,7 +508,7 @@ class NvmlProbe:
             return self._call(g, fn, *args)
         except Exception as e:
             code = self._code(e)
-            if code in _LOST_CODES:
+            if code in LOST_CODES:
                 self._mark_lost(g, code, fn)
             return None
 
@@ -534,7 +516,7 @@ class NvmlProbe:
         try:
             self._event_set = self._call(None, "nvmlEventSetCreate")
         except Exception as e:
-            log.warning("NVML events unavailable (%s): relying on polling and the kernel log", _describe(e))
+            log.warning("NVML events unavailable (%s): relying on polling and the kernel log", describe_error(e))
             return
         registered = 0
         for g in self._gpus:
@@ -543,7 +525,7 @@ class NvmlProbe:
             try:
                 supported = int(self._call(g, "nvmlDeviceGetSupportedEventTypes", g.handle))
             except Exception as e:
-                if self._code(e) in _LOST_CODES:
+                if self._code(e) in LOST_CODES:
                     self._mark_lost(g, self._code(e), "nvmlDeviceGetSupportedEventTypes")
                     continue
                 supported = WATCHED_EVENTS  # unknown: ask for all, registration decides
@@ -554,10 +536,10 @@ class NvmlProbe:
                 self._call(g, "nvmlDeviceRegisterEvents", g.handle, mask, self._event_set)
                 registered += 1
             except Exception as e:
-                if self._code(e) in _LOST_CODES:
+                if self._code(e) in LOST_CODES:
                     self._mark_lost(g, self._code(e), "nvmlDeviceRegisterEvents")
                 else:
-                    log.warning("GPU %d: cannot register NVML events: %s", g.index, _describe(e))
+                    log.warning("GPU %d: cannot register NVML events: %s", g.index, describe_error(e))
         self.events_enabled = registered > 0
 
     def _scan_nvlinks_safely(self, g: _Gpu) -> None:
@@ -589,12 +571,12 @@ class NvmlProbe:
                 break
             except Exception as e:
                 code = self._code(e)
-                if code in _LOST_CODES:
+                if code in LOST_CODES:
                     self._mark_lost(g, code, fn)
                     raise _Abort from None
-                if code == _NOT_SUPPORTED and link > 0:
+                if code == NOT_SUPPORTED and link > 0:
                     continue  # a hole in the link numbering
-                if code in (_NOT_SUPPORTED, _INVALID_ARGUMENT, _FUNCTION_NOT_FOUND):
+                if code in (NOT_SUPPORTED, INVALID_ARGUMENT, FUNCTION_NOT_FOUND):
                     break  # no NVLink, or past the last link
                 found.append(
                     _Finding(
@@ -602,7 +584,7 @@ class NvmlProbe:
                         "probe_error",
                         code,
                         Verdict.FAILED,
-                        f"probe error: {fn}({link}): {_describe(e)}",
+                        f"probe error: {fn}({link}): {describe_error(e)}",
                     )
                 )
                 return
@@ -622,11 +604,11 @@ class NvmlProbe:
                 data = self._wait_event(wait_ms)
             except Exception as e:
                 code = self._code(e)
-                if code == _TIMEOUT:
+                if code == TIMEOUT:
                     failures, reported_code = 0, _SKIP
                     continue
                 failures += 1
-                if code in _LOST_CODES:
+                if code in LOST_CODES:
                     self._find_lost_gpus()
                 elif code != reported_code:  # once per streak and code, not per retry
                     reported_code = code
@@ -637,7 +619,7 @@ class NvmlProbe:
                                 "event_wait_error",
                                 code,
                                 Verdict.DEGRADED,
-                                f"NVML event wait failing ({_describe(e)}); relying on polling",
+                                f"NVML event wait failing ({describe_error(e)}); relying on polling",
                                 time.monotonic(),
                                 time.time(),
                             )
@@ -658,7 +640,7 @@ class NvmlProbe:
 
     def _handle_event(self, data: Any) -> list[HealthEvent]:
         t_mono, t_wall = time.monotonic(), time.time()
-        addr = _handle_key(data.device)
+        addr = handle_key(data.device)
         g = self._by_addr.get(addr) if addr is not None else None
         etype, edata = int(data.eventType), int(data.eventData)
         events: list[HealthEvent] = []
@@ -740,15 +722,15 @@ class NvmlProbe:
             if g.lost or g.handle is None:
                 continue
             try:
-                self._call(g, "nvmlDeviceGetTemperature", g.handle, _TEMPERATURE_GPU)
+                self._call(g, "nvmlDeviceGetTemperature", g.handle, TEMPERATURE_GPU)
             except Exception as e:
-                if self._code(e) in _LOST_CODES:
+                if self._code(e) in LOST_CODES:
                     self._mark_lost(g, self._code(e), "nvmlDeviceGetTemperature")
 
     # -- bookkeeping -----------------------------------------------------------------
 
     def _mark_lost(self, g: _Gpu, code: int | None, fn: str) -> None:
-        what = _LOST_CODES.get(code or 0, "GPU lost")
+        what = LOST_CODES.get(code or 0, "GPU lost")
         finding = _Finding("gpu_lost", "gpu_lost", code, Verdict.FAILED, f"{what}: {fn} returned {code}")
         if self._add_sticky(g, finding):
             self._emit(
@@ -795,35 +777,3 @@ class NvmlProbe:
                 self._on_event(ev)
             except Exception:
                 log.exception("on_event callback failed for %s", ev)
-
-
-def _handle_key(handle: Any) -> Any:
-    """Identity of a device handle: its address for ctypes pointers (event data
-    carries a new pointer object to the same device), else the object itself."""
-    if handle is None:
-        return None
-    try:
-        return ctypes.cast(handle, ctypes.c_void_p).value
-    except (TypeError, ctypes.ArgumentError):
-        return handle
-
-
-def _field_value(v: Any) -> float | int:
-    """The value of an nvmlFieldValue_t by its valueType."""
-    attr = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}.get(
-        int(v.valueType), "ullVal"
-    )
-    return getattr(v.value, attr)
-
-
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
