@@ -13,16 +13,17 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 _PAGE = 4096
 _supported = sys.platform.startswith("linux")
-_madvise = None
+_madvise: Callable[[int, int, int], int] | None = None
 
 
-def _libc_madvise() -> object | None:
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
     global _madvise, _supported
     if _madvise is None and _supported:
         try:
@@ -40,13 +41,15 @@ def populate(tensors: list[torch.Tensor]) -> int:
     global _supported
     madvise = _libc_madvise()
     done = 0
+    if madvise is None:
+        return done
     for t in tensors:
         n = t.numel() * t.element_size()
-        if madvise is None or t.device.type != "cpu" or n < _PAGE:
+        if t.device.type != "cpu" or n < _PAGE:
             continue
         a = t.data_ptr()
         lo, hi = a & ~(_PAGE - 1), (a + n + _PAGE - 1) & ~(_PAGE - 1)
-        if madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:  # type: ignore[operator]
+        if madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
             if ctypes.get_errno() == 22:  # EINVAL: this kernel has no MADV_POPULATE_WRITE
                 _supported = False
                 return done
