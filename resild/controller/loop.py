@@ -40,6 +40,7 @@ from resild.controller.policy import (
     controller_stall_s,
     give_up_verdict,
     on_node_failure,
+    tick_interval_s,
 )
 from resild.controller.records import parse_record
 from resild.controller.restore import fold, resume, snapshot, take_over
@@ -193,7 +194,7 @@ class Controller:
         next_tick = 0.0
         try:
             while self.state.result is None:
-                wait_s = max(0.001, min(self.cfg.tick_s, next_tick - time.monotonic()))  # >= 1 ms: never spin
+                wait_s = max(0.001, next_tick - time.monotonic())  # >= 1 ms: never spin
                 got = self._recv(wait_s)
                 now = time.monotonic()
                 if got is not None:
@@ -208,6 +209,8 @@ class Controller:
                         if (got := self._recv(0)) is None:
                             break
                         self._dispatch(got[0], got[1], time.monotonic())
+                    # A message may have started a recovery or a probe: check soon.
+                    next_tick = min(next_tick, time.monotonic() + self._tick_interval_s())
                 now = time.monotonic()
                 # Timeouts are checked once per tick, not after every message: at 10k
                 # messages/s the checks would cost more than the messages.
@@ -223,7 +226,7 @@ class Controller:
                         self.view.shift_clock(stalled_s)
                         self.events.emit(EventName.CONTROLLER_STALLED, seconds=round(stalled_s, 3))
                     self._guarded_tick(now)
-                    next_tick = now + self.cfg.tick_s
+                    next_tick = now + self._tick_interval_s()
         except KeyboardInterrupt:
             # The operator's Ctrl-C (resil-run in a terminal): the job is cancelled, a verdict.
             if self.state.result is None:
@@ -240,6 +243,17 @@ class Controller:
             assert self.deposed
             return JobResult(1, "deposed: another controller leads")
         return self.state.result
+
+    def _tick_interval_s(self) -> float:
+        s = self.state
+        busy = (
+            s.awaiting_full_strength is not None
+            or s.unregistered > 0
+            or s.deferred > 0
+            or bool(s.deferred_decisions)
+            or bool(self.effects.injector.pending)
+        )
+        return tick_interval_s(self.view, busy, self.cfg.tick_s, self.cfg.idle_tick_s)
 
     def _recv(self, timeout_s: float) -> tuple[bytes | None, Message] | None:
         """The next message; an error of ours in reading one (not the socket's) drops it."""

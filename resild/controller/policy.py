@@ -203,6 +203,18 @@ def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
 STALL_S = 0.5  # a tick this late means the controller itself did not run
 
 
+def tick_interval_s(view: ClusterView, busy: bool, tick_s: float, idle_tick_s: float) -> float:
+    """Time to the next timeout check. Fast while the job starts, recovers (until its
+    first full-strength commit), probes its nodes, or has work queued (`busy`): those
+    checks are on a recovery's path. A steady job's checks are against timeouts of
+    seconds (heartbeats, hangs, leases), and each wake-up of an embedded controller
+    takes a core from the trainers beside it, so it checks every `idle_tick_s`.
+    Messages (a worker's exit, a failed collective) are handled as they come either way."""
+    if busy or view.membership is None or view.probe_sent_s is not None:
+        return tick_s
+    return max(tick_s, idle_tick_s)
+
+
 def controller_stall_s(now: float, tick_due_s: float) -> float:
     """How long the controller itself did not run before this tick (0 when on time). Time
     nobody watched must not count against the nodes: a leader resumed after a SIGSTOP

@@ -30,6 +30,7 @@ class ControllerConfig:
     # The policy's view of them, and what the job's size changes, are derived in Controller.
     settings: JobSettings = field(default_factory=JobSettings)
     tick_s: float = 0.02
+    idle_tick_s: float = 0.1  # between checks of a steady job (policy.tick_interval_s)
     max_batch: int = 1000  # messages handled before the timeout checks run again
     resync_s: float = 1.0  # a node still reporting an old epoch this long after a send gets its view again
     shutdown_timeout_s: float = 600.0  # at success: time for workers to finish (final save)

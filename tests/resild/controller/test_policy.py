@@ -17,6 +17,7 @@ from resild.controller.policy import (
     on_node_failure,
     on_worker_exception,
     pick_spare,
+    tick_interval_s,
 )
 from resild.controller.view import ClusterView, NodeView, RankProgress
 from resild.membership import IllegalTransition, Membership, NodeRole
@@ -288,3 +289,15 @@ def test_an_abusive_node_goes_to_a_spare_and_only_a_spare_saves_the_job() -> Non
     # No spare: fencing it would end the job, which is what the flood could not do. It stays.
     assert on_abuse(view(spares=0), "a", "abuse: a flooded").action == Action.NONE
     assert on_abuse(view(), "s0", "abuse: s0 flooded").action == Action.DROP_SPARE
+
+
+def test_a_steady_job_is_checked_less_often_than_one_that_starts_recovers_or_probes() -> None:
+    v = view()
+    assert tick_interval_s(v, busy=False, tick_s=0.02, idle_tick_s=0.1) == 0.1
+    assert tick_interval_s(v, busy=True, tick_s=0.02, idle_tick_s=0.1) == 0.02  # recovering, queued work
+    v.probe_sent_s = 100.0  # a collective failed: the probe's answers are timed by the tick
+    assert tick_interval_s(v, busy=False, tick_s=0.02, idle_tick_s=0.1) == 0.02
+    v.probe_sent_s, v.membership = None, None  # starting
+    assert tick_interval_s(v, busy=False, tick_s=0.02, idle_tick_s=0.1) == 0.02
+    # An idle interval below the tick never makes it faster.
+    assert tick_interval_s(view(), busy=False, tick_s=0.05, idle_tick_s=0.01) == 0.05
