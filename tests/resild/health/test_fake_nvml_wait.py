@@ -15,8 +15,6 @@ import pytest
 
 from resild.health.fakenvml import FakeNvmlControl, fake_nvml_env
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="inotify and /proc are Linux's")
-
 CHILD = textwrap.dedent(
     """
     import json, sys, threading, time
