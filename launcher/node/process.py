@@ -38,7 +38,7 @@ import launcher.node.lease as lease
 import resild.wire.env as resild_env
 from launcher.node.node_store import NodeStore
 from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer, leader_heartbeat_due
-from resild.procutil import die_with_parent
+from resild.procutil import die_with_parent, say
 from resild.wire.exits import CONTROLLER_LOST_EXIT, FENCED_EXIT
 from resild.wire.keys import KeyDir
 from resild.wire.leader import ControllerSet
@@ -372,12 +372,10 @@ class NodeProcess:
             )
             if note:
                 released += f" ({note})"
-        print(
+        say(  # one write: every node process of the job says this at once, on one stderr
             f"resild node {self.node}: no word from the controller at {endpoint} for {silent_s:.1f}s "
             f"(--controller-timeout {timeout_s:g}s): stopped {len(self.workers)} worker(s){released}; "
-            f"exit {CONTROLLER_LOST_EXIT}",
-            file=sys.stderr,
-            flush=True,
+            f"exit {CONTROLLER_LOST_EXIT}"
         )
         self.exit_code = CONTROLLER_LOST_EXIT
         return True

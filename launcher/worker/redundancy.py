@@ -275,7 +275,8 @@ class Redundancy:
         steps.replayed(step, state.capture_aux())
         state.reset_hooks(aux.get("ddp_buckets") if aux else None)
         took = time.monotonic() - t0
-        print(f"resild: rank {self.rank} loaded checkpoint step {step} in {took:.3f}s", file=sys.stderr, flush=True)
+        # one write (not print's two): the ranks share one stderr pipe
+        sys.stderr.write(f"resild: rank {self.rank} loaded checkpoint step {step} in {took:.3f}s\n")
         if self.rank == 0:
             self.emit(EventName.CHECKPOINT_LOADED, step=step, seconds=round(took, 4), why=why[:300])
         return step

@@ -473,7 +473,8 @@ class Job:
         if red is not None:
             red.after_join(target)
         if got is not None and got.sources != [self.rank]:  # not a restore of this rank's own snapshot
-            print(f"resild: rank {self.rank} replayed {describe(got)} ({source})", file=sys.stderr, flush=True)
+            # one write (not print's two): the ranks share one stderr pipe
+            sys.stderr.write(f"resild: rank {self.rank} replayed {describe(got)} ({source})\n")
             self._event(
                 EventName.STATE_REPLAYED,
                 bytes=got.nbytes,

@@ -59,7 +59,7 @@ from resild.controller.loop import Controller, ControllerConfig, ControllerFaile
 from resild.controller.records import Closed, Leader
 from resild.events.log import EventLog
 from resild.events.schema import EventName
-from resild.procutil import die_with_parent
+from resild.procutil import die_with_parent, say
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.settings import JobSettings
@@ -82,11 +82,9 @@ def raft_conf(password: str, bind_address: str | None = None) -> SyncObjConf:
     states = {0: "follower", 1: "candidate", 2: "leader"}
 
     def changed(old: int, new: int) -> None:  # pysyncobj's thread: one line per Raft role change
-        print(
+        say(
             f"resild controller replica (pid {os.getpid()}): raft {states.get(old, old)} -> "
-            f"{states.get(new, new)} at t_mono {time.monotonic():.3f}",
-            file=sys.stderr,
-            flush=True,
+            f"{states.get(new, new)} at t_mono {time.monotonic():.3f}"
         )
 
     return SyncObjConf(
@@ -260,11 +258,9 @@ def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
     if not job_id:
         return
     what = "finished" if result.exit_code == 0 else "failed"
-    print(
+    say(
         f"resild controller: the job {what} ({result.reason}) but resil-run is gone (batch host lost?): "
-        f"{'cancelling' if result.exit_code == 0 else 'requeuing'} job {job_id}",
-        file=sys.stderr,
-        flush=True,
+        f"{'cancelling' if result.exit_code == 0 else 'requeuing'} job {job_id}"
     )
     # a failed job goes back in the queue (the reason in its comment), a finished one ends
     mode = "requeue" if result.exit_code != 0 else "cancel"
@@ -440,11 +436,7 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
             log.warning("replica %d: elected but could not commit: %s", index, journal.last_error)
             election.resign()
             continue
-        print(
-            f"resild controller replica (pid {os.getpid()}): leader (term {term}) at t_mono {time.monotonic():.3f}",
-            file=sys.stderr,
-            flush=True,
-        )
+        say(f"resild controller replica (pid {os.getpid()}): leader (term {term}) at t_mono {time.monotonic():.3f}")
         records = [r for r in follower.records if r.get("action") not in (Leader.ACTION, CLOSED)]
         # resil-run --resume: the first leader of the new run starts the job again from the
         # journal; a later one takes over from it as usual.
@@ -503,11 +495,7 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
         events.close()
         if ctl.deposed:  # another replica leads now: stand by again, on the same endpoint
             election.resign()
-            print(
-                f"resild controller replica (pid {os.getpid()}): deposed at t_mono {time.monotonic():.3f}; standing by",
-                file=sys.stderr,
-                flush=True,
-            )
+            say(f"resild controller replica (pid {os.getpid()}): deposed at t_mono {time.monotonic():.3f}; standing by")
             server = Server(ctx, bind, keys)
             continue
         verdict_file.write(run_dir, index, result.exit_code, result.reason)
