@@ -14,6 +14,7 @@ from resild.controller.faults import Fault
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig, ControllerFailed
 from resild.events.log import EventLog
+from resild.procutil import say
 from resild.wire.exits import CONTROLLER_LOST_EXIT
 from resild.wire.keys import generate_keys
 from resild.wire.settings import JobSettings
@@ -95,13 +96,13 @@ def run_job(
     try:
         result = ctl.run()
     except KeyboardInterrupt:
-        print("resil-run: interrupted", file=sys.stderr)
+        say("resil-run: interrupted")
         return (130, "interrupted") if return_reason else 130
     except ControllerFailed as e:
         # Our own bug, not the job's verdict: no node was told to shut down (their lease
         # runs out: CONTROLLER_LOST_EXIT, the code a requeue reads). The traceback is logged.
         reason = f"controller failed: {e}"
-        print(f"resil-run: {reason} (nodes were not told to stop; see the controller_error event)", file=sys.stderr)
+        say(f"resil-run: {reason} (nodes were not told to stop; see the controller_error event)")
         return (CONTROLLER_LOST_EXIT, reason) if return_reason else CONTROLLER_LOST_EXIT
     finally:
         events.close()
@@ -116,5 +117,5 @@ def run_job(
             file=sys.stderr,
         )
     if events.dropped_lines:
-        print(f"resil-run: {events.dropped_lines} events could not be written to {events.path}", file=sys.stderr)
+        say(f"resil-run: {events.dropped_lines} events could not be written to {events.path}")
     return (result.exit_code, result.reason) if return_reason else result.exit_code

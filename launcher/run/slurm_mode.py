@@ -19,6 +19,7 @@ import click
 import resild.wire.env as resild_env
 from resild import slurm
 from resild.controller.faults import FaultSpecError, parse_fault
+from resild.procutil import say
 from resild.wire.settings import JobSettings
 
 if TYPE_CHECKING:
@@ -238,7 +239,7 @@ def run_slurm(
         if len(set(domains.values())) > 1:
             active = slurm.interleave_by_domain(active, domains)
             n_sw = len(set(domains.values()))
-            print(f"resil-run: active nodes interleaved over {n_sw} leaf switches", file=sys.stderr, flush=True)
+            say(f"resil-run: active nodes interleaved over {n_sw} leaf switches")
     except (ValueError, FaultSpecError) as e:
         raise click.UsageError(str(e)) from None
     for f in faults:
@@ -255,7 +256,7 @@ def run_slurm(
     # interfaces, advertise this host (override with RESILD_CONTROLLER_HOST).
     host = os.environ.get(resild_env.CONTROLLER_HOST.name) or socket.getfqdn()
     rd = run_dir or Path.cwd() / ".resild" / default_run_dir_name(alloc.job_id, os.environ)
-    print(f"resil-run: run dir {rd}", file=sys.stderr, flush=True)
+    say(f"resil-run: run dir {rd}")
 
     def node_cmd(endpoint: str, keys_dir: Path) -> list[str]:
         return [
@@ -306,7 +307,7 @@ def run_slurm(
     if code != 0 and requeue_on_exhaustion and reason.startswith("no spare left"):
         try:
             slurm.requeue(alloc.job_id, reason)  # requeue_cmd adds the "resild: " prefix
-            print(f"resil-run: requeued job {alloc.job_id}: {reason}", file=sys.stderr)
+            say(f"resil-run: requeued job {alloc.job_id}: {reason}")
         except slurm.SlurmError as e:
-            print(f"resil-run: requeue failed: {e}", file=sys.stderr)
+            say(f"resil-run: requeue failed: {e}")
     return code

@@ -35,7 +35,7 @@ from resild.controller.replica import RUNNER_ALIVE, raft_secret, wait_for_replic
 from resild.controller.verdict_file import RESULT_FILE
 from resild.events.log import RECENT_PROGRESS, EventTail
 from resild.events.schema import EventName
-from resild.procutil import die_with_parent
+from resild.procutil import die_with_parent, say
 from resild.wire.keys import generate_keys
 
 
@@ -90,7 +90,7 @@ def run_replicated(
             else:
                 etcd_step, etcd = _slurm_etcd(slurm_job, spec.active + spec.spares, n_controllers, rd, keys.path)
         except (RuntimeError, OSError, ValueError) as e:
-            print(f"resil-run: {e}", file=sys.stderr)
+            say(f"resil-run: {e}")
             return 1
     events_path = spec.events_path or rd / "events.jsonl"
     tail = EventTail(events_path, from_end=True)  # before any replica runs; an --events file may hold older jobs
@@ -155,7 +155,7 @@ def run_replicated(
                 try:
                     live({**e, "t_log": e["t_wall"]})
                 except Exception as err:  # a display bug must never take the job down
-                    print(f"resil-run: live status stopped: {err!r}", file=sys.stderr)
+                    say(f"resil-run: live status stopped: {err!r}")
                     live = None
         return led
 
@@ -198,10 +198,10 @@ def run_replicated(
             follow()
             time.sleep(0.25)
     except KeyboardInterrupt:
-        print("resil-run: interrupted", file=sys.stderr)
+        say("resil-run: interrupted")
         return 130
     except RuntimeError as e:
-        print(f"resil-run: {e}", file=sys.stderr)
+        say(f"resil-run: {e}")
         return 1
     finally:
         deadline = time.monotonic() + 5.0
@@ -302,7 +302,7 @@ def _finished(etcd: EtcdTarget, rd: Path) -> tuple[int | None, int]:
 
     records = [r for _, r in read_records(Etcd(etcd), etcd.prefix)]
     if not any(r.get("action") == "closed" for r in records):
-        print(f"resil-run: resuming the job of {rd} ({len(records)} journal records)", file=sys.stderr)
+        say(f"resil-run: resuming the job of {rd} ({len(records)} journal records)")
         return None, len(records)
     code = _over(rd)
     return (1 if code is None else code), len(records)
@@ -315,5 +315,5 @@ def _over(rd: Path) -> int | None:
         code, reason = int(result["exit_code"]), str(result["reason"])
     except (OSError, ValueError, KeyError):
         return None
-    print(f"resil-run: the job of {rd} is over (exit {code}: {reason}); nothing to resume", file=sys.stderr)
+    say(f"resil-run: the job of {rd} is over (exit {code}: {reason}); nothing to resume")
     return code

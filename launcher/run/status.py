@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from resild.events.schema import EventName, JobFinished, event_time
+from resild.procutil import say
 from resild.report.goodput import step_time
 from resild.report.recoveries import Recovery, recoveries
 
@@ -126,9 +126,9 @@ def print_summary(
         body["failures"] = [f.__dict__ for f in failures]
         print(json.dumps(body, indent=2))
     else:
-        print(format_table(failures, job), file=sys.stderr)
+        say(format_table(failures, job))
     if code != 0:
-        print(f"resil-run: job failed: {reason}", file=sys.stderr)
+        say(f"resil-run: job failed: {reason}")
 
 
 class StatusLine:

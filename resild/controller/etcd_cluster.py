@@ -38,7 +38,7 @@ from pathlib import Path
 from resild.controller.etcd_client import Etcd, EtcdError
 from resild.controller.etcd_target import EtcdTarget
 from resild.controller.etcd_tls import EtcdCerts, make_certs, member_cert_for
-from resild.procutil import die_with_parent
+from resild.procutil import die_with_parent, say
 from resild.wire import env as resild_env
 from resild.wire.store import listen_address
 
@@ -312,7 +312,7 @@ def wait_ready(target: EtcdTarget, timeout_s: float, alive: Callable[[], bool]) 
 def serve_member(run_dir: Path, keys_dir: Path, hosts: list[str], index: int, timeout_s: float = 120.0) -> int:
     binary = etcd_binary()
     if binary is None:
-        print(f"resild etcd member {index}: etcd is not installed on {socket.gethostname()}", file=sys.stderr)
+        say(f"resild etcd member {index}: etcd is not installed on {socket.gethostname()}")
         return 1
     host = os.environ.get(resild_env.CONTROLLER_HOST.name) or socket.getfqdn()
     if host in ("127.0.0.1", "::1"):  # every member on one machine (a test): loopback only
