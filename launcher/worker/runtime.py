@@ -661,5 +661,5 @@ def init(
     try:
         return Job(model, optimizer, scheduler, extra, replicas, scaler=scaler)
     except ResilienceError as e:
-        print(f"resild: {e}", file=sys.stderr)
+        sys.stderr.write(f"resild: {e}\n")  # one write: every rank may say this at once, on one pipe
         raise SystemExit(2) from None
