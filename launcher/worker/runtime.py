@@ -188,7 +188,7 @@ class Job:
         if self._took_over:  # a spare taking over: building the model may take a while, and that is no hang
             self._progress("join")
         self._make_world(self._store)
-        self._form_until_stable(only=[self.group])
+        self._form_until_stable(only=[self.group, *self._recipe_groups()])
 
     def _node_ranks(self) -> frozenset[int]:
         """This node's ranks in the epoch taken last (the one being formed)."""
@@ -216,17 +216,7 @@ class Job:
             layout = MeshLayout.build(self.world_size, shape, names)
         except MeshError as e:
             raise ResilienceError(str(e)) from None
-        groups: list[StableGroup] = []
-        fresh: list[StableGroup] = []
-        for dim in range(len(layout.shape)):
-            label, ranks = layout.group(dim, self.rank)
-            g = self.rec.groups.get(label) or StableGroup(label, ranks, self.rank, self.intr)
-            if label not in self.rec.groups:
-                g.allow = self.group.allow
-                register(g, self._store)
-                self.rec.groups[label] = g
-                fresh.append(g)
-            groups.append(g)
+        groups, fresh = self._mesh_groups(layout)
         if fresh:
             self._form_until_stable(only=fresh)
         self._layout = layout
@@ -236,6 +226,30 @@ class Job:
         # A spare that warmed up for this mesh hands out the mesh object its warm-up used.
         self._mesh = self._warmup.adopt(mesh) if self._warmup is not None else mesh
         return self._mesh
+
+    def _mesh_groups(self, layout: MeshLayout) -> tuple[list[StableGroup], list[StableGroup]]:
+        """-> (this rank's group along each dimension of `layout`, those of them made now,
+        still to be formed)."""
+        groups: list[StableGroup] = []
+        fresh: list[StableGroup] = []
+        for dim in range(len(layout.shape)):
+            label, ranks = layout.group(dim, self.rank)
+            g = self.rec.groups.get(label)
+            if g is None:
+                g = self.rec.groups[label] = StableGroup(label, ranks, self.rank, self.intr)
+                g.allow = self.group.allow
+                register(g, self._store)
+                fresh.append(g)
+            groups.append(g)
+        return groups, fresh
+
+    def _recipe_groups(self) -> list[StableGroup]:
+        """A spare taking over that holds the job's warm-up recipe knows the job's mesh before
+        the user's code asks for it: its groups are made now, to be formed with the world
+        group at once (as the survivors form theirs), not one after the other; `mesh()`
+        then finds them. The recipe is the survivors' own mesh, so they hold every one."""
+        layout = self._warmup.layout(self.world_size) if self._warmup is not None and self._took_over else None
+        return self._mesh_groups(layout)[1] if layout is not None else []
 
     def hsdp_mesh(self, shard_size: int, device_type: str | None = None) -> Any:
         """Shorthand for `mesh((-1, shard_size), ("replicate", "shard"))`: shard inside

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from launcher.worker.mesh_layout import MeshLayout
 from launcher.worker.torch_private import (
     fake_default_group,
     fake_group,
@@ -225,6 +226,7 @@ class SpareWarmup:
     ) -> None:
         self.store, self.device, self.on_done = store, device, on_done
         self._text: bytes | None = None
+        self._recipe: Recipe | None = None  # parsed by the warm-up
         self.started = False
         self._stopped = False
         self._done = False
@@ -269,13 +271,26 @@ class SpareWarmup:
         self._done = True
         t0 = time.monotonic()
         try:
-            warm_up(parse(self._text), self.device, self._keep, cancelled)
+            self._recipe = parse(self._text)
+            warm_up(self._recipe, self.device, self._keep, cancelled)
         except Exception as e:  # an optimisation only: the first step pays what this did not
             self.error = f"{type(e).__name__}: {e}"
             log.info("spare warm-up skipped: %s", self.error)
         self.seconds = time.monotonic() - t0
         if self.on_done is not None:
             self.on_done(self.seconds, self.error)
+
+    def layout(self, world_size: int) -> MeshLayout | None:
+        """The job's mesh as the recipe describes it, if this spare holds a recipe and the
+        mesh is one `job.mesh()` builds for `world_size` ranks (row-major), else None."""
+        if self._text is None:
+            return None
+        try:
+            r = self._recipe or parse(self._text)
+            layout = MeshLayout.build(world_size, r.mesh_shape, r.mesh_names)
+        except (ValueError, KeyError, TypeError):  # MeshError is a ValueError
+            return None
+        return layout if r.mesh_ranks == tuple(range(world_size)) else None
 
     def _keep(self, mesh: Any, slices: dict[tuple[int, ...], Any]) -> None:
         self.mesh, self.slices = mesh, slices

@@ -104,6 +104,43 @@ def test_dim_ranks_are_rank_0s_groups() -> None:
     assert dim_ranks(r, 0) == [0, 3] and dim_ranks(r, 1) == [0, 1, 2]
 
 
+def spare_holding(text: str | None) -> SpareWarmup:
+    w = SpareWarmup(store=None, device=torch.device("cpu"))
+    w._text = text.encode() if text is not None else None  # as its fetch thread leaves it
+    return w
+
+
+def test_a_spare_holding_the_recipe_knows_the_jobs_mesh_groups_before_the_user_asks() -> None:
+    # runtime._recipe_groups forms these with the world group: the labels must be the ones
+    # job.mesh() gives the same mesh on the survivors, or the spare would wait for no one.
+    from launcher.worker.mesh_layout import MeshLayout
+
+    layout = spare_holding(recipe_json([2, 4])).layout(8)
+    assert layout == MeshLayout.build(8, (2, 4), ("replicate", "shard"))
+    assert [layout.group(d, 5) for d in (0, 1)] == [("resild-replicate-1", [1, 5]), ("resild-shard-1", [4, 5, 6, 7])]
+
+
+@pytest.mark.parametrize(
+    "text,world",
+    [
+        (None, 4),  # no recipe (yet): the groups are formed when job.mesh() asks
+        (recipe_json([2, 2]), 8),  # another world size: not this job's mesh
+        ("not json", 4),
+        (
+            json.dumps(
+                {
+                    **json.loads(recipe_json([2, 2])),
+                    "mesh": {**json.loads(recipe_json([2, 2]))["mesh"], "ranks": [1, 0, 2, 3]},
+                }
+            ),
+            4,
+        ),
+    ],
+)
+def test_a_spare_forms_nothing_early_from_no_recipe_a_bad_one_or_another_mesh(text: str | None, world: int) -> None:
+    assert spare_holding(text).layout(world) is None
+
+
 # ---- the warm-up, in a process of its own (it sets and destroys a default group) -----------
 CHILD = r"""
 import json, sys, time
