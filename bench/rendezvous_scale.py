@@ -99,18 +99,35 @@ def lane_ops(epoch: int, pattern: str, ranks: list[int], nproc: int, world: int)
     p = f"resild/e{epoch}/"
     sets: list[Op] = []
     gets: list[Op] = []
+    gloo_group = multi_get_ops if pattern.endswith(MULTI) else single_get_ops
     for r in ranks:
-        if pattern == "gloo_world":
+        if pattern.startswith("gloo_world"):
             sets.append(("set", f"{p}gloo_world/{r}", b"a" * (ADDR_BYTES * world)))
-            gets += [("get", f"{p}gloo_world/{q}", b"") for q in range(world) if q != r]
+            gets += gloo_group(f"{p}gloo_world/", range(world), r)
             continue
         node, lr = divmod(r, nproc)
         if r == 0:
             sets.append(("set", f"{p}nccl_world/uid", b"u" * UID_BYTES))
         sets.append(("set", f"{p}node{node}/{lr}", b"a" * (ADDR_BYTES * nproc)))
         gets.append(("get", f"{p}nccl_world/uid", b""))
-        gets += [("get", f"{p}node{node}/{q}", b"") for q in range(nproc) if q != lr]
+        gets += gloo_group(f"{p}node{node}/", range(nproc), lr)
     return sets + gets
+
+
+MULTI = "+mget"  # pattern suffix: gloo groups read as torch 2.13's gloo does with a store that has
+BATCH = 128  # the extended API (GLOO_ENABLE_STORE_V2_API, LinkStore): one multi_get per 128 ranks
+
+
+def single_get_ops(prefix: str, members: range, me: int) -> list[Op]:
+    """A get per peer (the fewest a plain store allows; gloo itself adds a wait per rank)."""
+    return [("get", f"{prefix}{q}", b"") for q in members if q != me]
+
+
+def multi_get_ops(prefix: str, members: range, me: int) -> list[Op]:
+    """Every member's key (its own included, as gloo asks) in multi_gets of BATCH keys; the
+    keys of one op travel joined by newlines in the key field."""
+    keys = [f"{prefix}{q}" for q in members]
+    return [("multi_get", "\n".join(keys[i : i + BATCH]), b"") for i in range(0, len(keys), BATCH)]
 
 
 def epoch_result(parts: list[tuple[float, float, bytes, int, int, int]]) -> dict[str, Any]:
@@ -263,7 +280,7 @@ def resild_gen_main(
                 "node": node_name(nodes[i]),
                 "id": rid,
                 "op": op,
-                "keys": [key],
+                "keys": key.split("\n") if op == "multi_get" else [key],
                 "timeout_s": timeout_s,
             }
             if op == "set":
@@ -394,7 +411,12 @@ def tcp_client_main(port: int, lanes: list[list[int]], nproc: int, world: int, t
             for op, key, value in ops if stores[i] is not None else []:
                 t = time.monotonic()
                 try:
-                    stores[i].set(key, value) if op == "set" else stores[i].get(key)
+                    if op == "set":
+                        stores[i].set(key, value)
+                    elif op == "multi_get":
+                        stores[i].multi_get(key.split("\n"))
+                    else:
+                        stores[i].get(key)
                 except Exception:  # answered with an error (a timeout): this lane stops, as resild's does
                     lat.append(time.monotonic() - t)
                     errors += 1
@@ -687,11 +709,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--epoch-timeout", type=float, default=120.0, help="seconds an epoch may take before it counts errors"
     )
+    p.add_argument(
+        "--gets",
+        default="multi",
+        choices=("multi", "single", "both"),
+        help="how a gloo group reads its peers' keys: multi (one multi_get per 128 ranks, as gloo does over "
+        "resild's store now), single (a get per peer, as before), both (each case twice)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line (per N and side)")
     a = p.parse_args(argv)
+    suffixes = {"multi": [MULTI], "single": [""], "both": ["", MULTI]}[a.gets]
     try:
-        plan = [(int(x), "nccl+node") for x in a.nodes.split(",") if x.strip() and int(x) > 0]
-        plan += [(int(x), "gloo_world") for x in a.gloo_world_nodes.split(",") if x.strip() and int(x) > 0]
+        plan = [(int(x), "nccl+node" + m) for x in a.nodes.split(",") if x.strip() and int(x) > 0 for m in suffixes]
+        plan += [
+            (int(x), "gloo_world" + m)
+            for x in a.gloo_world_nodes.split(",")
+            if x.strip() and int(x) > 0
+            for m in suffixes
+        ]
     except ValueError:
         p.error("--nodes and --gloo-world-nodes take comma-separated whole numbers")
     if a.nproc < 1 or a.repeats < 1 or a.tcp_clients < 1:
@@ -713,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
             check_fds(n, n * lpn if "tcpstore" in a.sides else 0)
         if not a.json:
             print(
-                f"{'pattern':>10} {'nodes':>5} {'ranks':>6} {'side':>11} {'requests':>8} {'to_srv':>7} {'formation_s':>11} "
+                f"{'pattern':>15} {'nodes':>5} {'ranks':>6} {'side':>11} {'requests':>8} {'to_srv':>7} {'formation_s':>11} "
                 f"{'req/s':>6} {'srv_cpu_s':>9} {'req/cpu_s':>9} {'p50_ms':>7} {'p99_ms':>8}  "
                 "(lanes/node, generators' cpu_s, load1)",
                 flush=True,
@@ -724,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(r), flush=True)
                     continue
                 print(
-                    f"{r['pattern']:>10} {r['nodes']:>5} {r['ranks']:>6} {r['side']:>11} {r['requests']:>8} "
+                    f"{r['pattern']:>15} {r['nodes']:>5} {r['ranks']:>6} {r['side']:>11} {r['requests']:>8} "
                     f"{r['server_requests']:>7} "
                     f"{r['formation_s']:>11.3f} {r['req_per_s']!s:>6} {r['server_cpu_s']:>9.2f} "
                     f"{r['req_per_cpu_s']!s:>9} {r['p50_ms']:>7.1f} {r['p99_ms']:>8.1f}  "

@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 Request = Callable[[dict[str, Any], float, bool], dict[str, Any]]
+MAX_KEYS = 128  # per multi_get request (the wire takes 256 keys; gloo asks for 128 at a time)
 
 
 def _b64(v: bytes | str) -> str:
@@ -44,6 +45,25 @@ class LinkStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         return base64.b64decode(self._call("get", keys=[key])["value"])
+
+    def has_extended_api(self) -> bool:
+        return True  # multi_get: gloo reads every peer's address in one request
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """Every key's value once all are set, in one request (at most MAX_KEYS keys each);
+        values too large for one reply are asked for in halves."""
+        keys = list(keys)
+        if len(keys) > MAX_KEYS:
+            return [v for i in range(0, len(keys), MAX_KEYS) for v in self.multi_get(keys[i : i + MAX_KEYS])]
+        if not keys:
+            return []
+        reply = self._request({"op": "multi_get", "keys": keys}, self.timeout_s, self.node_local)
+        if reply.get("ok"):
+            return [base64.b64decode(v) for v in reply["values"]]
+        if reply.get("split") and len(keys) > 1:
+            half = len(keys) // 2
+            return self.multi_get(keys[:half]) + self.multi_get(keys[half:])
+        raise RuntimeError(f"resild store multi_get: {reply.get('error') or 'refused'}")
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call("add", keys=[key], n=int(amount))["n"])

@@ -61,7 +61,9 @@ def test_a_gloo_group_forms_through_the_link_store_and_runs_a_collective() -> No
     for t in threads:
         t.join(30)
     assert all(g is not None for g in groups)
-    assert "set" in lb.ops and "get" in lb.ops
+    # gloo's batched rendezvous (torch_private.GLOO_STORE_V2): per rank its own address set,
+    # then every peer's in one request, where a wait and a get per rank were 2W + 1 requests
+    assert sorted(lb.ops) == ["multi_get"] * 3 + ["set"] * 3
     assert all(k.startswith("resild/e1/world/") for k in lb.rdv.kv)
     ts = [torch.full((2,), float(r)) for r in range(3)]
     works = [g.allreduce([t]) for g, t in zip(groups, ts)]
@@ -78,6 +80,26 @@ def test_a_refused_request_raises_in_the_caller() -> None:
     assert store.add("n", 4) == 4 and store.check(["k", "n"])
     with pytest.raises(RuntimeError, match="limit"):
         store.set("big", b"x" * (1 << 20))
+
+
+def test_a_multi_get_too_large_for_one_reply_or_one_request_is_asked_in_parts() -> None:
+    from launcher.worker.link_store import MAX_KEYS
+    from resild.rendezvous import MAX_REPLY_VALUES_CHARS
+
+    lb = Loopback()
+    store = LinkStore(lb.request, 5.0)
+    big = [bytes([i]) * (MAX_REPLY_VALUES_CHARS // 3) for i in range(4)]  # 4/3 of a reply in base64 each pair
+    for i, v in enumerate(big):
+        store.set(f"big{i}", v)
+    lb.ops.clear()
+    assert store.multi_get([f"big{i}" for i in range(4)]) == big
+    assert lb.ops.count("multi_get") > 1
+    keys = [f"k{i}" for i in range(MAX_KEYS * 2 + 1)]
+    for k in keys:
+        store.set(k, k.encode())
+    lb.ops.clear()
+    assert store.multi_get(keys) == [k.encode() for k in keys]
+    assert lb.ops == ["multi_get"] * 3
 
 
 class ThroughNode:
