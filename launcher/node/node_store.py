@@ -12,9 +12,11 @@ a 0700 directory: only the job's user reaches it), with a scope:
 - "job": forwarded to the leading controller under an id of the node's own, its reply
   handed back under the worker's id. A `get` of a key for which a `get` is already in
   flight from this node is not forwarded again: the one reply answers every local asker
-  (the NCCL world id: one get per node instead of one per rank). This is exact for keys
-  written once, which every key torch's group rendezvous reads with `get` is (peer
-  addresses, unique ids); counters are read with `add`, never coalesced.
+  (the NCCL world id: one get per node instead of one per rank). So is a `multi_get` of the
+  same keys (gloo reads every member's address of a group so, each member the same list:
+  one per node and group). This is exact for keys written once, which every key torch's
+  group rendezvous reads with `get` or `multi_get` is (peer addresses, unique ids);
+  counters are read with `add`, never coalesced.
 
 Pure apart from the clock it is given: every method returns the replies to send (and the
 request to forward), the node process sends them.
@@ -36,14 +38,14 @@ DEFAULT_TIMEOUT_S = 60.0  # for a request that names none
 class _Forwarded:
     askers: list[tuple[bytes, int]]  # (worker routing id, its request id)
     deadline: float
-    key: str | None  # the key of a coalesced get
+    key: tuple[str, ...] | None  # (op, its keys...) of a coalesced get or multi_get
 
 
 @dataclass
 class NodeStore:
     local: Rendezvous = field(default_factory=Rendezvous)
     forwarded: dict[int, _Forwarded] = field(default_factory=dict)  # by the node's request id
-    gets: dict[str, int] = field(default_factory=dict)  # key -> id of the get in flight for it
+    gets: dict[tuple[str, ...], int] = field(default_factory=dict)  # (op, keys...) -> id of the one in flight
     _next_id: int = 0
     coalesced: int = 0  # gets answered by another asker's forward (for the bench and tests)
 
@@ -54,7 +56,8 @@ class NodeStore:
         if body.get("scope") == "node":
             return self.local.handle(ident, req, now), None
         keys = list(req.get("keys") or [])
-        key = keys[0] if req.get("op") == "get" and len(keys) == 1 else None  # coalescible
+        op = req.get("op")
+        key = (op, *keys) if (op == "get" and len(keys) == 1) or (op == "multi_get" and keys) else None  # coalescible
         if key is not None and (fid := self.gets.get(key)) is not None:
             self.forwarded[fid].askers.append((ident, rid))
             self.coalesced += 1

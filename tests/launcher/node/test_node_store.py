@@ -45,6 +45,24 @@ def test_gets_of_one_key_in_flight_go_to_the_controller_once_and_answer_every_as
     assert again is not None and again["id"] != fwd["id"]
 
 
+def test_multi_gets_of_the_same_keys_in_flight_go_to_the_controller_once() -> None:
+    # every member of a gloo group asks for all its members' addresses: one per node
+    st = NodeStore()
+    keys = ["resild/e3/snap/0", "resild/e3/snap/1"]
+    _, fwd = st.request(W0, {**req(1, "multi_get", ""), "keys": keys}, now=0.0)
+    assert fwd is not None and fwd["op"] == "multi_get" and fwd["keys"] == keys
+    assert st.request(W1, {**req(4, "multi_get", ""), "keys": keys}, now=0.0) == ([], None)
+    _, other = st.request(W2, {**req(2, "multi_get", ""), "keys": keys[:1]}, now=0.0)  # other keys: its own
+    assert other is not None and st.coalesced == 1
+    _, single = st.request(W2, req(3, "get", keys[0]), now=0.0)  # a get is not answered by a multi_get
+    assert single is not None
+    values = [b64(b"a0"), b64(b"a1")]
+    assert st.reply({"id": fwd["id"], "ok": True, "values": values}) == [
+        (W0, {"id": 1, "ok": True, "values": values}),
+        (W1, {"id": 4, "ok": True, "values": values}),
+    ]
+
+
 def test_other_operations_are_forwarded_one_for_one() -> None:
     st = NodeStore()
     f1 = st.request(W0, req(1, "add", "resild/e1/world/n", n=1), now=0.0)[1]
