@@ -17,13 +17,16 @@ once (one thread each, in client processes), reused by every epoch.
 
 Both sides run the same schedule. Per epoch, under resild/e<k>/: the NCCL world group (rank 0
 sets a 128-byte unique id, every rank gets it: most gets wait for the set) and one group
-per node (each rank sets its 40 x P-byte address key and gets the other P-1). A lane is a
+per node (each rank sets its gloo key, 172 + 8 x P bytes, and reads the others). A lane is a
 requester with one request in flight (a rank, or a TCPStore client serving several ranks);
 lanes per node are the same on both sides, as many as --tcp-clients allows (8 at 250 nodes,
 1 at 2,000). A lane serving several ranks does all their sets before any get (a blocking
 client would otherwise wait on a key only it can set). --gloo-world-nodes runs the gloo
-world group instead: each rank sets a 40 x W-byte key and gets the W-1 others (W^2 gets
-of O(W) bytes each: O(W^3) bytes, the same for any store).
+world group instead: each rank sets a 172 + 8 x W-byte key and reads every
+other (W^2 values of O(W) bytes each: O(W^3) bytes, the same for any store). --gets: how a
+gloo group reads its members' keys: multi (the default; what torch 2.13's gloo does over a
+store with the extended API, as resild's is): one multi_get per 128 members, answered with
+the values that fit one reply and asked again for the rest; single: a get per peer (before).
 
 Per N and side (ABBA: resild, tcp, tcp, resild, ...; medians of --repeats each):
 formation_s (first request sent -> last reply received), req_per_s (requests / formation_s),
@@ -62,7 +65,14 @@ import zmq
 NODES_PER_GENERATOR = 1000
 CLIENTS_PER_PROCESS = 1000  # TCPStore client threads per client process
 UID_BYTES = 128  # ncclUniqueId
-ADDR_BYTES = 40  # one gloo pair address
+
+
+# One rank's key in a gloo group of n (torch 2.13's gloo, tcp/context.cc `Rank::bytes`): its
+# hostname (20 characters here) and device address, then 8 bytes per peer (the pair ids).
+def gloo_key(n: int) -> bytes:
+    return b"a" * (8 + 20 + 8 + 136 + 8 * n)
+
+
 FD_MARGIN = 256
 
 Op = tuple[str, str, bytes]  # (op, key, value for a set)
@@ -102,13 +112,13 @@ def lane_ops(epoch: int, pattern: str, ranks: list[int], nproc: int, world: int)
     gloo_group = multi_get_ops if pattern.endswith(MULTI) else single_get_ops
     for r in ranks:
         if pattern.startswith("gloo_world"):
-            sets.append(("set", f"{p}gloo_world/{r}", b"a" * (ADDR_BYTES * world)))
+            sets.append(("set", f"{p}gloo_world/{r}", gloo_key(world)))
             gets += gloo_group(f"{p}gloo_world/", range(world), r)
             continue
         node, lr = divmod(r, nproc)
         if r == 0:
             sets.append(("set", f"{p}nccl_world/uid", b"u" * UID_BYTES))
-        sets.append(("set", f"{p}node{node}/{lr}", b"a" * (ADDR_BYTES * nproc)))
+        sets.append(("set", f"{p}node{node}/{lr}", gloo_key(nproc)))
         gets.append(("get", f"{p}nccl_world/uid", b""))
         gets += gloo_group(f"{p}node{node}/", range(nproc), lr)
     return sets + gets
@@ -305,6 +315,10 @@ def resild_gen_main(
             li, t_sent = slot
             lat.append(t - t_sent)
             t_last = t
+            op, key, _ = lanes[li][1][pos[li]]
+            if b.get("ok") and op == "multi_get" and len(b["values"]) < key.count("\n") + 1:
+                rest = key.split("\n")[len(b["values"]) :]  # the rest did not fit one reply: asked again (LinkStore)
+                lanes[li][1].insert(pos[li] + 1, (op, "\n".join(rest), b""))
             if not b.get("ok"):
                 errors += 1  # this lane stops: its next requests count as unanswered
                 return
@@ -316,7 +330,6 @@ def resild_gen_main(
             while answered:
                 complete(*answered.pop())
 
-        n_req = sum(len(ops) for _, ops in lanes)
         t_first = time.monotonic()
         t_last = t_first
         for li in range(len(lanes)):
@@ -334,6 +347,7 @@ def resild_gen_main(
                 else:
                     answered.append((raw["body"], t))
                 drain()
+        n_req = sum(len(ops) for _, ops in lanes)  # after splits: every request sent
         n_fwd = forwarded if through_node else n_req
         return t_first, t_last, lat.tobytes(), n_req, errors, n_fwd
 

@@ -50,20 +50,18 @@ class LinkStore(dist.Store):
         return True  # multi_get: gloo reads every peer's address in one request
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        """Every key's value once all are set, in one request (at most MAX_KEYS keys each);
-        values too large for one reply are asked for in halves."""
+        """Every key's value once all are set: one request for up to MAX_KEYS keys, answered
+        with the values that fit one reply (the rest are asked for again)."""
+        out: list[bytes] = []
         keys = list(keys)
-        if len(keys) > MAX_KEYS:
-            return [v for i in range(0, len(keys), MAX_KEYS) for v in self.multi_get(keys[i : i + MAX_KEYS])]
-        if not keys:
-            return []
-        reply = self._request({"op": "multi_get", "keys": keys}, self.timeout_s, self.node_local)
-        if reply.get("ok"):
-            return [base64.b64decode(v) for v in reply["values"]]
-        if reply.get("split") and len(keys) > 1:
-            half = len(keys) // 2
-            return self.multi_get(keys[:half]) + self.multi_get(keys[half:])
-        raise RuntimeError(f"resild store multi_get: {reply.get('error') or 'refused'}")
+        while keys:
+            reply = self._call("multi_get", keys=keys[:MAX_KEYS])
+            values = [base64.b64decode(v) for v in reply["values"]]
+            if not values:
+                raise RuntimeError("resild store multi_get: an empty answer")
+            out += values
+            keys = keys[len(values) :]
+        return out
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call("add", keys=[key], n=int(amount))["n"])

@@ -31,19 +31,21 @@ def test_a_wait_for_several_keys_is_answered_only_when_all_are_set() -> None:
     assert (A, {"id": 1, "ok": True}) in out
 
 
-def test_a_multi_get_is_answered_once_every_key_is_set_and_split_when_too_large_for_a_frame() -> None:
+def test_a_multi_get_is_answered_once_every_key_is_set_with_the_values_that_fit_one_frame() -> None:
     r = Rendezvous()
     assert r.handle(A, req(1, "multi_get", "k0", "k1"), now=0.0) == []
     r.handle(B, req(2, "set", "k0", value=b64(b"a")), now=0.0)
     out = r.handle(B, req(3, "set", "k1", value=b64(b"bc")), now=0.0)
     assert (A, {"id": 1, "ok": True, "values": [b64(b"a"), b64(b"bc")]}) in out
-    big = b"x" * (MAX_REPLY_VALUES_CHARS // 2)  # two of them: over the reply's budget once in base64
-    for i, k in enumerate(("b0", "b1")):
+    big = b"x" * (MAX_REPLY_VALUES_CHARS // 2)  # two of them are over the reply's budget in base64
+    for i, k in enumerate(("b0", "b1", "b2")):
         r.handle(B, req(10 + i, "set", k, value=b64(big)), now=0.0)
-    (_, reply), *_ = r.handle(A, req(20, "multi_get", "b0", "b1"), now=0.0)
-    assert reply["ok"] is False and reply["split"] is True
-    (_, reply), *_ = r.handle(A, req(21, "multi_get", "b0"), now=0.0)  # one key is always answered
-    assert reply["ok"] is True and unb64(reply["values"][0]) == big
+    (_, reply), *_ = r.handle(A, req(20, "multi_get", "b0", "b1", "b2"), now=0.0)
+    assert reply["ok"] is True and [unb64(v) for v in reply["values"]] == [big]  # the caller asks for b1, b2 again
+    huge = b"y" * (MAX_VALUE_BYTES)  # one value alone over the budget: still answered
+    r.handle(B, req(30, "set", "h", value=b64(huge)), now=0.0)
+    (_, reply), *_ = r.handle(A, req(31, "multi_get", "h", "b0"), now=0.0)
+    assert [unb64(v) for v in reply["values"]] == [huge]
 
 
 def test_a_parked_request_past_its_deadline_gets_an_error() -> None:
