@@ -363,7 +363,11 @@ class Job:
         if s is None:
             return
         if int(s.get("exit_code", 1)) != 0:
-            raise SystemExit(f"resild: job stopped by the controller: {s.get('reason')}")
+            # One write (SystemExit's message would be two: text, then newline): every rank
+            # stops at once, on the stderr pipe it shares with resil-run's own last line.
+            sys.stderr.write(f"resild: job stopped by the controller: {s.get('reason')}\n")
+            sys.stderr.flush()
+            raise SystemExit(1)
         if waiting_spare:
             raise SystemExit(0)  # the job is complete and this spare was never needed
 
