@@ -13,7 +13,7 @@ import torch
 
 from launcher.node.node_store import NodeStore
 from launcher.worker.link_store import LinkStore
-from launcher.worker.torch_private import backend_group
+from launcher.worker.torch_private import GLOO_STORE_V2, backend_group
 from resild.rendezvous import Rendezvous
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,7 +46,11 @@ class Loopback:
         return reply
 
 
-def test_a_gloo_group_forms_through_the_link_store_and_runs_a_collective() -> None:
+@pytest.mark.parametrize("v2", ["1", "0"])
+def test_a_gloo_group_forms_through_the_link_store_and_runs_a_collective(
+    v2: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(GLOO_STORE_V2, v2)  # read by gloo (getenv) at each formation
     lb = Loopback()
     stores = [LinkStore(lb.request, 20.0) for _ in range(3)]  # referenced: torch calls them from C++
     groups: list[Any] = [None] * 3
@@ -61,9 +65,10 @@ def test_a_gloo_group_forms_through_the_link_store_and_runs_a_collective() -> No
     for t in threads:
         t.join(30)
     assert all(g is not None for g in groups)
-    # gloo's batched rendezvous (torch_private.GLOO_STORE_V2): per rank its own address set,
-    # then every peer's in one request, where a wait and a get per rank were 2W + 1 requests
-    assert sorted(lb.ops) == ["multi_get"] * 3 + ["set"] * 3
+    if v2 == "1":  # gloo's batched rendezvous: per rank its own address set, then every member's
+        assert sorted(lb.ops) == ["multi_get"] * 3 + ["set"] * 3
+    else:  # a wait and a get per member, its own included: 2W + 1 requests per rank
+        assert sorted(lb.ops) == ["get"] * 9 + ["set"] * 3 + ["wait"] * 9
     assert all(k.startswith("resild/e1/world/") for k in lb.rdv.kv)
     ts = [torch.full((2,), float(r)) for r in range(3)]
     works = [g.allreduce([t]) for g, t in zip(groups, ts)]
