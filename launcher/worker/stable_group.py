@@ -140,8 +140,14 @@ class Interrupts:
             self.gen += 1
             self._stream.clear()
 
-    def _add(self, w: ManagedWork | None, t0: float | None = None) -> int:
+    def _add(self, w: ManagedWork | None, t0: float | None = None) -> int | None:
+        """Count `w` in flight; None (not counted) for a collective whose epoch has already
+        failed or passed: `fail()` has released the works it knew, and nothing would release
+        this one (DDP's reducer asks for a work's future after `allreduce` returns, and the
+        epoch can fail in between: its backward then waited out gloo's timeout)."""
         with self.cond:
+            if w is not None and (self.error is not None or w._gen != self.gen):
+                return None
             self._next += 1
             self._works[self._next] = (time.monotonic() if t0 is None else t0, w)
             return self._next
@@ -168,7 +174,9 @@ class Interrupts:
     def begin_wait(self) -> int:
         """Count a blocking wait that is not a collective (group formation) as in flight,
         so the rank reports itself waiting rather than being blamed for a hang."""
-        return self._add(None)
+        key = self._add(None)
+        assert key is not None  # a non-collective wait is always counted
+        return key
 
     def oldest_in_flight_s(self, now: float) -> float:
         """How long the oldest collective in flight has been waiting (0 if none)."""
@@ -222,10 +230,15 @@ class ManagedWork(PyWork):
             self._settle_in_pool()
 
     def _track(self, t0: float | None = None) -> None:
-        """Count as in flight: reported as waiting, and released by Interrupts.fail()."""
+        """Count as in flight: reported as waiting, and released by Interrupts.fail(); done
+        at once if its epoch has already failed (fail() cannot release it any more)."""
         with self._lock:
-            if not self._done and self._key is None:
-                self._key = self._intr._add(self, t0)
+            if self._done or self._key is not None:
+                return
+            self._key = self._intr._add(self, t0)
+            released = self._key is None
+        if released:
+            self._complete()
 
     def _settle_in_pool(self) -> None:
         with self._lock:

@@ -100,6 +100,26 @@ def test_a_hung_gloo_collective_counts_in_flight_and_is_released_by_a_new_epoch(
     assert intr.error == "epoch 2 announced" and not intr._works
 
 
+def test_a_future_asked_for_after_the_epoch_failed_is_done_at_once() -> None:
+    # DDP's reducer issues a bucket's all-reduce and asks for its future right after; when
+    # the epoch fails in between, fail() has released every work it knew and nothing would
+    # release this one: the survivor's backward waited out gloo's timeout (seen as a hang
+    # after epoch 2 in test_ddp_amp_accumulation_clipping_recovered_bitwise[kill:node1@9]).
+    r0, _r1 = two_rank_gloo()
+    intr = Interrupts()
+    g = StableGroup("world", [0, 1], 0, intr)
+    g.set_backend(r0)
+    g.allow = True
+    w = g.allreduce([torch.ones(4)])  # rank 1 never joins
+    intr.fail("epoch 2 announced")
+    fut = w.get_future()
+    assert fut.done() and not intr._works
+    intr.clear()  # epoch 2
+    old = g.allreduce([torch.ones(4)])  # issued in epoch 2 ...
+    intr.clear()  # ... its future asked for in epoch 3
+    assert old.get_future().done() and not intr._works
+
+
 def test_a_wait_that_is_not_a_collective_stays_in_flight_across_a_new_epoch() -> None:
     """Recovery's own waits (forming, aborting the old backends) may still block after the
     epoch is interrupted: they count until their owner ends them."""
