@@ -30,10 +30,9 @@ CHECKED_WITH = "2.13.0"
 # gloo (torch 2.13's, gloo/transport/tcp/context.cc) reads its peers' addresses with one
 # `multi_get` per 128 ranks when this is "1" and the store says `has_extended_api()`
 # (LinkStore does), else with a wait and a get per rank, its own included: 2W + 1 store
-# round trips per rank and group through the controller, 2 with it. Not set by resild:
-# with it, a DDP recovery test hung in re-formation in 2 of 10 runs (cause not found; 0
-# of 6 without), so it is the user's to turn on (README). gloo reads it with getenv at
-# every formation.
+# round trips per rank and group through the controller, 2 with it. Not set by resild yet
+# (README: a hang seen with it set was a race in ManagedWork, fixed; more runs first). gloo
+# reads it with getenv at every formation.
 GLOO_STORE_V2 = "GLOO_ENABLE_STORE_V2_API"
 
 __all__ = [
