@@ -35,6 +35,17 @@ def two_rank_gloo() -> list[Any]:
     return out
 
 
+def rank0_world() -> tuple[StableGroup, Interrupts, list[Any]]:
+    """Rank 0's StableGroup over a 2-rank gloo group whose rank 1 never joins a collective
+    (both backends returned: rank 1's must stay referenced while the test runs)."""
+    backends = two_rank_gloo()
+    intr = Interrupts()
+    g = StableGroup("world", [0, 1], 0, intr)
+    g.set_backend(backends[0])
+    g.allow = True
+    return g, intr, backends
+
+
 def test_the_wait_mode_follows_the_backend() -> None:
     assert wait_mode("nccl", False) is WaitMode.STREAM
     assert wait_mode("nccl", True) is WaitMode.STREAM
@@ -82,11 +93,7 @@ HUNG_OPS = {
 
 @pytest.mark.parametrize("op", sorted(HUNG_OPS))
 def test_a_hung_gloo_collective_counts_in_flight_and_is_released_by_a_new_epoch(op: str) -> None:
-    r0, _r1 = two_rank_gloo()
-    intr = Interrupts()
-    g = StableGroup("world", [0, 1], 0, intr)
-    g.set_backend(r0)
-    g.allow = True
+    g, intr, _peers = rank0_world()
     w = HUNG_OPS[op](g)  # rank 1 never joins
     done = threading.Event()
     threading.Thread(target=lambda: (w.wait(), done.set()), daemon=True).start()
@@ -105,11 +112,7 @@ def test_a_future_asked_for_after_the_epoch_failed_is_done_at_once() -> None:
     # the epoch fails in between, fail() has released every work it knew and nothing would
     # release this one: the survivor's backward waited out gloo's timeout (seen as a hang
     # after epoch 2 in test_ddp_amp_accumulation_clipping_recovered_bitwise[kill:node1@9]).
-    r0, _r1 = two_rank_gloo()
-    intr = Interrupts()
-    g = StableGroup("world", [0, 1], 0, intr)
-    g.set_backend(r0)
-    g.allow = True
+    g, intr, _peers = rank0_world()
     w = g.allreduce([torch.ones(4)])  # rank 1 never joins
     intr.fail("epoch 2 announced")
     fut = w.get_future()
@@ -133,11 +136,7 @@ def test_a_wait_that_is_not_a_collective_stays_in_flight_across_a_new_epoch() ->
 
 
 def test_a_hung_gloo_receive_is_released_by_a_new_epoch() -> None:
-    r0, _r1 = two_rank_gloo()
-    intr = Interrupts()
-    g = StableGroup("world", [0, 1], 0, intr)
-    g.set_backend(r0)
-    g.allow = True
+    g, intr, _peers = rank0_world()
     w = g.recv([torch.zeros(4)], 1, 7)  # nothing is ever sent
     done = threading.Event()
     threading.Thread(target=lambda: (w.wait(), done.set()), daemon=True).start()
