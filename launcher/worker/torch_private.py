@@ -116,6 +116,14 @@ class PyProcessGroup(dist.ProcessGroup):
         gloo's timed wait cannot be used on this op's Work (see `WaitMode.THREAD`)."""
         raise NotImplementedError
 
+    def _reduce_scatter_tensors(
+        self, outs: list[Any], ins: list[Any], opts: Any, native: Callable[[Any], Any]
+    ) -> dist.Work:
+        """A reduce-scatter of whole tensors (`outs[i]` = this rank's chunk of the reduced
+        `ins[i]`); `native(backend)` issues the backend's own. A subclass may issue it
+        otherwise (StableGroup on gloo: `gloo_reduce_scatter`)."""
+        return self._run(outs if len(outs) > 1 else outs[0], native, untimed=True)
+
     # Every collective torch issues, from Python c10d or (through the pybind
     # trampoline) from C++ callers such as DDP's reducer and functional collectives.
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
@@ -148,23 +156,20 @@ class PyProcessGroup(dist.ProcessGroup):
         return self._run(outs, lambda g: g.reduce_scatter(outs, ins, opts or dist.ReduceScatterOptions()), untimed=True)
 
     def reduce_scatter_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
-        return self._run(
-            out,
-            lambda g: _op(g, "reduce_scatter_single", "_reduce_scatter_base")(
-                out, inp, opts or dist.ReduceScatterOptions()
-            ),
-            untimed=True,
+        opts = opts or dist.ReduceScatterOptions()
+        return self._reduce_scatter_tensors(
+            [out], [inp], opts, lambda g: _op(g, "reduce_scatter_single", "_reduce_scatter_base")(out, inp, opts)
         )
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # stub: other names
 
     def reduce_scatter_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        return self._run(
-            outs,
-            lambda g: _op(g, "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")(
-                outs, ins, opts or dist.ReduceScatterOptions()
-            ),
-            untimed=True,
+        opts = opts or dist.ReduceScatterOptions()
+        return self._reduce_scatter_tensors(
+            list(outs),
+            list(ins),
+            opts,
+            lambda g: _op(g, "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")(outs, ins, opts),
         )
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # stub: other names
@@ -256,6 +261,26 @@ def backend_group(
     pg._set_default_backend(kind)
     pg._register_backend(device, kind, be)
     return pg
+
+
+def gloo_reduce_scatter(g: Any, out: Any, inp: Any, opts: Any) -> tuple[Any, Callable[[], None]]:
+    """gloo's reduce-scatter of one tensor, issued as what it is: an all-reduce of a copy of
+    `inp`, then this rank's chunk copied into `out`. Returns the all-reduce's Work and the
+    copy, to run once that Work has completed.
+
+    torch 2.13: `ProcessGroupGloo::reduce_scatter_tensor_coalesced` (behind
+    `_reduce_scatter_base`) is exactly that, but returns a LambdaWork whose `wait(timeout)`
+    ignores the timeout and which has no future; the all-reduce's Work has both. The
+    result is bitwise the backend's own (tests/launcher/worker/test_stable_group.py
+    checks it against gloo at 3 ranks). If gloo gains a real reduce-scatter, that test
+    fails and this should go."""
+    buf = inp.clone()
+    ar = dist.AllreduceOptions()
+    ar.reduceOp = opts.reduceOp
+    ar.timeout = opts.timeout
+    work = g.allreduce([buf], ar)
+    rank, size = g.rank(), g.size()
+    return work, lambda: out.copy_(buf.chunk(size)[rank])
 
 
 def device_mesh_from_groups(

@@ -19,20 +19,25 @@ from launcher.worker.torch_private import backend_group, hash_store
 pytestmark = pytest.mark.timeout(60)
 
 
-def two_rank_gloo() -> list[Any]:
-    """Both ranks of a 2-rank gloo group, in this process (gloo connects in the constructor)."""
+def gloo_groups(n: int) -> list[Any]:
+    """Every rank of an n-rank gloo group, in this process."""
     store = hash_store()
-    out: list[Any] = [None, None]
+    out: list[Any] = [None] * n
 
     def build(r: int) -> None:
-        out[r] = backend_group("gloo", store, r, 2, timedelta(seconds=20), "127.0.0.1")
+        out[r] = backend_group("gloo", store, r, n, timedelta(seconds=20), "127.0.0.1")
 
-    ts = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    ts = [threading.Thread(target=build, args=(r,)) for r in range(n)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
     return out
+
+
+def two_rank_gloo() -> list[Any]:
+    """Both ranks of a 2-rank gloo group, in this process (gloo connects in the constructor)."""
+    return gloo_groups(2)
 
 
 def rank0_world() -> tuple[StableGroup, Interrupts, list[Any]]:
@@ -53,15 +58,93 @@ def test_the_wait_mode_follows_the_backend() -> None:
     assert wait_mode("gloo", True) is WaitMode.THREAD
 
 
-@pytest.mark.parametrize("op", ["reduce_scatter_single", "reduce_scatter"])
-def test_gloo_reduce_scatter_is_waited_on_in_a_helper_thread(op: str) -> None:
+def test_gloo_list_reduce_scatter_is_waited_on_in_a_helper_thread() -> None:
     r0, _r1 = two_rank_gloo()
     g = StableGroup("world", [0, 1], 0, Interrupts())
     g.set_backend(r0)
     g.allow = True
-    w = HUNG_OPS[op](g)
+    w = HUNG_OPS["reduce_scatter"](g)
     assert isinstance(w, ManagedWork) and w._mode is WaitMode.THREAD
     g._intr.fail("done")
+
+
+def run_ranks(n: int, fn: Any) -> list[Any]:
+    out: list[Any] = [None] * n
+    ts = [threading.Thread(target=lambda r=r: out.__setitem__(r, fn(r))) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    return out
+
+
+@pytest.mark.parametrize("op", [torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MAX])
+def test_a_gloo_reduce_scatter_is_waited_on_in_slices_and_bitwise_the_backends_own(op: Any) -> None:
+    """gloo's reduce-scatter Work ignores a wait's timeout; resild issues it as the all-reduce
+    gloo itself runs, whose Work honours it. Same bits as gloo's own, at 3 ranks (a ring
+    where each element's summation order depends on its chunk)."""
+    n = 3
+    backends = gloo_groups(n)
+    groups = []
+    for r in range(n):
+        g = StableGroup("world", list(range(n)), r, Interrupts())
+        g.set_backend(backends[r])
+        g.allow = True
+        groups.append(g)
+    inputs = [torch.randn(n * 1001, generator=torch.Generator().manual_seed(r)) * 1e3 for r in range(n)]
+    opts = torch.distributed.ReduceScatterOptions()
+    opts.reduceOp = op
+
+    def ours(r: int) -> torch.Tensor:
+        out = torch.zeros(1001)
+        w = groups[r].reduce_scatter_single(out, inputs[r], opts)
+        assert isinstance(w, ManagedWork) and w._mode is WaitMode.SLICED
+        w.wait()
+        return out
+
+    def gloos(r: int) -> torch.Tensor:
+        out = torch.zeros(1001)
+        backends[r]._reduce_scatter_base(out, inputs[r].clone(), opts).wait()
+        return out
+
+    mine, theirs = run_ranks(n, ours), run_ranks(n, gloos)
+    for r in range(n):
+        assert torch.equal(mine[r], theirs[r]), r
+    assert not any(torch.equal(mine[0], inputs[r].chunk(n)[0]) for r in range(n))  # reduced, not copied
+    groups[0]._intr.fail("done")
+
+
+def test_a_gloo_reduce_scatter_is_done_when_polled_and_its_future_carries_the_result() -> None:
+    backends = two_rank_gloo()
+    groups = []
+    for r in range(2):
+        g = StableGroup("world", [0, 1], r, Interrupts())
+        g.set_backend(backends[r])
+        g.allow = True
+        groups.append(g)
+
+    def issue(r: int) -> tuple[Any, torch.Tensor]:
+        out = torch.zeros(2)
+        return groups[r].reduce_scatter_single(out, torch.tensor([1.0, 2.0, 3.0, 4.0]) * (r + 1)), out
+
+    (w0, out0), (w1, out1) = run_ranks(2, issue)
+    fut = w1.get_future()
+    deadline = time.monotonic() + 10
+    while not w0.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert w0.is_completed()
+    assert out0.tolist() == [3.0, 6.0]  # in place once is_completed() says so, without wait()
+    fut.wait()
+    assert out1.tolist() == [9.0, 12.0]
+
+
+def test_a_reduce_scatter_cut_off_by_a_new_epoch_leaves_its_output_alone() -> None:
+    g, intr, _peers = rank0_world()
+    out = torch.full((2,), 7.0)
+    w = g.reduce_scatter_single(out, torch.ones(4))  # rank 1 never joins
+    intr.fail("epoch 2 announced")
+    w.wait()
+    assert out.tolist() == [7.0, 7.0] and w.is_completed()
 
 
 def test_a_completed_gloo_collective_is_waited_on_without_counting_in_flight() -> None:
@@ -80,7 +163,8 @@ def test_a_completed_gloo_collective_is_waited_on_without_counting_in_flight() -
 
 # Every collective FSDP2, DDP and the recovery issue on gloo. gloo's reduce-scatter Works
 # ignore a wait's timeout (torch 2.13): waited on in slices, a survivor stayed blocked behind
-# a dead peer until its connection closed, and the hang detector blamed the survivor.
+# a dead peer until its connection closed, and the hang detector blamed the survivor. Now a
+# one-tensor reduce-scatter is issued as an all-reduce, and the list form waits in a thread.
 HUNG_OPS = {
     "allreduce": lambda g: g.allreduce([torch.ones(4)]),
     "all_gather_single": lambda g: g.all_gather_single(torch.zeros(8), torch.ones(4)),
