@@ -55,7 +55,12 @@ from launcher.worker.spare_warmup import SpareWarmup
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
 from launcher.worker.state_transport import describe
 from launcher.worker.step_state import StepState
-from launcher.worker.torch_private import device_mesh_from_groups, hash_store, prewarm_lazy_imports
+from launcher.worker.torch_private import (
+    device_mesh_from_groups,
+    gloo_batched_reads,
+    hash_store,
+    prewarm_lazy_imports,
+)
 from launcher.worker.train_state import TrainState
 from launcher.worker.warmup_recipe import RECIPE_KEY
 from launcher.worker.warmup_recipe import describe as describe_recipe
@@ -137,6 +142,8 @@ class Job:
         self.rec.form(1, [self.group])
 
     def _init_controlled(self, controller: str) -> None:
+        # Before any gloo group forms: its addresses in one request per group, not 2W + 1.
+        gloo_batched_reads(os.environ)
         link = self.link = ControlLink(
             controller,
             keys_from_env(),

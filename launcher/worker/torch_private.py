@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -30,10 +30,18 @@ CHECKED_WITH = "2.13.0"
 # gloo (torch 2.13's, gloo/transport/tcp/context.cc) reads its peers' addresses with one
 # `multi_get` per 128 ranks when this is "1" and the store says `has_extended_api()`
 # (LinkStore does), else with a wait and a get per rank, its own included: 2W + 1 store
-# round trips per rank and group through the controller, 2 with it. Not set by resild yet
-# (README: a hang seen with it set was a race in ManagedWork, fixed; more runs first). gloo
-# reads it with getenv at every formation.
+# round trips per rank and group through the controller, 2 with it. gloo reads it with
+# getenv at every formation; resild sets it in its workers unless the job's environment
+# already says (`gloo_batched_reads`).
 GLOO_STORE_V2 = "GLOO_ENABLE_STORE_V2_API"
+
+
+def gloo_batched_reads(env: MutableMapping[str, str]) -> bool:
+    """Let gloo read a group's addresses with one `multi_get` (GLOO_STORE_V2), unless the
+    job's environment sets the variable itself (`=0` turns it off). True if it is on."""
+    env.setdefault(GLOO_STORE_V2, "1")
+    return env[GLOO_STORE_V2] == "1"
+
 
 __all__ = [
     "CHECKED_WITH",

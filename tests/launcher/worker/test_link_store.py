@@ -13,7 +13,7 @@ import torch
 
 from launcher.node.node_store import NodeStore
 from launcher.worker.link_store import LinkStore
-from launcher.worker.torch_private import GLOO_STORE_V2, backend_group
+from launcher.worker.torch_private import GLOO_STORE_V2, backend_group, gloo_batched_reads
 from resild.rendezvous import Rendezvous
 
 pytestmark = pytest.mark.timeout(60)
@@ -171,3 +171,10 @@ def test_a_node_local_group_forms_on_the_node_and_a_job_group_through_the_contro
         for w in [groups[(label, r)].allreduce([ts[r]]) for r in range(2)]:
             w.wait()
         assert all(torch.equal(t, torch.full((2,), 3.0)) for t in ts)
+
+
+def test_workers_turn_gloos_batched_reads_on_unless_the_job_says_otherwise() -> None:
+    env: dict[str, str] = {}
+    assert gloo_batched_reads(env) and env[GLOO_STORE_V2] == "1"
+    off = {GLOO_STORE_V2: "0"}
+    assert not gloo_batched_reads(off) and off[GLOO_STORE_V2] == "0"  # the user's choice stands
