@@ -278,12 +278,13 @@ class ManagedWork(PyWork):
     def _complete(self, ok: bool = False) -> None:
         """Done. `ok`: the backend work succeeded, so the post step (if any) runs first,
         once, unless the epoch has failed meanwhile (the buffers are garbage then)."""
-        post = None
         if ok and self._post is not None:
+            # Under the lock to its end: a second completer (a future's callback beside a
+            # wait) must not report the work done while the copy is still running.
             with self._lock:
                 post, self._post = self._post, None
-        if post is not None and self._intr.error is None and not self._done:
-            post()
+                if post is not None and self._intr.error is None:
+                    post()
         with self._lock:
             if self._done:
                 return
