@@ -293,3 +293,18 @@ def test_a_new_epoch_aborts_the_nccl_communicators_of_the_old_one_off_the_caller
     intr.clear()
     time.sleep(0.05)
     assert new.aborted_on == [] and old.aborted_on == ["resild-abort"]
+
+
+def test_a_post_step_runs_once_when_a_future_and_a_wait_both_complete_the_work() -> None:
+    intr = Interrupts()
+    ran: list[int] = []
+    inner = FakeNcclWork()  # completed: its future is done at once, its wait returns
+    w = ManagedWork(inner, "out", intr, WaitMode.SLICED, post=lambda: ran.append(1))
+    fut = w.get_future()  # the done callback completes the work, running the post step
+    w.wait()
+    assert fut.done() and fut.value() == "out" and ran == [1]
+    skipped: list[int] = []
+    w2 = ManagedWork(FakeNcclWork(), None, intr, WaitMode.SLICED, post=lambda: skipped.append(1))
+    intr.fail("epoch 2 announced")
+    w2.wait()
+    assert skipped == []  # the epoch failed first: its buffers are garbage, nothing is copied
