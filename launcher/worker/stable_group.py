@@ -46,11 +46,12 @@ class WaitMode(enum.Enum):
     SLICED (gloo collectives): the backend's own condition-variable wait, in slices of
         10-20 ms; between slices the latched error is checked. A collective that completes
         costs one backend wait: no thread hand-off, no polling.
-    THREAD (gloo send/recv and reduce-scatter): a timed-out wait on send/recv breaks gloo's
-        pair, and gloo's reduce-scatter Works ignore the timeout (torch 2.13: their wait
-        blocks until the peer answers or its connection closes, seen as survivors stuck
-        seconds behind a dead peer). These are waited on to the end in a pooled helper
-        thread, and the rank waits on the helper or the epoch.
+    THREAD (gloo send/recv and the list reduce-scatter): a timed-out wait on send/recv
+        breaks gloo's pair, and gloo's reduce-scatter Works ignore the timeout (torch 2.13:
+        their wait blocks until the peer answers or its connection closes, seen as survivors
+        stuck seconds behind a dead peer; a one-tensor reduce-scatter is therefore issued as
+        its all-reduce, `gloo_reduce_scatter`, and is SLICED). These are waited on to the
+        end in a pooled helper thread, and the rank waits on the helper or the epoch.
     """
 
     STREAM = "stream"
@@ -226,6 +227,7 @@ class ManagedWork(PyWork):
         super().__init__()
         self._inner, self._result, self._intr, self._mode = inner, result, intr, mode
         self._post = post  # run once the backend work has succeeded, before anyone sees it done
+        self._has_post = post is not None
         self._gen = intr.gen
         self._lock = threading.Lock()
         self._done = False
@@ -278,13 +280,19 @@ class ManagedWork(PyWork):
     def _complete(self, ok: bool = False) -> None:
         """Done. `ok`: the backend work succeeded, so the post step (if any) runs first,
         once, unless the epoch has failed meanwhile (the buffers are garbage then)."""
-        if ok and self._post is not None:
+        err: Exception | None = None
+        if self._post is not None:
             # Under the lock to its end: a second completer (a future's callback beside a
             # wait) must not report the work done while the copy is still running.
             with self._lock:
-                post, self._post = self._post, None
-                if post is not None and self._intr.error is None:
-                    post()
+                post, self._post = self._post, None  # dropped either way: it holds a buffer
+                if ok and post is not None and self._intr.error is None and self._gen == self._intr.gen:
+                    try:
+                        post()
+                    except Exception as e:  # never into user code, never a work left undone
+                        err = e
+        if err is not None:  # outside the lock: fail() completes the works it tracks, this one too
+            self._intr.fail(f"collective failed: {err}", self._gen)
         with self._lock:
             if self._done:
                 return
@@ -342,8 +350,8 @@ class ManagedWork(PyWork):
             done = bool(self._inner.is_completed())
         except RuntimeError:
             return True  # failed: wait() latches it
-        if done and self._post is not None:
-            self.wait()  # the backend is done: runs the post step, so the result is in place
+        if done and self._has_post:
+            self.wait()  # runs the post step, or waits for whoever runs it: the result is in place
         return done
 
     def is_success(self) -> bool:
@@ -440,14 +448,14 @@ class StableGroup(PyProcessGroup):
         return ManagedWork(work, result, self._intr, wait_mode(self.kind, untimed), post)
 
     def _reduce_scatter_tensors(
-        self, outs: list[Any], ins: list[Any], opts: Any, native: Callable[[Any], Any]
+        self, result: Any, outs: list[Any], ins: list[Any], opts: Any, native: Callable[[Any], Any]
     ) -> dist.Work:
         """On gloo, one tensor's reduce-scatter is issued as the all-reduce gloo runs for it
         (`gloo_reduce_scatter`), so it is waited on in slices (SLICED) rather than in a
         helper thread: ~0.9 ms less per collective on 2 busy cores (bench/collective_cost.py)."""
         if self.kind != "gloo" or len(outs) != 1:
-            return super()._reduce_scatter_tensors(outs, ins, opts, native)
-        return self._start(outs[0], lambda g: gloo_reduce_scatter(g, outs[0], ins[0], opts), False)
+            return super()._reduce_scatter_tensors(result, outs, ins, opts, native)
+        return self._start(result, lambda g: gloo_reduce_scatter(g, outs[0], ins[0], opts), False)
 
 
 def register(pg: StableGroup, store: Any) -> None:

@@ -54,6 +54,8 @@ __all__ = [
     "ddp_logging_data",
     "ddp_reset_reducer",
     "device_mesh_from_groups",
+    "gloo_batched_reads",
+    "gloo_reduce_scatter",
     "hash_store",
     "prewarm_lazy_imports",
     "private_device_mesh",
@@ -125,12 +127,13 @@ class PyProcessGroup(dist.ProcessGroup):
         raise NotImplementedError
 
     def _reduce_scatter_tensors(
-        self, outs: list[Any], ins: list[Any], opts: Any, native: Callable[[Any], Any]
+        self, result: Any, outs: list[Any], ins: list[Any], opts: Any, native: Callable[[Any], Any]
     ) -> dist.Work:
         """A reduce-scatter of whole tensors (`outs[i]` = this rank's chunk of the reduced
-        `ins[i]`); `native(backend)` issues the backend's own. A subclass may issue it
-        otherwise (StableGroup on gloo: `gloo_reduce_scatter`)."""
-        return self._run(outs if len(outs) > 1 else outs[0], native, untimed=True)
+        `ins[i]`) whose Work completes with `result`; `native(backend)` issues the
+        backend's own. A subclass may issue it otherwise (StableGroup on gloo:
+        `gloo_reduce_scatter`)."""
+        return self._run(result, native, untimed=True)
 
     # Every collective torch issues, from Python c10d or (through the pybind
     # trampoline) from C++ callers such as DDP's reducer and functional collectives.
@@ -166,7 +169,7 @@ class PyProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
         opts = opts or dist.ReduceScatterOptions()
         return self._reduce_scatter_tensors(
-            [out], [inp], opts, lambda g: _op(g, "reduce_scatter_single", "_reduce_scatter_base")(out, inp, opts)
+            out, [out], [inp], opts, lambda g: _op(g, "reduce_scatter_single", "_reduce_scatter_base")(out, inp, opts)
         )
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # stub: other names
@@ -174,6 +177,7 @@ class PyProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
         opts = opts or dist.ReduceScatterOptions()
         return self._reduce_scatter_tensors(
+            outs,
             list(outs),
             list(ins),
             opts,
@@ -282,12 +286,18 @@ def gloo_reduce_scatter(g: Any, out: Any, inp: Any, opts: Any) -> tuple[Any, Cal
     result is bitwise the backend's own (tests/launcher/worker/test_stable_group.py
     checks it against gloo at 3 ranks). If gloo gains a real reduce-scatter, that test
     fails and this should go."""
+    size, rank = g.size(), g.rank()
+    # gloo's own checks, so a bad call fails to start (latched) as gloo's would
+    if out.dtype != inp.dtype:
+        raise ValueError(f"reduce_scatter: output dtype {out.dtype} != input dtype {inp.dtype}")
+    same_rows = out.dim() == inp.dim() and out.shape[1:] == inp.shape[1:]
+    if inp.dim() == 0 or not same_rows or out.shape[0] * size != inp.shape[0]:
+        raise ValueError(f"reduce_scatter: output {tuple(out.shape)} is not 1/{size} of input {tuple(inp.shape)}")
     buf = inp.clone()
     ar = dist.AllreduceOptions()
     ar.reduceOp = opts.reduceOp
     ar.timeout = opts.timeout
     work = g.allreduce([buf], ar)
-    rank, size = g.rank(), g.size()
     return work, lambda: out.copy_(buf.chunk(size)[rank])
 
 

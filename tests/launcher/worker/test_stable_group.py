@@ -308,3 +308,51 @@ def test_a_post_step_runs_once_when_a_future_and_a_wait_both_complete_the_work()
     intr.fail("epoch 2 announced")
     w2.wait()
     assert skipped == []  # the epoch failed first: its buffers are garbage, nothing is copied
+
+
+def test_a_post_step_that_raises_latches_and_still_completes_the_work() -> None:
+    intr = Interrupts()
+
+    def bad() -> None:
+        raise RuntimeError("shape mismatch")
+
+    w = ManagedWork(FakeNcclWork(), "out", intr, WaitMode.SLICED, post=bad)
+    t0 = time.monotonic()
+    fut = w.get_future()  # completed on the callback path: nothing raises there either
+    w.wait()  # nothing raises into user code
+    # torch swallows what a done-callback raises, pytest-timeout's included: a deadlock on
+    # the work's own lock would only show as time
+    assert time.monotonic() - t0 < 5.0
+    assert fut.done() and w.is_completed() and not intr._works
+    assert intr.error is not None and "shape mismatch" in intr.error
+
+
+def test_a_late_work_of_an_old_epoch_copies_nothing_into_the_new_one() -> None:
+    intr = Interrupts()
+    ran: list[int] = []
+    w = ManagedWork(FakeNcclWork(), None, intr, WaitMode.SLICED, post=lambda: ran.append(1))
+    intr.clear()  # a new epoch began before the old work ended
+    w.wait()
+    assert ran == [] and w.is_completed()
+
+
+def test_a_bad_gloo_reduce_scatter_fails_to_start_as_gloos_own_would() -> None:
+    g, intr, _peers = rank0_world()
+    w = g.reduce_scatter_single(torch.zeros(3), torch.ones(4))  # 3 x 2 ranks != 4
+    w.wait()  # nothing raises: the step is lost, the error latched
+    assert intr.error is not None and "1/2 of input" in intr.error
+
+
+def test_a_coalesced_gloo_reduce_scatter_of_one_tensor_completes_with_its_list() -> None:
+    backends = two_rank_gloo()
+    outs = [[torch.zeros(2)] for _ in range(2)]
+
+    def issue(r: int) -> Any:
+        g = StableGroup("world", [0, 1], r, Interrupts())
+        g.set_backend(backends[r])
+        g.allow = True
+        w = g.reduce_scatter_single_coalesced(outs[r], [torch.ones(4)], torch.distributed.ReduceScatterOptions())
+        return w.get_future().wait()
+
+    got = run_ranks(2, issue)
+    assert isinstance(got[0], list) and got[0][0].tolist() == [2.0, 2.0]
