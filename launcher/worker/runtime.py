@@ -72,7 +72,7 @@ from resild.wire.settings import WorkerRedundancy, WorkerTimeouts
 
 log = logging.getLogger("resild.runtime")
 
-FETCH_RECIPE_AFTER_S = 2.0  # a worker without ranks this long after start-up is taken for a spare
+FETCH_RECIPE_AFTER_S = 2.0  # told no role (an older controller), a worker without ranks this long is taken for a spare
 
 Replicas = Callable[[int], ReplicaMap]
 
@@ -184,10 +184,16 @@ class Job:
         # described its sharded state, DTensor's caches filled for it), until it is given ranks.
         if not link.wait(lambda: link.pending is not None or link.shutdown is not None, 0.5):
             prewarm_lazy_imports()
-        if os.environ.get(resild_env.SPARE_WARMUP.name, resild_env.SPARE_WARMUP.default) != "0":
+        role = self.cfg.get("role")  # the node's when this worker registered (a controller before stop 30: none)
+        if role != "active" and os.environ.get(resild_env.SPARE_WARMUP.name, resild_env.SPARE_WARMUP.default) != "0":
             self._warmup = SpareWarmup(self._store, self.device, self._report_warmup)
         m, self.rank = wait_for_ranks(
-            link, self.node, self.local_rank, lambda: self._check_shutdown(waiting_spare=True), self._warmup
+            link,
+            self.node,
+            self.local_rank,
+            lambda: self._check_shutdown(waiting_spare=True),
+            self._warmup,
+            fetch_after_s=0.0 if role == "spare" else FETCH_RECIPE_AFTER_S,
         )
         self.world_size, self.epoch = m.world_size, m.epoch
         self._per_node = len(m.node_ranks.get(self.node, ())) or 1
@@ -638,10 +644,9 @@ def wait_for_ranks(
     """A spare waits for a membership that gives it a rank; epochs that leave it out
     are taken and passed over. The rank is read from the membership taken: a newer
     one may replace the pending one between a look and the take. A worker still
-    without ranks after `fetch_after_s` is (most likely) a spare: it fetches the job's
-    warm-up recipe and warms up here, stopping as soon as a membership or the end of
-    the job arrives. (Nothing tells a worker that its node is a spare; at a large job's
-    start an active worker may wait that long too: then it only parks one store request.)"""
+    without ranks after `fetch_after_s` (0 for a worker the controller's welcome called
+    a spare's) fetches the job's warm-up recipe and warms up here, stopping as soon as a
+    membership or the end of the job arrives. An active worker is given no warm-up."""
     t0 = time.monotonic()
 
     def news() -> bool:

@@ -53,7 +53,7 @@ class Broadcaster:
         # Who to reach: node processes by node, direct workers by (node, local rank).
         self.node_ident: dict[str, bytes] = {}
         self.worker_ident: dict[tuple[str, int], bytes] = {}
-        self.welcome_json = b""
+        self.welcome_json: dict[str, bytes] = {}  # by the registering node's role: encoded once per job
         self._layout: Membership | None = None  # the current epoch, for direct workers
         self._full_json = b""  # its full layout, encoded on first use (none: no direct worker)
 

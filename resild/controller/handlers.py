@@ -209,15 +209,20 @@ class Handlers:
                 s.unregistered -= 1
         s.events.emit(EventName.WORKER_REGISTERED, node=node.node_id, local_rank=lr, pid=b.pid)
         s.worker_ident[(node.node_id, lr)] = ident
-        if not s.bc.welcome_json:  # the same for every worker: encoded once per job
-            s.bc.welcome_json = json.dumps(
+        # The node's role now: a spare's worker starts its warm-up at once (nothing else
+        # tells it), an active one never fetches the recipe. One encoding per role per job.
+        role = "spare" if node.role == NodeRole.SPARE else "active"
+        welcome = s.bc.welcome_json.get(role)
+        if welcome is None:
+            welcome = s.bc.welcome_json[role] = json.dumps(
                 {
                     **self.cfg.settings.worker_timeouts().to_dict(),
                     **self.cfg.settings.worker_redundancy().to_dict(),
+                    "role": role,
                 },
                 separators=(",", ":"),
             ).encode()
-        s.bc.send_raw(ident, s.bc.frame(MsgType.WELCOME, s.bc.welcome_json, ttl_s=10.0))
+        s.bc.send_raw(ident, s.bc.frame(MsgType.WELCOME, welcome, ttl_s=10.0))
         m = s.view.membership
         if m is not None and node.node_id in m.node_ranks:
             if lr not in node.relayed:  # a relayed worker gets it from its node on its hello

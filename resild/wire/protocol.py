@@ -344,7 +344,11 @@ class Fatal(Body):
 
 @dataclass(frozen=True)
 class Welcome(Body):
-    """The job's worker settings (WorkerTimeouts, WorkerRedundancy: their own checks)."""
+    """The job's worker settings (WorkerTimeouts, WorkerRedundancy: their own checks), and
+    to a worker the role of its node when it registered: a spare's worker warms up at once,
+    an active one never fetches the warm-up recipe."""
+
+    role: str | None = _f("str", max_len=16, choices=("active", "spare"))
 
 
 @dataclass(frozen=True)

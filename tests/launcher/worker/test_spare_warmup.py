@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -323,12 +324,14 @@ class FakeLink:
         self.cond = threading.Condition()
 
     def wait(self, pred: Any, timeout_s: float) -> bool:
+        deadline = time.monotonic() + min(timeout_s, 10.0)
         with self.cond:  # polls, as ControlLink.wait does (every 0.5 s there)
-            for _ in range(200):
-                if pred():
-                    return True
-                self.cond.wait(0.05)
-            return bool(pred())
+            while not pred():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(0.05, left))
+            return True
 
     def take(self) -> Membership | None:
         m, self.pending = self.pending, None
@@ -389,3 +392,22 @@ def test_a_worker_given_ranks_at_once_fetches_nothing() -> None:
     link.announce(_membership(1, {"a": (0,), "b": (1,)}))
     m, rank = wait_for_ranks(link, "b", 0, lambda: None, w, fetch_after_s=5.0)  # type: ignore[arg-type]
     assert (m.epoch, rank) == (1, 1) and not w.started
+
+
+def test_a_worker_told_it_is_a_spare_warms_up_before_any_epoch_comes() -> None:
+    """fetch_after_s=0 (the controller's welcome said "spare"): the warm-up starts on the
+    first look, with no membership pending, not after a timer."""
+    link = FakeLink()
+    runs: list[float] = []
+    t0 = time.monotonic()
+
+    class Probe(SpareWarmup):
+        def run(self, cancelled: Any) -> None:
+            runs.append(time.monotonic() - t0)
+            self._done = True
+            link.announce(_membership(2, {"a": (0,), "spare": (1,)}))
+
+    w = Probe(FakeStore(recipe_json([2])), torch.device("cpu"))
+    m, rank = wait_for_ranks(link, "spare", 0, lambda: None, w, fetch_after_s=0.0)  # type: ignore[arg-type]
+    assert (m.epoch, rank) == (2, 1)
+    assert len(runs) == 1 and runs[0] < 1.0  # the 2 s timer of a worker told nothing is not waited

@@ -214,3 +214,23 @@ def test_a_node_process_commit_report_is_its_heartbeat_and_silence_is_still_a_lo
         ctl.result = JobResult(1, "test over")
         th.join(10)
         ctx.destroy(linger=0)
+
+
+def test_a_workers_welcome_names_its_nodes_role(cluster: tuple[Controller, EventLog, zmq.Context]) -> None:
+    """A spare's worker is told it is one (it starts its warm-up at once), an active
+    node's worker is told it is active (it never fetches the warm-up recipe)."""
+    ctl, events, ctx = cluster
+    for n in ("a", "s0"):
+        connect(ctx, ctl.endpoint, None, f"{n}/node").send(
+            MsgType.REGISTER_NODE, {"node": n, "pid": 1, "nproc": 2, "epoch": 0, "relayed": []}
+        )
+    time.sleep(0.2)
+    roles = {}
+    for n in ("a", "s0", "a"):  # the second active worker gets the same encoding
+        lr = 1 if n == "a" and n in roles else 0
+        w = connect(ctx, ctl.endpoint, None, f"{n}/w{lr}/1")
+        w.send(MsgType.REGISTER_WORKER, {"node": n, "local_rank": lr, "pid": 1})
+        welcome = [m for m in drain(w) if m.type == MsgType.WELCOME]
+        assert len(welcome) == 1 and welcome[0].body["collective_timeout_s"] > 0
+        roles.setdefault(n, []).append(welcome[0].body["role"])
+    assert roles == {"a": ["active", "active"], "s0": ["spare"]}

@@ -117,6 +117,7 @@ def test_round_trip() -> None:
         (_frame("heartbeat", {"node": "n", "relayed": [-1]}), "bad_body"),
         (_frame("heartbeat", {"node": "n", "resync": 1}), "bad_body"),
         (_frame("register_node", {"node": "n", "relayed": 3}), "bad_body"),
+        (_frame("welcome", {"role": "boss"}), "bad_body"),
     ],
 )
 def test_decode_rejects(frame: bytes, code: str) -> None:
