@@ -32,6 +32,7 @@ from resild.wire.protocol import MsgType
 from resild.wire.settings import WorkerTimeouts
 
 log = logging.getLogger("resild.control")
+COMMIT_REPORT_S = 0.1  # while commits flow, the newest goes out this often (not one wake per step)
 
 
 class ControlLink:
@@ -49,6 +50,13 @@ class ControlLink:
         self.ctx = zmq.Context()
         self._keys = keys
         self._out: queue.Queue[tuple[MsgType, dict[str, Any], float | None]] = queue.Queue()  # (type, body, ttl)
+        # A commit report replaces the one not yet sent instead of waking the thread every
+        # step: the thread looks every COMMIT_REPORT_S while commits flow (the node process
+        # aggregates at that rate anyway). The lock keeps the order: a pending commit goes
+        # into the queue before any later message.
+        self._out_lock = threading.Lock()
+        self._commit: dict[str, Any] | None = None
+        self._commit_polling = False  # the thread is looking every COMMIT_REPORT_S: no wake needed
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._stop = threading.Event()
@@ -93,11 +101,32 @@ class ControlLink:
                 self._repeat[mtype] = {"node": self.node, **body}
             else:
                 self._repeat.pop(mtype, None)
+        elif mtype == MsgType.PROGRESS:  # a commit: the newest replaces one not yet sent
+            with self._out_lock:
+                self._commit = {"node": self.node, **body}
+                wake = not self._commit_polling
+            if wake:
+                os.write(self._wake_w, b"x")
+            return
         self._enqueue(mtype, {"node": self.node, **body})
 
     def _enqueue(self, mtype: MsgType, body: dict[str, Any], ttl_s: float | None = None) -> None:
-        self._out.put((mtype, body, ttl_s))
+        with self._out_lock:
+            if self._commit is not None:  # an earlier commit leaves first
+                self._out.put((MsgType.PROGRESS, self._commit, None))
+                self._commit = None
+            self._out.put((mtype, body, ttl_s))
         os.write(self._wake_w, b"x")
+
+    def _next_out(self) -> tuple[MsgType, dict[str, Any], float | None] | None:
+        """The next message to send, in the order they were given; the pending commit last."""
+        with self._out_lock:
+            try:
+                return self._out.get_nowait()
+            except queue.Empty:
+                pass
+            commit, self._commit = self._commit, None
+            return None if commit is None else (MsgType.PROGRESS, commit, None)
 
     def request(self, body: dict[str, Any], timeout_s: float, node_local: bool = False) -> dict[str, Any]:
         """One STORE request (to the node process with a relay, else to the leader); its reply
@@ -187,10 +216,15 @@ class ControlLink:
         reported = False
         try:
             while True:
-                self._flush(ch, relay)
+                committed = self._flush(ch, relay)
                 if self._stop.is_set():
                     break
+                with self._out_lock:  # commits flowing: look again soon, unasked; else sleep until woken
+                    # (one given since the flush was not woken for: it is looked for soon too)
+                    polling = self._commit_polling = committed or self._commit is not None
                 sleep_s = report_poll_s(self.intr.oldest_in_flight_s(time.monotonic()), reported, self.wait_report_s)
+                if polling:
+                    sleep_s = min(sleep_s, COMMIT_REPORT_S)
                 ready = dict(poller.poll(max(1, int(sleep_s * 1000))))
                 if ready.get(self._wake_r):
                     try:
@@ -218,12 +252,15 @@ class ControlLink:
                 relay.close()
             self._stopped.set()
 
-    def _flush(self, ch: Any, relay: Any) -> None:
+    def _flush(self, ch: Any, relay: Any) -> bool:
+        """Send everything given so far; -> whether a commit report was among it."""
+        committed = False
         while True:
-            try:
-                mtype, body, ttl_s = self._out.get_nowait()
-            except queue.Empty:
-                return
+            item = self._next_out()
+            if item is None:
+                return committed
+            mtype, body, ttl_s = item
+            committed = committed or (mtype == MsgType.PROGRESS and body.get("state") == "commit")
             if relay is not None and mtype in (MsgType.PROGRESS, MsgType.STORE):  # STORE: see request()
                 relay.send(mtype, body, ttl_s=ttl_s)
             else:

@@ -20,3 +20,61 @@ def test_a_collective_in_flight_wakes_the_thread_when_its_report_is_due() -> Non
 
 def test_a_reported_wait_is_looked_at_often_to_say_when_it_clears() -> None:
     assert report_poll_s(3.0, True, 1.0) == 0.1
+
+
+# ---- commit reports, over a real socket ------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_commit_reports_are_coalesced_and_keep_their_order_with_other_messages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A commit per step does not wake the link's thread per step: while commits flow the
+    newest goes out every COMMIT_REPORT_S, so 300 fast commits are a few reports, the last
+    one the newest; a message given after a commit still arrives after it; a lone commit
+    after a quiet spell goes out at once."""
+    import time
+
+    import zmq
+
+    from launcher.worker.controller_link import COMMIT_REPORT_S, ControlLink
+    from launcher.worker.stable_group import Interrupts
+    from resild.wire.channel import Server
+    from resild.wire.protocol import Message, MsgType
+
+    monkeypatch.delenv("RESILD_RELAY", raising=False)
+    ctx = zmq.Context()
+    srv = Server(ctx, "tcp://127.0.0.1:0", None)
+    link = ControlLink(srv.endpoint, None, "n0", 0, Interrupts(), lambda: (0, 1, 0)).start()
+
+    def received(wait_s: float) -> list[Message]:
+        out, deadline = [], time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            got = srv.channel.recv(left)
+            if got is not None:
+                out.append(got[1])
+        return out
+
+    try:
+        link.send(MsgType.PROGRESS, rank=0, epoch=1, step=0, state="join")
+        assert [m.body["state"] for m in received(0.5)] == ["join"]
+        t0 = time.monotonic()
+        for step in range(1, 301):  # ~3 ms steps for ~1 s
+            link.send(MsgType.PROGRESS, rank=0, epoch=1, step=step, state="commit")
+            time.sleep(0.003)
+        link.send(MsgType.PROGRESS, rank=0, epoch=1, step=300, state="wait")
+        elapsed = time.monotonic() - t0
+        got = [(m.body["state"], m.body["step"]) for m in received(0.5)]
+        commits = [s for st, s in got if st == "commit"]
+        assert got[-2:] == [("commit", 300), ("wait", 300)]  # the newest commit, then what came after it
+        assert commits == sorted(commits) and len(set(commits)) == len(commits)
+        # one report per COMMIT_REPORT_S or so (plus the first, sent at once), not 300
+        assert 2 <= len(commits) <= elapsed / COMMIT_REPORT_S + 3, (len(commits), elapsed)
+        time.sleep(3 * COMMIT_REPORT_S)  # quiet: the thread stops looking
+        t1 = time.monotonic()
+        link.send(MsgType.PROGRESS, rank=0, epoch=1, step=301, state="commit")
+        first = srv.channel.recv(2.0)
+        assert first is not None and first[1].body["step"] == 301
+        assert time.monotonic() - t1 < 2 * COMMIT_REPORT_S  # woken for it, not found on a long sleep
+    finally:
+        link.close(0.5)
+        srv.close()
+        ctx.destroy(linger=0)
