@@ -290,7 +290,7 @@ class ControlLink:
             ch = self._ch
             if ch is not None and ch.follow(int(msg.body.get("term", 0)), int(msg.body.get("leader", 0))):
                 self._answer_requests(None)  # the new leader never saw them: the formation retries
-                for mtype, body in self._repeat.items():  # register again
+                for mtype, body in list(self._repeat.items()):  # register again (a copy: send() may add)
                     self._out.put((mtype, body, None))
             return
         with self.intr.cond:

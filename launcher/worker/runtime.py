@@ -37,7 +37,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn
 
 import torch
@@ -184,8 +184,8 @@ class Job:
         # described its sharded state, DTensor's caches filled for it), until it is given ranks.
         if not link.wait(lambda: link.pending is not None or link.shutdown is not None, 0.5):
             prewarm_lazy_imports()
-        role = self.cfg.get("role")  # the node's when this worker registered (a controller before stop 30: none)
-        if role != "active" and os.environ.get(resild_env.SPARE_WARMUP.name, resild_env.SPARE_WARMUP.default) != "0":
+        warm, fetch_after_s = warmup_plan(self.cfg.get("role"), os.environ)
+        if warm:
             self._warmup = SpareWarmup(self._store, self.device, self._report_warmup)
         m, self.rank = wait_for_ranks(
             link,
@@ -193,7 +193,7 @@ class Job:
             self.local_rank,
             lambda: self._check_shutdown(waiting_spare=True),
             self._warmup,
-            fetch_after_s=0.0 if role == "spare" else FETCH_RECIPE_AFTER_S,
+            fetch_after_s=fetch_after_s,
         )
         self.world_size, self.epoch = m.world_size, m.epoch
         self._per_node = len(m.node_ranks.get(self.node, ())) or 1
@@ -631,6 +631,16 @@ class Job:
             if self._agent is not None:
                 self._agent.stop()
             self.link.close()
+
+
+def warmup_plan(role: Any, env: Mapping[str, str]) -> tuple[bool, float]:
+    """-> (warm up while waiting for ranks, after how long without them), from the role the
+    controller's WELCOME gave this worker's node when it registered: a spare's worker at
+    once, an active one never; told nothing (a controller before stop 30), a worker still
+    without ranks after FETCH_RECIPE_AFTER_S. RESILD_SPARE_WARMUP=0: never. Pure."""
+    if role == "active" or env.get(resild_env.SPARE_WARMUP.name, resild_env.SPARE_WARMUP.default) == "0":
+        return False, FETCH_RECIPE_AFTER_S
+    return True, 0.0 if role == "spare" else FETCH_RECIPE_AFTER_S
 
 
 def wait_for_ranks(

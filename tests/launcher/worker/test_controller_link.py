@@ -66,8 +66,9 @@ def test_commit_reports_are_coalesced_and_keep_their_order_with_other_messages(
         commits = [s for st, s in got if st == "commit"]
         assert got[-2:] == [("commit", 300), ("wait", 300)]  # the newest commit, then what came after it
         assert commits == sorted(commits) and len(set(commits)) == len(commits)
-        # one report per COMMIT_REPORT_S or so (plus the first, sent at once), not 300
-        assert 2 <= len(commits) <= elapsed / COMMIT_REPORT_S + 3, (len(commits), elapsed)
+        # about one report per COMMIT_REPORT_S (more on a loaded machine: a trainer held up
+        # past it finds the thread no longer looking and wakes it), never one per commit
+        assert 2 <= len(commits) <= 2 * elapsed / COMMIT_REPORT_S + 5, (len(commits), elapsed)
         time.sleep(3 * COMMIT_REPORT_S)  # quiet: the thread stops looking
         t1 = time.monotonic()
         link.send(MsgType.PROGRESS, rank=0, epoch=1, step=301, state="commit")

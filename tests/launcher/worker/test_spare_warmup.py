@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from launcher.worker import warmup_recipe as wr
-from launcher.worker.runtime import wait_for_ranks
+from launcher.worker.runtime import FETCH_RECIPE_AFTER_S, wait_for_ranks, warmup_plan
 from launcher.worker.spare_warmup import SpareWarmup, dim_ranks
 from resild.membership import Membership
 
@@ -411,3 +411,18 @@ def test_a_worker_told_it_is_a_spare_warms_up_before_any_epoch_comes() -> None:
     m, rank = wait_for_ranks(link, "spare", 0, lambda: None, w, fetch_after_s=0.0)  # type: ignore[arg-type]
     assert (m.epoch, rank) == (2, 1)
     assert len(runs) == 1 and runs[0] < 1.0  # the 2 s timer of a worker told nothing is not waited
+
+
+@pytest.mark.parametrize(
+    "role,env,plan",
+    [
+        ("spare", {}, (True, 0.0)),  # told it is a spare's: warm up at once
+        ("active", {}, (False, FETCH_RECIPE_AFTER_S)),  # an active worker never fetches the recipe
+        (None, {}, (True, FETCH_RECIPE_AFTER_S)),  # an older controller: the timer, as before
+        ("spare", {"RESILD_SPARE_WARMUP": "0"}, (False, FETCH_RECIPE_AFTER_S)),  # turned off
+    ],
+)
+def test_the_welcomes_role_decides_whether_and_when_a_worker_warms_up(
+    role: str | None, env: dict[str, str], plan: tuple[bool, float]
+) -> None:
+    assert warmup_plan(role, env) == plan
