@@ -65,7 +65,7 @@ from launcher.worker.train_state import TrainState
 from launcher.worker.warmup_recipe import RECIPE_KEY
 from launcher.worker.warmup_recipe import describe as describe_recipe
 from resild.events.schema import EventName
-from resild.membership import Membership
+from resild.membership import Membership, NodeRole
 from resild.wire.exits import FENCED_EXIT
 from resild.wire.protocol import MsgType
 from resild.wire.settings import WorkerRedundancy, WorkerTimeouts
@@ -638,9 +638,9 @@ def warmup_plan(role: Any, env: Mapping[str, str]) -> tuple[bool, float]:
     controller's WELCOME gave this worker's node when it registered: a spare's worker at
     once, an active one never; told nothing (a controller before stop 30), a worker still
     without ranks after FETCH_RECIPE_AFTER_S. RESILD_SPARE_WARMUP=0: never. Pure."""
-    if role == "active" or env.get(resild_env.SPARE_WARMUP.name, resild_env.SPARE_WARMUP.default) == "0":
+    if role == NodeRole.ACTIVE.value or env.get(resild_env.SPARE_WARMUP.name, resild_env.SPARE_WARMUP.default) == "0":
         return False, FETCH_RECIPE_AFTER_S
-    return True, 0.0 if role == "spare" else FETCH_RECIPE_AFTER_S
+    return True, 0.0 if role == NodeRole.SPARE.value else FETCH_RECIPE_AFTER_S
 
 
 def wait_for_ranks(

@@ -211,7 +211,7 @@ class Handlers:
         s.worker_ident[(node.node_id, lr)] = ident
         # The node's role now: a spare's worker starts its warm-up at once (nothing else
         # tells it), an active one never fetches the recipe. One encoding per role per job.
-        role = "spare" if node.role == NodeRole.SPARE else "active"
+        role = (NodeRole.SPARE if node.role == NodeRole.SPARE else NodeRole.ACTIVE).value
         welcome = s.bc.welcome_json.get(role)
         if welcome is None:
             welcome = s.bc.welcome_json[role] = json.dumps(
