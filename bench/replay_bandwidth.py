@@ -13,6 +13,13 @@ Paths, timed on the receiver from a barrier to the last byte usable:
 - ``direct``: ``P2PTransport.exchange`` as ``Recovery.replay`` drives it (each wait
   through ``Recovery.wait``, which watches the epoch): tensors sent from their own
   storage, received into the tensors handed back, checksummed on both sides.
+- ``direct_spare``: what a spare pays to be restored: its model is built (the live
+  parameters, touched, as after the training script's model construction; its
+  optimizer holds no state yet), the exchange writes the parameters in place
+  (``receive_into``), and the restore's copy into the model (``TrainState.restore``)
+  finds nothing left to copy. Timed to the model restored.
+- ``direct_spare_copy``: the same spare as before stop 31: every tensor received into
+  fresh memory, then the parameters copied into the model.
 - ``direct_unfaulted``: ``direct`` without faulting the receiver's fresh pages in ahead
   of the bytes (``launcher.worker.prefault``), as it was before: what that buys.
 - ``flat``: the transport as it was before issue 17 (one flat buffer: snapshot, cat,
@@ -66,8 +73,8 @@ from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.state_codec import checksum, flatten, unflatten
 from launcher.worker.state_transport import P2PTransport, Received
 
-PATHS = ("loopback", "loopback_fresh", "direct", "direct_unfaulted", "flat")
-DEFAULT_PATHS = ("loopback", "loopback_fresh", "direct", "direct_unfaulted", "flat")
+PATHS = ("loopback", "loopback_fresh", "direct", "direct_spare", "direct_spare_copy", "direct_unfaulted", "flat")
+DEFAULT_PATHS = ("loopback", "loopback_fresh", "direct", "direct_spare", "direct_spare_copy", "flat")
 
 
 # ---- the state ---------------------------------------------------------------------------
@@ -261,6 +268,9 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
             return dict(state), dict(aux)  # as TrainState.snapshot: new dicts, the live tensors
 
         nbytes = state_bytes(state) + state_bytes(aux)
+        # A spare's built model (touched, other values), its optimizer empty: what it offers.
+        spare = {**state, "step": 0, "model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        spare["optim"] = {"state": {}, "param_groups": state["optim"]["param_groups"]}
         warm_src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
         warm_dst = torch.zeros(nbytes, dtype=torch.uint8)
         for k in args["sources"]:
@@ -269,6 +279,9 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                 order = list(args["paths"]) if i % 2 == 0 else list(reversed(args["paths"]))
                 for path in order:
                     key = f"{mb}/{k}/{path}"
+                    if path.startswith("direct_spare") and rank == receiver:
+                        for v in spare["model"].values():  # not yet restored (checked below)
+                            v.zero_()
                     barrier()
                     t0, c0 = time.perf_counter(), time.process_time()
                     got = None
@@ -284,7 +297,13 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                         prefault._supported = path != "direct_unfaulted" and linux  # the receiver's pages
                         tr: Any = P2PTransport(pg, torch.device("cpu"), managed) if path != "flat" else None
                         tr = tr or FlatTransport(pg, managed)
-                        got = tr.exchange(plan, rank, snapshot)
+                        into = (lambda: spare) if path == "direct_spare" else None
+                        got = tr.exchange(plan, rank, snapshot, into) if into else tr.exchange(plan, rank, snapshot)
+                        if got is not None and path.startswith("direct_spare"):  # TrainState.restore's copy
+                            for name, v in spare["model"].items():
+                                src = got.state["model"][name]
+                                if src.data_ptr() != v.data_ptr():
+                                    v.copy_(src)
                     dt, dc = time.perf_counter() - t0, time.process_time() - c0
                     if i > 0 and (rank == receiver or rank < k):
                         cpu.setdefault(key, []).append(dc)
@@ -299,7 +318,10 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                             "sources": k,
                         }
                     if got is not None and "bitwise_equal" not in info[key]:
-                        info[key]["bitwise_equal"] = not got.damaged and equal(got.state, state) and equal(got.aux, aux)
+                        restored = not path.startswith("direct_spare") or equal(spare["model"], state["model"])
+                        info[key]["bitwise_equal"] = (
+                            not got.damaged and equal(got.state, state) and equal(got.aux, aux) and restored
+                        )
                     del got
             barrier()
     barrier()

@@ -93,6 +93,12 @@ class CommitProtocol:
         else:
             self.steps.abort()
 
+    def receive_into(self) -> dict[str, Any]:
+        """The live state a replay may write in place (this rank's own parameters and
+        optimizer state, uncopied). From here on this rank holds no step until `resume`."""
+        self.steps.discard()
+        return self.train.snapshot(self.steps.step)
+
     def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a replica sends: the replicated state at the committed step, and its aux."""
         return self.train.snapshot(self.steps.step), self.steps.committed_aux

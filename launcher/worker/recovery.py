@@ -165,12 +165,20 @@ class Recovery:
         return agree(self.read(rows), floor)
 
     def replay(
-        self, steps: list[int], replicas: ReplicaMap, rank: int, max_sources: int, snapshot: Any
+        self,
+        steps: list[int],
+        replicas: ReplicaMap,
+        rank: int,
+        max_sources: int,
+        snapshot: Any,
+        receive_into: Any = None,
     ) -> tuple[int, Received | None]:
+        """`receive_into`: this rank's live state, to be written in place if it receives
+        (state_transport); called only then."""
         target, plan = plan_replay(steps, replicas, max_sources)
         pg = self.groups["world"]._inner
         transport = P2PTransport(pg, self.device, lambda w: self.wait(w, untimed=True))
-        got = transport.exchange(plan, rank, snapshot)
+        got = transport.exchange(plan, rank, snapshot, receive_into)
         if not plan:
             return target, got
         # Every rank learns whether any transfer arrived damaged, so all take the same next step.

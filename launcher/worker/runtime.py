@@ -487,6 +487,7 @@ class Job:
                 self.rank,
                 int(self.cfg.get("replay_sources", 2)),
                 protocol.snapshot,
+                protocol.receive_into,
             )
             source = "replica"
         except (NoReplica, ValueError) as e:
@@ -514,6 +515,7 @@ class Job:
                 sources=got.sources,
                 mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1),
                 source=source,
+                in_place_bytes=got.in_place,
             )
         if self.epoch > 1:
             self._progress("joined")

@@ -146,6 +146,46 @@ def assemble(skel: Any, tensors: Sequence[torch.Tensor]) -> Any:
     return build(skel)
 
 
+def tensor_paths(skel: Any) -> list[tuple[Any, ...]]:
+    """Each tensor's path in a decoded skeleton, in buffer order: dict keys as they are,
+    list and tuple positions as ("#", i). `live_tensors` names a live state's alike."""
+    out: dict[int, tuple[Any, ...]] = {}
+
+    def walk(node: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(node, dict):
+            if "__t" in node:
+                out[int(node["__t"])] = path
+            elif "__d" in node:
+                for (kt, k), v in node["__d"]:
+                    walk(v, (*path, k if kt == "s" else int(k)))
+            else:
+                for i, v in enumerate(node.get("__l") or node.get("__tu") or ()):
+                    walk(v, (*path, ("#", i)))
+
+    walk(skel, ())
+    return [out[i] for i in range(len(out))]
+
+
+def live_tensors(state: Any) -> dict[tuple[Any, ...], torch.Tensor]:
+    """Every tensor of a live state by its path (as `tensor_paths` names them); none copied."""
+    out: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def walk(obj: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(obj, torch.Tensor):
+            out[path] = obj
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                if type(v) not in _PLAIN:
+                    walk(v, (*path, k))
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                if type(v) not in _PLAIN:
+                    walk(v, (*path, ("#", i)))
+
+    walk(state, ())
+    return out
+
+
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a flat uint8 tensor sharing its storage (a copy only if it is
     not contiguous)."""

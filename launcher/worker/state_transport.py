@@ -16,7 +16,11 @@ Per receiver, every message a point-to-point of raw bytes (no pickle):
    ones are packed into one batch per slice (each message has a fixed cost), each at a
    64-byte offset, and the state's are handed back as views of it (the aux's, RNG
    states, are copied out: torch's RNG setters ignore a view's offset). The aux
-   (RNG, extra) rides with part 0.
+   (RNG, extra) rides with part 0. A receiver that offers its own live state
+   (`receive_into`: a spare's built model, a rank's optimizer state) gets each large
+   tensor of the same path, dtype and shape written in place: no second allocation
+   (on a GPU, no transient second copy of the parameters), no fresh pages, no copy
+   into the model afterwards.
 3. SUMS, per slice: the checksum of each of its messages, computed by the source
    while they are on the wire; the receiver checksums each message as it lands,
    while the rest are in flight. Nothing is handed back unless every sum matches.
@@ -24,7 +28,10 @@ Per receiver, every message a point-to-point of raw bytes (no pickle):
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,7 +42,7 @@ import torch
 
 from launcher.worker.prefault import populate_ahead
 from launcher.worker.replica_map import Transfer, slice_bounds
-from launcher.worker.state_codec import Spec, assemble, byte_view, checksum, parse, skeleton
+from launcher.worker.state_codec import Spec, assemble, byte_view, checksum, live_tensors, parse, skeleton, tensor_paths
 
 VERSION = 2  # of the wire layout below; 1 was the single flat buffer
 SMALL = 64 << 10  # tensors under this are batched
@@ -55,11 +62,16 @@ class Received:
     sources: list[int]
     seconds: float
     damaged: tuple[int, ...] = ()  # sources whose bytes failed their checksum (the state is not usable)
+    in_place: int = 0  # bytes written straight into the receiver's live tensors (`receive_into`)
 
 
 class StateTransport(Protocol):
     def exchange(
-        self, plan: list[Transfer], me: int, snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]]
+        self,
+        plan: list[Transfer],
+        me: int,
+        snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+        receive_into: Callable[[], Any] | None = None,
     ) -> Received | None:
         """Send what `plan` asks of `me` and receive what it gives `me`."""
 
@@ -170,6 +182,36 @@ def _sums_tag(part: int) -> int:
     return ((part + 2) << _PART_SHIFT) - 1
 
 
+_gc_lock = threading.Lock()
+_gc_pausers = 0  # exchanges under way in this process (a source may serve while a rollback fetches)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Any:
+    """Python's cyclic GC off for a bounded burst of allocations (a replay makes thousands
+    of small objects: skeletons, views, works) and on again after the last of the
+    overlapping bursts, if it was on. In a trainer that holds torch and a model, a
+    collection the burst triggers walks every live object (py-spy of a 64 MB replay:
+    ~6 ms of its ~60 in `gc_collect_main`). Reference counting frees everything not in a
+    cycle meanwhile."""
+    global _gc_pausers
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_paused_was[0] = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_paused_was[0]:
+                gc.enable()
+
+
+_gc_paused_was = [True]
+
+
 # ---- waiting ------------------------------------------------------------------------------
 class _InOrder:
     """Several works waited as one, in order, by whichever thread waits on it (the epoch-
@@ -205,17 +247,27 @@ class P2PTransport:
         self.pg, self.device, self.wait = pg, device, wait
 
     def exchange(
-        self, plan: list[Transfer], me: int, snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]]
+        self,
+        plan: list[Transfer],
+        me: int,
+        snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+        receive_into: Callable[[], Any] | None = None,
     ) -> Received | None:
+        """`receive_into`: called once if `me` receives, before any byte lands; returns the
+        live state whose tensors may be overwritten in place (whatever it returns is in
+        an unknown state if the exchange does not complete)."""
         sends = sorted((t for t in plan if t.src == me), key=lambda t: (t.dst, t.part))
         recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.part)
-        sent = _Sender(self, *snapshot()).post(sends) if sends else None
-        got = self._receive(recvs) if recvs else None
-        if sent is not None:
-            self.wait(sent)
+        if sends and recvs and receive_into is not None:
+            raise ValueError(f"rank {me} both sends and receives state: it cannot write its own in place")
+        with gc_paused():
+            sent = _Sender(self, *snapshot()).post(sends) if sends else None
+            got = self._receive(recvs, receive_into) if recvs else None
+            if sent is not None:
+                self.wait(sent)
         return got
 
-    def _receive(self, recvs: list[Transfer]) -> Received:
+    def _receive(self, recvs: list[Transfer], receive_into: Callable[[], Any] | None = None) -> Received:
         t0 = time.monotonic()
         primary, parts = recvs[0].src, recvs[0].parts
         if [t.part for t in recvs] != list(range(parts)):
@@ -226,15 +278,19 @@ class P2PTransport:
             return Received({}, {}, 0, sources, time.monotonic() - t0, (primary,))
         skel, askel, specs, n_state, n_meta, meta_ok = meta
         msgs = layout([s.nbytes for s in specs], [s.dtype for s in specs], n_state, parts)
-        into = _Destination(specs, self.device)
+        live = in_place(skel, specs[:n_state], receive_into(), self.device) if receive_into is not None else {}
+        into = _Destination(specs, self.device, live)
         works: list[Any] = []
         wires: list[tuple[int, int, torch.Tensor]] = []  # (part, message, bytes) in posting order
+        fresh: list[tuple[int, int, torch.Tensor]] = []  # of them, those into memory never touched
         for t in recvs:
             for j, m in enumerate(msgs[t.part]):
                 wires.append((t.part, j, into.wire(m)))
+                if m.piece is None or m.piece.tensor not in live:
+                    fresh.append(wires[-1])
         # Fresh pages faulted in ahead of the bytes, in the order they land: the parts'
         # messages interleaved, as their sources send them at once.
-        populate_ahead([w for _, _, w in sorted(wires, key=lambda x: (x[1], x[0]))])
+        populate_ahead([w for _, _, w in sorted(fresh, key=lambda x: (x[1], x[0]))])
         for p, j, w in wires:
             works.append(self.pg.recv([w], recvs[p].src, _tag(p, j)))
         sums = [torch.empty(len(msgs[t.part]), dtype=torch.int64, device=self.device) for t in recvs]
@@ -260,7 +316,8 @@ class P2PTransport:
         views = views if views is not None else into.tensors()
         state = early if early is not None else assemble(skel, views[:n_state])
         aux = assemble(askel, [into.own(i, t) for i, t in enumerate(views[n_state:], n_state)])
-        return Received(state, aux, n, sources, time.monotonic() - t0)
+        done = sum(specs[i].nbytes for i in live)
+        return Received(state, aux, n, sources, time.monotonic() - t0, in_place=done)
 
     def _recv_meta(self, primary: int) -> tuple[Any, Any, list[Spec], int, int, bool] | None:
         """-> (state skeleton, aux skeleton, every tensor's Spec, how many are the state's,
@@ -385,11 +442,16 @@ class _Destination:
     setters read a view's storage from its start, not from the view's offset. On a GPU
     the batches (counters, RNG) are handed back in host memory, as those setters expect."""
 
-    def __init__(self, specs: list[Spec], device: torch.device) -> None:
+    def __init__(self, specs: list[Spec], device: torch.device, live: dict[int, torch.Tensor] | None = None) -> None:
         self.specs, self.device = specs, device
+        live = live or {}
         self.out: list[torch.Tensor | None] = [
-            torch.empty(s.shape, dtype=s.dtype, device=device) if s.nbytes >= SMALL or s.nbytes == 0 else None
-            for s in specs
+            live[i]
+            if i in live
+            else torch.empty(s.shape, dtype=s.dtype, device=device)
+            if s.nbytes >= SMALL or s.nbytes == 0
+            else None
+            for i, s in enumerate(specs)
         ]
         self.batches: list[tuple[Message, torch.Tensor]] = []
 
@@ -428,10 +490,41 @@ class _Destination:
         return [t for t in out if t is not None]
 
 
+def in_place(skel: Any, specs: Sequence[Spec], live_state: Any, device: torch.device) -> dict[int, torch.Tensor]:
+    """Which received tensors (index -> live tensor) can be written straight into the
+    receiver's own: a large one whose path in `live_state` holds a contiguous tensor of
+    the same dtype and shape on `device`, no two sharing a byte (tied weights appear
+    under two paths: the second gets memory of its own). Matched by path, never by
+    position: an optimizer's state can list the same parameters in another order on
+    another rank."""
+    if live_state is None:
+        return {}
+    mine = live_tensors(live_state)
+    found: list[tuple[int, int, int, torch.Tensor]] = []  # (first byte, end, index, tensor)
+    for i, (path, s) in enumerate(zip(tensor_paths(skel), specs)):
+        t = mine.get(path)
+        if (
+            s.nbytes >= SMALL
+            and t is not None
+            and t.device == device
+            and t.dtype == s.dtype
+            and tuple(t.shape) == s.shape
+            and t.is_contiguous()
+        ):
+            found.append((t.data_ptr(), t.data_ptr() + s.nbytes, i, t.detach()))
+    out: dict[int, torch.Tensor] = {}
+    end = -1
+    for lo, hi, i, t in sorted(found, key=lambda f: (f[0], f[2])):
+        if lo >= end:  # overlaps none taken before it
+            out[i], end = t, hi
+    return out
+
+
 def describe(r: Received) -> str:
     mb = r.nbytes / 1e6
     rate = mb / r.seconds if r.seconds > 0 else float("inf")
-    return f"{mb:.2f} MB from ranks {r.sources} in {r.seconds:.3f}s ({rate:.0f} MB/s)"
+    where = f", {r.in_place / 1e6:.2f} MB into its live tensors" if r.in_place else ""
+    return f"{mb:.2f} MB from ranks {r.sources} in {r.seconds:.3f}s ({rate:.0f} MB/s{where})"
 
 
 __all__ = ["P2PTransport", "Received", "StateTransport", "describe", "layout"]

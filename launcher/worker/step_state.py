@@ -36,6 +36,9 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
 }
 
 
+NONE = -1  # the step of a rank that holds no usable state (a replay into it is under way)
+
+
 class ProtocolError(RuntimeError):
     """A transition the table does not allow: a bug in resild, not in the training loop."""
 
@@ -101,6 +104,14 @@ class StepState:
         if self.prepared:
             return (self.step, 1, self.voted_found_inf)
         return (self.step, 0, self.last_found_inf)
+
+    def discard(self) -> None:
+        """The live state is about to be overwritten in place by a replay: until one
+        completes (`replayed`) this rank holds no step (NONE), so no agreement counts it a
+        holder and no rollback takes its half-written live state for a snapshot's step."""
+        if self.phase is not Phase.IDLE:
+            raise ProtocolError(f"step {self.step}: the state cannot be discarded in phase {self.phase.name}")
+        self.step, self.last_found_inf = NONE, -1
 
     def replayed(self, step: int, aux: dict[str, Any]) -> None:
         """State arrived from a replica: its step, and this rank's aux as restored."""

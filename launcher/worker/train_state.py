@@ -105,8 +105,9 @@ class TrainState:
             raise ValueError(f"replayed model state does not match this model: keys {sorted(missing)[:5]} differ")
         with torch.no_grad():
             for k, v in live.items():
-                dst = v.to_local() if isinstance(v, DTensor) else v
-                dst.copy_(s["model"][k].to(dst.device))
+                dst, src = v.to_local() if isinstance(v, DTensor) else v, s["model"][k]
+                if not _same_memory(dst, src):  # a replay may have written it in place
+                    dst.copy_(src.to(dst.device))
         self.optimizer.load_state_dict(self._as_params(s["optim"]))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(s["sched"])
@@ -153,3 +154,7 @@ class TrainState:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape

@@ -5,6 +5,7 @@ over gloo on 127.0.0.1 (forked ranks, as in test_rollback)."""
 from __future__ import annotations
 
 import functools
+import gc
 import time
 import warnings
 from typing import Any
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from launcher.worker import state_transport as tp
 from launcher.worker.replica_map import Transfer, slice_bounds
-from launcher.worker.state_codec import flatten, skeleton, unflatten
+from launcher.worker.state_codec import flatten, live_tensors, parse, skeleton, tensor_paths, unflatten
 from tests.launcher.worker.test_rollback import in_ranks
 from tests.launcher.worker.test_snapshots import bitwise_equal
 
@@ -177,3 +178,104 @@ def test_a_state_striped_over_two_sources_arrives_bitwise_into_tensors_of_its_ow
 def test_a_slice_that_arrives_damaged_names_its_source_and_nothing_is_handed_back() -> None:
     got = in_ranks(3, functools.partial(_striped, 1))
     assert got[2]["damaged"] == [1] and not got[2]["equal"]
+
+
+# ---- a receiver's own live state, written in place ----------------------------------------
+def test_paths_name_each_tensor_alike_in_a_live_state_and_in_its_decoded_skeleton() -> None:
+    state = _state()[0]
+    skel, specs = parse(skeleton(state)[0])
+    paths = tensor_paths(skel)
+    live = live_tensors(state)
+    assert len(paths) == len(specs) == len(live) and set(paths) == set(live)
+    assert ("optim", "state", 0, "m") in live and ("model", "big") in live  # int keys stay ints
+    assert live[("model", "big")] is state["model"]["big"]
+    # the same order as the tensors laid out by `skeleton`
+    assert [live[p].data_ptr() for p in paths] == [t.data_ptr() for t in skeleton(state)[1]]
+
+
+def test_only_large_tensors_of_the_same_path_dtype_shape_and_device_are_written_in_place() -> None:
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(300, 100, generator=g)
+    sent = {
+        "model": {"a": big, "b": big.clone(), "tied": big, "t": torch.randn(100, 300), "small": torch.ones(10)},
+        "optim": {"state": {0: {"m": torch.randn(30_000)}, 1: {"m": torch.randn(20_000)}}},
+        "other": [torch.randn(40_000), torch.randn(40_000)],
+    }
+    live_big = torch.zeros(300, 100)
+    live = {
+        "model": {
+            "a": live_big,
+            "b": torch.zeros(300, 100, dtype=torch.float64),  # another dtype
+            "tied": live_big,  # the same storage under a second path
+            "t": torch.zeros(300, 100).t(),  # not contiguous
+            "small": torch.zeros(10),  # under SMALL: it travels in a batch
+        },
+        # the optimizer lists its parameters in another order: matched by path, not position
+        "optim": {"state": {1: {"m": torch.zeros(20_000)}, 0: {"m": torch.zeros(30_000)}}},
+        "other": [torch.zeros(40_000)],  # a list one shorter: the second has no live tensor
+    }
+    skel, specs = parse(skeleton(sent)[0])
+    got = tp.in_place(skel, specs, live, torch.device("cpu"))
+    named = {tensor_paths(skel)[i]: t for i, t in got.items()}
+    assert set(named) == {("model", "a"), ("optim", "state", 0, "m"), ("optim", "state", 1, "m"), ("other", ("#", 0))}
+    assert named[("model", "a")].data_ptr() == live_big.data_ptr()
+    assert named[("optim", "state", 0, "m")].data_ptr() == live["optim"]["state"][0]["m"].data_ptr()
+    assert tp.in_place(skel, specs, None, torch.device("cpu")) == {}
+    assert tp.in_place(skel, specs, live, torch.device("meta")) == {}  # never across devices
+
+
+def _into_live(rank: int, pg: Any) -> Any:  # pragma: no cover - forked child
+    sent = _state()
+    plan = [Transfer(0, 1, 0, 1)]
+    if rank == 0:
+        tp.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait()).exchange(plan, rank, lambda: sent)
+        return None
+    live = _state()[0]  # the same structure, other values
+    live["model"]["big"].zero_()
+    live["mask"].zero_()
+    big, mask = live["model"]["big"], live["mask"]
+    calls: list[int] = []
+
+    def into() -> Any:
+        calls.append(1)
+        return live
+
+    got = tp.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait()).exchange(plan, rank, lambda: sent, into)
+    return {
+        "calls": len(calls),
+        "equal": bitwise_equal((got.state, got.aux), sent),
+        "in_place": [
+            got.state["model"]["big"].data_ptr() == big.data_ptr(),
+            got.state["mask"].data_ptr() == mask.data_ptr(),
+        ],
+        "written": torch.equal(big, sent[0]["model"]["big"]) and torch.equal(mask, sent[0]["mask"]),
+        "bytes_in_place": got.in_place,
+    }
+
+
+def test_a_receiver_that_offers_its_live_state_gets_the_large_tensors_written_in_place() -> None:
+    got = in_ranks(2, _into_live)[1]
+    state = _state()[0]
+    assert got == {
+        "calls": 1,
+        "equal": True,
+        "in_place": [True, True],
+        "written": True,
+        "bytes_in_place": state["model"]["big"].nbytes + state["mask"].nbytes,  # its only two large tensors
+    }
+
+
+def test_pausing_the_gc_nests_and_restores_what_it_found() -> None:
+    assert gc.isenabled()
+    with tp.gc_paused():
+        with tp.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer exchange is still under way
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with tp.gc_paused():
+            pass
+        assert not gc.isenabled()  # a trainer that runs with the GC off keeps it off
+    finally:
+        gc.enable()

@@ -10,9 +10,10 @@ import pytest
 
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.recovery import agree
+from launcher.worker.replica_map import ReplicaMap, Transfer, plan_replay
 from launcher.worker.runtime import wait_for_ranks
 from launcher.worker.stable_group import Interrupts, StableGroup
-from launcher.worker.step_state import TRANSITIONS, Phase, ProtocolError, StepState
+from launcher.worker.step_state import NONE, TRANSITIONS, Phase, ProtocolError, StepState
 from resild.membership import Membership
 
 pytestmark = pytest.mark.timeout(60)
@@ -92,6 +93,28 @@ def test_a_prepared_rank_discards_its_step_when_nobody_committed() -> None:
     _protocol(st, train).settle(agree([[7, 1, 0], list(st.agreement_row())]), rank=1)
     assert train.applied == []
     assert (st.step, st.phase, st.committed_aux) == (7, Phase.IDLE, {"rng": "at 7"})
+
+
+def test_a_rank_whose_live_state_a_replay_will_write_holds_no_step_until_it_lands() -> None:
+    st = StepState(step=5, committed_aux={"rng": "at 5"}, last_found_inf=0)
+    live = {"model": {"w": "the parameters"}}
+
+    class Train(_Train):
+        def snapshot(self, step: int) -> dict[str, Any]:
+            return {"step": step, **live}
+
+    assert _protocol(st, Train()).receive_into() == {"step": NONE, **live}
+    assert st.step == NONE and st.agreement_row() == (NONE, 0, -1)
+    # A cut-off replay's half-written rank is never a holder: the next agreement replays it
+    # again from a real one, and a rollback never takes its live state for a snapshot's step.
+    ag = agree([[9, 0, 0], list(st.agreement_row())])
+    assert ag.target == 9 and ag.rollers == [] and ag.steps == [9, NONE]
+    assert plan_replay(ag.steps, ReplicaMap.data_parallel(2), 1)[1] == [Transfer(0, 1, 0, 1)]
+    st.replayed(9, {"rng": "at 9"})
+    assert st.step == 9
+    st.mark_synced()
+    with pytest.raises(ProtocolError, match="cannot be discarded"):
+        st.discard()  # only between steps: a replay never runs inside one
 
 
 class _Link:
