@@ -14,7 +14,22 @@ from bench.replay_bandwidth import main
 def test_a_tiny_run_prints_one_json_line_per_path_with_the_state_replayed_bitwise(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    argv = ["--mb", "0.1", "--layers", "2", "--sources", "1", "--runs", "1", "--paths", "direct", "direct_spare", "direct_spare_copy", "flat", "--json"]
+    argv = [
+        "--mb",
+        "0.1",
+        "--layers",
+        "2",
+        "--sources",
+        "1",
+        "--runs",
+        "1",
+        "--paths",
+        "direct",
+        "direct_spare",
+        "direct_spare_copy",
+        "flat",
+        "--json",
+    ]
     assert main([*argv, "--warm-heap", "--timeout", "60"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["path"] for r in rows] == ["loopback", "direct", "direct_spare", "direct_spare_copy", "flat"]
