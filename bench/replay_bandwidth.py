@@ -389,6 +389,27 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
 
     into = receiver_prepare()
     src, dst = torch.randint(0, 255, (n,), dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    # A snapshot rollback (plain FSDP2): a survivor's live state (model and optimizer
+    # state, touched), and a spare's (its model built, its optimizer empty).
+    from launcher.worker.snapshots import Frozen
+
+    frozen = Frozen.capture(100, 0, state, aux)
+    survivor = {**state, "model": {k: v.clone() for k, v in state["model"].items()}}
+    survivor["optim"] = {
+        "state": {i: {k: v.clone() for k, v in st.items()} for i, st in state["optim"]["state"].items()},
+        "param_groups": state["optim"]["param_groups"],
+    }
+    spare = {**survivor, "optim": {"state": {}, "param_groups": state["optim"]["param_groups"]}}
+
+    def thaw_then_restore(live: dict[str, Any]) -> Any:  # before stop 31: clones, then the model copied
+        got, _ = frozen.thaw()
+        for k, v in live["model"].items():
+            v.copy_(got["model"][k])
+        return got
+
+    def thaw_into(live: dict[str, Any]) -> Any:  # the restore's copy then finds the same memory
+        return frozen.thaw_into(live)
+
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("memcpy of the state's bytes, warm pages (what loopback's kernel copies do twice)", lambda: dst.copy_(src)),
         ("memcpy into fresh pages (a receiver's first touch)", lambda: torch.empty(n, dtype=torch.uint8).copy_(src)),
@@ -401,6 +422,10 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
         ("direct: receiver parse", lambda: parse(skel_json)),
         ("direct: receiver layout + allocation", receiver_prepare),
         ("direct: receiver views + assemble", lambda: assemble(sk, into.tensors())),
+        ("rollback, survivor: thaw (a clone per tensor) + model copied in", lambda: thaw_then_restore(survivor)),
+        ("rollback, survivor: thaw into the live state", lambda: thaw_into(survivor)),
+        ("rollback, spare: thaw (a clone per tensor) + model copied in", lambda: thaw_then_restore(spare)),
+        ("rollback, spare: thaw into the live model", lambda: thaw_into(spare)),
     ]
     out = []
     for name, f in steps:

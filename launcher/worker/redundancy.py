@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -67,6 +67,7 @@ class Redundancy:
         self._ckpt_group: StableGroup | None = None
         self.state: TrainState | None = None
         self.steps: StepState | None = None
+        self._live: Callable[[], Any] = lambda: None  # the live state a rollback may write (setup)
 
     # ---- set-up ----------------------------------------------------------------------
     def setup(
@@ -79,6 +80,7 @@ class Redundancy:
     ) -> None:
         """`new_group(label)`: a gloo StableGroup of every rank, registered and formed."""
         self.state, self.steps = state, steps
+        self._live = protocol.receive_into  # a rollback writes the snapshot into the live state
         self._setup_snapshots(protocol, replicas, new_group)
         self._setup_checkpoints(new_group)
 
@@ -233,15 +235,15 @@ class Redundancy:
                 self.emit(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=holder, found="transfer")
             self.emit(EventName.ROLLED_BACK, step=step, newest=newest, steps_redone=newest - step, fetches=len(plan))
         if frozen is not None:
-            state, aux = frozen.thaw()
+            state, aux, written = frozen.thaw_into(self._live())
             holder = next(f.holder for f in plan if f.src == self.rank)
-            return step, Received(state, aux, frozen.nbytes, [holder], time.monotonic() - t0)
+            return step, Received(state, aux, frozen.nbytes, [holder], time.monotonic() - t0, in_place=written)
         if steps.step == step:
             return step, None  # the live state is that step: only the aux rewinds
         own = snap.store.get(self.rank, step)
         assert own is not None
-        state, aux = own.thaw()
-        return step, Received(state, aux, 0, [self.rank], time.monotonic() - t0)
+        state, aux, written = own.thaw_into(self._live())
+        return step, Received(state, aux, 0, [self.rank], time.monotonic() - t0, in_place=written)
 
     def saved_step(self) -> int | None:
         """The newest complete checkpoint as every rank sees it (one all-reduce: a rank

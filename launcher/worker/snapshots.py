@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from launcher.worker.state_codec import checksum, skeleton, unflatten
+from launcher.worker.state_codec import checksum, skeleton, unflatten, unflatten_into
 
 HEADER_LEN = 7  # step, crc, skeleton bytes, aux skeleton bytes, aux buffer bytes, state buffer bytes, source rank
 
@@ -162,6 +162,19 @@ class Frozen:
         c = b + self.n_abuf
         skel, askel = bytes(p[:a].numpy().tobytes()), bytes(p[a:b].numpy().tobytes())
         return unflatten(skel, p[c:]), unflatten(askel, p[b:c])
+
+    def thaw_into(self, live: Any) -> tuple[dict[str, Any], dict[str, Any], int]:
+        """`thaw`, the state's tensors copied straight into the live ones of the same path
+        (no second copy of the state in memory, none made on the GPU by the restore);
+        -> (state, aux, bytes written in place)."""
+        self.wait_ready()
+        p = self.payload
+        a = self.n_skel
+        b = a + self.n_askel
+        c = b + self.n_abuf
+        skel, askel = bytes(p[:a].numpy().tobytes()), bytes(p[a:b].numpy().tobytes())
+        state, written = unflatten_into(skel, p[c:], live)
+        return state, unflatten(askel, p[b:c]), written
 
 
 @dataclass

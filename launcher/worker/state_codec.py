@@ -199,13 +199,38 @@ def typed_view(raw: torch.Tensor, spec: Spec) -> torch.Tensor:
 
 def unflatten(skeleton: bytes, buf: torch.Tensor) -> Any:
     """Inverse of `flatten`; every tensor is a copy (free of `buf`)."""
+    return unflatten_into(skeleton, buf, None)[0]
+
+
+def unflatten_into(skeleton: bytes, buf: torch.Tensor, live: Any) -> tuple[Any, int]:
+    """`unflatten`, copying each tensor whose path in the live state `live` holds one of
+    the same dtype and shape into that live tensor (wherever it is: a GPU parameter, an
+    optimizer's moment) instead of into new memory; the state returned holds the live
+    tensors there. -> (the state, bytes written into live tensors)."""
     skel, specs = parse(skeleton)
     starts = [0]
     for s in specs:
         starts.append(starts[-1] + s.nbytes)
     if starts[-1] != buf.numel():
         raise ValueError(f"state buffer holds {buf.numel()} bytes, skeleton describes {starts[-1]}")
-    return assemble(skel, [typed_view(buf[starts[i] : starts[i + 1]].clone(), s) for i, s in enumerate(specs)])
+    mine = live_tensors(live) if live is not None else {}
+    out: list[torch.Tensor] = []
+    written = 0
+    with torch.no_grad():
+        for i, (path, s) in enumerate(zip(tensor_paths(skel) if mine else [()] * len(specs), specs)):
+            raw = buf[starts[i] : starts[i + 1]]  # at any offset: copied as bytes where it can be
+            t = mine.get(path)
+            if t is None or t.dtype != s.dtype or tuple(t.shape) != s.shape:
+                out.append(typed_view(raw.clone(), s))
+                continue
+            t = t.detach()
+            if t.is_contiguous():
+                byte_view(t).copy_(raw)
+            else:
+                t.copy_(typed_view(raw.clone(), s))
+            out.append(t)
+            written += s.nbytes
+    return assemble(skel, out), written
 
 
 def _fastest_crc32() -> Callable[[Any], int]:

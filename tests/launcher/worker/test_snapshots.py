@@ -22,6 +22,7 @@ from launcher.worker.snapshots import (
     plan_rollback,
     sources,
 )
+from launcher.worker.state_codec import skeleton
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:
@@ -146,6 +147,29 @@ def test_a_frozen_state_thaws_bitwise_into_the_same_nested_structure() -> None:
     assert bitwise_equal(got_state, state)
     assert bitwise_equal(got_aux, aux)
     assert set(got_state["optim"]["state"]) == {0, 1}  # int keys stay int
+
+
+def test_a_frozen_state_thaws_into_the_live_tensors_of_the_same_path_and_new_memory_elsewhere() -> None:
+    state, aux = nested_state()
+    f = Frozen.capture(5, 3, state, aux)
+    live, _ = nested_state(seed=1)  # the same structure, other values: a rank's live state
+    live["model"]["w16"] = torch.zeros(3, 2).half()  # another shape: not written
+    live["optim"]["state"][0]["exp_avg"] = torch.zeros(4, 3)  # another shape
+    del live["ints"]  # no such path
+    kept = {k: live["model"][k] for k in ("w32", "t", "w16")}
+    w16_before = kept["w16"].clone()
+    got, got_aux, written = f.thaw_into(live)
+    assert bitwise_equal(got, state) and bitwise_equal(got_aux, aux)
+    assert got["model"]["w32"] is not state["model"]["w32"]
+    assert got["model"]["w32"].data_ptr() == kept["w32"].data_ptr()  # written in place
+    assert got["model"]["t"].data_ptr() == kept["t"].data_ptr() and not kept["t"].is_contiguous()
+    assert bitwise_equal(kept["w32"], state["model"]["w32"]) and bitwise_equal(kept["t"], state["model"]["t"])
+    assert got["model"]["w16"].data_ptr() != kept["w16"].data_ptr() and torch.equal(kept["w16"], w16_before)
+    assert got["ints"][0].data_ptr() != state["ints"][0].data_ptr()  # new memory, not the source's
+    not_live = state["model"]["w16"].nbytes + state["optim"]["state"][0]["exp_avg"].nbytes
+    not_live += sum(t.nbytes for t in state["ints"])
+    assert written == sum(t.nbytes for t in skeleton(state)[1]) - not_live
+    assert f.thaw_into(None)[2] == 0
 
 
 def test_capture_copies_now_so_the_next_optimizer_step_does_not_change_the_snapshot() -> None:
