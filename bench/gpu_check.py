@@ -28,7 +28,10 @@ others still run. Without CUDA every part reports ``{"skipped": "no CUDA"}`` exc
   as ``TrainState.snapshot`` lays it out) on CUDA and ``unflatten`` back on CUDA: GB/s each
   and bitwise equality. Adam keeps its ``step`` counters on the CPU next to CUDA parameters;
   the state is first flattened as it is (as the replay sends it) and, if that fails, again
-  with every tensor on the GPU, so the part still measures.
+  with every tensor on the GPU, so the part still measures. Then a snapshot rollback's
+  restore of the same state the way before stop 31 (``rollback_thaw_*``: host clones, the
+  moments moved to the GPU anew) and now (``rollback_thaw_into_*``: written into the live
+  tensors): seconds and the device memory allocated beyond the live state at the peak.
 - ``nccl_group``: a world-size-1 NCCL group built by resild's own path
   (``GroupFactory.build``: a ``PrefixStore`` per epoch over a loopback ``TCPStore`` client,
   ``torch_private.backend_group``): build, first all-reduce (NCCL connects lazily), the
@@ -370,7 +373,43 @@ def part_replay(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
         snapshot_capture_gbps=_r(frozen.nbytes / cap_s / 1e9, 2),
         snapshot_crc_gbps=_r(frozen.nbytes / crc_s / 1e9, 2),
     )
+    res.update(_rollback_restore(model, opt, dev))
     return res
+
+
+def _rollback_restore(model: Any, opt: Any, dev: Any) -> dict[str, Any]:
+    """A snapshot rollback's restore (TrainState.restore) of this model + Adam state, the
+    way before stop 31 (thaw: a host clone per tensor, then the model copied in and the
+    optimizer's moments moved to the device anew) and now (thaw_into: every tensor written
+    into the live one): seconds, and the device memory allocated beyond the live state at
+    the peak (on CUDA; None elsewhere)."""
+    import torch
+
+    from launcher.worker.snapshots import Frozen
+    from launcher.worker.train_state import TrainState
+
+    ts = TrainState(model, opt, device=dev)
+    frozen = Frozen.capture(1, 0, ts.snapshot(1), ts.capture_aux()).seal()
+    out: dict[str, Any] = {}
+    for name in ("thaw", "thaw_into", "thaw", "thaw_into", "thaw", "thaw_into"):
+        _sync(dev)
+        base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        t = time.perf_counter()
+        state, aux = frozen.thaw() if name == "thaw" else frozen.thaw_into(ts.snapshot(1))[:2]
+        ts.restore(state, aux)
+        _sync(dev)
+        took = time.perf_counter() - t
+        del state, aux
+        peak = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else None
+        out.setdefault(f"rollback_{name}_s", []).append(took)
+        out[f"rollback_{name}_peak_extra_bytes"] = peak
+    for name in ("thaw", "thaw_into"):
+        out[f"rollback_{name}_s"] = _r(statistics.median(out[f"rollback_{name}_s"][1:]), 5)
+    live, want = ts.snapshot(1)["model"], frozen.thaw()[0]["model"]
+    out["rollback_equal"] = all(torch.equal(live[k].cpu(), want[k]) for k in want)
+    return out
 
 
 def part_stage(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:

@@ -44,6 +44,7 @@ def test_quick_without_cuda_prints_one_json_line() -> None:
     assert rep["device"] == "cpu" and rep["buffer_device"] == "cpu"
     assert rep["as_is"] == "ok" and rep["equal"] is True and rep["mismatched"] == []
     assert rep["bytes"] > 1 << 20 and rep["tensors"] > 4
+    assert rep["rollback_equal"] is True and rep["rollback_thaw_into_s"] > 0 and rep["rollback_thaw_s"] > 0
     assert rep["flatten_gbps"] > 0 and rep["unflatten_gbps"] > 0
     assert "replay_cuda: start" in p.stderr  # progress goes to stderr
 
