@@ -97,7 +97,7 @@ class CommitProtocol:
         """The live state a replay may write in place (this rank's own parameters and
         optimizer state, uncopied). From here on this rank holds no step until `resume`."""
         self.steps.discard()
-        return self.train.snapshot(self.steps.step)
+        return self.train.snapshot(self.steps.step)  # the step in it is not read: only tensors
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a replica sends: the replicated state at the committed step, and its aux."""

@@ -238,7 +238,7 @@ class Redundancy:
             state, aux, written = frozen.thaw_into(self._live())
             holder = next(f.holder for f in plan if f.src == self.rank)
             return step, Received(state, aux, frozen.nbytes, [holder], time.monotonic() - t0, in_place=written)
-        if steps.step == step:
+        if steps.holding and steps.step == step:
             return step, None  # the live state is that step: only the aux rewinds
         own = snap.store.get(self.rank, step)
         assert own is not None

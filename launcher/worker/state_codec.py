@@ -220,7 +220,7 @@ def unflatten_into(skeleton: bytes, buf: torch.Tensor, live: Any) -> tuple[Any, 
         for i, (path, s) in enumerate(zip(tensor_paths(skel) if mine else [()] * len(specs), specs)):
             raw = buf[starts[i] : starts[i + 1]]  # at any offset: copied as bytes where it can be
             t = mine.get(path)
-            if t is None or t.dtype != s.dtype or tuple(t.shape) != s.shape:
+            if t is None or t.dtype != s.dtype or tuple(t.shape) != s.shape or t.device.type == "meta":
                 out.append(typed_view(raw.clone(), s))
                 continue
             t = t.detach()

@@ -216,19 +216,38 @@ _gc_paused_was = [True]
 class _InOrder:
     """Several works waited as one, in order, by whichever thread waits on it (the epoch-
     watching wait runs one helper thread per work it is given); `then(i)` runs as work i
-    completes, while the later ones are still in flight."""
+    completes, while the later ones are still in flight.
 
-    def __init__(self, works: list[Any], then: Callable[[int], None] | None = None, keep: Any = None) -> None:
+    `to_the_end`: receives into a rank's live tensors. A failed or cut-off wait does not
+    cancel a gloo receive (nor does aborting its group): it stays posted and its bytes
+    land whenever they come. So after a failure every later receive is waited until it is
+    final too (landed, or failed for good: its connection gone; a timed-out wait is not
+    final), and `settled` is set only then."""
+
+    def __init__(
+        self, works: list[Any], then: Callable[[int], None] | None = None, keep: Any = None, to_the_end: bool = False
+    ) -> None:
         self.works, self.then = works, then
         self.keep = keep  # buffers that must outlive the works
+        self.to_the_end = to_the_end
+        self.settled = threading.Event()  # every work final (the caller may use the memory again)
         self._done = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        for i, w in enumerate(self.works):
-            w.wait()
-            if self.then is not None:
-                self.then(i)
+        i = 0
+        try:
+            for i, w in enumerate(self.works):
+                w.wait()
+                if self.then is not None:
+                    self.then(i)
+        except Exception:
+            if self.to_the_end:
+                for w in self.works[i:]:
+                    _until_final(w)
+            self.settled.set()
+            raise
         self._done = True
+        self.settled.set()
         return True
 
     def is_completed(self) -> bool:
@@ -236,6 +255,26 @@ class _InOrder:
 
     def is_success(self) -> bool:
         return self._done
+
+
+def _until_final(w: Any) -> None:
+    """Wait on a receive until nothing more can be written by it: it landed, or it failed
+    other than by a timed-out wait (gloo: the connection is gone)."""
+    while True:
+        try:
+            w.wait()
+            return
+        except Exception as e:
+            if "timed out" not in str(e).lower():
+                return
+
+
+SETTLE_S = 30.0  # a cut-off in-place replay waits this long for its receives to be final
+
+
+class LiveStateLost(RuntimeError):
+    """A cut-off replay's receives into this rank's live tensors are still posted: their
+    bytes may land at any time, so this process must not train on those tensors."""
 
 
 # ---- the transport ------------------------------------------------------------------------
@@ -258,8 +297,7 @@ class P2PTransport:
         an unknown state if the exchange does not complete)."""
         sends = sorted((t for t in plan if t.src == me), key=lambda t: (t.dst, t.part))
         recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.part)
-        if sends and recvs and receive_into is not None:
-            raise ValueError(f"rank {me} both sends and receives state: it cannot write its own in place")
+        assert not (sends and recvs and receive_into is not None), "plan_replay never has a rank send and receive"
         with gc_paused():
             sent = _Sender(self, *snapshot()).post(sends) if sends else None
             got = self._receive(recvs, receive_into) if recvs else None
@@ -305,7 +343,19 @@ class P2PTransport:
         # In host memory the views need no data: build the state while the bytes flow.
         views = into.tensors() if self.device.type == "cpu" else None
         early = assemble(skel, views[:n_state]) if views is not None else None
-        self.wait(_InOrder(works, check))
+        waited = _InOrder(works, check, to_the_end=bool(live))
+        try:
+            self.wait(waited)
+        except BaseException:
+            # Cut off (a newer epoch, a dead source): the live tensors are half written, and a
+            # receive still posted would go on writing them. Return only once none can.
+            if live and not waited.settled.wait(SETTLE_S):
+                raise LiveStateLost(
+                    f"a replay into this rank's live tensors was cut off and {SETTLE_S:.0f}s later some of its "
+                    "receives are still posted (a source that neither sends nor dies): this process must not "
+                    "train on memory they may still write, and stops so that a spare takes its ranks"
+                ) from None
+            raise
         damaged = set() if meta_ok else {primary}
         for t, s in zip(recvs, sums):
             if s.numel() and s.cpu().tolist() != [mine[(t.part, j)] for j in range(s.numel())]:
@@ -498,6 +548,10 @@ def in_place(skel: Any, specs: Sequence[Spec], live_state: Any, device: torch.de
     position: an optimizer's state can list the same parameters in another order on
     another rank."""
     if live_state is None:
+        return {}
+    if device.type != "cpu":
+        # On NCCL an aborted communicator's receive kernel is not known (measured on no GPU)
+        # to have stopped before the next write into the same memory: fresh memory there.
         return {}
     mine = live_tensors(live_state)
     found: list[tuple[int, int, int, torch.Tensor]] = []  # (first byte, end, index, tensor)

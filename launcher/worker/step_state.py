@@ -50,6 +50,7 @@ class StepState:
     step: int = 0
     phase: Phase = Phase.IDLE
     last_found_inf: int = -1  # GradScaler verdict of the last commit; -1 unknown (start, after a replay)
+    holding: bool = True  # the live state is `step`'s (False while a replay may have half written it)
     voted_found_inf: int = 0  # PREPARED: this rank's local verdict on the step it voted for
     committed_aux: dict[str, Any] = field(default_factory=dict)  # RNG/extra as of the last commit
     prepared_aux: dict[str, Any] | None = None  # PREPARED: RNG/extra after this step, kept if it commits
@@ -100,22 +101,26 @@ class StepState:
 
     # ---- recovery ---------------------------------------------------------------------
     def agreement_row(self) -> tuple[int, int, int]:
-        """(step, prepared, found_inf) for the recovery's agreement (recovery.agree)."""
+        """(step, prepared, found_inf) for the recovery's agreement (recovery.agree); NONE
+        for a rank whose live state a cut-off replay left half written."""
+        if not self.holding:
+            return (NONE, 0, -1)
         if self.prepared:
             return (self.step, 1, self.voted_found_inf)
         return (self.step, 0, self.last_found_inf)
 
     def discard(self) -> None:
         """The live state is about to be overwritten in place by a replay: until one
-        completes (`replayed`) this rank holds no step (NONE), so no agreement counts it a
-        holder and no rollback takes its half-written live state for a snapshot's step."""
+        completes (`replayed`) this rank holds no step (its agreement row says NONE), so no
+        agreement counts it a holder and no rollback takes its half-written live state for
+        a snapshot's step. `step` stays the last one it held (what its reports say)."""
         if self.phase is not Phase.IDLE:
             raise ProtocolError(f"step {self.step}: the state cannot be discarded in phase {self.phase.name}")
-        self.step, self.last_found_inf = NONE, -1
+        self.holding, self.last_found_inf = False, -1
 
     def replayed(self, step: int, aux: dict[str, Any]) -> None:
         """State arrived from a replica: its step, and this rank's aux as restored."""
-        self.step, self.committed_aux, self.last_found_inf = step, aux, -1
+        self.step, self.committed_aux, self.last_found_inf, self.holding = step, aux, -1, True
 
     # ---- `for step in job.steps(total)` -------------------------------------------------
     def open_step(self) -> None:

@@ -157,4 +157,9 @@ class TrainState:
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape
+    return (
+        a.device == b.device
+        and a.data_ptr() == b.data_ptr() != 0  # 0: no storage (meta), nothing is shared
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+    )

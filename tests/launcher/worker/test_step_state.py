@@ -103,15 +103,16 @@ def test_a_rank_whose_live_state_a_replay_will_write_holds_no_step_until_it_land
         def snapshot(self, step: int) -> dict[str, Any]:
             return {"step": step, **live}
 
-    assert _protocol(st, Train()).receive_into() == {"step": NONE, **live}
-    assert st.step == NONE and st.agreement_row() == (NONE, 0, -1)
+    assert _protocol(st, Train()).receive_into() == {"step": 5, **live}
+    assert not st.holding and st.agreement_row() == (NONE, 0, -1)
+    assert st.step == 5  # what its reports to the controller and node say (they take no negative step)
     # A cut-off replay's half-written rank is never a holder: the next agreement replays it
     # again from a real one, and a rollback never takes its live state for a snapshot's step.
     ag = agree([[9, 0, 0], list(st.agreement_row())])
     assert ag.target == 9 and ag.rollers == [] and ag.steps == [9, NONE]
     assert plan_replay(ag.steps, ReplicaMap.data_parallel(2), 1)[1] == [Transfer(0, 1, 0, 1)]
     st.replayed(9, {"rng": "at 9"})
-    assert st.step == 9
+    assert st.step == 9 and st.holding and st.agreement_row() == (9, 0, -1)
     st.mark_synced()
     with pytest.raises(ProtocolError, match="cannot be discarded"):
         st.discard()  # only between steps: a replay never runs inside one
