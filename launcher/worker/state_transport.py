@@ -216,38 +216,19 @@ _gc_paused_was = [True]
 class _InOrder:
     """Several works waited as one, in order, by whichever thread waits on it (the epoch-
     watching wait runs one helper thread per work it is given); `then(i)` runs as work i
-    completes, while the later ones are still in flight.
+    completes, while the later ones are still in flight."""
 
-    `to_the_end`: receives into a rank's live tensors. A failed or cut-off wait does not
-    cancel a gloo receive (nor does aborting its group): it stays posted and its bytes
-    land whenever they come. So after a failure every later receive is waited until it is
-    final too (landed, or failed for good: its connection gone; a timed-out wait is not
-    final), and `settled` is set only then."""
-
-    def __init__(
-        self, works: list[Any], then: Callable[[int], None] | None = None, keep: Any = None, to_the_end: bool = False
-    ) -> None:
+    def __init__(self, works: list[Any], then: Callable[[int], None] | None = None, keep: Any = None) -> None:
         self.works, self.then = works, then
         self.keep = keep  # buffers that must outlive the works
-        self.to_the_end = to_the_end
-        self.settled = threading.Event()  # every work final (the caller may use the memory again)
         self._done = False
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        i = 0
-        try:
-            for i, w in enumerate(self.works):
-                w.wait()
-                if self.then is not None:
-                    self.then(i)
-        except Exception:
-            if self.to_the_end:
-                for w in self.works[i:]:
-                    _until_final(w)
-            self.settled.set()
-            raise
+        for i, w in enumerate(self.works):
+            w.wait()
+            if self.then is not None:
+                self.then(i)
         self._done = True
-        self.settled.set()
         return True
 
     def is_completed(self) -> bool:
@@ -257,24 +238,19 @@ class _InOrder:
         return self._done
 
 
-def _until_final(w: Any) -> None:
-    """Wait on a receive until nothing more can be written by it: it landed, or it failed
-    other than by a timed-out wait (gloo: the connection is gone)."""
-    while True:
+def finalize(works: list[Any]) -> None:
+    """Make every posted receive final: after this none writes its memory any more. A
+    failed or cut-off wait does not cancel a gloo receive, nor does aborting its group
+    (its bytes land whenever they come); but a wait that times out closes every
+    connection of its group (gloo's Context::signalException), after which nothing lands,
+    not even a message half read. So one short wait on each: a landed or failed receive
+    returns or raises at once, a posted one times out and takes the connections of its
+    group (the abandoned epoch's) with it."""
+    for w in works:
         try:
-            w.wait()
-            return
-        except Exception as e:
-            if "timed out" not in str(e).lower():
-                return
-
-
-SETTLE_S = 30.0  # a cut-off in-place replay waits this long for its receives to be final
-
-
-class LiveStateLost(RuntimeError):
-    """A cut-off replay's receives into this rank's live tensors are still posted: their
-    bytes may land at any time, so this process must not train on those tensors."""
+            w.wait(timedelta(milliseconds=1))
+        except Exception:
+            pass
 
 
 # ---- the transport ------------------------------------------------------------------------
@@ -316,7 +292,11 @@ class P2PTransport:
             return Received({}, {}, 0, sources, time.monotonic() - t0, (primary,))
         skel, askel, specs, n_state, n_meta, meta_ok = meta
         msgs = layout([s.nbytes for s in specs], [s.dtype for s in specs], n_state, parts)
-        live = in_place(skel, specs[:n_state], receive_into(), self.device) if receive_into is not None else {}
+        # In place on the host only: on NCCL an aborted receive kernel is not known (measured
+        # on no GPU) to have stopped before the next write into the same memory.
+        live = {}
+        if receive_into is not None and self.device.type == "cpu":
+            live = in_place(skel, specs[:n_state], receive_into(), self.device)
         into = _Destination(specs, self.device, live)
         works: list[Any] = []
         wires: list[tuple[int, int, torch.Tensor]] = []  # (part, message, bytes) in posting order
@@ -343,18 +323,13 @@ class P2PTransport:
         # In host memory the views need no data: build the state while the bytes flow.
         views = into.tensors() if self.device.type == "cpu" else None
         early = assemble(skel, views[:n_state]) if views is not None else None
-        waited = _InOrder(works, check, to_the_end=bool(live))
         try:
-            self.wait(waited)
+            self.wait(_InOrder(works, check))
         except BaseException:
-            # Cut off (a newer epoch, a dead source): the live tensors are half written, and a
-            # receive still posted would go on writing them. Return only once none can.
-            if live and not waited.settled.wait(SETTLE_S):
-                raise LiveStateLost(
-                    f"a replay into this rank's live tensors was cut off and {SETTLE_S:.0f}s later some of its "
-                    "receives are still posted (a source that neither sends nor dies): this process must not "
-                    "train on memory they may still write, and stops so that a spare takes its ranks"
-                ) from None
+            # Cut off (a newer epoch, a dead source): the live tensors are half written, and
+            # a receive still posted would go on writing them. Return only once none can.
+            if live:
+                finalize(works)
             raise
         damaged = set() if meta_ok else {primary}
         for t, s in zip(recvs, sums):
@@ -548,10 +523,6 @@ def in_place(skel: Any, specs: Sequence[Spec], live_state: Any, device: torch.de
     position: an optimizer's state can list the same parameters in another order on
     another rank."""
     if live_state is None:
-        return {}
-    if device.type != "cpu":
-        # On NCCL an aborted communicator's receive kernel is not known (measured on no GPU)
-        # to have stopped before the next write into the same memory: fresh memory there.
         return {}
     mine = live_tensors(live_state)
     found: list[tuple[int, int, int, torch.Tensor]] = []  # (first byte, end, index, tensor)

@@ -46,7 +46,7 @@ def snap(rank: int, step: int) -> Frozen:
     return Frozen.capture(step, rank, *state_of(rank, step)).seal()
 
 
-def _child(rank: int, world: int, port: int, body: Body, out: Any) -> None:  # pragma: no cover - forked child
+def _child(rank: int, world: int, port: int, body: Body, out: Any, closes: bool = False) -> None:  # pragma: no cover
     code = 1
     try:
         torch.set_num_threads(1)
@@ -55,8 +55,9 @@ def _child(rank: int, world: int, port: int, body: Body, out: Any) -> None:  # p
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20))
         result = body(rank, dist.distributed_c10d._get_default_group())
         out.send((rank, result, None))
-        dist.barrier()
-        dist.destroy_process_group()
+        if not closes:  # a body that closes the group's connections leaves nothing to meet on
+            dist.barrier()
+            dist.destroy_process_group()
         code = 0
     except BaseException:
         out.send((rank, None, traceback.format_exc()))
@@ -65,8 +66,9 @@ def _child(rank: int, world: int, port: int, body: Body, out: Any) -> None:  # p
         os._exit(code)
 
 
-def in_ranks(world: int, body: Body) -> dict[int, Any]:
-    """Run `body(rank, pg)` in `world` forked processes over one gloo group; -> rank: result."""
+def in_ranks(world: int, body: Body, closes: bool = False) -> dict[int, Any]:
+    """Run `body(rank, pg)` in `world` forked processes over one gloo group; -> rank: result.
+    `closes`: the body leaves the group's connections closed (no barrier after it)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "launcher.worker.rollback"])
     server = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
@@ -74,7 +76,7 @@ def in_ranks(world: int, body: Body) -> dict[int, Any]:
     try:
         for r in range(world):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(r, world, server.port, body, send), daemon=True)
+            p = ctx.Process(target=_child, args=(r, world, server.port, body, send, closes), daemon=True)
             p.start()
             send.close()
             procs.append(p)
