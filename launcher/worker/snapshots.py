@@ -155,13 +155,9 @@ class Frozen:
         return Frozen(step, src, n_skel, n_askel, n_abuf, torch.empty(nbytes, dtype=torch.uint8), crc)
 
     def thaw(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        self.wait_ready()
-        p = self.payload
-        a = self.n_skel
-        b = a + self.n_askel
-        c = b + self.n_abuf
-        skel, askel = bytes(p[:a].numpy().tobytes()), bytes(p[a:b].numpy().tobytes())
-        return unflatten(skel, p[c:]), unflatten(askel, p[b:c])
+        """The state and aux, every tensor a copy of its own."""
+        state, aux, _ = self.thaw_into(None)
+        return state, aux
 
     def thaw_into(self, live: Any) -> tuple[dict[str, Any], dict[str, Any], int]:
         """`thaw`, the state's tensors copied straight into the live ones of the same path
