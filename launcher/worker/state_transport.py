@@ -18,9 +18,9 @@ Per receiver, every message a point-to-point of raw bytes (no pickle):
    states, are copied out: torch's RNG setters ignore a view's offset). The aux
    (RNG, extra) rides with part 0. A receiver that offers its own live state
    (`receive_into`: a spare's built model, a rank's optimizer state) gets each large
-   tensor of the same path, dtype and shape written in place: no second allocation
-   (on a GPU, no transient second copy of the parameters), no fresh pages, no copy
-   into the model afterwards.
+   host tensor of the same path, dtype and shape written in place: no second
+   allocation, no fresh pages, no copy into the model afterwards (a cut-off replay
+   closes its receives first: `finalize`).
 3. SUMS, per slice: the checksum of each of its messages, computed by the source
    while they are on the wire; the receiver checksums each message as it lands,
    while the rest are in flight. Nothing is handed back unless every sum matches.
@@ -183,7 +183,8 @@ def _sums_tag(part: int) -> int:
 
 
 _gc_lock = threading.Lock()
-_gc_pausers = 0  # exchanges under way in this process (a source may serve while a rollback fetches)
+_gc_pausers = 0  # exchanges under way in this process
+_gc_paused_was = [True]  # whether the GC was on when the first of them began
 
 
 @contextlib.contextmanager
@@ -207,9 +208,6 @@ def gc_paused() -> Any:
             _gc_pausers -= 1
             if _gc_pausers == 0 and _gc_paused_was[0]:
                 gc.enable()
-
-
-_gc_paused_was = [True]
 
 
 # ---- waiting ------------------------------------------------------------------------------
