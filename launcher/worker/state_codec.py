@@ -186,6 +186,21 @@ def live_tensors(state: Any) -> dict[tuple[Any, ...], torch.Tensor]:
     return out
 
 
+def live_matches(skel: Any, specs: Sequence[Spec], live: Any) -> dict[int, torch.Tensor]:
+    """Tensor index of a decoded skeleton -> the tensor of the live state `live` at the same
+    path with the same dtype and shape (and storage: not on the meta device). Matched by
+    path, never by position: an optimizer's state can list its parameters in another order."""
+    mine = live_tensors(live) if live is not None else {}
+    if not mine:
+        return {}
+    out: dict[int, torch.Tensor] = {}
+    for i, (path, s) in enumerate(zip(tensor_paths(skel), specs)):
+        t = mine.get(path)
+        if t is not None and t.dtype == s.dtype and tuple(t.shape) == s.shape and t.device.type != "meta":
+            out[i] = t.detach()
+    return out
+
+
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes as a flat uint8 tensor sharing its storage (a copy only if it is
     not contiguous)."""
@@ -213,17 +228,16 @@ def unflatten_into(skeleton: bytes, buf: torch.Tensor, live: Any) -> tuple[Any, 
         starts.append(starts[-1] + s.nbytes)
     if starts[-1] != buf.numel():
         raise ValueError(f"state buffer holds {buf.numel()} bytes, skeleton describes {starts[-1]}")
-    mine = live_tensors(live) if live is not None else {}
+    mine = live_matches(skel, specs, live)
     out: list[torch.Tensor] = []
     written = 0
     with torch.no_grad():
-        for i, (path, s) in enumerate(zip(tensor_paths(skel) if mine else [()] * len(specs), specs)):
+        for i, s in enumerate(specs):
             raw = buf[starts[i] : starts[i + 1]]  # at any offset: copied as bytes where it can be
-            t = mine.get(path)
-            if t is None or t.dtype != s.dtype or tuple(t.shape) != s.shape or t.device.type == "meta":
+            t = mine.get(i)
+            if t is None:
                 out.append(typed_view(raw.clone(), s))
                 continue
-            t = t.detach()
             if t.is_contiguous():
                 byte_view(t).copy_(raw)
             else:

@@ -42,7 +42,7 @@ import torch
 
 from launcher.worker.prefault import populate_ahead
 from launcher.worker.replica_map import Transfer, slice_bounds
-from launcher.worker.state_codec import Spec, assemble, byte_view, checksum, live_tensors, parse, skeleton, tensor_paths
+from launcher.worker.state_codec import Spec, assemble, byte_view, checksum, live_matches, parse, skeleton
 
 VERSION = 2  # of the wire layout below; 1 was the single flat buffer
 SMALL = 64 << 10  # tensors under this are batched
@@ -515,26 +515,14 @@ class _Destination:
 
 def in_place(skel: Any, specs: Sequence[Spec], live_state: Any, device: torch.device) -> dict[int, torch.Tensor]:
     """Which received tensors (index -> live tensor) can be written straight into the
-    receiver's own: a large one whose path in `live_state` holds a contiguous tensor of
-    the same dtype and shape on `device`, no two sharing a byte (tied weights appear
-    under two paths: the second gets memory of its own). Matched by path, never by
-    position: an optimizer's state can list the same parameters in another order on
-    another rank."""
-    if live_state is None:
-        return {}
-    mine = live_tensors(live_state)
-    found: list[tuple[int, int, int, torch.Tensor]] = []  # (first byte, end, index, tensor)
-    for i, (path, s) in enumerate(zip(tensor_paths(skel), specs)):
-        t = mine.get(path)
-        if (
-            s.nbytes >= SMALL
-            and t is not None
-            and t.device == device
-            and t.dtype == s.dtype
-            and tuple(t.shape) == s.shape
-            and t.is_contiguous()
-        ):
-            found.append((t.data_ptr(), t.data_ptr() + s.nbytes, i, t.detach()))
+    receiver's own: of those `live_matches` pairs up, a large contiguous one on `device`,
+    no two sharing a byte (tied weights appear under two paths: the second gets memory of
+    its own)."""
+    found = [
+        (t.data_ptr(), t.data_ptr() + specs[i].nbytes, i, t)  # (first byte, end, index, tensor)
+        for i, t in live_matches(skel, specs, live_state).items()
+        if specs[i].nbytes >= SMALL and t.device == device and t.is_contiguous()
+    ]
     out: dict[int, torch.Tensor] = {}
     end = -1
     for lo, hi, i, t in sorted(found, key=lambda f: (f[0], f[2])):
