@@ -18,6 +18,10 @@ Paths, timed on the receiver from a barrier to the last byte usable:
   optimizer holds no state yet), the exchange writes the parameters in place
   (``receive_into``), and the restore's copy into the model (``TrainState.restore``)
   finds nothing left to copy. Timed to the model restored.
+- ``direct_spare_warm``: ``direct_spare`` with the host memory a spare's warm-up leaves
+  (``launcher.worker.landing``: zeros of its optimizer state's shapes, touched before
+  the fault, as the warm-up's optimizer step on stand-ins leaves them), so the moments,
+  which have no live home, land in touched pages too. Filled before the barrier.
 - ``direct_spare_copy``: the same spare as before stop 31: every tensor received into
   fresh memory, then the parameters copied into the model.
 - ``direct_unfaulted``: ``direct`` without faulting the receiver's fresh pages in ahead
@@ -69,12 +73,30 @@ if __package__ in (None, ""):
 import torch
 import torch.multiprocessing as mp
 
+from launcher.worker.landing import LandingPool
 from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.state_codec import checksum, flatten, unflatten
 from launcher.worker.state_transport import P2PTransport, Received
 
-PATHS = ("loopback", "loopback_fresh", "direct", "direct_spare", "direct_spare_copy", "direct_unfaulted", "flat")
-DEFAULT_PATHS = ("loopback", "loopback_fresh", "direct", "direct_spare", "direct_spare_copy", "flat")
+PATHS = (
+    "loopback",
+    "loopback_fresh",
+    "direct",
+    "direct_spare",
+    "direct_spare_warm",
+    "direct_spare_copy",
+    "direct_unfaulted",
+    "flat",
+)
+DEFAULT_PATHS = (
+    "loopback",
+    "loopback_fresh",
+    "direct",
+    "direct_spare",
+    "direct_spare_warm",
+    "direct_spare_copy",
+    "flat",
+)
 
 
 # ---- the state ---------------------------------------------------------------------------
@@ -279,9 +301,15 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                 order = list(args["paths"]) if i % 2 == 0 else list(reversed(args["paths"]))
                 for path in order:
                     key = f"{mb}/{k}/{path}"
+                    landing = None
                     if path.startswith("direct_spare") and rank == receiver:
                         for v in spare["model"].values():  # not yet restored (checked below)
                             v.zero_()
+                        if path == "direct_spare_warm":  # what the warm-up's optimizer step left
+                            landing = LandingPool()
+                            for st in state["optim"]["state"].values():
+                                for v in st.values():
+                                    landing.add(torch.zeros_like(v))
                     barrier()
                     t0, c0 = time.perf_counter(), time.process_time()
                     got = None
@@ -295,9 +323,9 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                             pg.send([warm_src[slice(*slice_bounds(nbytes, rank, k))]], receiver, 9).wait()
                     elif rank == receiver or rank < k:
                         prefault._supported = path != "direct_unfaulted" and linux  # the receiver's pages
-                        tr: Any = P2PTransport(pg, torch.device("cpu"), managed) if path != "flat" else None
+                        tr: Any = P2PTransport(pg, torch.device("cpu"), managed, landing) if path != "flat" else None
                         tr = tr or FlatTransport(pg, managed)
-                        into = (lambda: spare) if path == "direct_spare" else None
+                        into = (lambda: spare) if path in ("direct_spare", "direct_spare_warm") else None
                         got = tr.exchange(plan, rank, snapshot, into) if into else tr.exchange(plan, rank, snapshot)
                         if got is not None and path.startswith("direct_spare"):  # TrainState.restore's copy
                             for name, v in spare["model"].items():
@@ -322,6 +350,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                         info[key]["bitwise_equal"] = (
                             not got.damaged and equal(got.state, state) and equal(got.aux, aux) and restored
                         )
+                        info[key]["in_place_bytes"], info[key]["landed_bytes"] = got.in_place, got.landed
                     del got
             barrier()
     barrier()
@@ -515,13 +544,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r), flush=True)
         return 0
     print(
-        f"{'MB':>7} {'tensors':>7} {'src':>3} {'path':<15} {'median ms':>9} {'min-max ms':>15} {'MB/s':>7} "
+        f"{'MB':>7} {'tensors':>7} {'src':>3} {'path':<18} {'median ms':>9} {'min-max ms':>15} {'MB/s':>7} "
         f"{'ratio':>6} {'pairs':>6} {'cpu ms':>7} ok"
     )
     for r in results:
         ok = {True: "yes", False: "NO"}.get(r.get("bitwise_equal"), "-")  # type: ignore[call-overload]
         print(
-            f"{r['bytes'] / 1e6:7.2f} {r['tensors']:7d} {r['sources']:3d} {r['path']:<15} {r['seconds'] * 1e3:9.2f} "
+            f"{r['bytes'] / 1e6:7.2f} {r['tensors']:7d} {r['sources']:3d} {r['path']:<18} {r['seconds'] * 1e3:9.2f} "
             f"{r['min_s'] * 1e3:7.2f}-{r['max_s'] * 1e3:7.2f} {r['mb_per_s']:7.0f} {r.get('ratio', math.nan):6.2f} "
             f"{r.get('ratio_pairs', math.nan):6.2f} {r['cpu_s'] * 1e3:7.1f} {ok}"
         )

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from launcher.worker.landing import LandingPool
 from launcher.worker.replica_map import ReplicaMap, plan_replay
 from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort, wait_mode
 from launcher.worker.state_transport import P2PTransport, Received
@@ -172,12 +173,14 @@ class Recovery:
         max_sources: int,
         snapshot: Any,
         receive_into: Any = None,
+        landing: LandingPool | None = None,
     ) -> tuple[int, Received | None]:
         """`receive_into`: this rank's live state, to be written in place if it receives
-        (state_transport); called only then."""
+        (state_transport); called only then. `landing`: host memory a spare touched for
+        what has no live home (launcher.worker.landing)."""
         target, plan = plan_replay(steps, replicas, max_sources)
         pg = self.groups["world"]._inner
-        transport = P2PTransport(pg, self.device, lambda w: self.wait(w, untimed=True))
+        transport = P2PTransport(pg, self.device, lambda w: self.wait(w, untimed=True), landing)
         got = transport.exchange(plan, rank, snapshot, receive_into)
         if not plan:
             return target, got

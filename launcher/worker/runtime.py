@@ -318,6 +318,9 @@ class Job:
         """A waiting spare's warm-up finished (it has no rank yet)."""
         fields: dict[str, Any] = {"rank": None, "local_rank": self.local_rank}  # the controller adds the node
         fields["seconds"] = round(seconds, 4)
+        landing = self._warmup.landing if self._warmup is not None else None
+        if landing is not None:
+            fields["landing_bytes"] = landing.nbytes  # kept for the replay (launcher.worker.landing)
         if error is not None:
             fields["error"] = error[:300]
         self._event(EventName.SPARE_WARMED, **fields)
@@ -488,6 +491,7 @@ class Job:
                 int(self.cfg.get("replay_sources", 2)),
                 protocol.snapshot,
                 protocol.receive_into,
+                self._warmup.landing if self._warmup is not None else None,
             )
             source = "replica"
         except (NoReplica, ValueError) as e:
@@ -502,6 +506,8 @@ class Job:
             target, got, source = red.load_checkpoint("resuming from resild's checkpoints"), None, "checkpoint"
         else:
             protocol.resume(got)
+        if self._warmup is not None and self._warmup.landing is not None:
+            self._warmup.landing.clear()  # this rank holds its state now: the rest is memory no one needs
         if red is not None:
             red.after_join(target)
         if got is not None and got.sources != [self.rank]:  # not a restore of this rank's own snapshot
@@ -516,6 +522,7 @@ class Job:
                 mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1),
                 source=source,
                 in_place_bytes=got.in_place,
+                landed_bytes=got.landed,
             )
         if self.epoch > 1:
             self._progress("joined")

@@ -15,7 +15,9 @@ the spare has taken over. Nothing depends on which ranks it will get.
 The cache's entries hold the mesh object they were computed on, so when the spare's
 `job.mesh()` builds the real mesh, this warm mesh is adopted instead: re-targeted at
 the real groups and rank (`torch_private.retarget_device_mesh`) and returned to the
-user's code. Only the shard contents move afterwards (the replay).
+user's code. Only the shard contents move afterwards (the replay), and on a host the
+optimizer state the step created stays, touched, for the replay to receive the moments
+into (`launcher.worker.landing`).
 
 Isolation: the global RNG state is restored (the small model's initialisation draws
 from it; the spare's random stream must not shift); the fake default group and its
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from launcher.worker.landing import LandingPool
 from launcher.worker.mesh_layout import MeshLayout
 from launcher.worker.torch_private import (
     fake_default_group,
@@ -122,7 +125,22 @@ def stand_ins(
     return out
 
 
-def run_steps(recipe: Recipe, params: list[torch.nn.Parameter], cancelled: Cancelled) -> None:
+def _keep_state(opt: torch.optim.Optimizer, landing: LandingPool | None) -> None:
+    """Hand the optimizer's state (the moments of the job's shard shapes, touched by the
+    step) to `landing` for the replay to receive into, instead of freeing it."""
+    if landing is None:
+        return
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                local = getattr(v, "_local_tensor", v)  # a DTensor's shard
+                landing.add(local.detach())
+    opt.state.clear()
+
+
+def run_steps(
+    recipe: Recipe, params: list[torch.nn.Parameter], cancelled: Cancelled, landing: LandingPool | None = None
+) -> None:
     """Clip, then step the recipe's optimizer over `params`, once each: the spare's first
     real step comes after its optimizer state was loaded, and runs the same update ops
     (creating the state here propagates a few more, cheap ones).
@@ -132,7 +150,8 @@ def run_steps(recipe: Recipe, params: list[torch.nn.Parameter], cancelled: Cance
     implementations propagate each parameter's ops on their own, so there each parameter
     is stepped by an optimizer of its own, and a membership stops the warm-up between two
     parameters. Foreach and fused implementations (a GPU's default, or asked for) take the
-    whole list in each op, which is what DTensor's cache keys: those step all at once."""
+    whole list in each op, which is what DTensor's cache keys: those step all at once.
+    On the host the state the steps create is kept in `landing` (launcher.worker.landing)."""
     cls = _optimizer_class(recipe.optimizer)
     if cancelled():
         raise _Stop
@@ -147,13 +166,17 @@ def run_steps(recipe: Recipe, params: list[torch.nn.Parameter], cancelled: Cance
     if whole:
         if cancelled():
             raise _Stop
-        cls([{**hp, "params": [params[i] for i in idx]} for hp, idx in recipe.groups]).step()
+        opt = cls([{**hp, "params": [params[i] for i in idx]} for hp, idx in recipe.groups])
+        opt.step()
+        _keep_state(opt, landing)
         return
     for hp, idx in recipe.groups:
         for i in idx:
             if cancelled():
                 raise _Stop
-            cls([{**hp, "params": [params[i]]}]).step()
+            opt = cls([{**hp, "params": [params[i]]}])
+            opt.step()
+            _keep_state(opt, landing)
 
 
 def dim_ranks(recipe: Recipe, dim: int) -> list[int]:
@@ -199,10 +222,12 @@ def warm_up(
     device: torch.device,
     keep: Callable[[Any, dict[tuple[int, ...], Any]], None],
     cancelled: Cancelled = lambda: False,
+    landing: LandingPool | None = None,
 ) -> None:
     """Run the warm-up. `keep` receives the warm mesh and its slices (filled as they are
     cut) as soon as it exists: they must be adopted even if what follows fails or stops,
-    since cache entries may hold them."""
+    since cache entries may hold them. `landing` (host only) keeps the optimizer state
+    the step created, for the replay."""
     if recipe.device_type != device.type:
         raise ValueError(f"recipe for {recipe.device_type}, this spare runs on {device.type}")
     with _rng_kept(device.type), fake_default_group(recipe.world_size):
@@ -210,7 +235,7 @@ def warm_up(
         slices: dict[tuple[int, ...], Any] = {}
         keep(mesh, slices)
         try:
-            run_steps(recipe, stand_ins(recipe, mesh, device, slices), cancelled)
+            run_steps(recipe, stand_ins(recipe, mesh, device, slices), cancelled, landing)
             fsdp_steps(recipe, device, cancelled)
         except _Stop:
             log.info("spare warm-up stopped: ranks arrived")
@@ -234,6 +259,8 @@ class SpareWarmup:
         self.slices: dict[tuple[int, ...], Any] = {}  # slices of it the stand-ins live on
         self.seconds: float | None = None
         self.error: str | None = None
+        # The moments the warm-up's optimizer step touched, for the replay (host only).
+        self.landing: LandingPool | None = LandingPool() if device.type == "cpu" else None
 
     def start(self) -> None:
         """Fetch the recipe (once; later calls do nothing)."""
@@ -272,7 +299,7 @@ class SpareWarmup:
         t0 = time.monotonic()
         try:
             self._recipe = parse(self._text)
-            warm_up(self._recipe, self.device, self._keep, cancelled)
+            warm_up(self._recipe, self.device, self._keep, cancelled, self.landing)
         except Exception as e:  # an optimisation only: the first step pays what this did not
             self.error = f"{type(e).__name__}: {e}"
             log.info("spare warm-up skipped: %s", self.error)

@@ -20,7 +20,9 @@ Per receiver, every message a point-to-point of raw bytes (no pickle):
    (`receive_into`: a spare's built model, a rank's optimizer state) gets each large
    host tensor of the same path, dtype and shape written in place: no second
    allocation, no fresh pages, no copy into the model afterwards (a cut-off replay
-   closes its receives first: `finalize`).
+   closes its receives first: `finalize`). A large tensor with no live home takes
+   memory the spare touched while it waited, if it has some of that dtype and shape
+   (`landing`), before any fresh allocation.
 3. SUMS, per slice: the checksum of each of its messages, computed by the source
    while they are on the wire; the receiver checksums each message as it lands,
    while the rest are in flight. Nothing is handed back unless every sum matches.
@@ -40,6 +42,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from launcher.worker.landing import LandingPool
 from launcher.worker.prefault import populate_ahead
 from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.state_codec import Spec, assemble, byte_view, checksum, live_matches, parse, skeleton
@@ -63,6 +66,7 @@ class Received:
     seconds: float
     damaged: tuple[int, ...] = ()  # sources whose bytes failed their checksum (the state is not usable)
     in_place: int = 0  # bytes written straight into the receiver's live tensors (`receive_into`)
+    landed: int = 0  # bytes received into memory the spare touched while it waited (`landing`)
 
 
 class StateTransport(Protocol):
@@ -256,8 +260,11 @@ class P2PTransport:
     """Point-to-point over a backend group; `wait(work)` waits while watching
     for a newer epoch (and raises out of the exchange when one comes)."""
 
-    def __init__(self, pg: Any, device: torch.device, wait: Callable[[Any], None]) -> None:
+    def __init__(
+        self, pg: Any, device: torch.device, wait: Callable[[Any], None], landing: LandingPool | None = None
+    ) -> None:
         self.pg, self.device, self.wait = pg, device, wait
+        self.landing = landing if device.type == "cpu" else None  # host memory only (landing.py)
 
     def exchange(
         self,
@@ -295,14 +302,14 @@ class P2PTransport:
         live = {}
         if receive_into is not None and self.device.type == "cpu":
             live = in_place(skel, specs[:n_state], receive_into(), self.device)
-        into = _Destination(specs, self.device, live)
+        into = _Destination(specs, self.device, live, self.landing)
         works: list[Any] = []
         wires: list[tuple[int, int, torch.Tensor]] = []  # (part, message, bytes) in posting order
         fresh: list[tuple[int, int, torch.Tensor]] = []  # of them, those into memory never touched
         for t in recvs:
             for j, m in enumerate(msgs[t.part]):
                 wires.append((t.part, j, into.wire(m)))
-                if m.piece is None or m.piece.tensor not in live:
+                if m.piece is None or (m.piece.tensor not in live and m.piece.tensor not in into.landed):
                     fresh.append(wires[-1])
         # Fresh pages faulted in ahead of the bytes, in the order they land: the parts'
         # messages interleaved, as their sources send them at once.
@@ -340,7 +347,8 @@ class P2PTransport:
         state = early if early is not None else assemble(skel, views[:n_state])
         aux = assemble(askel, [into.own(i, t) for i, t in enumerate(views[n_state:], n_state)])
         done = sum(specs[i].nbytes for i in live)
-        return Received(state, aux, n, sources, time.monotonic() - t0, in_place=done)
+        landed = sum(specs[i].nbytes for i in into.landed)
+        return Received(state, aux, n, sources, time.monotonic() - t0, in_place=done, landed=landed)
 
     def _recv_meta(self, primary: int) -> tuple[Any, Any, list[Spec], int, int, bool] | None:
         """-> (state skeleton, aux skeleton, every tensor's Spec, how many are the state's,
@@ -463,19 +471,30 @@ class _Destination:
     small ones of the state views of their batch (the optimizer and `copy_` take any
     view). The aux's small ones (RNG states) get storage of their own: torch's RNG
     setters read a view's storage from its start, not from the view's offset. On a GPU
-    the batches (counters, RNG) are handed back in host memory, as those setters expect."""
+    the batches (counters, RNG) are handed back in host memory, as those setters expect.
+    A large tensor goes, in this order, into the live tensor `live` names, into one
+    `landing` holds for its dtype and shape (`landed`: their indices), or into new memory."""
 
-    def __init__(self, specs: list[Spec], device: torch.device, live: dict[int, torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        specs: list[Spec],
+        device: torch.device,
+        live: dict[int, torch.Tensor] | None = None,
+        landing: LandingPool | None = None,
+    ) -> None:
         self.specs, self.device = specs, device
         live = live or {}
-        self.out: list[torch.Tensor | None] = [
-            live[i]
-            if i in live
-            else torch.empty(s.shape, dtype=s.dtype, device=device)
-            if s.nbytes >= SMALL or s.nbytes == 0
-            else None
-            for i, s in enumerate(specs)
-        ]
+        self.landed: set[int] = set()
+        self.out: list[torch.Tensor | None] = []
+        for i, s in enumerate(specs):
+            t = live.get(i)
+            if t is None and s.nbytes >= SMALL and landing is not None:
+                t = landing.take(s.dtype, tuple(s.shape))
+                if t is not None:
+                    self.landed.add(i)
+            if t is None and (s.nbytes >= SMALL or s.nbytes == 0):
+                t = torch.empty(s.shape, dtype=s.dtype, device=device)
+            self.out.append(t)
         self.batches: list[tuple[Message, torch.Tensor]] = []
 
     def wire(self, m: Message) -> torch.Tensor:
@@ -535,6 +554,8 @@ def describe(r: Received) -> str:
     mb = r.nbytes / 1e6
     rate = mb / r.seconds if r.seconds > 0 else float("inf")
     where = f", {r.in_place / 1e6:.2f} MB into its live tensors" if r.in_place else ""
+    if r.landed:
+        where += f", {r.landed / 1e6:.2f} MB into memory warmed while it waited"
     return f"{mb:.2f} MB from ranks {r.sources} in {r.seconds:.3f}s ({rate:.0f} MB/s{where})"
 
 

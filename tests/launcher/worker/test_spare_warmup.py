@@ -168,6 +168,9 @@ if mode != "cold":
     from torch.distributed.distributed_c10d import _world
     out["groups_left"] = len(_world.pg_names)
     warm_mesh = w.mesh
+    kept = [w.landing.take(torch.float32, shape) for shape in ((512, 128), (512, 512), (128, 512)) for _ in (0, 1)]
+    out["landing"] = [None if t is None else [list(t.shape), bool(t.eq(0).all())] for t in kept]
+    out["landing_left"] = len(w.landing)
 job = launcher.init()  # solo: installs its own default group (refused if the warm-up left one)
 job._warmup = w
 if kind == "tp":  # examples/train_fsdp_tp.py's model: FSDP2 on "shard", tensor parallel on "tp"
@@ -256,6 +259,10 @@ def test_after_a_warm_up_the_first_step_propagates_nothing_and_ends_bitwise_as_c
     assert cold["first_commit_misses"], "a cold process's first optimizer step propagates shardings"
     assert warm["first_commit_misses"] == [], warm["first_commit_misses"]
     assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+    # The warm-up's AdamW step left both moments of each weight (of the job's shard shapes)
+    # touched for the replay (launcher/worker/landing.py); the biases' are too small to keep.
+    assert warm["landing"] == [[[512, 128], True]] * 2 + [[[512, 512], True]] * 2 + [[[128, 512], True]] * 2
+    assert warm["landing_left"] == 0
 
 
 def test_fsdp2_with_tensor_parallelism_warms_up_on_the_mesh_and_its_slices(tmp_path: Path) -> None:
@@ -313,6 +320,7 @@ def test_a_warm_up_for_another_mesh_is_not_adopted_and_changes_nothing(tmp_path:
 def test_a_warm_up_stopped_by_ranks_arriving_still_hands_its_mesh_over(tmp_path: Path, cold: dict[str, Any]) -> None:
     warm = _child(tmp_path, "cancelled", recipe_json())
     assert warm["error"] is None and warm["adopted"] and not warm["initialized_after"]
+    assert warm["landing"] == [None] * 6  # stopped before its optimizer step
     assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
 
 

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from launcher.worker import state_transport as tp
+from launcher.worker.landing import LandingPool
 from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.state_codec import flatten, live_tensors, parse, skeleton, tensor_paths, unflatten
 from tests.launcher.worker.test_rollback import in_ranks
@@ -265,6 +266,64 @@ def test_a_receiver_that_offers_its_live_state_gets_the_large_tensors_written_in
         "written": True,
         "bytes_in_place": state["model"]["big"].nbytes + state["mask"].nbytes,  # its only two large tensors
     }
+
+
+def _into_landing(rank: int, pg: Any) -> Any:  # pragma: no cover - forked child
+    sent = _state()
+    plan = [Transfer(0, 1, 0, 1)]
+    if rank == 0:
+        tp.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait()).exchange(plan, rank, lambda: sent)
+        return None
+    landing = LandingPool()
+    pad = torch.zeros(700, 1000)  # the shape of "big", which the live state below also offers
+    mask_pad = torch.zeros(70_000, dtype=torch.bool)  # "mask": nothing live for it
+    wrong = torch.zeros(1000, 700)  # the same bytes, another shape: never taken for "big"
+    for t in (pad, mask_pad, wrong):
+        assert landing.add(t)
+    live = {"model": {"big": torch.zeros(700, 1000)}}
+    got = tp.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait(), landing).exchange(
+        plan, rank, lambda: sent, lambda: live
+    )
+    return {
+        "equal": bitwise_equal((got.state, got.aux), sent),
+        "big_live": got.state["model"]["big"].data_ptr() == live["model"]["big"].data_ptr(),
+        "mask_landed": got.state["mask"].data_ptr() == mask_pad.data_ptr(),
+        "left": [
+            tuple(t.shape)
+            for t in (landing.take(torch.float32, (700, 1000)), landing.take(torch.float32, (1000, 700)))
+            if t is not None
+        ],
+        "bytes": (got.in_place, got.landed),
+        "said": "into memory warmed while it waited" in tp.describe(got),
+    }
+
+
+def test_a_tensor_with_no_live_home_lands_in_memory_of_its_dtype_and_shape_the_spare_touched() -> None:
+    got = in_ranks(2, _into_landing)[1]
+    state = _state()[0]
+    assert got == {
+        "equal": True,
+        "big_live": True,  # a live home comes first: the pool's tensor of that shape stays
+        "mask_landed": True,
+        "left": [(700, 1000), (1000, 700)],
+        "bytes": (state["model"]["big"].nbytes, state["mask"].nbytes),
+        "said": True,
+    }
+
+
+def test_a_landing_pool_keeps_only_whole_host_tensors_and_hands_each_out_once() -> None:
+    pool = LandingPool()
+    assert not pool.add(torch.zeros(100))  # too small to travel alone
+    assert not pool.add(torch.zeros(200, 1000)[:100])  # a view: it would keep all 200 rows alive
+    assert not pool.add(torch.zeros(1000, 100).t())  # not contiguous
+    assert not pool.add(torch.zeros(100, 1000, device="meta"))
+    a, b = torch.zeros(100, 1000), torch.zeros(100, 1000)
+    assert pool.add(a) and pool.add(b) and len(pool) == 2 and pool.nbytes == 2 * a.nbytes
+    assert pool.take(torch.float64, (100, 1000)) is None and pool.take(torch.float32, (1000, 100)) is None
+    taken = pool.take(torch.float32, (100, 1000))
+    assert taken is a or taken is b
+    assert pool.clear() == a.nbytes and len(pool) == 0 and pool.nbytes == 0
+    assert pool.take(torch.float32, (100, 1000)) is None
 
 
 def test_pausing_the_gc_nests_and_restores_what_it_found() -> None:
