@@ -436,10 +436,20 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
             v.copy_(got["model"][k])
         return got
 
-    def thaw_into(live: dict[str, Any]) -> Any:  # the restore's copy then finds the same memory
-        return frozen.thaw_into(live)
+    def thaw_into(
+        live: dict[str, Any], landing: LandingPool | None = None
+    ) -> Any:  # the restore's copy then finds the same memory
+        return frozen.thaw_into(live, landing)
 
-    steps: list[tuple[str, Callable[[], Any]]] = [
+    pool = LandingPool()
+
+    def refill() -> None:  # what a spare's warm-up leaves: its moments' memory, touched
+        pool.clear()
+        for st in state["optim"]["state"].values():
+            for v in st.values():
+                pool.add(torch.zeros_like(v))
+
+    steps: list[tuple[str, Callable[[], Any]] | tuple[str, Callable[[], Any], Callable[[], None]]] = [
         ("memcpy of the state's bytes, warm pages (what loopback's kernel copies do twice)", lambda: dst.copy_(src)),
         ("memcpy into fresh pages (a receiver's first touch)", lambda: torch.empty(n, dtype=torch.uint8).copy_(src)),
         ("CRC-32 of the state's bytes (each path: once per side)", lambda: checksum(src)),
@@ -455,10 +465,11 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
         ("rollback, survivor: thaw into the live state", lambda: thaw_into(survivor)),
         ("rollback, spare: thaw (a clone per tensor) + model copied in", lambda: thaw_then_restore(spare)),
         ("rollback, spare: thaw into the live model", lambda: thaw_into(spare)),
+        ("rollback, spare: thaw into the live model + the warm-up's memory", lambda: thaw_into(spare, pool), refill),
     ]
     out = []
-    for name, f in steps:
-        best = min(timeit.repeat(f, number=1, repeat=max(3, runs)))
+    for name, f, *setup in steps:
+        best = min(timeit.repeat(f, setup=setup[0] if setup else "pass", number=1, repeat=max(3, runs)))
         out.append(
             {
                 "mb": round(n / 1e6, 2),

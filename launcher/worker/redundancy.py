@@ -28,6 +28,7 @@ import torch
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.disk_checkpoint import DiskCheckpointer
 from launcher.worker.fingerprint import fingerprint, judge
+from launcher.worker.landing import LandingPool
 from launcher.worker.recovery import Recovery
 from launcher.worker.replica_map import ReplicaMap
 from launcher.worker.rollback import rollback
@@ -194,12 +195,15 @@ class Redundancy:
         if self._ckpt_group is not None:
             self._ckpt_group._intr.clear()
 
-    def without_replica(self, newest: int, why: str) -> tuple[int, Received | None, str]:
+    def without_replica(
+        self, newest: int, why: str, landing: LandingPool | None = None
+    ) -> tuple[int, Received | None, str]:
         """No replica holds some lost rank's state: roll back to peer-memory snapshots,
-        else load resild's newest disk checkpoint, else stop."""
+        else load resild's newest disk checkpoint, else stop. `landing`: host memory a spare
+        touched for what has no live home (launcher.worker.landing)."""
         if self.snap is not None:
             try:
-                target, got = self._rollback(newest)
+                target, got = self._rollback(newest, landing)
                 return target, got, "snapshot"
             except NoSnapshot as e:
                 why = f"{why.split(': checkpointless')[0]}; {e}"
@@ -209,7 +213,7 @@ class Redundancy:
             why += ": checkpointless recovery is impossible; restart from a disk checkpoint"
         self.fatal(why)
 
-    def _rollback(self, newest: int) -> tuple[int, Received | None]:
+    def _rollback(self, newest: int, landing: LandingPool | None = None) -> tuple[int, Received | None]:
         """Every rank goes back to the newest snapshot complete for all: its own copy, or
         one fetched from a holder on another node."""
         snap, steps = self.snap, self.steps
@@ -235,15 +239,16 @@ class Redundancy:
                 self.emit(EventName.SNAPSHOT_CORRUPT, src=src, step=s, holder=holder, found="transfer")
             self.emit(EventName.ROLLED_BACK, step=step, newest=newest, steps_redone=newest - step, fetches=len(plan))
         if frozen is not None:
-            state, aux, written = frozen.thaw_into(self._live())
+            state, aux, written, landed = frozen.thaw_into(self._live(), landing)
             holder = next(f.holder for f in plan if f.src == self.rank)
-            return step, Received(state, aux, frozen.nbytes, [holder], time.monotonic() - t0, in_place=written)
+            took = time.monotonic() - t0
+            return step, Received(state, aux, frozen.nbytes, [holder], took, in_place=written, landed=landed)
         if steps.holding and steps.step == step:
             return step, None  # the live state is that step: only the aux rewinds
         own = snap.store.get(self.rank, step)
         assert own is not None
-        state, aux, written = own.thaw_into(self._live())
-        return step, Received(state, aux, 0, [self.rank], time.monotonic() - t0, in_place=written)
+        state, aux, written, landed = own.thaw_into(self._live(), landing)
+        return step, Received(state, aux, 0, [self.rank], time.monotonic() - t0, in_place=written, landed=landed)
 
     def saved_step(self) -> int | None:
         """The newest complete checkpoint as every rank sees it (one all-reduce: a rank

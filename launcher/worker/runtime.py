@@ -46,6 +46,7 @@ import resild.wire.env as resild_env
 from launcher.worker.agent_link import AgentLink, agent_endpoint
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.controller_link import ControlLink, keys_from_env
+from launcher.worker.landing import LandingPool
 from launcher.worker.link_store import LinkStore
 from launcher.worker.mesh_layout import MeshError, MeshLayout
 from launcher.worker.recovery import Recovery, Reformed
@@ -318,7 +319,7 @@ class Job:
         """A waiting spare's warm-up finished (it has no rank yet)."""
         fields: dict[str, Any] = {"rank": None, "local_rank": self.local_rank}  # the controller adds the node
         fields["seconds"] = round(seconds, 4)
-        landing = self._warmup.landing if self._warmup is not None else None
+        landing = self._landing()
         if landing is not None:
             fields["landing_bytes"] = landing.nbytes  # kept for the replay (launcher.worker.landing)
         if error is not None:
@@ -491,13 +492,13 @@ class Job:
                 int(self.cfg.get("replay_sources", 2)),
                 protocol.snapshot,
                 protocol.receive_into,
-                self._warmup.landing if self._warmup is not None else None,
+                self._landing(),
             )
             source = "replica"
         except (NoReplica, ValueError) as e:
             if red is None:
                 self._fatal(str(e))
-            target, got, source = red.without_replica(ag.target, str(e))
+            target, got, source = red.without_replica(ag.target, str(e), self._landing())
         if source == "checkpoint":
             pass  # the live objects were loaded in place
         elif target == 0 and red is not None and red.saved_step() is not None:
@@ -506,8 +507,9 @@ class Job:
             target, got, source = red.load_checkpoint("resuming from resild's checkpoints"), None, "checkpoint"
         else:
             protocol.resume(got)
-        if self._warmup is not None and self._warmup.landing is not None:
-            self._warmup.landing.clear()  # this rank holds its state now: the rest is memory no one needs
+        landing = self._landing()
+        if landing is not None:
+            landing.clear()  # this rank holds its state now: the rest is memory no one needs
         if red is not None:
             red.after_join(target)
         if got is not None and got.sources != [self.rank]:  # not a restore of this rank's own snapshot
@@ -528,6 +530,10 @@ class Job:
             self._progress("joined")
         if self.rank == 0 and self.epoch > 1:
             self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4), source=source)
+
+    def _landing(self) -> LandingPool | None:
+        """What a spare's warm-up touched for its state's tensors with no live home."""
+        return self._warmup.landing if self._warmup is not None else None
 
     def _fatal(self, why: str) -> NoReturn:
         """Every rank computes the same plan, so every rank lands here: stop the job."""

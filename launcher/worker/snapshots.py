@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from launcher.worker.landing import LandingPool
 from launcher.worker.state_codec import checksum, skeleton, unflatten, unflatten_into
 
 HEADER_LEN = 7  # step, crc, skeleton bytes, aux skeleton bytes, aux buffer bytes, state buffer bytes, source rank
@@ -156,21 +157,24 @@ class Frozen:
 
     def thaw(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The state and aux, every tensor a copy of its own."""
-        state, aux, _ = self.thaw_into(None)
+        state, aux, _, _ = self.thaw_into(None)
         return state, aux
 
-    def thaw_into(self, live: Any) -> tuple[dict[str, Any], dict[str, Any], int]:
+    def thaw_into(
+        self, live: Any, landing: LandingPool | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any], int, int]:
         """`thaw`, the state's tensors copied straight into the live ones of the same path
-        (no second copy of the state in memory, none made on the GPU by the restore);
-        -> (state, aux, bytes written in place)."""
+        (no second copy of the state in memory, none made on the GPU by the restore), those
+        with no live home into `landing`'s where it has them; -> (state, aux, bytes written
+        in place, bytes written into `landing`'s)."""
         self.wait_ready()
         p = self.payload
         a = self.n_skel
         b = a + self.n_askel
         c = b + self.n_abuf
         skel, askel = bytes(p[:a].numpy().tobytes()), bytes(p[a:b].numpy().tobytes())
-        state, written = unflatten_into(skel, p[c:], live)
-        return state, unflatten(askel, p[b:c]), written
+        state, written, landed = unflatten_into(skel, p[c:], live, landing)
+        return state, unflatten(askel, p[b:c]), written, landed
 
 
 @dataclass

@@ -17,6 +17,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from launcher.worker.landing import LandingPool
+
 # Every dtype with a fixed element size whose bytes can be viewed as uint8 (what this torch has).
 _DTYPES: dict[str, torch.dtype] = {
     str(d): d
@@ -217,11 +219,15 @@ def unflatten(skeleton: bytes, buf: torch.Tensor) -> Any:
     return unflatten_into(skeleton, buf, None)[0]
 
 
-def unflatten_into(skeleton: bytes, buf: torch.Tensor, live: Any) -> tuple[Any, int]:
+def unflatten_into(
+    skeleton: bytes, buf: torch.Tensor, live: Any, landing: LandingPool | None = None
+) -> tuple[Any, int, int]:
     """`unflatten`, copying each tensor whose path in the live state `live` holds one of
     the same dtype and shape into that live tensor (wherever it is: a GPU parameter, an
     optimizer's moment) instead of into new memory; the state returned holds the live
-    tensors there. -> (the state, bytes written into live tensors)."""
+    tensors there. A tensor with no live home goes into one `landing` holds of its dtype
+    and shape (host memory a spare touched while it waited), else into new memory.
+    -> (the state, bytes written into live tensors, bytes written into `landing`'s)."""
     skel, specs = parse(skeleton)
     starts = [0]
     for s in specs:
@@ -230,13 +236,17 @@ def unflatten_into(skeleton: bytes, buf: torch.Tensor, live: Any) -> tuple[Any, 
         raise ValueError(f"state buffer holds {buf.numel()} bytes, skeleton describes {starts[-1]}")
     mine = live_matches(skel, specs, live)
     out: list[torch.Tensor] = []
-    written = 0
+    written = landed = 0
     with torch.no_grad():
         for i, s in enumerate(specs):
             raw = buf[starts[i] : starts[i + 1]]  # at any offset: copied as bytes where it can be
             t = mine.get(i)
             if t is None:
-                out.append(typed_view(raw.clone(), s))
+                pad = landing.take(s.dtype, tuple(s.shape)) if landing is not None and raw.is_cpu else None
+                if pad is not None:
+                    byte_view(pad).copy_(raw)
+                    landed += s.nbytes
+                out.append(pad if pad is not None else typed_view(raw.clone(), s))
                 continue
             if t.is_contiguous():
                 byte_view(t).copy_(raw)
@@ -244,7 +254,7 @@ def unflatten_into(skeleton: bytes, buf: torch.Tensor, live: Any) -> tuple[Any, 
                 t.copy_(typed_view(raw.clone(), s))
             out.append(t)
             written += s.nbytes
-    return assemble(skel, out), written
+    return assemble(skel, out), written, landed
 
 
 def _fastest_crc32() -> Callable[[Any], int]:

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from launcher.worker.landing import LandingPool
 from launcher.worker.snapshots import (
     HEADER_LEN,
     Fetch,
@@ -158,7 +159,7 @@ def test_a_frozen_state_thaws_into_the_live_tensors_of_the_same_path_and_new_mem
     del live["ints"]  # no such path
     kept = {k: live["model"][k] for k in ("w32", "t", "w16")}
     w16_before = kept["w16"].clone()
-    got, got_aux, written = f.thaw_into(live)
+    got, got_aux, written, landed = f.thaw_into(live)
     assert bitwise_equal(got, state) and bitwise_equal(got_aux, aux)
     assert got["model"]["w32"] is not state["model"]["w32"]
     assert got["model"]["w32"].data_ptr() == kept["w32"].data_ptr()  # written in place
@@ -168,8 +169,24 @@ def test_a_frozen_state_thaws_into_the_live_tensors_of_the_same_path_and_new_mem
     assert got["ints"][0].data_ptr() != state["ints"][0].data_ptr()  # new memory, not the source's
     not_live = state["model"]["w16"].nbytes + state["optim"]["state"][0]["exp_avg"].nbytes
     not_live += sum(t.nbytes for t in state["ints"])
-    assert written == sum(t.nbytes for t in skeleton(state)[1]) - not_live
+    assert written == sum(t.nbytes for t in skeleton(state)[1]) - not_live and landed == 0
     assert f.thaw_into(None)[2] == 0
+
+
+def test_a_frozen_state_thaws_what_has_no_live_home_into_memory_a_spare_touched() -> None:
+    g = torch.Generator().manual_seed(2)
+    state = {"model": {"w": torch.randn(200, 100, generator=g)}, "optim": {"m": torch.randn(100, 200, generator=g)}}
+    f = Frozen.capture(5, 3, state, {})
+    live = {"model": {"w": torch.zeros(200, 100)}}  # a spare: its model built, its optimizer empty
+    landing = LandingPool()
+    pads = [torch.zeros(100, 200), torch.zeros(200, 100)]  # the moment's shape, and the weight's
+    assert all(landing.add(p) for p in pads)
+    got, _, written, landed = f.thaw_into(live, landing)
+    assert bitwise_equal(got, state)
+    assert got["model"]["w"].data_ptr() == live["model"]["w"].data_ptr()  # a live home comes first
+    assert got["optim"]["m"].data_ptr() == pads[0].data_ptr()
+    assert (written, landed) == (state["model"]["w"].nbytes, state["optim"]["m"].nbytes)
+    assert len(landing) == 1 and landing.take(torch.float32, (200, 100)) is pads[1]
 
 
 def test_capture_copies_now_so_the_next_optimizer_step_does_not_change_the_snapshot() -> None:
