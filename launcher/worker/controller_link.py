@@ -290,8 +290,9 @@ class ControlLink:
             ch = self._ch
             if ch is not None and ch.follow(int(msg.body.get("term", 0)), int(msg.body.get("leader", 0))):
                 self._answer_requests(None)  # the new leader never saw them: the formation retries
-                for mtype, body in list(self._repeat.items()):  # register again (a copy: send() may add)
-                    self._out.put((mtype, body, None))
+                with self._out_lock:  # in order with what send() queues meanwhile
+                    for mtype, body in list(self._repeat.items()):  # register again (a copy: send() may add)
+                        self._out.put((mtype, body, None))
             return
         with self.intr.cond:
             if t == MsgType.WELCOME:
