@@ -301,7 +301,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                 order = list(args["paths"]) if i % 2 == 0 else list(reversed(args["paths"]))
                 for path in order:
                     key = f"{mb}/{k}/{path}"
-                    landing = None
+                    landing, offered = None, 0
                     if path.startswith("direct_spare") and rank == receiver:
                         for v in spare["model"].values():  # not yet restored (checked below)
                             v.zero_()
@@ -310,6 +310,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                             for st in state["optim"]["state"].values():
                                 for v in st.values():
                                     landing.add(torch.zeros_like(v))
+                            offered = landing.nbytes
                     barrier()
                     t0, c0 = time.perf_counter(), time.process_time()
                     got = None
@@ -351,6 +352,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                             not got.damaged and equal(got.state, state) and equal(got.aux, aux) and restored
                         )
                         info[key]["in_place_bytes"], info[key]["landed_bytes"] = got.in_place, got.landed
+                        info[key]["offered_bytes"] = offered  # what the warmed memory held
                     del got
             barrier()
     barrier()
@@ -560,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for r in results:
         ok = {True: "yes", False: "NO"}.get(r.get("bitwise_equal"), "-")  # type: ignore[call-overload]
+        if r.get("offered_bytes") and not r.get("landed_bytes"):
+            ok += " (nothing landed in the warmed memory)"
         print(
             f"{r['bytes'] / 1e6:7.2f} {r['tensors']:7d} {r['sources']:3d} {r['path']:<18} {r['seconds'] * 1e3:9.2f} "
             f"{r['min_s'] * 1e3:7.2f}-{r['max_s'] * 1e3:7.2f} {r['mb_per_s']:7.0f} {r.get('ratio', math.nan):6.2f} "

@@ -7,8 +7,10 @@ page of it faults on first write, while the job waits. The spare's warm-up
 (`spare_warmup`) already steps the job's optimizer on stand-ins of the job's shard
 shapes; it hands their optimizer state here instead of freeing it, and the replay takes
 a tensor of the same dtype and shape from the pool for each large tensor it has no live
-home for. What the pool holds is zeros, never state: a tensor is taken once and becomes
-the received tensor's storage (a cut-off replay drops it with the rest).
+home for. What the pool holds is never state (its contents are whatever the warm-up's step
+left, all overwritten): a tensor is taken once and becomes the received tensor's storage (a
+cut-off replay drops it with the rest); a storage is kept once, so no two received tensors
+can share one.
 
 Host only: on a GPU the caching allocator keeps the warm-up's freed blocks for the same
 sizes already, and holding them here would only keep them from it.
@@ -29,6 +31,7 @@ class LandingPool:
 
     def __init__(self) -> None:
         self._free: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._seen: set[int] = set()  # storages in the pool (an optimizer could list one tensor twice)
         self._lock = threading.Lock()
         self.nbytes = 0
 
@@ -41,6 +44,9 @@ class LandingPool:
         if t.untyped_storage().nbytes() != n or t.storage_offset() != 0 or t.requires_grad:
             return False  # a view of something larger (it would keep all of it alive)
         with self._lock:
+            if t.data_ptr() in self._seen:
+                return False
+            self._seen.add(t.data_ptr())
             self._free.setdefault((t.dtype, tuple(t.shape)), []).append(t)
             self.nbytes += n
         return True
@@ -52,6 +58,7 @@ class LandingPool:
             if not free:
                 return None
             t = free.pop()
+            self._seen.discard(t.data_ptr())
             self.nbytes -= t.numel() * t.element_size()
             return t
 
@@ -60,6 +67,7 @@ class LandingPool:
         with self._lock:
             n, self.nbytes = self.nbytes, 0
             self._free.clear()
+            self._seen.clear()
         return n
 
     def __len__(self) -> int:

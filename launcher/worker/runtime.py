@@ -499,6 +499,9 @@ class Job:
             if red is None:
                 self._fatal(str(e))
             target, got, source = red.without_replica(ag.target, str(e), self._landing())
+        landing = self._landing()
+        if landing is not None:
+            landing.clear()  # this rank holds its state now: the rest is memory no one needs
         if source == "checkpoint":
             pass  # the live objects were loaded in place
         elif target == 0 and red is not None and red.saved_step() is not None:
@@ -507,9 +510,6 @@ class Job:
             target, got, source = red.load_checkpoint("resuming from resild's checkpoints"), None, "checkpoint"
         else:
             protocol.resume(got)
-        landing = self._landing()
-        if landing is not None:
-            landing.clear()  # this rank holds its state now: the rest is memory no one needs
         if red is not None:
             red.after_join(target)
         if got is not None and got.sources != [self.rank]:  # not a restore of this rank's own snapshot

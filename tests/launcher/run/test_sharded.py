@@ -89,7 +89,8 @@ def test_hsdp_node_loss_is_recovered_bitwise(
     warmed = [e for e in r.events if e["event"] == "spare_warmed"]
     assert all(e.get("node") == "local-node4" and not e.get("error") for e in warmed), warmed
     # Its moments had no live home: they came into the memory its warm-up's optimizer step
-    # touched, where the warm-up kept some before the fault (launcher/worker/landing.py).
+    # touched, where the warm-up kept some before the fault (launcher/worker/landing.py; it keeps
+    # the shapes of the shard at coordinate 0, which every shard here has: the shards are even).
     assert all(e["in_place_bytes"] + e["landed_bytes"] <= e["bytes"] for e in replays), replays
     if len(warmed) == 2 and all(e.get("landing_bytes") for e in warmed):
         assert all(e["landed_bytes"] > 0 for e in replays), (replays, warmed)

@@ -319,6 +319,7 @@ def test_a_landing_pool_keeps_only_whole_host_tensors_and_hands_each_out_once() 
     assert not pool.add(torch.zeros(100, 1000, device="meta"))
     a, b = torch.zeros(100, 1000), torch.zeros(100, 1000)
     assert pool.add(a) and pool.add(b) and len(pool) == 2 and pool.nbytes == 2 * a.nbytes
+    assert not pool.add(a) and not pool.add(a.view(1000, 100))  # a storage is kept once
     assert pool.take(torch.float64, (100, 1000)) is None and pool.take(torch.float32, (1000, 100)) is None
     taken = pool.take(torch.float32, (100, 1000))
     assert taken is a or taken is b
