@@ -88,15 +88,7 @@ PATHS = (
     "direct_unfaulted",
     "flat",
 )
-DEFAULT_PATHS = (
-    "loopback",
-    "loopback_fresh",
-    "direct",
-    "direct_spare",
-    "direct_spare_warm",
-    "direct_spare_copy",
-    "flat",
-)
+DEFAULT_PATHS = tuple(p for p in PATHS if p != "direct_unfaulted")
 
 
 # ---- the state ---------------------------------------------------------------------------

@@ -227,12 +227,19 @@ def test_only_large_tensors_of_the_same_path_dtype_shape_and_device_are_written_
     assert tp.in_place(skel, specs, live, torch.device("meta")) == {}  # never across devices
 
 
-def _into_live(rank: int, pg: Any) -> Any:  # pragma: no cover - forked child
-    sent = _state()
-    plan = [Transfer(0, 1, 0, 1)]
+def _sent_by_rank_0(rank: int, pg: Any) -> tuple[Any, list[Transfer]] | None:  # pragma: no cover - forked child
+    """Rank 0 sends `_state()` to rank 1 (-> None); rank 1 gets what it should receive and the plan."""
+    sent, plan = _state(), [Transfer(0, 1, 0, 1)]
     if rank == 0:
         tp.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait()).exchange(plan, rank, lambda: sent)
         return None
+    return sent, plan
+
+
+def _into_live(rank: int, pg: Any) -> Any:  # pragma: no cover - forked child
+    if (mine := _sent_by_rank_0(rank, pg)) is None:
+        return None
+    sent, plan = mine
     live = _state()[0]  # the same structure, other values
     live["model"]["big"].zero_()
     live["mask"].zero_()
@@ -269,11 +276,9 @@ def test_a_receiver_that_offers_its_live_state_gets_the_large_tensors_written_in
 
 
 def _into_landing(rank: int, pg: Any) -> Any:  # pragma: no cover - forked child
-    sent = _state()
-    plan = [Transfer(0, 1, 0, 1)]
-    if rank == 0:
-        tp.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait()).exchange(plan, rank, lambda: sent)
+    if (mine := _sent_by_rank_0(rank, pg)) is None:
         return None
+    sent, plan = mine
     landing = LandingPool()
     pad = torch.zeros(700, 1000)  # the shape of "big", which the live state below also offers
     mask_pad = torch.zeros(70_000, dtype=torch.bool)  # "mask": nothing live for it
