@@ -12,8 +12,9 @@ left, all overwritten): a tensor is taken once and becomes the received tensor's
 cut-off replay drops it with the rest); a storage is kept once, so no two received tensors
 can share one.
 
-Host only: on a GPU the caching allocator keeps the warm-up's freed blocks for the same
-sizes already, and holding them here would only keep them from it.
+Host only (`add` keeps host tensors alone, `take` hands them out only for host memory):
+on a GPU the caching allocator keeps the warm-up's freed blocks for the same sizes
+already, and holding them here would only keep them from it.
 """
 
 from __future__ import annotations
@@ -51,8 +52,11 @@ class LandingPool:
             self.nbytes += n
         return True
 
-    def take(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """A kept tensor of exactly this dtype and shape (no longer the pool's), or None."""
+    def take(self, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+        """A kept tensor of exactly this dtype and shape for memory on `device` (no longer
+        the pool's), or None (always, for a device other than the host)."""
+        if device.type != "cpu":
+            return None
         with self._lock:
             free = self._free.get((dtype, tuple(shape)))
             if not free:

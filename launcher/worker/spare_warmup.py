@@ -259,8 +259,7 @@ class SpareWarmup:
         self.slices: dict[tuple[int, ...], Any] = {}  # slices of it the stand-ins live on
         self.seconds: float | None = None
         self.error: str | None = None
-        # The moments the warm-up's optimizer step touched, for the replay (host only).
-        self.landing: LandingPool | None = LandingPool() if device.type == "cpu" else None
+        self.landing = LandingPool()  # the moments the warm-up's step touched, for the replay (host only)
 
     def start(self) -> None:
         """Fetch the recipe (once; later calls do nothing)."""

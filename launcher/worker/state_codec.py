@@ -242,7 +242,7 @@ def unflatten_into(
             raw = buf[starts[i] : starts[i + 1]]  # at any offset: copied as bytes where it can be
             t = mine.get(i)
             if t is None:
-                pad = landing.take(s.dtype, tuple(s.shape)) if landing is not None and raw.is_cpu else None
+                pad = landing.take(s.dtype, s.shape, raw.device) if landing is not None else None
                 if pad is not None:
                     byte_view(pad).copy_(raw)
                     landed += s.nbytes

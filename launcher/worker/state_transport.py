@@ -263,8 +263,7 @@ class P2PTransport:
     def __init__(
         self, pg: Any, device: torch.device, wait: Callable[[Any], None], landing: LandingPool | None = None
     ) -> None:
-        self.pg, self.device, self.wait = pg, device, wait
-        self.landing = landing if device.type == "cpu" else None  # host memory only (landing.py)
+        self.pg, self.device, self.wait, self.landing = pg, device, wait, landing
 
     def exchange(
         self,
@@ -489,7 +488,7 @@ class _Destination:
         for i, s in enumerate(specs):
             t = live.get(i)
             if t is None and s.nbytes >= SMALL and landing is not None:
-                t = landing.take(s.dtype, tuple(s.shape))
+                t = landing.take(s.dtype, s.shape, device)
                 if t is not None:
                     self.landed.add(i)
             if t is None and (s.nbytes >= SMALL or s.nbytes == 0):

@@ -186,7 +186,7 @@ def test_a_frozen_state_thaws_what_has_no_live_home_into_memory_a_spare_touched(
     assert got["model"]["w"].data_ptr() == live["model"]["w"].data_ptr()  # a live home comes first
     assert got["optim"]["m"].data_ptr() == pads[0].data_ptr()
     assert (written, landed) == (state["model"]["w"].nbytes, state["optim"]["m"].nbytes)
-    assert len(landing) == 1 and landing.take(torch.float32, (200, 100)) is pads[1]
+    assert len(landing) == 1 and landing.take(torch.float32, (200, 100), torch.device("cpu")) is pads[1]
 
 
 def test_capture_copies_now_so_the_next_optimizer_step_does_not_change_the_snapshot() -> None:

@@ -168,7 +168,8 @@ if mode != "cold":
     from torch.distributed.distributed_c10d import _world
     out["groups_left"] = len(_world.pg_names)
     warm_mesh = w.mesh
-    kept = [w.landing.take(torch.float32, shape) for shape in ((512, 128), (512, 512), (128, 512)) for _ in (0, 1)]
+    host = torch.device("cpu")
+    kept = [w.landing.take(torch.float32, s, host) for s in ((512, 128), (512, 512), (128, 512)) for _ in (0, 1)]
     out["landing"] = [None if t is None else [list(t.shape), bool(t.eq(0).all())] for t in kept]
     out["landing_left"] = len(w.landing)
 job = launcher.init()  # solo: installs its own default group (refused if the warm-up left one)

@@ -26,6 +26,7 @@ from tests.launcher.worker.test_snapshots import bitwise_equal
 
 pytestmark = pytest.mark.timeout(60)
 
+CPU = torch.device("cpu")
 DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float64)
 
 
@@ -295,7 +296,7 @@ def _into_landing(rank: int, pg: Any) -> Any:  # pragma: no cover - forked child
         "mask_landed": got.state["mask"].data_ptr() == mask_pad.data_ptr(),
         "left": [
             tuple(t.shape)
-            for t in (landing.take(torch.float32, (700, 1000)), landing.take(torch.float32, (1000, 700)))
+            for t in (landing.take(torch.float32, (700, 1000), CPU), landing.take(torch.float32, (1000, 700), CPU))
             if t is not None
         ],
         "bytes": (got.in_place, got.landed),
@@ -325,11 +326,12 @@ def test_a_landing_pool_keeps_only_whole_host_tensors_and_hands_each_out_once() 
     a, b = torch.zeros(100, 1000), torch.zeros(100, 1000)
     assert pool.add(a) and pool.add(b) and len(pool) == 2 and pool.nbytes == 2 * a.nbytes
     assert not pool.add(a) and not pool.add(a.view(1000, 100))  # a storage is kept once
-    assert pool.take(torch.float64, (100, 1000)) is None and pool.take(torch.float32, (1000, 100)) is None
-    taken = pool.take(torch.float32, (100, 1000))
+    assert pool.take(torch.float64, (100, 1000), CPU) is None and pool.take(torch.float32, (1000, 100), CPU) is None
+    assert pool.take(torch.float32, (100, 1000), torch.device("meta")) is None  # host memory only
+    taken = pool.take(torch.float32, (100, 1000), CPU)
     assert taken is a or taken is b
     assert pool.clear() == a.nbytes and len(pool) == 0 and pool.nbytes == 0
-    assert pool.take(torch.float32, (100, 1000)) is None
+    assert pool.take(torch.float32, (100, 1000), CPU) is None
 
 
 def test_pausing_the_gc_nests_and_restores_what_it_found() -> None:
