@@ -94,7 +94,25 @@ def run_job(
     except ValueError:
         summary = None
     final = torch.load(save) if save.exists() else None
+    if p.returncode == 0:
+        assert_faults_fired(args, events)
     return RunResult(p.returncode, p.stdout, p.stderr, events, summary, final)
+
+
+def assert_faults_fired(args: tuple[str, ...], events: list[dict]) -> None:
+    """A job that ended well with a step fault never fired ran past it: the fault fires
+    once the controller hears of the step (commit reports are batched every 0.1 s per
+    stage), so a test's steps after the fault must outlast that on a loaded machine.
+    Said here, by name, instead of as a later assertion on events that never came."""
+    specs = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--inject"]
+    fired = {str(e.get("spec", "")).replace("local-", "") for e in events if e["event"] == "fault_injected"}
+    last = max((int(e.get("step", 0)) for e in events if e["event"] == "rank_done"), default=None)
+    for spec in specs:
+        if "@e" not in spec and spec not in fired:
+            raise AssertionError(
+                f"fault {spec} never fired: the job ended (last step {last}) before the controller heard of the "
+                "step; give the test more steps after the fault"
+            )
 
 
 @pytest.fixture(scope="session")
