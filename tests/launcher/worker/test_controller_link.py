@@ -74,7 +74,8 @@ def test_commit_reports_are_coalesced_and_keep_their_order_with_other_messages(
         link.send(MsgType.PROGRESS, rank=0, epoch=1, step=301, state="commit")
         first = srv.channel.recv(2.0)
         assert first is not None and first[1].body["step"] == 301
-        assert time.monotonic() - t1 < 2 * COMMIT_REPORT_S  # woken for it, not found on a long sleep
+        # woken for it, not found at the end of a long sleep (report_poll_s: up to 1 s)
+        assert time.monotonic() - t1 < 5 * COMMIT_REPORT_S
     finally:
         link.close(0.5)
         srv.close()

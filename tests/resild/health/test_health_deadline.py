@@ -26,7 +26,7 @@ def test_results_errors_and_timeouts() -> None:
         t0 = time.monotonic()
         with pytest.raises(CallTimeout, match=r"earlier call \(stuck\) has not returned"):
             runner.call(lambda: 1, timeout_s=1.0, key="gpu1")
-        assert time.monotonic() - t0 < 0.05
+        assert time.monotonic() - t0 < 0.5  # at once: well under the call's own 1 s timeout
         assert runner.call(lambda: 7, timeout_s=1.0, key="gpu0") == 7
         release.set()  # the stuck call returns: the key works again
         deadline = time.monotonic() + 2.0
