@@ -152,6 +152,14 @@ def tensor_count(obj: Any) -> int:
     return 0
 
 
+def warmed(state: dict[str, Any], pool: LandingPool) -> LandingPool:
+    """`pool` holding what a spare's warm-up leaves: its optimizer moments' memory, touched."""
+    for st in state["optim"]["state"].values():
+        for v in st.values():
+            pool.add(torch.zeros_like(v))
+    return pool
+
+
 def equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
@@ -297,11 +305,8 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                     if path.startswith("direct_spare") and rank == receiver:
                         for v in spare["model"].values():  # not yet restored (checked below)
                             v.zero_()
-                        if path == "direct_spare_warm":  # what the warm-up's optimizer step left
-                            landing = LandingPool()
-                            for st in state["optim"]["state"].values():
-                                for v in st.values():
-                                    landing.add(torch.zeros_like(v))
+                        if path == "direct_spare_warm":
+                            landing = warmed(state, LandingPool())
                             offered = landing.nbytes
                     barrier()
                     t0, c0 = time.perf_counter(), time.process_time()
@@ -437,11 +442,9 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
 
     pool = LandingPool()
 
-    def refill() -> None:  # what a spare's warm-up leaves: its moments' memory, touched
+    def refill() -> None:
         pool.clear()
-        for st in state["optim"]["state"].values():
-            for v in st.values():
-                pool.add(torch.zeros_like(v))
+        warmed(state, pool)
 
     steps: list[tuple[str, Callable[[], Any]] | tuple[str, Callable[[], Any], Callable[[], None]]] = [
         ("memcpy of the state's bytes, warm pages (what loopback's kernel copies do twice)", lambda: dst.copy_(src)),

@@ -479,6 +479,7 @@ class Job:
         if red is not None:
             red.before_write()  # rolling forward or restoring writes the live state
         protocol.settle(ag, self.rank)  # roll forward or abandon; the agreed step is computed afresh
+        landing = self._landing()
         try:
             if ag.target < floor:
                 raise NoReplica(
@@ -492,14 +493,13 @@ class Job:
                 int(self.cfg.get("replay_sources", 2)),
                 protocol.snapshot,
                 protocol.receive_into,
-                self._landing(),
+                landing,
             )
             source = "replica"
         except (NoReplica, ValueError) as e:
             if red is None:
                 self._fatal(str(e))
-            target, got, source = red.without_replica(ag.target, str(e), self._landing())
-        landing = self._landing()
+            target, got, source = red.without_replica(ag.target, str(e), landing)
         if landing is not None:
             landing.clear()  # this rank holds its state now: the rest is memory no one needs
         if source == "checkpoint":
