@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 from resild.events.schema import EventName, JobFinished, event_time
 from resild.procutil import say
+from resild.report.checkpoints import CheckpointCounts, checkpoint_counts
 from resild.report.goodput import step_time
 from resild.report.recoveries import Recovery, recoveries
 
@@ -63,6 +64,9 @@ def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[
             "train_s": train_s,
             "goodput": min(1.0, fin.step * step_s / train_s) if train_s > 0 else None,
         }
+    ck = checkpoint_counts(events)
+    if ck is not None:
+        job["checkpoints"] = ck.to_dict()
     return out, job
 
 
@@ -86,7 +90,9 @@ def format_table(failures: list[FailureSummary], job: dict[str, Any]) -> str:
             )
     else:
         lines.append("no failures")
-    if job:
+    if job.get("checkpoints"):
+        lines.append(CheckpointCounts(**job["checkpoints"]).line())
+    if job.get("steps") is not None:
         gp = job.get("goodput")
         lines.append(
             f"steps {job['steps']}, median step {job['step_s'] * 1000:.1f}ms, training wall {job['train_s']:.2f}s, "

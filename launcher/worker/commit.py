@@ -38,6 +38,10 @@ class CommitProtocol:
         self.steps, self.train, self.group, self.intr = steps, train, group, intr
         self.abandoned = abandoned  # the epoch failed or a newer one was announced: the step is lost
         self.snap: SnapshotManager | None = None  # peer-memory snapshots, when the job keeps them
+        # Disk checkpoints: this rank's writer flag (checkpoint_cadence.flag), and the vote's
+        # sum of every rank's, which decides alike on every rank whether a due save starts.
+        self.ckpt_flag: Callable[[], int] | None = None
+        self.ckpt_writers = 0
 
     # ---- one step ------------------------------------------------------------------
     def sync(self) -> None:
@@ -58,17 +62,20 @@ class CommitProtocol:
         if self.abandoned():
             return False
         self.steps.prepare(self.train.capture_aux(), found)
-        # [ranks that saw inf/NaN, ranks whose snapshot exchange is still running]
+        # [ranks that saw inf/NaN, ranks whose snapshot exchange is still running,
+        #  ranks whose disk checkpoint is still being written]
         busy = self.snap.vote_flag() if self.snap is not None else 0
-        vote = torch.tensor([found, busy], dtype=torch.int64, device=self.train.device)
+        writing = self.ckpt_flag() if self.ckpt_flag is not None else 0
+        vote = torch.tensor([found, busy, writing], dtype=torch.int64, device=self.train.device)
         self.group.allreduce([vote]).wait()
-        found_sum, busy_sum = (int(x) for x in vote.tolist())
+        found_sum, busy_sum, writers = (int(x) for x in vote.tolist())
         # Checked after the read: on NCCL wait() only orders streams and the read is what
         # blocks; an abort releases it with garbage, and the error is latched before the abort.
         if self.intr.error is not None:
             return False
         # The vote completed, so every rank synced this step: commit.
         verdict = int(found_sum > 0)
+        self.ckpt_writers = writers
         if self.snap is not None:
             self.snap.before_write()
         self.train.apply_step(verdict)

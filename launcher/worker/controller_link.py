@@ -97,7 +97,7 @@ class ControlLink:
         elif mtype == MsgType.PROGRESS and body.get("state") != "commit":
             # A rank blocked (or joining) when the leader changes must say so again, or the
             # new leader's hang detector would blame it; anything else clears that.
-            if body.get("state") in ("wait", "collective_failed", "join"):
+            if body.get("state") in ("wait", "collective_failed", "join", "checkpoint"):
                 self._repeat[mtype] = {"node": self.node, **body}
             else:
                 self._repeat.pop(mtype, None)

@@ -29,13 +29,19 @@ but JSON, so no pickle of ours (DCP's own `.metadata` is a pickle it reads back)
 
 Threads: `save` stages (copies to host memory, so the next optimizer step cannot
 tear the checkpoint) on the training thread, then `dcp.save` runs in a thread of
-our own. DCP's save does collectives (plan gather/scatter, the final gather of
-write results); they run on that thread, on `group`, which nothing else may use:
-never the default group, which the training thread drives at the same time.
-(`dcp.async_save` would run them on its executor thread in the same way; our own
-thread also writes COMPLETE after the save and keeps the timings.) One more
-all-reduce on `group` ends each save: rank 0 tells every rank whether it wrote
-COMPLETE, so on every rank `wait()` returning means the step is decided.
+our own. The training thread never waits on a disk: the job starts a save only when
+the commit vote said no rank is still writing one (checkpoint_cadence). DCP's save
+does collectives (plan gather/scatter, the final gather of write results); they run
+on that thread, on `group`, which nothing else may use: never the default group,
+which the training thread drives at the same time. (`dcp.async_save` would run them
+on its executor thread in the same way; our own thread also writes COMPLETE after
+the save and keeps the timings.) One more all-reduce on `group` ends each save:
+rank 0 tells every rank whether it wrote COMPLETE, so on every rank `wait()`
+returning means the step is decided.
+
+A save that a recovery abandons may still be running (its file system slow) when the
+new epoch's group exists: its thread is pinned to its epoch (`Interrupts.pin`), so its
+later collectives return at once instead of pairing with the new epoch's (issue 41).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -62,6 +69,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from launcher.worker.checkpoint_faults import Faults, FaultyWriter
 from launcher.worker.stable_group import Interrupts
 from launcher.worker.state_codec import flatten, unflatten
 from launcher.worker.torch_private import dtensor_like
@@ -79,6 +87,18 @@ FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _SKELETON_KEY = "meta/skeleton"
 _LEN_BYTES = 8  # aux tensor: [skeleton length, int64][skeleton JSON][state_codec buffer]
+
+
+class CheckpointError(RuntimeError):
+    """A save or load DCP failed on some rank (DCP's own CheckpointException is a
+    BaseException, which `except Exception` lets through: it once killed the writer
+    thread with its stats never told)."""
+
+
+def _dcp_error(e: CheckpointException) -> CheckpointError:
+    """One line per failed rank, its exception only (DCP's message is every traceback)."""
+    parts = [f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _tb) in sorted(e.failures.items())]
+    return CheckpointError("; ".join(parts) or "DCP failed")
 
 
 def step_dir(directory: Path, step: int) -> Path:
@@ -247,6 +267,7 @@ class DiskStats:
     started: int = 0
     complete: int = 0  # saves rank 0 marked COMPLETE (every rank counts alike)
     failed: int = 0
+    abandoned: int = 0  # saves a recovery cut short (not failures: the next cadence saves again)
     last_step: int | None = None  # the newest save that finished without error
     last_error: str | None = None
     last_stage_s: float = 0.0  # on the training thread: state dicts + host copies
@@ -276,6 +297,7 @@ class DiskCheckpointer:
         *,
         keep: int | None = None,
         intr: Interrupts | None = None,
+        faults: Faults | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.every, self.rank, self.world_size, self.group = every, rank, world_size, group
@@ -285,13 +307,32 @@ class DiskCheckpointer:
         self._thread: threading.Thread | None = None
         self._inflight: int | None = None
         self._abandoned = threading.Event()
+        self.faults = faults  # tests and drills: a storage writer that fails, hangs or is slow
+        self._lock = threading.Lock()
+        self._outcomes: list[Outcome] = []  # finished saves, for the owner to report (take_outcomes)
 
     # ---- when --------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         return self.every > 0 and step > 0 and step % self.every == 0
 
+    @property
+    def inflight(self) -> int | None:
+        """The step of the save in flight, if any."""
+        return self._inflight
+
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def broken(self) -> bool:
+        """The group latched an error with no save of ours in flight: a collective failed
+        outside a recovery, and nothing can use the group until a recovery forms it again."""
+        return self.intr is not None and self.intr.error is not None and not self.busy()
+
+    def take_outcomes(self) -> list[Outcome]:
+        """Saves finished since the last call (the training thread reports them)."""
+        with self._lock:
+            out, self._outcomes = self._outcomes, []
+        return out
 
     def wait(self, timeout_s: float | None) -> bool:
         """Block until no save is in flight (or `timeout_s`); True if none is."""
@@ -309,7 +350,8 @@ class DiskCheckpointer:
     # ---- saving ------------------------------------------------------------------------
     def save(self, step: int, train: TrainState, aux: dict[str, Any]) -> None:
         """Stage `train`'s state and this rank's `aux` as of committed `step`, then write
-        them in the background. Waits first for the previous save (stats.last_wait_s)."""
+        them in the background. Waits first for the previous save (stats.last_wait_s): a
+        job under resild calls it only when the vote said no rank is writing, so never."""
         t0 = time.monotonic()
         self.wait(None)
         t1 = time.monotonic()
@@ -351,11 +393,26 @@ class DiskCheckpointer:
             marker.unlink()
             _fsync_dir(path)
 
+    def _writer(self, step: int, path: Path, gen: int) -> dcp.FileSystemWriter:
+        if self.faults is None:
+            return dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
+        return FaultyWriter(
+            path, self.faults, step, lambda: self._reformed(gen), single_file_per_rank=True, sync_files=True
+        )
+
+    def _reformed(self, gen: int) -> bool:
+        """A recovery has formed the group again since generation `gen` (fault injection)."""
+        return self.intr is not None and self.intr.gen != gen
+
     def _write(self, step: int, path: Path, flat: dict[str, torch.Tensor], gen: int) -> None:
         t0 = time.monotonic()
+        if self.intr is not None:
+            self.intr.pin(gen)  # this thread's collectives belong to this epoch only
         try:
-            writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
-            dcp.save(flat, storage_writer=writer, process_group=self.group)
+            try:
+                dcp.save(flat, storage_writer=self._writer(step, path, gen), process_group=self.group)
+            except CheckpointException as e:
+                raise _dcp_error(e) from None
             # dcp.save returned: on rank 0 after every rank's files were written and
             # gathered, and the metadata; on every rank it returned or raised alike.
             marked = self._mark_complete(step, path, gen) if self.rank == 0 else False
@@ -366,18 +423,34 @@ class DiskCheckpointer:
             self.stats.complete += 1
             self.stats.last_step = step
             self.stats.last_error = None
+            self._finished(Outcome(step, "saved", time.monotonic() - t0, nbytes=self.stats.last_bytes))
         except Exception as e:  # a failed save is lost, never fatal: training goes on
-            self.stats.failed += 1
-            self.stats.last_error = f"step {step}: {type(e).__name__}: {e}"[:500]
-            log.warning("disk checkpoint of step %d failed: %s", step, self.stats.last_error)
+            error = f"{type(e).__name__}: {e}"[:500]
+            if self._cut_short(gen):  # a recovery cut it short: whatever it raised is garbage
+                self.stats.abandoned += 1
+                log.info("disk checkpoint of step %d abandoned by a recovery (%s)", step, error)
+                self._finished(Outcome(step, "abandoned", time.monotonic() - t0, error))
+            else:
+                self.stats.failed += 1
+                self.stats.last_error = f"step {step}: {error}"
+                log.warning("disk checkpoint of step %d failed: %s", step, error)
+                self._finished(Outcome(step, "failed", time.monotonic() - t0, error))
         finally:
             self.stats.last_write_s = time.monotonic() - t0
             self._inflight = None
+            if self.intr is not None:
+                self.intr.pin(None)
+
+    def _finished(self, outcome: Outcome) -> None:
+        with self._lock:
+            self._outcomes.append(outcome)
 
     def _mark_complete(self, step: int, path: Path, gen: int) -> bool:
         if not self._still_valid(gen):
             return False
         try:
+            if self.faults is not None:
+                self.faults.hit("complete", step, lambda: self._reformed(gen))
             marker = {"step": step, "world_size": self.world_size, "format": FORMAT, "t_wall": time.time()}
             _write_atomic(path / COMPLETE, json.dumps(marker).encode())
             return True
@@ -391,6 +464,10 @@ class DiskCheckpointer:
         t = torch.tensor([1 if marked else 0], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(int(t.item())) and self._still_valid(gen)  # an interrupted all-reduce reads garbage
+
+    def _cut_short(self, gen: int) -> bool:
+        """A recovery abandoned this save (not a failure of its own collectives)."""
+        return self._abandoned.is_set() or (self.intr is not None and self.intr.gen != gen)
 
     def _still_valid(self, gen: int) -> bool:
         # Interrupts.fail latches the error before it releases the collectives it cuts
@@ -411,8 +488,11 @@ class DiskCheckpointer:
         checkpoint `step` into `train`'s live objects (DCP reshards DTensors as needed)
         and return this rank's aux as saved (apply it with `train.rewind_aux`). A rank
         the checkpoint has no aux for (the world grew) gets {}: its RNG and data position
-        start afresh. Waits for a save in flight first."""
-        self.wait(None)
+        start afresh. Waits for a save in flight first, unless a recovery abandoned it: its
+        directory has no COMPLETE (so is never the one loaded) and its collectives no
+        longer reach the group (pinned to its epoch), and its file system may be hung."""
+        if not self._abandoned.is_set():
+            self.wait(None)
         path = step_dir(self.directory, step)
         self._agree_on(step, _is_complete(path, step))
         reader = dcp.FileSystemReader(path)
@@ -427,7 +507,10 @@ class DiskCheckpointer:
         dest = {k: live[k] if k in live else _empty_like_saved(k, metadata[k]) for k in wanted}
         # Per-rank keys differ across ranks; DCP's load collectives (the plan and the
         # read results) do not depend on the keys, each rank reads only what it asks for.
-        dcp.load(dest, storage_reader=reader, process_group=self.group)
+        try:
+            dcp.load(dest, storage_reader=reader, process_group=self.group)
+        except CheckpointException as e:
+            raise _dcp_error(e) from None
         doc = json.loads(dest[_SKELETON_KEY].numpy().tobytes())
         if doc.get("format") != FORMAT or doc.get("step") != step:
             raise ValueError(f"checkpoint of step {step}: unexpected skeleton (format {doc.get('format')})")
@@ -459,6 +542,17 @@ class DiskCheckpointer:
         older than the newest complete one; never the save in flight."""
         if self.rank == 0:
             prune_dir(self.directory, keep, protect=self._inflight)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one save ended on this rank. `result`: saved | failed | abandoned."""
+
+    step: int
+    result: str
+    seconds: float
+    error: str | None = None
+    nbytes: int = 0
 
 
 def _empty_like_saved(key: str, md: Any) -> torch.Tensor:

@@ -25,6 +25,8 @@ from typing import Any, NoReturn
 
 import torch
 
+from launcher.worker import checkpoint_faults
+from launcher.worker.checkpoint_cadence import Action, CheckpointCadence, flag
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.disk_checkpoint import DiskCheckpointer
 from launcher.worker.fingerprint import fingerprint, judge
@@ -48,6 +50,12 @@ class RedundancyError(RuntimeError):
     """A setting the job cannot honour (the message names the fix)."""
 
 
+# A save's collectives wait for the slowest rank's write: an hour is a slow file system,
+# beyond it a hung one. Only the checkpoint's writer thread uses the group, and a
+# recovery releases it at once (Interrupts.fail), so a long timeout holds nobody up.
+CHECKPOINT_GROUP_TIMEOUT_S = 3600.0
+
+
 class Redundancy:
     def __init__(
         self,
@@ -66,6 +74,8 @@ class Redundancy:
         self.ckpt: DiskCheckpointer | None = None
         self.copies = 0
         self._ckpt_group: StableGroup | None = None
+        self.cadence: CheckpointCadence | None = None
+        self._protocol: CommitProtocol | None = None
         self.state: TrainState | None = None
         self.steps: StepState | None = None
         self._live: Callable[[], Any] = lambda: None  # the live state a rollback may write (setup)
@@ -77,16 +87,16 @@ class Redundancy:
         steps: StepState,
         protocol: CommitProtocol,
         replicas: ReplicaMap,
-        new_group: Callable[[str], StableGroup],
+        new_group: Callable[[str, float | None], StableGroup],
     ) -> None:
-        """`new_group(label)`: a gloo StableGroup of every rank, registered and formed."""
-        self.state, self.steps = state, steps
+        """`new_group(label, timeout_s)`: a gloo StableGroup of every rank, registered and formed."""
+        self.state, self.steps, self._protocol = state, steps, protocol
         self._live = protocol.receive_into  # a rollback writes the snapshot into the live state
         self._setup_snapshots(protocol, replicas, new_group)
         self._setup_checkpoints(new_group)
 
     def _setup_snapshots(
-        self, protocol: CommitProtocol, replicas: ReplicaMap, new_group: Callable[[str], StableGroup]
+        self, protocol: CommitProtocol, replicas: ReplicaMap, new_group: Callable[[str, float | None], StableGroup]
     ) -> None:
         has_replicas = all(len(g) > 1 for g in replicas.groups)
         nodes = self.world_size // self.per_node
@@ -106,7 +116,7 @@ class Redundancy:
             check_placement(self.world_size, self.per_node, copies)
         except PlacementError as e:
             raise RedundancyError(str(e)) from None
-        g = new_group("resild-snapshot")
+        g = new_group("resild-snapshot", None)
         store = SnapshotStore(self.rank)
         exchanger = Exchanger(store, g, self.rank, self.world_size, self.per_node, copies)
         stager = DeviceStager(self.device) if self.device.type == "cuda" else None
@@ -114,15 +124,30 @@ class Redundancy:
         self.copies = copies
         protocol.snap = self.snap
 
-    def _setup_checkpoints(self, new_group: Callable[[str], StableGroup]) -> None:
-        """DCP's collectives run in the writer thread: a group of their own."""
+    def _setup_checkpoints(self, new_group: Callable[[str, float | None], StableGroup]) -> None:
+        """DCP's collectives run in the writer thread: a group of their own. A save starts
+        when the commit vote says no rank is writing (checkpoint_cadence)."""
         s = self.settings
         if not s.checkpoint_dir:
             return
-        g = self._ckpt_group = new_group("resild-checkpoint")
-        self.ckpt = DiskCheckpointer(
-            Path(s.checkpoint_dir), s.checkpoint_every, self.rank, self.world_size, g, keep=2, intr=g._intr
+        try:
+            faults = checkpoint_faults.from_env()
+        except checkpoint_faults.CheckpointFaultError as e:
+            raise RedundancyError(str(e)) from None
+        g = self._ckpt_group = new_group("resild-checkpoint", CHECKPOINT_GROUP_TIMEOUT_S)
+        ck = self.ckpt = DiskCheckpointer(
+            Path(s.checkpoint_dir),
+            s.checkpoint_every,
+            self.rank,
+            self.world_size,
+            g,
+            keep=2,
+            intr=g._intr,
+            faults=checkpoint_faults.Faults(faults, self.rank) if faults else None,
         )
+        self.cadence = CheckpointCadence(s.checkpoint_every)
+        if self._protocol is not None:
+            self._protocol.ckpt_flag = lambda: flag(ck.busy(), ck.broken())
 
     # ---- the step -----------------------------------------------------------------------
     def before_write(self) -> None:
@@ -134,8 +159,39 @@ class Redundancy:
         every = self.settings.fingerprint_every
         if every and step % every == 0:
             self._compare_replicas(step, replicas(), group)
-        if self.ckpt is not None and self.state is not None and self.steps is not None and self.ckpt.due(step):
-            self.ckpt.save(step, self.state, self.steps.committed_aux)
+        if self.ckpt is not None:
+            self._checkpoint(step)
+
+    def _checkpoint(self, step: int) -> None:
+        """Start a due save if the vote said no rank is writing; report how saves ended.
+        Never waits: a slow or hung file system defers checkpoints, never training."""
+        ck, cadence, protocol = self.ckpt, self.cadence, self._protocol
+        assert ck is not None and cadence is not None and protocol is not None
+        assert self.state is not None and self.steps is not None
+        self._report_saves(ck)
+        d = cadence.on_commit(step, protocol.ckpt_writers)
+        if d.action is Action.SAVE:
+            ck.save(step, self.state, self.steps.committed_aux)
+        elif d.first and self.rank == 0:
+            self.emit(EventName.CHECKPOINT_DEFERRED, step=step, due=cadence.pending, reason=d.reason)
+
+    def _report_saves(self, ck: DiskCheckpointer) -> None:
+        """Rank 0 says how each save ended: every rank's ends alike (DCP gathers a rank's
+        failure to all, and the COMPLETE confirmation is an all-reduce)."""
+        for o in ck.take_outcomes():
+            if self.rank != 0:
+                continue
+            if o.result == "saved":
+                self.emit(EventName.CHECKPOINT_SAVED, step=o.step, seconds=round(o.seconds, 4), bytes=o.nbytes)
+            else:
+                abandoned = o.result == "abandoned"
+                self.emit(
+                    EventName.CHECKPOINT_FAILED,
+                    step=o.step,
+                    seconds=round(o.seconds, 4),
+                    abandoned=abandoned,
+                    error=o.error,
+                )
 
     def corrupt(self) -> None:
         """Fault injection: this node's memory damages every snapshot copy it holds."""
@@ -194,6 +250,8 @@ class Redundancy:
         """The new epoch's groups exist: a new generation, the abandoned save never completes."""
         if self._ckpt_group is not None:
             self._ckpt_group._intr.clear()
+        if self.cadence is not None:
+            self.cadence.after_recovery()
 
     def without_replica(
         self, newest: int, why: str, landing: LandingPool | None = None
@@ -277,7 +335,10 @@ class Redundancy:
         if step is None:
             self.fatal(f"{why}; and no complete checkpoint in {ck.directory} yet")
         t0 = time.monotonic()
-        aux = ck.load(step, state)
+        try:
+            aux = ck.load(step, state)
+        except (OSError, ValueError, RuntimeError) as e:  # every rank fails alike (DCP gathers errors)
+            self.fatal(f"{why}; and loading checkpoint step {step} from {ck.directory} failed: {e}"[:2000])
         state.rewind_aux(aux if aux else steps.committed_aux)
         steps.replayed(step, state.capture_aux())
         state.reset_hooks(aux.get("ddp_buckets") if aux else None)
@@ -295,6 +356,10 @@ class Redundancy:
                 self.snap.after_commit(0, vote=1)
 
     # ---- the end -------------------------------------------------------------------------
+    def writing(self) -> bool:
+        """A disk checkpoint of this rank is still being written."""
+        return self.ckpt is not None and self.ckpt.busy()
+
     def before_done(self, timeout_s: float) -> str | None:
         """Report what snapshots cost this rank (bench/snapshots.py reads it), and let the
         last checkpoint finish. -> a warning, if it did not."""
@@ -310,6 +375,13 @@ class Redundancy:
                 exchange_s=round(s.exchanger.last_s, 4),
                 held_bytes=s.store.nbytes,
             )
-        if self.ckpt is not None and not self.ckpt.wait(timeout_s):
-            return "the last disk checkpoint did not finish before the end of the job"
-        return None
+        if self.ckpt is None:
+            return None
+        finished = self.ckpt.wait(timeout_s)
+        self._report_saves(self.ckpt)
+        if finished:
+            return None
+        why = f"did not finish within {timeout_s:.0f}s of the end of the job"
+        if self.rank == 0:
+            self.emit(EventName.CHECKPOINT_FAILED, step=self.ckpt.inflight, abandoned=False, error=why)
+        return f"the last disk checkpoint {why}"

@@ -343,10 +343,12 @@ class Job:
         except RedundancyError as e:
             self._fatal(str(e))  # every rank computes the same: stop the job, do not burn spares on it
 
-    def _host_group(self, label: str) -> StableGroup:
-        """A gloo group of every rank for host-memory traffic (snapshots, checkpoints), formed now."""
+    def _host_group(self, label: str, timeout_s: float | None = None) -> StableGroup:
+        """A gloo group of every rank for host-memory traffic (snapshots, checkpoints), formed
+        now. `timeout_s`: its collectives' own timeout (None: the job's)."""
         g = StableGroup(label, list(range(self.world_size)), self.rank, Interrupts())
         g.backend = "gloo"  # host memory, whatever the training backend
+        g.timeout_s = timeout_s
         g.allow = True
         register(g, self._store)
         self.rec.groups[g.label] = g
@@ -578,6 +580,8 @@ class Job:
         link = self.link
         assert link is not None
         if self.redundancy is not None:
+            if self.redundancy.writing():
+                self._progress("checkpoint")  # waiting (bounded) for its last disk checkpoint: not hung
             warning = self.redundancy.before_done(self.timeouts.collective_timeout_s)
             if warning:
                 log.warning(warning)

@@ -115,6 +115,20 @@ class Interrupts:
         # NCCL works never block a CPU wait; they are in flight until their GPU work is done.
         self._stream: deque[tuple[float, Any]] = deque()
         self.on_fail: list[Callable[[], None]] = []  # run once per latched error; must not block
+        self._pinned = threading.local()
+
+    def pin(self, gen: int | None) -> None:
+        """Bind the calling thread to epoch generation `gen` (None: unbind). A pinned thread's
+        collectives on groups of these Interrupts are issued only while `gen` is current: a
+        background thread of a failed epoch (a disk checkpoint still writing across a
+        recovery) must never pair its collectives with the new epoch's, which once fed a
+        peer's unpickling an empty buffer and left the other ranks waiting (issue 41)."""
+        self._pinned.gen = gen
+
+    def stale(self) -> bool:
+        """Is the calling thread pinned to an epoch generation that is not the current one?"""
+        gen = getattr(self._pinned, "gen", None)
+        return gen is not None and gen != self.gen
 
     def fail(self, reason: str, gen: int | None = None) -> None:
         """Latch `reason` and release every waiter (their buffers are garbage now)."""
@@ -411,6 +425,7 @@ class StableGroup(PyProcessGroup):
         self.kind: str | None = None  # the epoch backend's name ("gloo", "nccl"): how its works are waited on
         self.allow = False  # collectives allowed (joined and attached)
         self.backend: str | None = None  # None: the job's backend; "gloo" for host-memory traffic on a GPU job
+        self.timeout_s: float | None = None  # None: the job's collective timeout
 
     # torch reads these
     @property
@@ -438,10 +453,13 @@ class StableGroup(PyProcessGroup):
                 "running job, so nothing may communicate before attach (construct DDP with init_sync=False; "
                 "resild makes replicas equal at attach)"
             )
-        if self._intr.error is not None or self._inner is None:
+        # The backend is read before the epoch is checked: a backend of the next epoch is
+        # only installed after this epoch's error was latched, and cleared with a new gen.
+        inner = self._inner
+        if self._intr.error is not None or inner is None or self._intr.stale():
             return _DoneWork(result)
         try:
-            work, post = op(self._inner)
+            work, post = op(inner)
         except Exception as e:  # e.g. gloo refusing to start on a dead connection
             self._intr.fail(f"collective failed to start: {e}")
             return _DoneWork(result)
@@ -507,7 +525,7 @@ class GroupFactory:
         client = self._local_store_client if self.node_local(group) else self._store_client
         assert client is not None
         store = PrefixStore(f"resild/e{epoch}/{group.label}/", client())
-        timeout = timedelta(seconds=self.timeout_s)
+        timeout = timedelta(seconds=group.timeout_s or self.timeout_s)
         backend = group.backend or self.backend
         return backend_group(backend, store, group.rank(), group.size(), timeout, self.gloo_host)
 

@@ -77,6 +77,9 @@ class PolicyConfig:
     probe_timeout_s: float = 0.5  # a pinged node process must answer within this
     join_timeout_s: float = _DEFAULT.join_timeout_s
     start_heartbeat_timeout_s: float = _DEFAULT.start_heartbeat_timeout_s
+    # A rank whose steps are done waits at most the collective timeout for its last disk
+    # checkpoint (launcher.worker.redundancy.before_done): not hung for that long and a hang's.
+    checkpoint_wait_s: float = _DEFAULT.collective_timeout_s + _DEFAULT.hang_timeout_s
 
     @classmethod
     def from_settings(cls, s: JobSettings, derived: Derived) -> PolicyConfig:
@@ -85,6 +88,7 @@ class PolicyConfig:
             hang_timeout_s=s.hang_timeout_s,
             join_timeout_s=s.join_timeout_s,
             start_heartbeat_timeout_s=s.start_heartbeat_timeout_s,
+            checkpoint_wait_s=s.collective_timeout_s + s.hang_timeout_s,
         )
 
 
@@ -259,13 +263,16 @@ def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
     stalled_s = now - since
     if stalled_s <= cfg.hang_timeout_s:
         return NOTHING
-    joining = False
+    excused = False
     for rank in range(m.world_size):
         if rank in view.done_ranks:
             continue  # finished: waiting for the others is all it does
         p = view.progress.get(rank)
         if p is not None and p.epoch == m.epoch and p.state == "join" and now - p.t_s <= cfg.join_timeout_s:
-            joining = True  # a spare building its model for the failed ranks: the others wait for it
+            excused = True  # a spare building its model for the failed ranks: the others wait for it
+            continue
+        if p is not None and p.epoch == m.epoch and p.state == "checkpoint" and now - p.t_s <= cfg.checkpoint_wait_s:
+            excused = True  # its steps are done; its last disk checkpoint is still being written
             continue
         if p is None or p.epoch != m.epoch or p.state not in ("wait", "collective_failed"):
             node = m.node_of(rank)
@@ -274,7 +281,7 @@ def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
             return on_node_failure(
                 view, node, f"hang: rank {rank} made no progress for {stalled_s:.1f}s ({last})", "hang"
             )
-    if stalled_s > 2 * cfg.hang_timeout_s and not joining:
+    if stalled_s > 2 * cfg.hang_timeout_s and not excused:
         return Decision(
             Action.FAIL_JOB,
             f"job stalled {stalled_s:.1f}s with every rank waiting in a collective; no culprit to replace",

@@ -57,6 +57,9 @@ class EventName(str, Enum):
     SNAPSHOTS = "snapshots"  # a rank's snapshot costs (taken, skipped, capture seconds, memory), before DONE
     REPLICA_DIVERGED = "replica_diverged"  # replicas' state fingerprints differ (odd ranks, or no majority)
     CHECKPOINT_LOADED = "checkpoint_loaded"  # every in-memory copy lost: resild's disk checkpoint loaded
+    CHECKPOINT_SAVED = "checkpoint_saved"  # rank 0: a disk checkpoint is COMPLETE on every rank
+    CHECKPOINT_FAILED = "checkpoint_failed"  # rank 0: a save failed, was abandoned by a recovery, or never ended
+    CHECKPOINT_DEFERRED = "checkpoint_deferred"  # rank 0: a due save waits for a writer still busy (said once)
     SPARE_WARMED = "spare_warmed"  # a waiting spare's warm-up for the job's sharded state ended (or its error)
     # -- peers: the node daemon's process watch ("process_" + ProcState) -------------------
     PROCESS_RUNNING = "process_running"

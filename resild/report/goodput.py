@@ -30,6 +30,7 @@ from statistics import median
 from typing import Any
 
 from resild.events.schema import EventName, Progress, as_float
+from resild.report.checkpoints import CheckpointCounts, checkpoint_counts
 from resild.report.recoveries import BEFORE_START, NODE_FAILURE, PHASES, REFORM, SPARE_LOST, recoveries
 
 
@@ -84,6 +85,7 @@ class Breakdown:
     spares_line: list[tuple[float, int]]  # (seconds since start, spares left)
     jobs_in_file: int = 1
     job_index: int = 1
+    checkpoints: dict[str, Any] | None = None  # resild.report.checkpoints, when the job wrote any
 
     def parts(self) -> list[tuple[str, float]]:
         return [
@@ -337,6 +339,7 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
         failures=failures,
         step_line=line,
         spares_line=spares_line,
+        checkpoints=ck.to_dict() if (ck := checkpoint_counts(ev)) is not None else None,
     )
 
 
@@ -438,4 +441,12 @@ def format_breakdown(b: Breakdown) -> str:
                 f"{'-' if f.spares_left is None else f.spares_left:>7}" + (f"  ({'; '.join(note)})" if note else "")
             )
         lines.append("   at: seconds after job start; phases in seconds; recovery = fault -> first full-strength step")
+    ck = checkpoint_counts_line(b)
+    if ck:
+        lines.append("")
+        lines.append(ck)
     return "\n".join(lines)
+
+
+def checkpoint_counts_line(b: Breakdown) -> str | None:
+    return CheckpointCounts(**b.checkpoints).line() if b.checkpoints is not None else None

@@ -40,6 +40,13 @@ SPARE_WARMUP = EnvVar(
     "1",
     "0: a waiting spare does not warm up for the job's sharded state (comparisons, bench/sharded.py)",
 )
+CHECKPOINT_FAULTS = EnvVar(
+    "RESILD_CHECKPOINT_FAULTS",
+    "worker",
+    "",
+    "tests and drills: disk checkpoint faults, POINT:MODE@STEP[:rRANK], e.g. write:hang@20:r1 "
+    "(launcher/worker/checkpoint_faults.py)",
+)
 AGENT_SOCKET = EnvVar(
     "RESILD_AGENT_SOCKET", "worker", "/run/resild/status.sock if present", "the node daemon's socket to register with"
 )
@@ -89,6 +96,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     BACKEND,
     GLOO_HOST,
     SPARE_WARMUP,
+    CHECKPOINT_FAULTS,
     AGENT_SOCKET,
     DAEMON_SOCKET,
     EXIT_GRACE_S,

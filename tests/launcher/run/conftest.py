@@ -50,8 +50,9 @@ def run_job(
     steps: int = STEPS,
     timeout_s: float = 150.0,
     script: Path = TRAIN,
+    env: dict[str, str] | None = None,
 ) -> RunResult:
-    """Run resil-run, then assert that it left no process behind."""
+    """Run resil-run, then assert that it left no process behind. `env`: added to the job's."""
     mark = uuid.uuid4().hex
     tmp.mkdir(parents=True, exist_ok=True)
     ev, save = tmp / "events.jsonl", tmp / "final.pt"
@@ -80,8 +81,8 @@ def run_job(
         "--save",
         str(save),
     ]
-    env = dict(os.environ, RESILD_TEST_MARK=mark, PYTHONUNBUFFERED="1")
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+    full_env = dict(os.environ, **(env or {}), RESILD_TEST_MARK=mark, PYTHONUNBUFFERED="1")
+    p = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
     deadline = time.monotonic() + 5.0
     while (left := _marked(mark)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -58,7 +58,7 @@ def test_an_aborted_vote_commits_nothing(monkeypatch: pytest.MonkeyPatch) -> Non
         intr,
         lambda: intr.error is not None,
     )
-    _abort_during_reads(monkeypatch, intr, [7, 0])  # garbage that would read as "inf seen"
+    _abort_during_reads(monkeypatch, intr, [7, 0, 0])  # garbage that would read as "inf seen"
     assert protocol.vote() is False
     assert steps.phase is Phase.PREPARED and steps.step == 0  # in doubt; the recovery decides
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

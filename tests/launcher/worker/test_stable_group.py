@@ -356,3 +356,43 @@ def test_a_coalesced_gloo_reduce_scatter_of_one_tensor_completes_with_its_list()
 
     got = run_ranks(2, issue)
     assert isinstance(got[0], list) and got[0][0].tolist() == [2.0, 2.0]
+
+
+def test_a_thread_pinned_to_a_failed_epoch_never_reaches_the_next_epochs_backend() -> None:
+    # Issue 41: a disk checkpoint's writer thread of epoch 1 went on across the recovery and
+    # issued its next collective on epoch 2's backend, where it paired with a peer's first
+    # collective of a new save (an empty buffer unpickled there; the writer waited forever).
+    old, new = two_rank_gloo(), two_rank_gloo()
+    intrs = [Interrupts(), Interrupts()]
+    groups = [StableGroup("resild-checkpoint", [0, 1], r, intrs[r]) for r in (0, 1)]
+    for r in (0, 1):
+        groups[r].set_backend(old[r])
+        groups[r].allow = True
+    stale = torch.full((1,), 100.0)
+    go, issued = threading.Event(), threading.Event()
+
+    def writer_of_epoch_1() -> None:
+        intrs[0].pin(intrs[0].gen)
+        go.wait(10)
+        groups[0].allreduce([stale]).wait()  # after the recovery: must not go out
+        issued.set()
+
+    t = threading.Thread(target=writer_of_epoch_1)
+    t.start()
+    for r in (0, 1):  # the recovery: fail, retire, form epoch 2, clear
+        intrs[r].fail("a new epoch")
+        groups[r].set_backend(None)
+        groups[r].set_backend(new[r])
+        intrs[r].clear()
+    go.set()
+    assert issued.wait(5) and stale.item() == 100.0  # done at once, its buffer untouched
+    t.join(5)
+    # Epoch 2's own collectives pair with each other, not with the stale one.
+    got = [torch.full((1,), 1.0), torch.full((1,), 2.0)]
+    peer = threading.Thread(target=lambda: groups[1].allreduce([got[1]]).wait())
+    peer.start()
+    groups[0].allreduce([got[0]]).wait()
+    peer.join(10)
+    assert [g.item() for g in got] == [3.0, 3.0]
+    assert intrs[0].error is None and intrs[1].error is None
+    intrs[0].pin(None)

@@ -168,6 +168,24 @@ def test_a_rank_that_hangs_after_others_finished_is_blamed() -> None:
     assert d.action == Action.REPLACE_NODE and d.node == "b" and "rank 2" in d.reason
 
 
+def test_a_rank_writing_its_last_checkpoint_is_excused_for_a_bounded_time() -> None:
+    # Its steps are done and it waits for its last disk checkpoint (the worker bounds the
+    # wait by the collective timeout): neither a culprit nor a stalled job until the bound.
+    cfg = PolicyConfig(heartbeat_timeout_s=2.0, hang_timeout_s=5.0, checkpoint_wait_s=30.0)
+    v = view(now=100.0)
+    v.done_ranks = {0, 1, 3}
+    v.first_done_s = 100.0
+    v.progress[2].state = "checkpoint"
+    assert check_timeouts(129.0, beat(v, 129.0), cfg).action == Action.NONE
+    d = check_timeouts(131.0, beat(v, 131.0), cfg)
+    assert d.action == Action.REPLACE_NODE and d.node == "b" and "state checkpoint" in d.reason
+    # every rank writing: no "job stalled" within the bound either
+    v = view(now=100.0)
+    for p in v.progress.values():
+        p.state = "checkpoint"
+    assert check_timeouts(129.0, beat(v, 129.0), cfg).action == Action.NONE
+
+
 def test_no_membership_yet_means_the_command_failed_not_the_node() -> None:
     v = view()
     v.membership = None

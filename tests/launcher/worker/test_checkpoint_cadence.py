@@ -1,0 +1,64 @@
+"""When a disk checkpoint starts (pure policy) and the fault specs of its storage stand-in."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.worker.checkpoint_cadence import BROKEN, Action, CheckpointCadence, flag
+from launcher.worker.checkpoint_faults import CheckpointFault, CheckpointFaultError, Faults, parse
+
+
+def test_a_due_checkpoint_starts_when_no_rank_is_writing() -> None:
+    c = CheckpointCadence(every=10)
+    assert [c.on_commit(s, 0).action for s in (9, 10, 11, 20)] == [Action.NONE, Action.SAVE, Action.NONE, Action.SAVE]
+
+
+def test_a_busy_writer_defers_the_due_checkpoint_to_the_first_idle_commit_reported_once() -> None:
+    c = CheckpointCadence(every=10)
+    d = c.on_commit(10, 2)
+    assert d.action is Action.DEFER and d.first and "2 rank(s) still writing" in d.reason
+    d = c.on_commit(11, 1)
+    assert d.action is Action.DEFER and not d.first  # said once per pending checkpoint
+    assert c.on_commit(12, 0).action is Action.SAVE  # step 12: the state now, not step 10's
+    assert c.on_commit(13, 0).action is Action.NONE
+    assert c.on_commit(20, 1).first  # the next pending one is reported again
+
+
+def test_a_broken_checkpoint_group_turns_checkpoints_off_until_a_recovery() -> None:
+    c = CheckpointCadence(every=5)
+    assert flag(busy=True, broken=False) == 1 and flag(busy=False, broken=True) == BROKEN
+    d = c.on_commit(5, BROKEN + 3)
+    assert d.action is Action.OFF and "off until the next" in d.reason
+    c.after_recovery()
+    assert c.pending is None and c.on_commit(6, 0).action is Action.NONE
+    assert c.on_commit(10, 0).action is Action.SAVE
+
+
+def test_a_recovery_forgets_a_deferred_checkpoint_so_a_fresh_spare_decides_alike() -> None:
+    survivor, spare = CheckpointCadence(every=10), CheckpointCadence(every=10)
+    survivor.on_commit(10, 1)
+    survivor.after_recovery()
+    for s in (11, 19, 20):
+        assert survivor.on_commit(s, 0) == spare.on_commit(s, 0)
+
+
+def test_checkpoint_fault_specs_parse_and_bad_ones_say_the_grammar() -> None:
+    assert parse("write:fail@20:r1, plan:hang@40,complete:slow2.5@60,finish:outlive@7") == [
+        CheckpointFault("write", "fail", 20, 1),
+        CheckpointFault("plan", "hang", 40),
+        CheckpointFault("complete", "slow", 60, None, 2.5),
+        CheckpointFault("finish", "outlive", 7),
+    ]
+    assert parse("") == []
+    for bad in ("write:explode@3", "disk:fail@3", "write:fail", "write:fail@3:rank1"):
+        with pytest.raises(CheckpointFaultError, match="POINT:MODE@STEP"):
+            parse(bad)
+
+
+def test_a_fault_hits_only_its_rank_point_and_step() -> None:
+    f = Faults(parse("write:fail@20:r1"), rank=1)
+    f.hit("write", 19, lambda: False)
+    f.hit("plan", 20, lambda: False)
+    with pytest.raises(OSError, match="injected checkpoint fault write:fail@20"):
+        f.hit("write", 20, lambda: False)
+    Faults(parse("write:fail@20:r1"), rank=0).hit("write", 20, lambda: False)
