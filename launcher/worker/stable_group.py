@@ -119,10 +119,13 @@ class Interrupts:
 
     def pin(self, gen: int | None) -> None:
         """Bind the calling thread to epoch generation `gen` (None: unbind). A pinned thread's
-        collectives on groups of these Interrupts are issued only while `gen` is current: a
-        background thread of a failed epoch (a disk checkpoint still writing across a
-        recovery) must never pair its collectives with the new epoch's, which once fed a
-        peer's unpickling an empty buffer and left the other ranks waiting (issue 41)."""
+        collectives on groups of these Interrupts are issued only while `gen` is current,
+        and raise `StaleEpoch` after: a background thread of a failed epoch (a disk
+        checkpoint still writing across a recovery) must never pair its collectives with the
+        new epoch's, which once fed a peer's unpickling an empty buffer and left the other
+        ranks waiting (issue 41). It raises rather than returning garbage: DCP sizes its
+        next buffer from what a collective returned. Only resild's own threads are pinned,
+        so nothing raises into user code."""
         self._pinned.gen = gen
 
     def stale(self) -> bool:
@@ -219,6 +222,10 @@ class Interrupts:
                     return pred()
                 self.cond.wait(left)
             return True
+
+
+class StaleEpoch(RuntimeError):
+    """A collective from a thread pinned to an epoch that has passed (Interrupts.pin)."""
 
 
 class ManagedWork(PyWork):
@@ -456,7 +463,9 @@ class StableGroup(PyProcessGroup):
         # The backend is read before the epoch is checked: a backend of the next epoch is
         # only installed after this epoch's error was latched, and cleared with a new gen.
         inner = self._inner
-        if self._intr.error is not None or inner is None or self._intr.stale():
+        if self._intr.stale():
+            raise StaleEpoch(f"a collective on {self.label!r} from a thread of an epoch that has passed")
+        if self._intr.error is not None or inner is None:
             return _DoneWork(result)
         try:
             work, post = op(inner)

@@ -13,7 +13,15 @@ import pytest
 import torch
 
 from launcher.worker.recovery import Recovery
-from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, WaitMode, wait_mode
+from launcher.worker.stable_group import (
+    GroupFactory,
+    Interrupts,
+    ManagedWork,
+    StableGroup,
+    StaleEpoch,
+    WaitMode,
+    wait_mode,
+)
 from launcher.worker.torch_private import backend_group, hash_store
 
 pytestmark = pytest.mark.timeout(60)
@@ -370,11 +378,15 @@ def test_a_thread_pinned_to_a_failed_epoch_never_reaches_the_next_epochs_backend
         groups[r].allow = True
     stale = torch.full((1,), 100.0)
     go, issued = threading.Event(), threading.Event()
+    raised: list[BaseException] = []
 
     def writer_of_epoch_1() -> None:
         intrs[0].pin(intrs[0].gen)
         go.wait(10)
-        groups[0].allreduce([stale]).wait()  # after the recovery: must not go out
+        try:
+            groups[0].allreduce([stale]).wait()  # after the recovery: must not go out
+        except StaleEpoch as e:
+            raised.append(e)
         issued.set()
 
     t = threading.Thread(target=writer_of_epoch_1)
@@ -385,7 +397,7 @@ def test_a_thread_pinned_to_a_failed_epoch_never_reaches_the_next_epochs_backend
         groups[r].set_backend(new[r])
         intrs[r].clear()
     go.set()
-    assert issued.wait(5) and stale.item() == 100.0  # done at once, its buffer untouched
+    assert issued.wait(5) and raised and stale.item() == 100.0  # refused at once, its buffer untouched
     t.join(5)
     # Epoch 2's own collectives pair with each other, not with the stale one.
     got = [torch.full((1,), 1.0), torch.full((1,), 2.0)]
