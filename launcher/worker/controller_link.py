@@ -75,6 +75,8 @@ class ControlLink:
         self.wait_report_s = WorkerTimeouts.from_welcome({}).wait_report_s
         # Told again to a new leader (standby takeover): who we are, and that we are done.
         self._repeat: dict[MsgType, dict[str, Any]] = {}
+        self._progress_seq = 0  # PROGRESS reports given so far (any thread)
+        self._wait_seq = 0  # ... when the link last reported this rank blocked
         self._ch: ControllerSet | None = None
         # Store requests in flight (LinkStore), by id: answered by STORE_REPLY, or failed
         # when the leader changes (its successor never saw them).
@@ -92,6 +94,8 @@ class ControlLink:
 
     # ---- called from any thread ------------------------------------------------
     def send(self, mtype: MsgType, **body: Any) -> None:
+        if mtype == MsgType.PROGRESS:
+            self._progress_seq += 1
         if mtype in (MsgType.REGISTER_WORKER, MsgType.DONE):
             self._repeat[mtype] = {"node": self.node, **body}
         elif mtype == MsgType.PROGRESS and body.get("state") != "commit":
@@ -272,10 +276,15 @@ class ControlLink:
         if not reported and blocked_s > self.wait_report_s:
             rank, epoch, step = self._status()
             self.send(MsgType.PROGRESS, rank=rank, epoch=epoch, step=step, state="wait")
+            self._wait_seq = self._progress_seq
             return True
         if reported and blocked_s == 0.0:
-            rank, epoch, step = self._status()
-            self.send(MsgType.PROGRESS, rank=rank, epoch=epoch, step=step, state="compute")
+            # Said only if the trainer said nothing since: its own report (a commit, or
+            # "checkpoint" at the end of the job) already replaced the wait, and a late
+            # "compute" would take its excuse away from the hang detector.
+            if self._progress_seq == self._wait_seq:
+                rank, epoch, step = self._status()
+                self.send(MsgType.PROGRESS, rank=rank, epoch=epoch, step=step, state="compute")
             return False
         return reported
 

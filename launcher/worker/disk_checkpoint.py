@@ -41,7 +41,7 @@ returning means the step is decided.
 
 A save that a recovery abandons may still be running (its file system slow) when the
 new epoch's group exists: its thread is pinned to its epoch (`Interrupts.pin`), so its
-later collectives return at once instead of pairing with the new epoch's (issue 41).
+later collectives raise `StaleEpoch` instead of pairing with the new epoch's (issue 41).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from launcher.worker.checkpoint_faults import Faults, FaultyWriter
+from launcher.worker.checkpoint_faults import Faults
 from launcher.worker.stable_group import Interrupts
 from launcher.worker.state_codec import flatten, unflatten
 from launcher.worker.torch_private import dtensor_like
@@ -323,6 +324,10 @@ class DiskCheckpointer:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def abandoned(self) -> bool:
+        """The save in flight (if any) was abandoned by a recovery."""
+        return self.busy() and self._abandoned.is_set()
+
     def broken(self) -> bool:
         """The group latched an error with no save of ours in flight: a collective failed
         outside a recovery, and nothing can use the group until a recovery forms it again."""
@@ -363,8 +368,6 @@ class DiskCheckpointer:
         self.stats.last_stage_s = time.monotonic() - t1
         self.stats.last_bytes = sum(_local_nbytes(t) for t in flat.values())
         path = step_dir(self.directory, step)
-        if self.rank == 0:
-            self._clear_marker(path)
         self._abandoned.clear()
         self._inflight = step
         self.stats.started += 1
@@ -384,21 +387,11 @@ class DiskCheckpointer:
         flat[f"aux/rank{self.rank}"] = _pack_aux(aux)
         return flat
 
-    def _clear_marker(self, path: Path) -> None:
-        """The same step saved again (after a rollback, or by an earlier run): its old
-        COMPLETE must not vouch for files being overwritten. Rank 0 removes it before
-        its thread starts, and no rank writes before rank 0 joins the plan collective."""
-        marker = path / COMPLETE
-        if marker.exists():
-            marker.unlink()
-            _fsync_dir(path)
-
-    def _writer(self, step: int, path: Path, gen: int) -> dcp.FileSystemWriter:
-        if self.faults is None:
-            return dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
-        return FaultyWriter(
-            path, self.faults, step, lambda: self._reformed(gen), single_file_per_rank=True, sync_files=True
-        )
+    def _writer(self, step: int, path: Path, gen: int) -> _Writer:
+        faults = self.faults
+        if faults is None:
+            return _Writer(path)
+        return _Writer(path, lambda point: faults.hit(point, step, lambda: self._reformed(gen)))
 
     def _reformed(self, gen: int) -> bool:
         """A recovery has formed the group again since generation `gen` (fault injection)."""
@@ -542,6 +535,41 @@ class DiskCheckpointer:
         older than the newest complete one; never the save in flight."""
         if self.rank == 0:
             prune_dir(self.directory, keep, protect=self._inflight)
+
+
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file system writer, one file per rank, fsynced. Rank 0 (DCP's coordinator)
+    removes an old COMPLETE of the same step (saved again after a rollback, or by an
+    earlier run) in the global planning: no rank writes before that plan is scattered, and
+    a failure there is DCP's, reported on every rank (on the training thread, a hung file
+    system would stall training, and a failure leave the other ranks' saves unmatched).
+    `hit(point)`: fault injection at plan, write, finish (checkpoint_faults)."""
+
+    def __init__(self, path: Path, hit: Callable[[str], None] | None = None) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=True)
+        self._dir, self._hit = Path(path), hit
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        if self._hit is not None:
+            self._hit("plan")
+        return super().prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: Any) -> Any:
+        marker = self._dir / COMPLETE
+        if marker.exists():
+            marker.unlink()
+            _fsync_dir(self._dir)
+        return super().prepare_global_plan(plans)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self._hit is not None:
+            self._hit("write")
+        return super().write_data(plan, planner)
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        if self._hit is not None:
+            self._hit("finish")
+        super().finish(metadata, results)
 
 
 @dataclass(frozen=True)

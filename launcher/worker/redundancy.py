@@ -17,6 +17,7 @@ then the newest complete disk checkpoint, then a one-line stop.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -25,13 +26,14 @@ from typing import Any, NoReturn
 
 import torch
 
+import resild.wire.env as resild_env
 from launcher.worker import checkpoint_faults
 from launcher.worker.checkpoint_cadence import Action, CheckpointCadence, flag
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.disk_checkpoint import DiskCheckpointer
 from launcher.worker.fingerprint import fingerprint, judge
 from launcher.worker.landing import LandingPool
-from launcher.worker.recovery import Recovery
+from launcher.worker.recovery import Recovery, Reformed
 from launcher.worker.replica_map import ReplicaMap
 from launcher.worker.rollback import rollback
 from launcher.worker.snapshot_exchange import Exchanger
@@ -143,9 +145,14 @@ class Redundancy:
             g,
             keep=2,
             intr=g._intr,
-            faults=checkpoint_faults.Faults(faults, self.rank) if faults else None,
+            faults=checkpoint_faults.Faults(faults, self.rank, os.environ.get(resild_env.NODE.name, ""))
+            if faults
+            else None,
         )
         self.cadence = CheckpointCadence(s.checkpoint_every)
+        # The job's epoch failing releases the checkpoint group too, at once: a load on the
+        # training thread must not wait out the group's hour-long timeout for a dead peer.
+        self.rec.intr.on_fail.append(self._abandon_checkpoint)
         if self._protocol is not None:
             self._protocol.ckpt_flag = lambda: flag(ck.busy(), ck.broken())
 
@@ -157,9 +164,10 @@ class Redundancy:
 
     def after_commit(self, step: int, replicas: Callable[[], ReplicaMap], group: StableGroup) -> None:
         every = self.settings.fingerprint_every
+        clean = True
         if every and step % every == 0:
-            self._compare_replicas(step, replicas(), group)
-        if self.ckpt is not None:
+            clean = self._compare_replicas(step, replicas(), group)
+        if self.ckpt is not None and clean:  # every rank has the verdict: none saves a diverged step
             self._checkpoint(step)
 
     def _checkpoint(self, step: int) -> None:
@@ -205,19 +213,19 @@ class Redundancy:
         with torch.no_grad():
             (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += 1e-3
 
-    def _compare_replicas(self, step: int, replicas: ReplicaMap, group: StableGroup) -> None:
+    def _compare_replicas(self, step: int, replicas: ReplicaMap, group: StableGroup) -> bool:
         """Every rank's state fingerprint in one all-reduce; a rank its replicas outvote
-        leaves (its node is replaced and the state replayed from them)."""
+        leaves (its node is replaced and the state replayed from them). -> replicas agree."""
         assert self.state is not None
         vals = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         vals[self.rank] = fingerprint(self.state.snapshot(step))
         group.allreduce([vals]).wait()
         values = vals.cpu().tolist()  # on NCCL the read is what waits: the error is checked after it
         if group._intr.error is not None:
-            return  # the epoch is failing: the next vote finds out
+            return True  # the epoch is failing: the next vote finds out
         verdict = judge(values, replicas.groups)
         if verdict.clean:
-            return
+            return True
         if self.rank == 0:
             self.emit(
                 EventName.REPLICA_DIVERGED,
@@ -235,6 +243,7 @@ class Redundancy:
                 f"resild: rank {self.rank}'s state diverged from its replicas at step {step} (fingerprints "
                 "differ): a faulty device; this node leaves and a spare takes its ranks"
             )
+        return False  # the odd ranks leave; the rest wait for the recovery that follows
 
     # ---- recovery -----------------------------------------------------------------------
     def abandon(self) -> None:
@@ -242,6 +251,10 @@ class Redundancy:
         the failed epoch (the checkpoint's collectives are released)."""
         if self.snap is not None:
             self.snap.abandon()
+        self._abandon_checkpoint()
+
+    def _abandon_checkpoint(self) -> None:
+        """Never blocks (also an `Interrupts.on_fail` hook of the job's epoch)."""
         if self.ckpt is not None and self._ckpt_group is not None:
             self.ckpt.abandon()
             self._ckpt_group._intr.fail("a new epoch")
@@ -337,7 +350,11 @@ class Redundancy:
         t0 = time.monotonic()
         try:
             aux = ck.load(step, state)
-        except (OSError, ValueError, RuntimeError) as e:  # every rank fails alike (DCP gathers errors)
+        except (OSError, ValueError, RuntimeError) as e:
+            group = self._ckpt_group
+            if group is not None and group._intr.error is not None:  # a peer, not the files: recover again
+                raise Reformed(f"loading checkpoint step {step}: {group._intr.error}") from None
+            # the files: every rank fails alike (DCP gathers every rank's error)
             self.fatal(f"{why}; and loading checkpoint step {step} from {ck.directory} failed: {e}"[:2000])
         state.rewind_aux(aux if aux else steps.committed_aux)
         steps.replayed(step, state.capture_aux())
@@ -377,7 +394,8 @@ class Redundancy:
             )
         if self.ckpt is None:
             return None
-        finished = self.ckpt.wait(timeout_s)
+        # A save a recovery abandoned can never complete: not waited for.
+        finished = self.ckpt.wait(0.0 if self.ckpt.abandoned() else timeout_s) or self.ckpt.abandoned()
         self._report_saves(self.ckpt)
         if finished:
             return None

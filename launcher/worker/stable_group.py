@@ -129,9 +129,14 @@ class Interrupts:
         self._pinned.gen = gen
 
     def stale(self) -> bool:
-        """Is the calling thread pinned to an epoch generation that is not the current one?"""
+        """Is the calling thread pinned to an epoch that has failed or passed? Read under the
+        lock: `clear()` ends an epoch's error and bumps its generation in one step, and a
+        read between the two would let a stale thread onto the new epoch's backend."""
         gen = getattr(self._pinned, "gen", None)
-        return gen is not None and gen != self.gen
+        if gen is None:
+            return False
+        with self.cond:
+            return self.error is not None or gen != self.gen
 
     def fail(self, reason: str, gen: int | None = None) -> None:
         """Latch `reason` and release every waiter (their buffers are garbage now)."""
@@ -461,7 +466,8 @@ class StableGroup(PyProcessGroup):
                 "resild makes replicas equal at attach)"
             )
         # The backend is read before the epoch is checked: a backend of the next epoch is
-        # only installed after this epoch's error was latched, and cleared with a new gen.
+        # only installed after this epoch's error was latched, and the error is cleared with
+        # a new generation (under the lock `stale()` reads them with).
         inner = self._inner
         if self._intr.stale():
             raise StaleEpoch(f"a collective on {self.label!r} from a thread of an epoch that has passed")

@@ -80,3 +80,42 @@ def test_commit_reports_are_coalesced_and_keep_their_order_with_other_messages(
         link.close(0.5)
         srv.close()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(30)
+def test_a_cleared_wait_is_said_only_if_the_trainer_said_nothing_since(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The link reports a blocked rank "wait" and, once unblocked, "compute"; but a report of
+    the trainer's own in between (a commit, or "checkpoint" while it waits for its last disk
+    checkpoint) already replaced the wait: a late "compute" would take away the checkpoint's
+    excuse from the hang detector, which then fenced a rank at the very end of its job."""
+    import queue
+    import time
+
+    from launcher.worker.controller_link import ControlLink
+    from launcher.worker.stable_group import Interrupts
+    from resild.wire.protocol import MsgType
+
+    monkeypatch.delenv("RESILD_RELAY", raising=False)
+    intr = Interrupts()
+    link = ControlLink("tcp://127.0.0.1:9", None, "n0", 0, intr, lambda: (0, 1, 7))  # never started
+    link.wait_report_s = 0.01
+
+    def states() -> list[str]:
+        out = []
+        while True:
+            try:
+                mtype, body, _ = link._out.get_nowait()
+            except queue.Empty:
+                return out
+            if mtype == MsgType.PROGRESS:
+                out.append(body["state"])
+
+    for trainer_speaks in (False, True):
+        token = intr.begin_wait()
+        time.sleep(0.05)
+        assert link._report_wait(False) is True and states() == ["wait"]
+        intr._done(token)
+        if trainer_speaks:
+            link.send(MsgType.PROGRESS, rank=0, epoch=1, step=7, state="checkpoint")
+        assert link._report_wait(True) is False
+        assert states() == (["checkpoint"] if trainer_speaks else ["compute"])

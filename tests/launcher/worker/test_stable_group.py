@@ -407,4 +407,3 @@ def test_a_thread_pinned_to_a_failed_epoch_never_reaches_the_next_epochs_backend
     peer.join(10)
     assert [g.item() for g in got] == [3.0, 3.0]
     assert intrs[0].error is None and intrs[1].error is None
-    intrs[0].pin(None)
