@@ -192,3 +192,30 @@ def test_load_errors_are_one_line(tmp_path: Path):
     # A log still being written: a partial last line is ignored.
     evs = load_events(write(tmp_path, '{"event":"a","t_mono":1}\n{"event":"b","t_mo'))
     assert [e["event"] for e in evs] == ["a"]
+
+
+def test_what_became_of_the_disk_checkpoints_is_counted_and_said():
+    events = one_failure_job()[:-1] + [
+        wev("checkpoint_saved", 111.0, node="n0", rank=0, epoch=1, step=10, seconds=0.1, bytes=100),
+        wev("checkpoint_failed", 114.3, node="n0", rank=0, epoch=2, step=40, abandoned=True, error="StaleEpoch: x"),
+        wev("checkpoint_deferred", 115.0, node="n0", rank=0, epoch=2, step=50, due=50, reason="1 rank(s) still"),
+        wev("checkpoint_failed", 116.0, node="n0", rank=0, epoch=2, step=60, abandoned=False, error="OSError: full"),
+        wev("checkpoint_saved", 117.0, node="n0", rank=0, epoch=2, step=70, seconds=0.1, bytes=100),
+        one_failure_job()[-1],
+    ]
+    b = analyze(events)
+    assert b.checkpoints == {
+        "saved": 2,
+        "failed": 1,
+        "abandoned": 1,
+        "deferred": 1,
+        "loaded": 0,
+        "last_saved_step": 70,
+        "last_error": "OSError: full",
+    }
+    assert (
+        "disk checkpoints: 2 saved (newest step 70), 1 failed, 1 abandoned by a recovery, 1 deferred; "
+        "last error: OSError: full"
+    ) in format_breakdown(b)
+    assert analyze(one_failure_job()).checkpoints is None  # no checkpoint: no line
+    assert "disk checkpoints" not in format_breakdown(analyze(one_failure_job()))
