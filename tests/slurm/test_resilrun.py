@@ -23,6 +23,7 @@ from tests.slurmlab.fixture import SlurmLab
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 150
+HOLD_STEP = 20  # a held job waits before this step until the test releases it (held_train.py)
 
 
 class Job:
@@ -40,13 +41,19 @@ class Job:
         minutes: int = 5,
         node_logs: bool = False,
         after: str = "",
+        held: bool = False,
     ) -> None:
+        """held: the job waits before HOLD_STEP until release(), so a fault the test injects
+        from outside lands while it runs, however loaded the machine."""
         self.lab, self.tmp = lab, tmp
         tmp.mkdir(parents=True, exist_ok=True)
         script = tmp / "job.sh"
         py = sys.executable
         # without --run-dir resil-run makes its default under the current directory: tmp, not the repo
         where, rd = (REPO, f"--run-dir {tmp}/run") if run_dir else (tmp, "")
+        if held:  # examples/train.py, held
+            assert not train, "a held job runs examples/train.py"
+            train = f"{py} {REPO}/tests/slurm/held_train.py {tmp}/release {HOLD_STEP}"
         train = train or f"{py} {REPO}/examples/train.py"
         # node_logs: each node's srun output straight to tmp/step-<node>.out, written by that node's
         # slurmstepd, so it survives the batch host (where srun runs)
@@ -70,6 +77,9 @@ echo $rc > {tmp}/rc
 exit $rc
 """)
         self.jid = lab.run(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
+
+    def release(self) -> None:
+        (self.tmp / "release").touch()
 
     def events(self) -> list[dict]:
         p = self.tmp / "events.jsonl"
@@ -151,12 +161,12 @@ def test_clean_run(reference: dict) -> None:
 
 
 def test_node_crash_spare_takes_over_and_node_is_drained(lab: SlurmLab, tmp_path: Path, reference: dict) -> None:
-    job = Job(lab, tmp_path)
+    job = Job(lab, tmp_path, held=True)
     victim = job.victim()
     job.wait_event(lambda e: e["event"] == "full_strength_step")
-    time.sleep(1.0)
     t_fault = time.monotonic()
     lab.crash(victim)
+    job.release()
     recovery_s = _first_full_step_s(job, t_fault)
     assert job.wait() == 0, (tmp_path / "slurm.out").read_text()[-3000:]
     _equal(reference, job.final())
@@ -170,11 +180,11 @@ def test_node_crash_spare_takes_over_and_node_is_drained(lab: SlurmLab, tmp_path
 
 
 def test_frozen_node_is_replaced(lab: SlurmLab, tmp_path: Path, reference: dict) -> None:
-    job = Job(lab, tmp_path)
+    job = Job(lab, tmp_path, held=True)
     victim = job.victim()
     job.wait_event(lambda e: e["event"] == "full_strength_step")
-    time.sleep(1.0)
     lab.freeze(victim)
+    job.release()
     job.wait_event(lambda e: e["event"] == "spare_assigned")
     lab.thaw(victim)  # it wakes up fenced: told to die, never rejoins
     assert job.wait() == 0, (tmp_path / "slurm.out").read_text()[-3000:]
@@ -185,10 +195,11 @@ def test_frozen_node_is_replaced(lab: SlurmLab, tmp_path: Path, reference: dict)
 
 
 def test_spares_exhausted_exits_nonzero_with_reason(lab: SlurmLab, tmp_path: Path) -> None:
-    job = Job(lab, tmp_path, nodes=2, spares=0, steps=100)
+    job = Job(lab, tmp_path, nodes=2, spares=0, steps=100, held=True)
     victim = job.victim()
     job.wait_event(lambda e: e["event"] == "full_strength_step")
     lab.crash(victim)
+    job.release()
     rc = job.wait()
     out = (tmp_path / "slurm.out").read_text()
     assert rc == 1, out
@@ -198,13 +209,14 @@ def test_spares_exhausted_exits_nonzero_with_reason(lab: SlurmLab, tmp_path: Pat
 
 def test_two_jobs_at_once_do_not_interfere(lab: SlurmLab, tmp_path: Path) -> None:
     # 2 + 2 nodes of the 4-node lab, each job with its own embedded controller and store.
-    a = Job(lab, tmp_path / "a", nodes=2, spares=0, steps=400)
+    a = Job(lab, tmp_path / "a", nodes=2, spares=0, steps=400, held=True)
     b = Job(lab, tmp_path / "b", nodes=2, spares=0, steps=400)
     a_victim = a.victim()
     b.active_nodes()
     a.wait_event(lambda e: e["event"] == "full_strength_step")
     b.wait_event(lambda e: e["event"] == "full_strength_step")
     lab.crash(a_victim)  # only job a loses a node (and, with no spare, fails cleanly)
+    a.release()
     assert a.wait() == 1 and b.wait() == 0
     assert len(a.summary()["failures"]) == 1 and b.summary()["failures"] == []
     assert set(a.active_nodes()).isdisjoint(b.active_nodes())
@@ -214,10 +226,11 @@ def test_two_jobs_at_once_do_not_interfere(lab: SlurmLab, tmp_path: Path) -> Non
 
 
 def test_requeue_on_exhaustion_puts_the_reason_in_the_comment(lab: SlurmLab, tmp_path: Path) -> None:
-    job = Job(lab, tmp_path, nodes=2, spares=0, steps=400, extra="--requeue-on-exhaustion")
+    job = Job(lab, tmp_path, nodes=2, spares=0, steps=400, extra="--requeue-on-exhaustion", held=True)
     victim = job.victim()
     job.wait_event(lambda e: e["event"] == "full_strength_step")
     lab.crash(victim)
+    job.release()
     job.wait_event(lambda e: e["event"] == "job_failed")
     deadline = time.monotonic() + 60
     info = ""

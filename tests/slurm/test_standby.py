@@ -27,12 +27,15 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
 
 def test_batch_host_crash_under_standby_controllers(lab: SlurmLab, tmp_path: Path, reference: dict) -> None:  # noqa: F811
-    job = Job(lab, tmp_path, nodes=4, spares=2, extra="--controllers 3 --controller-timeout 15", node_logs=True)
+    job = Job(
+        lab, tmp_path, nodes=4, spares=2, extra="--controllers 3 --controller-timeout 15", node_logs=True, held=True
+    )
     first = job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=120)
     job.wait_event(lambda e: e["event"] == "full_strength_step", timeout_s=120)
     host = show_job(lab, job.jid)["BatchHost"]
     others = [n for n in lab.nodes if n != host]
     lab.crash(host)
+    job.release()
     t0 = time.monotonic()
 
     done = job.wait_event(lambda e: e["event"] in ("job_finished", "job_failed"), timeout_s=120)
