@@ -10,6 +10,9 @@ Slurm (inside sbatch/salloc; the last --spares nodes of the allocation are hot s
 \b
 Inject faults (KIND:NODE@STEP[+DELAY_S]; kinds kill, exception, hang, nodeloss, xidN):
   resil-run --local --nodes 4 --spares 2 --inject kill:node0@40 --inject xid79:node1@120 -- python train.py
+
+Add hot spares to a running job (its --run-dir holds the job secret; no command: the job's):
+  resil-run --local --join RUN_DIR --nodes 1
 
 --nodes counts every node, spares included (like `srun -N`): 3 nodes with
 1 spare train on 2 nodes and keep 1 warm. Node names are local-node0 ...;
@@ -218,6 +221,15 @@ def _copies(v: str | int) -> int:
     "nodes, epoch, fired faults); training state comes from --checkpoint-dir.",
 )
 @click.option(
+    "--join",
+    "join_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    metavar="RUN_DIR",
+    help="Join the running job of RUN_DIR with --nodes new hot spares (default 1) instead of starting a job: "
+    "they authenticate with the job's secret (RUN_DIR/keys/join), get their own keys from its controller, "
+    "warm up and wait. --local only for now (simulated nodes on this machine).",
+)
+@click.option(
     "--requeue-on-exhaustion",
     is_flag=True,
     help="Slurm: when no spare is left, requeue the job (reason in its comment) instead of failing.",
@@ -232,7 +244,7 @@ def _copies(v: str | int) -> int:
     help="No live status line (step, steps/s, epoch, spares left, last failure and its recovery time) on stderr.",
 )
 @click.option("-v", "--verbose", is_flag=True, help="Log controller decisions as they happen.")
-@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.argument("cmd", nargs=-1, type=click.UNPROCESSED)
 def main(
     local: bool,
     nodes: int | None,
@@ -258,6 +270,7 @@ def main(
     checkpoint_every: int,
     run_dir: Path | None,
     resume_dir: Path | None,
+    join_dir: Path | None,
     requeue_on_exhaustion: bool,
     as_json: bool,
     quiet: bool,
@@ -265,6 +278,10 @@ def main(
     cmd: tuple[str, ...],
 ) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="resil-run: %(message)s")
+    if join_dir is not None:
+        _join(join_dir, local, nodes, cmd, inject, resume_dir, run_dir)
+    if not cmd:
+        raise click.UsageError("missing the training command: resil-run [OPTIONS] -- python train.py ...")
     if events is not None:
         try:
             events.open("a").close()
@@ -369,6 +386,31 @@ def main(
         )
     code = run_job(spec, as_json=as_json, status=not quiet)
     sys.exit(code)
+
+
+def _join(
+    join_dir: Path,
+    local: bool,
+    nodes: int | None,
+    cmd: tuple[str, ...],
+    inject: tuple[str, ...],
+    resume_dir: Path | None,
+    run_dir: Path | None,
+) -> None:
+    """resil-run --join: exits with the joined nodes' code, or 2 and one line when refused."""
+    if not local:
+        raise click.UsageError("--join runs simulated nodes (--local) for now; Slurm cold spares are not built yet")
+    if cmd:
+        raise click.UsageError("--join takes no command: joined nodes run the job's (from RUN_DIR/join.json)")
+    if inject or resume_dir is not None or run_dir is not None:
+        raise click.UsageError("--join takes no --inject, --resume or --run-dir: it joins the job of RUN_DIR")
+    from launcher.run.join import JOIN_EXIT, JoinError, run_join
+
+    try:
+        sys.exit(run_join(join_dir, nodes or 1))
+    except JoinError as e:
+        print(f"resil-run: cannot join {join_dir}: {e}", file=sys.stderr)
+        sys.exit(JOIN_EXIT)
 
 
 def _site_etcd(

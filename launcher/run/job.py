@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.run.join import JoinInfo, mark_ended
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
 from resild.controller.faults import Fault
@@ -16,7 +18,7 @@ from resild.controller.loop import Controller, ControllerConfig, ControllerFaile
 from resild.events.log import EventLog
 from resild.procutil import say
 from resild.wire.exits import CONTROLLER_LOST_EXIT
-from resild.wire.keys import generate_keys
+from resild.wire.keys import add_join_key, generate_keys
 from resild.wire.settings import JobSettings
 
 
@@ -57,6 +59,8 @@ def run_job(
 ) -> Any:
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     keys = generate_keys(spec.run_dir / "keys")
+    add_join_key(keys)  # the job secret of `resil-run --join`
+    job_id = os.urandom(6).hex()
     events = EventLog(spec.events_path)
     live = StatusLine(sys.stderr) if status else None  # stderr only: stdout is --json's
     if live is not None:
@@ -66,6 +70,7 @@ def run_job(
     cfg = ControllerConfig(
         bind=bind,
         settings=spec.settings,
+        job_id=job_id,
     )
     ctl = Controller(
         cfg,
@@ -79,13 +84,17 @@ def run_job(
         spec.faults,
     )
     endpoint = f"tcp://{spec.bind_host}:{ctl.endpoint.rsplit(':', 1)[1]}"
+    fake_nvml = _fake_nvml(spec) if backend_factory is None else None
+    JoinInfo(
+        job_id, endpoint, spec.nproc_per_node, spec.cmd, spec.settings.to_dict(), str(fake_nvml) if fake_nvml else None
+    ).write(spec.run_dir)
     if backend_factory is None:
         backend = LocalCluster(
             nodes,
             spec.nproc_per_node,
             spec.cmd,
             spec.run_dir,
-            _fake_nvml(spec),
+            fake_nvml,
             settings=spec.settings,
         )
         backend.start(endpoint, keys.path)
@@ -97,6 +106,7 @@ def run_job(
         result = ctl.run()
     except KeyboardInterrupt:
         say("resil-run: interrupted")
+        mark_ended(spec.run_dir, 130)
         return (130, "interrupted") if return_reason else 130
     except ControllerFailed as e:
         # Our own bug, not the job's verdict: no node was told to shut down (their lease
@@ -108,6 +118,7 @@ def run_job(
         events.close()
         if live is not None:
             live.close()
+    mark_ended(spec.run_dir, result.exit_code)
     print_summary(result.exit_code, result.reason, events.records + list(events.recent_progress), as_json)
     # Said, never silent: the summary above saw less than the job wrote, or the file less than happened.
     if events.records_dropped:

@@ -44,11 +44,15 @@ class LocalCluster(Backend):
         self._expected_exit: set[str] = set()
         self._reported: set[str] = set()
 
-    def start(self, controller: str, keys_dir: Path | None) -> None:
+    def start(self, controller: str, keys_dir: Path | None, minted: bool = False) -> None:
+        """`minted`: the controller made the nodes' keys already (nodes joining a running job)."""
         # One key pair per node, all made before any node starts: each node process (and
         # its workers, through RESILD_KEYS) gets a directory with only its own secret key,
         # and the controller knows the node by that key (ZAP User-Id), not by what it says.
-        node_keys = {n: add_node_key(KeyDir(keys_dir), n).path for n in self.nodes} if keys_dir else {}
+        node_keys = {}
+        if keys_dir is not None:
+            kd = KeyDir(keys_dir)
+            node_keys = {n: kd.node(n).path if minted else add_node_key(kd, n).path for n in self.nodes}
         for node in self.nodes:
             args = [
                 sys.executable,

@@ -228,6 +228,9 @@ class StatusLine:
                 t,
                 permanent=True,
             )
+        elif name == EventName.NODE_ADMITTED:
+            self.spares = int(e.get("spares", (self.spares or 0) + 1))
+            self._line(f"{e.get('node')} joined as a hot spare, {self.spares} spare(s) now", t, permanent=True)
         elif name == EventName.REFORM:
             self.awaiting_epoch = int(e["epoch"])
             rec = self._latest_recovery()

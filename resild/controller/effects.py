@@ -15,14 +15,16 @@ import time
 from dataclasses import replace
 from statistics import median
 
+from resild.controller.admission import Admission
 from resild.controller.broadcast import Announced
 from resild.controller.faults import Injector
 from resild.controller.policy import Action, Decision, drain_verdict, on_abuse
-from resild.controller.records import FaultFired, Record, Start, decided
+from resild.controller.records import Admit, FaultFired, Record, Start, decided
 from resild.controller.state import ControllerConfig, ControllerState
-from resild.controller.view import JobResult
+from resild.controller.view import JobResult, NodeView
 from resild.events.schema import EventName
 from resild.membership import Membership, NodeRole
+from resild.wire.keys import add_node_key
 from resild.wire.protocol import MsgType
 
 log = logging.getLogger("resild.controller")
@@ -123,6 +125,20 @@ class Effects:
                 step_s=median_step_s(ct),
             )
             s.result = JobResult(0, d.reason)
+
+    def admit(self, a: Admission, now: float) -> bool:
+        """Joining nodes become spares: journaled, then each gets its own key (minted in the
+        job's key directory; the authenticator reads it at the node's first connection) and
+        a place in the view. Their workers warm up as the start-up spares' do, on registering."""
+        s = self.s
+        assert s.keys is not None and a.admit
+        if not self.journaled(Admit(a.nodes, a.reason, time.time()), a.reason):
+            return False
+        for n in a.nodes:
+            add_node_key(s.keys, n)
+            s.view.add(NodeView(n, NodeRole.SPARE, s.bc.nproc), now)
+            s.events.emit(EventName.NODE_ADMITTED, node=n, via="join", spares=len(s.view.spares()))
+        return True
 
     def journaled(self, record: Record, what: str) -> bool:
         """Write ahead. False: a replicated journal did not commit the record, so this

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from resild.controller.admission import admission
 from resild.controller.effects import Effects
 from resild.controller.policy import (
     Action,
@@ -29,6 +30,7 @@ from resild.controller.view import NodeView, RankProgress
 from resild.events.schema import EventName
 from resild.membership import Membership, NodeRole
 from resild.wire.channel import peer_name
+from resild.wire.keys import JOINER
 from resild.wire.protocol import (
     BODY_TYPES,
     Done,
@@ -37,6 +39,7 @@ from resild.wire.protocol import (
     Fatal,
     Health,
     Heartbeat,
+    Join,
     Message,
     MsgType,
     Progress,
@@ -88,6 +91,9 @@ class Handlers:
         if msg.type in (MsgType.STATUS,):
             s.ch.send(MsgType.STATUS_REPLY, answer(s), to=ident)
             return
+        if msg.type is MsgType.JOIN:
+            self._on_join(ident, msg, now)
+            return
         if node is None:
             s.ch.send(
                 MsgType.ERROR, {"code": "unknown_node", "detail": f"{node_id!r} is not part of this job"}, to=ident
@@ -122,6 +128,34 @@ class Handlers:
             # A well-framed message with a bad body: answer and log, never crash the job.
             log.warning("bad %s body from %s: %r", msg.type.value, msg.sender, e)
             s.ch.send(MsgType.ERROR, {"code": "bad_body", "detail": f"{msg.type.value}: {e!r}"}, to=ident)
+
+    def _on_join(self, ident: bytes, msg: Message, now: float) -> None:
+        """`resil-run --join`: admitted (ADMIT) or refused with one line (ERROR "refused"),
+        said on both sides; a refusal changes nothing in the job."""
+        s = self.s
+        if msg.sender != JOINER and not msg.sender.startswith(JOINER + "/"):
+            a_reason = f"{msg.sender[:64]!r} does not hold the job's join key"
+            ok = False
+        else:
+            b = msg.typed if isinstance(msg.typed, Join) else Join.from_dict(msg.body)
+            assert isinstance(b, Join)
+            a = admission(
+                s.view,
+                self.cfg.job_id,
+                b.job or "",
+                list(b.nodes or []),
+                over=s.result is not None,
+                keyed=s.keys is not None,
+            )
+            ok, a_reason = a.admit, a.reason
+            if ok and not self.effects.admit(a, now):
+                ok, a_reason = False, "not journaled (this controller may no longer lead): ask again"
+        if not ok:
+            log.warning("refused a joining node: %s", a_reason)
+            s.events.emit(EventName.JOIN_REFUSED, sender=msg.sender[:128], reason=a_reason)
+            s.ch.send(MsgType.ERROR, {"code": "refused", "detail": a_reason}, to=ident)
+            return
+        s.ch.send(MsgType.ADMIT, {"job": self.cfg.job_id, "nodes": list(a.nodes), "keys": "nodes"}, to=ident)
 
     def _on_register_node(self, ident: bytes, node: NodeView, b: RegisterNode, now: float) -> None:
         s = self.s

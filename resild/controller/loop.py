@@ -135,6 +135,7 @@ class Controller:
             len(active) * nproc_per_node,
             budget=Budget({MsgType.EVENT.value: cfg.event_budget, MsgType.PROGRESS.value: cfg.progress_budget}),
         )
+        self.state.keys = keys
         self.effects = Effects(self.state, cfg, self.injector)
         self.errors = InternalErrors(events, self.journal)  # our own bugs: reported, never the job's end
         self._tick_failed = False

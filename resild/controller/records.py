@@ -12,6 +12,7 @@ record from a test, or an older writer) and keeps a record of an action it does 
     fail_job        a decision: the job's verdict, failed
     finish          a decision: the job's verdict, finished
     fault_fired     an injected fault fired (once, ever)
+    admit           nodes joined the running job as spares (`resil-run --join`)
     controller_error  the controller's own error (loop.py): where, what; restore ignores it
     leader          a standby replica took the lead (replica.py)
     closed          the leader's last record: the job is over (replica.py)
@@ -145,6 +146,21 @@ class FaultFired:
 
 
 @dataclass(frozen=True)
+class Admit:
+    ACTION: ClassVar[str] = "admit"
+    nodes: tuple[str, ...]
+    reason: str = ""
+    t_wall: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"t_wall": self.t_wall, "action": self.ACTION, "reason": self.reason, "nodes": list(self.nodes)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Admit:
+        return cls(tuple(str(n) for n in d.get("nodes") or ()), str(d.get("reason", "")), float(d.get("t_wall") or 0.0))
+
+
+@dataclass(frozen=True)
 class ControllerError:
     """An error of the controller's own (a handler's or the tick's exception): kept for
     the post-mortem; it changes nothing in the job's state."""
@@ -224,6 +240,7 @@ Record = (
     | FailJob
     | Finish
     | FaultFired
+    | Admit
     | ControllerError
     | Leader
     | Closed
@@ -232,7 +249,19 @@ Record = (
 
 _BY_ACTION: dict[str, Any] = {
     c.ACTION: c
-    for c in (Start, ReplaceNode, DropSpare, Reform, FailJob, Finish, FaultFired, ControllerError, Leader, Closed)
+    for c in (
+        Start,
+        ReplaceNode,
+        DropSpare,
+        Reform,
+        FailJob,
+        Finish,
+        FaultFired,
+        Admit,
+        ControllerError,
+        Leader,
+        Closed,
+    )
 }
 
 

@@ -18,6 +18,7 @@ from functools import reduce
 from typing import TYPE_CHECKING
 
 from resild.controller.records import (
+    Admit,
     DropSpare,
     FailJob,
     FaultFired,
@@ -27,7 +28,7 @@ from resild.controller.records import (
     ReplaceNode,
     Start,
 )
-from resild.controller.view import JobResult
+from resild.controller.view import JobResult, NodeView
 from resild.membership import Membership, NodeRole, check_transition
 
 if TYPE_CHECKING:
@@ -63,6 +64,11 @@ def apply(s: Restored, rec: Record) -> Restored:
         return replace(s, fired=s.fired | {rec.spec}, unsettled=s.unsettled | {rec.spec})
     if isinstance(rec, Start):
         return replace(s, membership=rec.membership, unsettled=frozenset())
+    if isinstance(rec, Admit):  # joined spares (a name the job knew is never admitted twice)
+        new = [n for n in rec.nodes if n not in s.roles]
+        return replace(
+            s, roles={**s.roles, **dict.fromkeys(new, NodeRole.SPARE)}, reasons={**s.reasons, **dict.fromkeys(new, "")}
+        )
     if not isinstance(rec, (ReplaceNode, DropSpare, Reform, FailJob, Finish)):
         return s
     s = replace(s, unsettled=frozenset())
@@ -110,6 +116,7 @@ def resume(s: ControllerState, r: Restored) -> None:
     nodes stay fenced, promoted spares stay active, fired faults stay fired; the first epoch
     is the layout the job had last, announced once every active worker has registered."""
     nodes = s.view.nodes
+    _add_joined(s, r, 0.0)
     for node_id, role in r.roles.items():
         if nodes[node_id].role != role:
             nodes[node_id].set_role(role)
@@ -121,11 +128,19 @@ def resume(s: ControllerState, r: Restored) -> None:
     s.unregistered = sum(nodes[n].nproc for n in s.initial.node_ranks)
 
 
+def _add_joined(s: ControllerState, r: Restored, now: float) -> None:
+    """Nodes the journal admitted (`resil-run --join`) that this controller did not start with."""
+    for node_id in r.roles:
+        if node_id not in s.view.nodes:
+            s.view.add(NodeView(node_id, NodeRole.SPARE, s.bc.nproc), now)
+
+
 def take_over(s: ControllerState, r: Restored, now: float) -> None:
     """The folded journal applied to the controller's shared state: roles and reasons,
     the epochs, the step and the verdict; every live node counts as registered (silent
     from now on means lost) under the identity node processes give every replica."""
     nodes = s.view.nodes
+    _add_joined(s, r, now)
     for node_id, role in r.roles.items():
         if nodes[node_id].role != role:
             nodes[node_id].set_role(role)

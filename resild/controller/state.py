@@ -20,6 +20,7 @@ from resild.events.log import EventLog
 from resild.membership import Membership
 from resild.rendezvous import Rendezvous
 from resild.wire.channel import Channel
+from resild.wire.keys import KeyDir
 from resild.wire.settings import Derived, JobSettings
 
 
@@ -48,6 +49,7 @@ class ControllerConfig:
     # The controller's own errors (errors.py): a tick failing on every round this long makes
     # it stop, without a SHUTDOWN (policy.give_up_verdict); 0: never.
     tick_error_limit_s: float = 60.0
+    job_id: str = ""  # names the job to `resil-run --join` (join.json); "": no node joins
 
 
 def lease_terms(cfg: ControllerConfig, derived: Derived) -> tuple[int, int, float, float]:
@@ -74,6 +76,7 @@ class ControllerState:
     deferred: int = 0  # decisions not carried out: the replicated journal did not commit them
     deferred_decisions: list[Decision] = field(default_factory=list)  # tried again at each tick
     abusive: dict[str, float] = field(default_factory=dict)  # node -> when it was last named abusive
+    keys: KeyDir | None = None  # the job's key directory: a joining node's key is minted here
 
     @property
     def dropped(self) -> dict[str, int]:

@@ -107,5 +107,12 @@ class ClusterView:
         if self.probe_sent_s is not None:
             self.probe_sent_s += dt_s
 
+    def add(self, node: NodeView, now: float) -> None:
+        """A node that joined the running job (admission.py); heard from now on."""
+        assert node.node_id not in self.nodes, node.node_id
+        self.nodes[node.node_id] = node
+        self._hb_order[node.node_id] = None
+        self.beat(node.node_id, now)
+
     def spares(self) -> list[NodeView]:
         return [n for n in self.nodes.values() if n.role == NodeRole.SPARE]

@@ -48,6 +48,8 @@ class EventName(str, Enum):
     PEER_REFUSED = "peer_refused"  # a key holder spoke as another node (routing id, sender, body)
     NODE_ABUSIVE = "node_abusive"  # a node stayed over its message budget: fenced (policy.abuse_verdict)
     CONTROLLER_ERROR = "controller_error"  # the controller's own bug: logged, the job goes on (loop.py)
+    NODE_ADMITTED = "node_admitted"  # a node joined the running job as a spare (resil-run --join)
+    JOIN_REFUSED = "join_refused"  # a request to join was refused: the reason, nothing changed
     # -- peers (resild.wire.protocol.PEER_EVENTS): workers ----------------------------------
     GROUP_REFORMED = "group_reformed"
     STATE_REPLAYED = "state_replayed"

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 ADMIN = "client"  # identity of DIR/client.key, the operator's (`resild cluster`): may ask
 # for status, speaks for no node (name kept from the one-key layout)
+JOINER = "join"  # identity of DIR/join/: the job secret that `resil-run --join` holds; may ask to
+# join the job as a spare (the controller mints the newcomer's own node key), nothing else
+RESERVED = (ADMIN, JOINER)
 NODE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 
@@ -87,14 +90,23 @@ def generate_keys(path: Path, nodes: Iterable[str] = ()) -> KeyDir:
 
 
 def add_node_key(keys: KeyDir, node: str) -> KeyDir:
-    if not NODE_NAME.fullmatch(node) or node == ADMIN:
+    if not NODE_NAME.fullmatch(node) or node in RESERVED:
         raise ValueError(f"node name {node!r} cannot name a key (letters, digits, _ . - only)")
-    d = keys.node(node).path
+    return _holder(keys, keys.node(node).path, node)
+
+
+def add_join_key(keys: KeyDir) -> KeyDir:
+    """The job secret for `resil-run --join`: DIR/join/ (its pair and the server's public
+    key), readable by the job's user only, authorized as JOINER."""
+    return _holder(keys, keys.path / JOINER, JOINER)
+
+
+def _holder(keys: KeyDir, d: Path, name: str) -> KeyDir:
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
     _pair(d, "client")
     shutil.copy(keys.path / "server.key", d / "server.key")
-    shutil.copy(d / "client.key", keys.authorized / f"{node}.key")
+    shutil.copy(d / "client.key", keys.authorized / f"{name}.key")
     return KeyDir(d)
 
 

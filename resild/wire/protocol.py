@@ -55,6 +55,10 @@ class MsgType(str, Enum):
     MEMBERSHIP_DELTA = "membership_delta"  # to a node process holding the previous epoch: {epoch, base, moves}
     RELAY_HELLO = "relay_hello"  # worker -> its node process's relay: send me the current membership
     LEASE = "lease"  # controller -> node processes, every lease interval: "I am (still) your controller"
+    # `resil-run --join` (the job's join key) -> controller: admit these nodes as spares;
+    # answered with ADMIT (their keys are minted) or ERROR {code: "refused"}
+    JOIN = "join"
+    ADMIT = "admit"
     # local client -> node daemon (its unix socket): answered with HEALTH at once, then a
     # HEALTH push on every change of the published verdict (and a keepalive now and then)
     SUBSCRIBE_HEALTH = "subscribe_health"
@@ -431,6 +435,25 @@ class StoreRequest(Body):
 
 
 @dataclass(frozen=True)
+class Join(Body):
+    """Nodes asking to join a running job as spares. `job`: the job id of the run directory
+    the joiner read (a controller of another job refuses)."""
+
+    job: str | None = _f("str", max_len=64, required=True)
+    nodes: list[str] | None = _f("strs", max_len=NODE, required=True)
+
+
+@dataclass(frozen=True)
+class Admit(Body):
+    """The controller's yes: `nodes` are the job's spares now; each one's key directory is
+    `keys`/<node> under the job's key directory (minted by the controller)."""
+
+    job: str | None = _f("str", max_len=64)
+    nodes: list[str] | None = _f("strs", max_len=NODE)
+    keys: str | None = _f("str", max_len=NODE)
+
+
+@dataclass(frozen=True)
 class ErrorBody(Body):
     code: str | None = _f("str", max_len=64)
     detail: str | None = _f("str", max_len=MAX_FRAME_BYTES)
@@ -455,6 +478,8 @@ BODY_TYPES: dict[MsgType, type[Body]] = {
     MsgType.ERROR: ErrorBody,
     MsgType.LEASE: Lease,
     MsgType.STORE: StoreRequest,
+    MsgType.JOIN: Join,
+    MsgType.ADMIT: Admit,
 }  # PING, STATUS, STATUS_REPLY and types without a class: generic checks only
 
 

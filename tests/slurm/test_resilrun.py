@@ -53,7 +53,7 @@ class Job:
         where, rd = (REPO, f"--run-dir {tmp}/run") if run_dir else (tmp, "")
         if held:  # examples/train.py, held
             assert not train, "a held job runs examples/train.py"
-            train = f"{py} {REPO}/tests/slurm/held_train.py {tmp}/release {HOLD_STEP}"
+            train = f"{py} {REPO}/tests/held_train.py {tmp}/release {HOLD_STEP}"
         train = train or f"{py} {REPO}/examples/train.py"
         # node_logs: each node's srun output straight to tmp/step-<node>.out, written by that node's
         # slurmstepd, so it survives the batch host (where srun runs)
@@ -79,7 +79,7 @@ exit $rc
         self.jid = lab.run(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
 
     def release(self) -> None:
-        (self.tmp / "release").touch()
+        (self.tmp / f"release-{HOLD_STEP}").touch()
 
     def events(self) -> list[dict]:
         p = self.tmp / "events.jsonl"

@@ -41,22 +41,43 @@ def _marked(mark: str) -> list[psutil.Process]:
     return out
 
 
-def run_job(
-    tmp: Path,
-    *args: str,
-    nodes: int = 3,
-    spares: int = 1,
-    nproc: int = 1,
-    steps: int = STEPS,
-    timeout_s: float = 150.0,
-    script: Path = TRAIN,
-    env: dict[str, str] | None = None,
-) -> RunResult:
-    """Run resil-run, then assert that it left no process behind. `env`: added to the job's."""
-    mark = uuid.uuid4().hex
-    tmp.mkdir(parents=True, exist_ok=True)
+@dataclass
+class Started:
+    """resil-run running in the background (start_job); `finish` waits and collects it."""
+
+    p: subprocess.Popen
+    tmp: Path
+    mark: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+
+    def finish(self, timeout_s: float = 150.0) -> RunResult:
+        try:
+            out, err = self.p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            out, err = self.p.communicate()
+            kill_marked(self.mark)
+            raise
+        return _collect(self.tmp, self.p.returncode, out, err, self.mark, self.args)
+
+
+def kill_marked(mark: str) -> list[psutil.Process]:
+    """Wait a moment for the processes of a test's job to go, then kill those left."""
+    deadline = time.monotonic() + 5.0
+    while (left := _marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for proc in left:
+        proc.kill()
+    return left
+
+
+def _job_cmd(
+    tmp: Path, args: tuple[str, ...], nodes: int, spares: int, nproc: int, steps: int, script: Path | str
+) -> list[str]:
     ev, save = tmp / "events.jsonl", tmp / "final.pt"
-    cmd = [
+    script_cmd = [str(script)] if isinstance(script, Path) else script.split()
+    return [
         sys.executable,
         "-m",
         "launcher.run.cli",
@@ -75,29 +96,66 @@ def run_job(
         *args,
         "--",
         sys.executable,
-        str(script),
+        *script_cmd,
         "--steps",
         str(steps),
         "--save",
         str(save),
     ]
+
+
+def start_job(
+    tmp: Path,
+    *args: str,
+    nodes: int = 3,
+    spares: int = 1,
+    nproc: int = 1,
+    steps: int = STEPS,
+    script: Path | str = TRAIN,
+    env: dict[str, str] | None = None,
+) -> Started:
+    """resil-run in the background; `script` may be a path or 'path arg ...'."""
+    mark = uuid.uuid4().hex
+    tmp.mkdir(parents=True, exist_ok=True)
+    full_env = dict(os.environ, **(env or {}), RESILD_TEST_MARK=mark, PYTHONUNBUFFERED="1")
+    cmd = _job_cmd(tmp, args, nodes, spares, nproc, steps, script)
+    p = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return Started(p, tmp, mark, args, full_env)
+
+
+def run_job(
+    tmp: Path,
+    *args: str,
+    nodes: int = 3,
+    spares: int = 1,
+    nproc: int = 1,
+    steps: int = STEPS,
+    timeout_s: float = 150.0,
+    script: Path = TRAIN,
+    env: dict[str, str] | None = None,
+) -> RunResult:
+    """Run resil-run, then assert that it left no process behind. `env`: added to the job's."""
+    mark = uuid.uuid4().hex
+    tmp.mkdir(parents=True, exist_ok=True)
+    cmd = _job_cmd(tmp, args, nodes, spares, nproc, steps, script)
     full_env = dict(os.environ, **(env or {}), RESILD_TEST_MARK=mark, PYTHONUNBUFFERED="1")
     p = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout_s)
-    deadline = time.monotonic() + 5.0
-    while (left := _marked(mark)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for proc in left:
-        proc.kill()
+    return _collect(tmp, p.returncode, p.stdout, p.stderr, mark, args)
+
+
+def _collect(tmp: Path, rc: int, stdout: str, stderr: str, mark: str, args: tuple[str, ...]) -> RunResult:
+    left = kill_marked(mark)
     assert not left, f"orphan processes after resil-run: {[(q.pid, q.name()) for q in left]}"
+    ev, save = tmp / "events.jsonl", tmp / "final.pt"
     events = [json.loads(line) for line in ev.read_text().splitlines()] if ev.exists() else []
     try:
-        summary = json.loads(p.stdout)
+        summary = json.loads(stdout)
     except ValueError:
         summary = None
     final = torch.load(save) if save.exists() else None
-    if p.returncode == 0:
+    if rc == 0:
         assert_faults_fired(args, events)
-    return RunResult(p.returncode, p.stdout, p.stderr, events, summary, final)
+    return RunResult(rc, stdout, stderr, events, summary, final)
 
 
 def assert_faults_fired(args: tuple[str, ...], events: list[dict]) -> None:

@@ -59,6 +59,33 @@ def test_restore_rebuilds_roles_epoch_floor_and_fired_faults() -> None:
         ctl.server.close()
 
 
+def test_a_new_leader_keeps_the_nodes_that_joined_and_what_became_of_them() -> None:
+    m1 = Membership.initial(["a", "b"], 2)
+    m2 = m1.replace("b", "s0")
+    records = [
+        {"action": "start", "membership": m1.to_dict()},
+        {"action": "admit", "nodes": ["j0", "j1"], "reason": "j0, j1 joined"},
+        {"action": "admit", "nodes": ["j0"], "reason": "a replayed record admits no one twice"},
+        {"action": "replace_node", "node": "b", "spare": "j0", "membership": m2.replace("s0", "j0").to_dict()},
+    ]
+    ctl = _controller()
+    try:
+        ctl.restore(records, now=50.0)
+        roles = {n: x.role for n, x in ctl.view.nodes.items()}
+        assert roles == {
+            "a": NodeRole.ACTIVE,
+            "b": NodeRole.FENCED,
+            "s0": NodeRole.SPARE,
+            "s1": NodeRole.SPARE,
+            "j0": NodeRole.ACTIVE,
+            "j1": NodeRole.SPARE,
+        }
+        j1 = ctl.view.nodes["j1"]
+        assert j1.nproc == 2 and j1.registered and j1.last_heartbeat_s == 50.0  # silent from now on: lost
+    finally:
+        ctl.server.close()
+
+
 def test_a_fault_the_old_leader_fired_last_is_fired_again_and_holds_the_next_one_back() -> None:
     # Soak: the old leader journaled hang:node0@157 and was killed before it sent it; the new
     # leader took it as fired and the fault never hit. A fault fired after the last decision

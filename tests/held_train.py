@@ -1,0 +1,52 @@
+"""examples/train.py held at some steps until the test releases them.
+
+    held_train.py RELEASE HOLD_STEP[,HOLD_STEP...] [train.py's arguments]
+
+A fault the test injects from outside (crash, freeze, a node lost) must land while
+the job runs; on a loaded machine a short job can finish first. Every rank waits
+before each HOLD_STEP until the file RELEASE-HOLD_STEP exists, so the test injects
+the fault, then releases. The training itself is train.py's, unchanged, so the
+result matches its reference.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[0] = str(REPO)  # not this file's directory: tests/launcher/ is the tests' package, not resild's
+
+import launcher  # noqa: E402
+
+RELEASE_WAIT_S = 60.0  # far beyond any test's release; then train on rather than hang
+
+
+def main() -> None:
+    release, holds = sys.argv[1], {int(s) for s in sys.argv[2].split(",")}
+    sys.argv = [str(REPO / "examples" / "train.py"), *sys.argv[3:]]
+    init = launcher.init
+
+    def held_init(*args, **kwargs):
+        job = init(*args, **kwargs)
+        steps = job.steps
+
+        def held_steps(total: int):
+            for step in steps(total):
+                deadline = time.monotonic() + RELEASE_WAIT_S
+                gate = Path(f"{release}-{step}")
+                while step in holds and not gate.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                yield step
+
+        job.steps = held_steps
+        return job
+
+    launcher.init = held_init
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
