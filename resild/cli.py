@@ -220,9 +220,18 @@ def format_status(b: dict[str, Any]) -> str:
     show_default=True,
     help="Lowest verdict that drains (with --drain).",
 )
+@click.option(
+    "--qualify",
+    is_flag=True,
+    help="Qualify the node to hold ranks (a spare that joins or comes back): every probe healthy "
+    "(degraded is not enough) and a GPU self-test (matmul against a float64 reference, host-device "
+    "copy) passes. Exit 0 qualified, 2 not.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def check(config_path: str | None, probes: str | None, drain: bool, drain_on: str, as_json: bool) -> None:
-    """Run every probe once. Exit 0/1/2 healthy/degraded/failed.
+def check(
+    config_path: str | None, probes: str | None, drain: bool, drain_on: str, qualify: bool, as_json: bool
+) -> None:
+    """Run every probe once. Exit 0/1/2 healthy/degraded/failed (--qualify: 0/2 qualified/not).
 
     Usable as Slurm's HealthCheckProgram; with --drain a failing node drains itself:
     scontrol update NodeName=<node> State=DRAIN Reason="resild: GPU 3 Xid 79 ...".
@@ -254,6 +263,16 @@ def check(config_path: str | None, probes: str | None, drain: bool, drain_on: st
         stop_probes(plist)
     results = {n: o.result for n, o in outcomes.items()}
     verdict, reasons = aggregate(results)
+    extra: dict[str, Any] = {}
+    qualified = None
+    if qualify:
+        from resild.health import selftest
+        from resild.health.qualify import qualification
+
+        st = selftest.run()
+        q = qualification(verdict, reasons, st)
+        qualified = q.qualified
+        extra = {"qualified": q.qualified, "qualification": list(q.reasons), "selftest": st.to_dict()}
     if as_json:
         click.echo(
             json.dumps(
@@ -262,6 +281,7 @@ def check(config_path: str | None, probes: str | None, drain: bool, drain_on: st
                     "verdict": verdict.value,
                     "reasons": reasons,
                     "probes": {n: {**o.result.to_dict(), "latency_s": o.latency_s} for n, o in outcomes.items()},
+                    **extra,
                 },
                 indent=2,
             )
@@ -272,6 +292,9 @@ def check(config_path: str | None, probes: str | None, drain: bool, drain_on: st
         gpu = results.get("gpu")
         if gpu is not None and gpu.details.get("gpus"):
             click.echo("\n".join(format_gpus(gpu.details["gpus"])))
+        if qualify:
+            click.echo(f"qualification: {'QUALIFIED' if qualified else 'NOT QUALIFIED'}")
+            click.echo("\n".join(f"  - {r}" for r in extra["qualification"]) or "  self-test passed")
     threshold = Verdict.DEGRADED if drain_on == "degraded" else Verdict.FAILED
     if drain and verdict.severity >= threshold.severity:
         from resild.slurm import SlurmError
@@ -283,6 +306,8 @@ def check(config_path: str | None, probes: str | None, drain: bool, drain_on: st
             click.echo(f"drained {cfg.node}: resild: {summary}", err=True)
         except (SlurmError, ValueError) as e:
             click.echo(f"resild: could not drain {cfg.node}: {e}", err=True)
+    if qualify:
+        sys.exit(0 if qualified else 2)
     sys.exit(verdict.severity)
 
 

@@ -45,6 +45,8 @@ from resild.wire.leader import ControllerSet
 from resild.wire.protocol import Message, MsgType
 from resild.wire.settings import JobSettings
 
+QUALIFY_TIMEOUT_S = 300.0  # `resild check --qualify`: probes and the GPU self-test (a torch import)
+
 if TYPE_CHECKING:  # imported when the probe starts (_start_probe)
     from launcher.node.health_source import HealthSource
 
@@ -69,8 +71,10 @@ class NodeProcess:
         settings: JobSettings | None = None,
         nvml_control: Path | None = None,
         probe_interval_s: float = 1.0,
+        qualify: bool = False,
     ) -> None:
         self.node, self.nproc, self.cmd = node, nproc, cmd
+        self.qualify = qualify  # a node that joined: qualified before it may hold ranks
         settings = settings or JobSettings()
         self.heartbeat_s = settings.heartbeat_interval_s  # the controller may ask for less often (WELCOME)
         self.controller = controller
@@ -157,13 +161,39 @@ class NodeProcess:
                 f.write(f"event {lr} xid {int(body['xid'])}\n")
 
     # ---- main loop -------------------------------------------------------
+    def _qualified(self) -> list[str]:
+        """`resild check --qualify` on this node, before it registers (it takes seconds: a
+        registered node that long silent would be lost). Its reasons, [] when qualified."""
+        args = [sys.executable, "-m", "resild.cli", "check", "--qualify", "--json"]
+        if self.nvml_control is not None:
+            args += ["--probes", "gpu"]  # a simulated node: its GPU through the NVML stand-in only
+        try:
+            p = subprocess.run(args, capture_output=True, text=True, timeout=QUALIFY_TIMEOUT_S, env=self.env)
+            got = json.loads(p.stdout)
+            reasons = [str(r) for r in got.get("qualification") or []]
+            qualified = bool(got.get("qualified"))
+        except (OSError, ValueError, AttributeError, subprocess.TimeoutExpired) as e:
+            return [f"qualification did not run: {e!r}"[:300]]
+        finally:
+            self.last_word_s = time.monotonic()  # the lease counts from now
+        return [] if qualified else reasons or ["not qualified"]
+
     def run(self) -> int:
         self.relay = RelayServer(self.ctx, self.node)
         self.env[RELAY_ENV] = self.relay.endpoint
+        unqualified = self._qualified() if self.qualify else []
         self._register()
-        self._start_probe()
+        if unqualified:
+            # Said as the node's health: the controller drops it from the pool and drains it
+            # with the reason; it never starts a worker, and exits when fenced.
+            log.error("%s: not qualified: %s", self.node, "; ".join(unqualified))
+            self._send_health(
+                {"verdict": "failed", "reasons": [f"not qualified: {r}" for r in unqualified], "detector": "qualify"}
+            )
+        else:
+            self._start_probe()
         try:
-            for lr in range(self.nproc):
+            for lr in range(0 if unqualified else self.nproc):
                 self._spawn(lr)
         except OSError as e:
             # A bad command is the user's mistake, the same on every node: stop the job.
@@ -455,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         "interval, and the lease (exit 75 after controller_timeout_s without a word from the controller)",
     )
     p.add_argument("--nvml-control", type=Path)
+    p.add_argument(
+        "--qualify", action="store_true", help="run `resild check --qualify` before registering (a node that joined)"
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -473,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd,
         a.settings,
         a.nvml_control,
+        qualify=a.qualify,
     ).run()
 
 

@@ -163,6 +163,7 @@ def run_join(run_dir: Path, nodes: int, timeout_s: float = JOIN_TIMEOUT_S) -> in
         run_dir,
         Path(info.fake_nvml) if info.fake_nvml else None,
         settings=JobSettings.from_dict(info.settings),
+        qualify=True,
     )
     stop: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):

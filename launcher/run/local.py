@@ -35,8 +35,10 @@ class LocalCluster(Backend):
         fake_nvml_dir: Path | None = None,
         gpus_per_node: int = 0,
         settings: JobSettings | None = None,
+        qualify: bool = False,
     ) -> None:
         self.settings = settings or JobSettings()
+        self.qualify = qualify  # nodes joining a running job: `resild check --qualify` before they register
         self.nodes, self.nproc, self.cmd, self.run_dir = nodes, nproc, cmd, run_dir
         self.fake_nvml_dir = fake_nvml_dir
         self.gpus_per_node = gpus_per_node
@@ -71,9 +73,12 @@ class LocalCluster(Backend):
             env.pop(resild_env.KEYS.name, None)  # never inherit another key directory
             if keys_dir is not None:
                 args += ["--keys", str(node_keys[node])]
+            if self.qualify:
+                args += ["--qualify"]
             if self.fake_nvml_dir is not None:
                 control = self.run_dir / f"nvml-{node}.ctl"
-                control.write_text(f"gpus {max(1, self.gpus_per_node)}\n")
+                extra = [x.strip() for x in os.environ.get(resild_env.LOCAL_NVML.name, "").split(";") if x.strip()]
+                control.write_text("\n".join([f"gpus {max(1, self.gpus_per_node)}", *extra]) + "\n")
                 args += ["--nvml-control", str(control)]
                 env["LD_LIBRARY_PATH"] = f"{self.fake_nvml_dir}:{env.get('LD_LIBRARY_PATH', '')}"
                 env["FAKE_NVML_CONTROL"] = str(control)

@@ -47,6 +47,13 @@ CHECKPOINT_FAULTS = EnvVar(
     "tests and drills: disk checkpoint faults, POINT:MODE@STEP[:rRANK], e.g. write:hang@20:r1 "
     "(launcher/worker/checkpoint_faults.py)",
 )
+LOCAL_NVML = EnvVar(
+    "RESILD_LOCAL_NVML",
+    "resil-run",
+    "",
+    "tests and drills, --local: lines added to each simulated node's NVML stand-in state, ';' between them, "
+    "e.g. 'set 0 remap_pending 1' (resild/health/fake_nvml.c)",
+)
 AGENT_SOCKET = EnvVar(
     "RESILD_AGENT_SOCKET", "worker", "/run/resild/status.sock if present", "the node daemon's socket to register with"
 )
@@ -97,6 +104,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     GLOO_HOST,
     SPARE_WARMUP,
     CHECKPOINT_FAULTS,
+    LOCAL_NVML,
     AGENT_SOCKET,
     DAEMON_SOCKET,
     EXIT_GRACE_S,

@@ -79,6 +79,25 @@ def test_check_xid79_exit_2_and_drain(node, tmp_path: Path) -> None:
     ]
 
 
+def test_check_qualify_passes_a_healthy_node_after_its_self_test(node) -> None:
+    ctl, kmsg, conf, env = node
+    p = run("check", "--config", str(conf), "--qualify", "--json", env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    body = json.loads(p.stdout)
+    assert body["qualified"] and body["qualification"] == []
+    (dev,) = body["selftest"]["devices"]  # the CPU lab: the self-test runs on the CPU
+    assert dev["device"] == "cpu" and dev["ok"] and dev["copy_ok"] and dev["matmul_rel_err"] < 1e-4
+
+
+def test_check_qualify_refuses_a_node_that_is_only_degraded(node) -> None:
+    ctl, kmsg, conf, env = node
+    ctl.write_text("gpus 4\nset 2 remap_pending 1\n")  # usable for work it holds, not for new work
+    p = run("check", "--config", str(conf), "--qualify", env=env, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "qualification: NOT QUALIFIED" in p.stdout
+    assert "health degraded: gpu2: row remap pending" in p.stdout
+
+
 def test_check_without_nvml_fails_closed(tmp_path: Path) -> None:
     env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path))  # no libnvidia-ml here
     conf = tmp_path / "c.toml"

@@ -153,3 +153,44 @@ def test_join_usage_is_checked_before_anything_runs(tmp_path: Path) -> None:
             [sys.executable, "-m", "launcher.run.cli", *args], cwd=REPO, env=env, capture_output=True, text=True
         )
         assert p.returncode == 2 and why in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
+
+
+def test_a_joining_spare_that_fails_qualification_is_dropped_drained_and_never_gets_ranks(
+    tmp_path: Path, reference: RunResult
+) -> None:
+    job = start_job(
+        tmp_path, "--hang-timeout", "60", nodes=2, spares=0, script=f"{REPO}/tests/held_train.py {tmp_path}/release 10"
+    )
+    run_dir = tmp_path / "run"
+    joiners: list[subprocess.Popen] = []
+    try:
+        _wait(job, lambda e: e["event"] == "full_strength_step", "the first step")
+        # a row remap pending: the node may finish work it holds, but is given none
+        joiners.append(_join(run_dir, dict(job.env, RESILD_LOCAL_NVML="set 0 remap_pending 1")))
+        bad = _wait(job, lambda e: e["event"] == "node_admitted", "the first join")["node"]
+        dropped = _wait(job, lambda e: e["event"] == "failure_detected" and e["node"] == bad, f"{bad} dropped")
+        assert dropped["detector"] == "qualify" and "not qualified: health degraded" in dropped["cause"], dropped
+        fenced = _wait(job, lambda e: e["event"] == "node_fenced" and e["node"] == bad, f"{bad} fenced")
+        assert fenced["drained"], fenced  # evidence against its hardware: drained with the reason
+        joiners.append(_join(run_dir, job.env))
+        good = _wait(job, lambda e: e["event"] == "node_admitted" and e["node"] != bad, "the second join")["node"]
+        _wait(job, lambda e: e["event"] == "worker_registered" and e["node"] == good, f"{good} warm")
+        _lose(job, "local-node0")
+        _wait(job, lambda e: e["event"] == "spare_assigned", "a spare takes local-node0's ranks")
+        Path(f"{tmp_path}/release-10").touch()
+        r = job.finish(timeout_s=180)
+    finally:
+        Path(f"{tmp_path}/release-10").touch()
+        if job.p.poll() is None:
+            job.p.kill()
+        for j in joiners:
+            try:
+                j.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                j.kill()
+                j.communicate()
+    assert r.rc == 0, r.stderr[-3000:]
+    assert_bitwise_equal(reference.final, r.final)
+    assert [(e["failed"], e["spare"]) for e in r.events if e["event"] == "spare_assigned"] == [("local-node0", good)]
+    assert not any(e["event"] == "worker_registered" and e["node"] == bad for e in r.events)  # never started one
+    assert [j.returncode for j in joiners] == [1, 0]
