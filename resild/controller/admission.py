@@ -12,6 +12,9 @@ from resild.controller.view import ClusterView
 from resild.wire.keys import NODE_NAME, RESERVED
 
 MAX_JOIN = 64  # nodes in one request (an sbatch array task is one node; --local says --nodes)
+# Spares admitted that have not registered yet: a joiner gone wrong (a loop, a dead array)
+# must not grow the job's view without bound; registered spares are not limited.
+MAX_PENDING = 256
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ def admission(
         return Admission(False, f"{len(names)} nodes in one request (at most {MAX_JOIN})")
     if len(set(names)) != len(names):
         return Admission(False, "a node is named twice")
+    pending = sum(1 for v in view.spares() if not v.registered)
+    if pending + len(names) > MAX_PENDING:
+        return Admission(False, f"{pending} spares admitted earlier have not registered yet (at most {MAX_PENDING})")
     for n in names:
         if not NODE_NAME.fullmatch(n) or n in RESERVED:
             return Admission(False, f"{n[:64]!r} cannot name a node (letters, digits, _ . - only)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from resild.controller.admission import MAX_JOIN, admission
+from resild.controller.admission import MAX_JOIN, MAX_PENDING, admission
 from resild.controller.view import ClusterView, NodeView
 from resild.membership import NodeRole
 
@@ -22,6 +22,17 @@ def _view() -> ClusterView:
 def test_new_names_of_the_right_job_are_admitted_with_a_reason() -> None:
     a = admission(_view(), "job1", "job1", ["n1", "n2"], over=False)
     assert a.admit and a.nodes == ("n1", "n2") and "n1, n2 joined job job1" in a.reason
+
+
+def test_spares_admitted_that_never_register_are_bounded() -> None:
+    view = _view()
+    view.nodes["s"].registered = True
+    for i in range(MAX_PENDING):
+        view.add(NodeView(f"p{i}", NodeRole.SPARE, 1), 0.0)  # admitted, never registered
+    a = admission(view, "job1", "job1", ["n1"], over=False)
+    assert not a.admit and f"{MAX_PENDING} spares admitted earlier have not registered yet" in a.reason
+    view.nodes["p0"].registered = True
+    assert admission(view, "job1", "job1", ["n1"], over=False).admit
 
 
 @pytest.mark.parametrize(
