@@ -28,7 +28,8 @@ class NodeRole(str, Enum):
 ROLE_TRANSITIONS: dict[NodeRole, frozenset[NodeRole]] = {
     NodeRole.SPARE: frozenset({NodeRole.ACTIVE, NodeRole.FENCED, NodeRole.DONE}),
     NodeRole.ACTIVE: frozenset({NodeRole.FENCED, NodeRole.DONE}),
-    NodeRole.FENCED: frozenset(),
+    # only re-admission (resild.controller.readmission): a suspect node, its old incarnation gone
+    NodeRole.FENCED: frozenset({NodeRole.SPARE}),
     NodeRole.DONE: frozenset(),
 }
 

@@ -221,6 +221,13 @@ def _copies(v: str | int) -> int:
     "nodes, epoch, fired faults); training state comes from --checkpoint-dir.",
 )
 @click.option(
+    "--readmit",
+    is_flag=True,
+    help="--local: a node fenced without evidence against its hardware (a worker's exception, a hang) "
+    "comes back as a spare once its old processes are gone and it qualifies (resild check --qualify); "
+    "a second failure within an hour drains it. Nodes fenced with evidence (Xid, ECC, lost) never come back.",
+)
+@click.option(
     "--join",
     "join_dir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -271,6 +278,7 @@ def main(
     run_dir: Path | None,
     resume_dir: Path | None,
     join_dir: Path | None,
+    readmit: bool,
     requeue_on_exhaustion: bool,
     as_json: bool,
     quiet: bool,
@@ -282,6 +290,8 @@ def main(
         _join(join_dir, local, nodes, cmd, inject, resume_dir, run_dir)
     if not cmd:
         raise click.UsageError("missing the training command: resil-run [OPTIONS] -- python train.py ...")
+    if readmit and (not local or controllers > 1):
+        raise click.UsageError("--readmit runs with --local and one controller for now (Slurm: not built yet)")
     if events is not None:
         try:
             events.open("a").close()
@@ -369,6 +379,7 @@ def main(
         events_path=events,
         run_dir=rd,
         settings=settings,
+        readmit=readmit,
     )
     if controllers > 1:
         from launcher.run.standby import run_replicated

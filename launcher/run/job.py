@@ -34,6 +34,7 @@ class JobSpec:
     settings: JobSettings = field(default_factory=JobSettings)  # every timeout and interval, validated
     bind_host: str = "127.0.0.1"  # the address peers use to reach the controller
     bind_any: bool = False  # listen on every interface (cluster mode)
+    readmit: bool = False  # nodes fenced on suspicion come back as spares (--readmit)
 
 
 def _fake_nvml(spec: JobSpec) -> Path | None:
@@ -71,6 +72,7 @@ def run_job(
         bind=bind,
         settings=spec.settings,
         job_id=job_id,
+        readmit=spec.readmit,
     )
     ctl = Controller(
         cfg,

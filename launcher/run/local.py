@@ -45,6 +45,9 @@ class LocalCluster(Backend):
         self.procs: dict[str, subprocess.Popen] = {}
         self._expected_exit: set[str] = set()
         self._reported: set[str] = set()
+        # set by start: a re-admitted node starts the same way
+        self._controller: str = ""
+        self._keys_dir: Path | None = None
 
     def start(self, controller: str, keys_dir: Path | None, minted: bool = False) -> None:
         """`minted`: the controller made the nodes' keys already (nodes joining a running job)."""
@@ -55,36 +58,53 @@ class LocalCluster(Backend):
         if keys_dir is not None:
             kd = KeyDir(keys_dir)
             node_keys = {n: kd.node(n).path if minted else add_node_key(kd, n).path for n in self.nodes}
+        self._controller, self._keys_dir = controller, keys_dir
         for node in self.nodes:
-            args = [
-                sys.executable,
-                "-m",
-                "launcher.node",
-                "--node",
-                node,
-                "--controller",
-                controller,
-                "--nproc",
-                str(self.nproc),
-                "--settings",
-                json.dumps(self.settings.to_dict()),
-            ]
-            env = dict(os.environ)
-            env.pop(resild_env.KEYS.name, None)  # never inherit another key directory
-            if keys_dir is not None:
-                args += ["--keys", str(node_keys[node])]
-            if self.qualify:
-                args += ["--qualify"]
-            if self.fake_nvml_dir is not None:
-                control = self.run_dir / f"nvml-{node}.ctl"
-                extra = [x.strip() for x in os.environ.get(resild_env.LOCAL_NVML.name, "").split(";") if x.strip()]
-                control.write_text("\n".join([f"gpus {max(1, self.gpus_per_node)}", *extra]) + "\n")
-                args += ["--nvml-control", str(control)]
-                env["LD_LIBRARY_PATH"] = f"{self.fake_nvml_dir}:{env.get('LD_LIBRARY_PATH', '')}"
-                env["FAKE_NVML_CONTROL"] = str(control)
-            self.procs[node] = subprocess.Popen(
-                args + ["--"] + self.cmd, env=env, start_new_session=True, preexec_fn=die_with_parent
-            )
+            self._start(node, node_keys.get(node), self.qualify)
+
+    def _start(self, node: str, key_path: Path | None, qualify: bool) -> None:
+        """One node process, leading its own process group (fencing is one killpg)."""
+        args = [
+            sys.executable,
+            "-m",
+            "launcher.node",
+            "--node",
+            node,
+            "--controller",
+            self._controller,
+            "--nproc",
+            str(self.nproc),
+            "--settings",
+            json.dumps(self.settings.to_dict()),
+        ]
+        env = dict(os.environ)
+        env.pop(resild_env.KEYS.name, None)  # never inherit another key directory
+        if key_path is not None:
+            args += ["--keys", str(key_path)]
+        if qualify:
+            args += ["--qualify"]
+        if self.fake_nvml_dir is not None:
+            control = self.run_dir / f"nvml-{node}.ctl"
+            extra = [x.strip() for x in os.environ.get(resild_env.LOCAL_NVML.name, "").split(";") if x.strip()]
+            control.write_text("\n".join([f"gpus {max(1, self.gpus_per_node)}", *extra]) + "\n")
+            args += ["--nvml-control", str(control)]
+            env["LD_LIBRARY_PATH"] = f"{self.fake_nvml_dir}:{env.get('LD_LIBRARY_PATH', '')}"
+            env["FAKE_NVML_CONTROL"] = str(control)
+        self.procs[node] = subprocess.Popen(
+            args + ["--"] + self.cmd, env=env, start_new_session=True, preexec_fn=die_with_parent
+        )
+
+    def restartable(self) -> frozenset[str]:
+        """Our nodes whose node process has exited (fenced: killed; its process group with it)."""
+        return frozenset(n for n, p in self.procs.items() if p.poll() is not None)
+
+    def readmit(self, node: str) -> None:
+        """The node back as a spare: a new node process with the key the controller just
+        minted, qualifying before it registers."""
+        self._expected_exit.discard(node)
+        self._reported.discard(node)
+        key = KeyDir(self._keys_dir).node(node).path if self._keys_dir is not None else None
+        self._start(node, key, qualify=True)
 
     def fence(self, node: str, reason: str) -> None:
         self._expected_exit.add(node)

@@ -228,9 +228,10 @@ class StatusLine:
                 t,
                 permanent=True,
             )
-        elif name == EventName.NODE_ADMITTED:
+        elif name in (EventName.NODE_ADMITTED, EventName.NODE_READMITTED):
             self.spares = int(e.get("spares", (self.spares or 0) + 1))
-            self._line(f"{e.get('node')} joined as a hot spare, {self.spares} spare(s) now", t, permanent=True)
+            how = "joined" if name == EventName.NODE_ADMITTED else "is back"
+            self._line(f"{e.get('node')} {how} as a hot spare, {self.spares} spare(s) now", t, permanent=True)
         elif name == EventName.REFORM:
             self.awaiting_epoch = int(e["epoch"])
             rec = self._latest_recovery()

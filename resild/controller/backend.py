@@ -20,6 +20,13 @@ class Backend:
     def drain(self, node: str, reason: str) -> None:
         """Take `node` out of the scheduler's pool with `reason`."""
 
+    def restartable(self) -> frozenset[str]:
+        """Nodes whose node process is known to be gone and that `readmit` can start again."""
+        return frozenset()
+
+    def readmit(self, node: str) -> None:
+        """Start a new node process on `node`, as a spare that qualifies first (`--qualify`)."""
+
     def exited_nodes(self) -> list[tuple[str, int]]:
         """Node processes that exited since the last call: (node, returncode)."""
         return []

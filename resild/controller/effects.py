@@ -19,7 +19,8 @@ from resild.controller.admission import Admission
 from resild.controller.broadcast import Announced
 from resild.controller.faults import Injector
 from resild.controller.policy import Action, Decision, drain_verdict, on_abuse
-from resild.controller.records import Admit, FaultFired, Record, Start, decided
+from resild.controller.readmission import Readmission
+from resild.controller.records import Admit, FaultFired, Readmit, Record, Start, decided
 from resild.controller.state import ControllerConfig, ControllerState
 from resild.controller.view import JobResult, NodeView
 from resild.events.schema import EventName
@@ -139,6 +140,25 @@ class Effects:
             s.view.add(NodeView(n, NodeRole.SPARE, s.bc.nproc), now)
             s.events.emit(EventName.NODE_ADMITTED, node=n, via="join", spares=len(s.view.spares()))
         return True
+
+    def readmit(self, r: Readmission, now: float) -> None:
+        """A suspect node back as a spare: journaled, a new key (whatever is left of its old
+        incarnation can no longer connect), a fresh view of it, and a new node process that
+        qualifies before it registers (the backend's)."""
+        s = self.s
+        if not self.journaled(Readmit(r.node, r.reason, time.time()), r.reason):
+            return
+        old = s.view.nodes[r.node]
+        old.set_role(NodeRole.SPARE)
+        fresh = NodeView(r.node, NodeRole.SPARE, old.nproc, last_heartbeat_s=old.last_heartbeat_s)
+        s.view.nodes[r.node] = fresh
+        s.node_ident.pop(r.node, None)
+        for lr in range(old.nproc):
+            s.worker_ident.pop((r.node, lr), None)
+        if s.keys is not None:
+            add_node_key(s.keys, r.node)
+        s.backend.readmit(r.node)
+        s.events.emit(EventName.NODE_READMITTED, node=r.node, reason=r.reason, spares=len(s.view.spares()))
 
     def journaled(self, record: Record, what: str) -> bool:
         """Write ahead. False: a replicated journal did not commit the record, so this

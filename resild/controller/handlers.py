@@ -100,6 +100,7 @@ class Handlers:
             )
             return
         if node.role == NodeRole.FENCED:
+            node.fenced_heard_s = now  # still running: not re-admitted while it is (readmission.py)
             h = typed if isinstance(typed, Health) else None
             if h is not None and h.verdict == "failed" and node_id in s.view.strikes:
                 # Fenced on suspicion, and now its own health says it is bad: drain it.

@@ -42,6 +42,7 @@ from resild.controller.policy import (
     on_node_failure,
     tick_interval_s,
 )
+from resild.controller.readmission import readmission
 from resild.controller.records import parse_record
 from resild.controller.restore import fold, resume, snapshot, take_over
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
@@ -302,6 +303,7 @@ class Controller:
         self._step("tick:rendezvous", self._rendezvous_expiry, now)
         self._step("tick:deferred", self.effects.retry_deferred, now)
         self._step("tick:exits", self._exits, now)
+        self._step("tick:readmit", self._readmit, now)
         started = self.view.membership is not None
         self._step("tick:checks", self._checks, now)
         if started:
@@ -321,6 +323,13 @@ class Controller:
             self.effects.decide(
                 on_node_failure(self.view, node, f"node process exited with code {rc}", "process-exit"), now
             )
+
+    def _readmit(self, now: float) -> None:
+        if not self.cfg.readmit:
+            return
+        r = readmission(now, self.view, self.backend.restartable(), self.policy.readmit_quiet_s)
+        if r is not None:
+            self.effects.readmit(r, now)
 
     def _checks(self, now: float) -> None:
         if self.view.membership is None:

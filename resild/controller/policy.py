@@ -80,6 +80,8 @@ class PolicyConfig:
     # A rank whose steps are done waits at most the collective timeout for its last disk
     # checkpoint (launcher.worker.redundancy.before_done): not hung for that long and a hang's.
     checkpoint_wait_s: float = _DEFAULT.collective_timeout_s + _DEFAULT.hang_timeout_s
+    # A suspect node comes back (readmission.py) once its fenced incarnation was silent this long.
+    readmit_quiet_s: float = 3 * _DEFAULT.heartbeat_timeout_s
 
     @classmethod
     def from_settings(cls, s: JobSettings, derived: Derived) -> PolicyConfig:
@@ -89,6 +91,7 @@ class PolicyConfig:
             join_timeout_s=s.join_timeout_s,
             start_heartbeat_timeout_s=s.start_heartbeat_timeout_s,
             checkpoint_wait_s=s.collective_timeout_s + s.hang_timeout_s,
+            readmit_quiet_s=3 * derived.heartbeat_timeout_s,
         )
 
 

@@ -13,6 +13,7 @@ record from a test, or an older writer) and keeps a record of an action it does 
     finish          a decision: the job's verdict, finished
     fault_fired     an injected fault fired (once, ever)
     admit           nodes joined the running job as spares (`resil-run --join`)
+    readmit         a node fenced on suspicion is back as a spare (readmission.py)
     controller_error  the controller's own error (loop.py): where, what; restore ignores it
     leader          a standby replica took the lead (replica.py)
     closed          the leader's last record: the job is over (replica.py)
@@ -161,6 +162,21 @@ class Admit:
 
 
 @dataclass(frozen=True)
+class Readmit:
+    ACTION: ClassVar[str] = "readmit"
+    node: str
+    reason: str = ""
+    t_wall: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"t_wall": self.t_wall, "action": self.ACTION, "reason": self.reason, "node": self.node}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Readmit:
+        return cls(str(d.get("node", "")), str(d.get("reason", "")), float(d.get("t_wall") or 0.0))
+
+
+@dataclass(frozen=True)
 class ControllerError:
     """An error of the controller's own (a handler's or the tick's exception): kept for
     the post-mortem; it changes nothing in the job's state."""
@@ -241,6 +257,7 @@ Record = (
     | Finish
     | FaultFired
     | Admit
+    | Readmit
     | ControllerError
     | Leader
     | Closed
@@ -258,6 +275,7 @@ _BY_ACTION: dict[str, Any] = {
         Finish,
         FaultFired,
         Admit,
+        Readmit,
         ControllerError,
         Leader,
         Closed,

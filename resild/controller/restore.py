@@ -23,6 +23,7 @@ from resild.controller.records import (
     FailJob,
     FaultFired,
     Finish,
+    Readmit,
     Record,
     Reform,
     ReplaceNode,
@@ -64,6 +65,10 @@ def apply(s: Restored, rec: Record) -> Restored:
         return replace(s, fired=s.fired | {rec.spec}, unsettled=s.unsettled | {rec.spec})
     if isinstance(rec, Start):
         return replace(s, membership=rec.membership, unsettled=frozenset())
+    if isinstance(rec, Readmit):  # a suspect node back as a spare
+        if s.roles.get(rec.node) == NodeRole.FENCED:
+            return _set(replace(s, reasons={**s.reasons, rec.node: ""}), rec.node, NodeRole.SPARE)
+        return s
     if isinstance(rec, Admit):  # joined spares (a name the job knew is never admitted twice)
         new = [n for n in rec.nodes if n not in s.roles]
         return replace(
@@ -118,14 +123,23 @@ def resume(s: ControllerState, r: Restored) -> None:
     nodes = s.view.nodes
     _add_joined(s, r, 0.0)
     for node_id, role in r.roles.items():
-        if nodes[node_id].role != role:
-            nodes[node_id].set_role(role)
+        _become(nodes[node_id], role)
         nodes[node_id].reason = r.reasons[node_id]
     last = r.membership or r.initial
     s.initial = Membership(1, last.world_size, dict(last.node_ranks))
     s.view.membership = None
     s.max_step, s.result = 0, None
     s.unregistered = sum(nodes[n].nproc for n in s.initial.node_ranks)
+
+
+def _become(node: NodeView, role: NodeRole) -> None:
+    """The role the journal gives `node`, by legal transitions: an active node the journal
+    fenced and then re-admitted goes through FENCED."""
+    if node.role == role:
+        return
+    if role == NodeRole.SPARE and node.role == NodeRole.ACTIVE:
+        node.set_role(NodeRole.FENCED)
+    node.set_role(role)
 
 
 def _add_joined(s: ControllerState, r: Restored, now: float) -> None:
@@ -142,8 +156,7 @@ def take_over(s: ControllerState, r: Restored, now: float) -> None:
     nodes = s.view.nodes
     _add_joined(s, r, now)
     for node_id, role in r.roles.items():
-        if nodes[node_id].role != role:
-            nodes[node_id].set_role(role)
+        _become(nodes[node_id], role)
         nodes[node_id].reason = r.reasons[node_id]
     s.initial, s.view.membership = r.initial, r.membership
     s.max_step, s.result = r.max_step, r.result

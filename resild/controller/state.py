@@ -50,6 +50,7 @@ class ControllerConfig:
     # it stop, without a SHUTDOWN (policy.give_up_verdict); 0: never.
     tick_error_limit_s: float = 60.0
     job_id: str = ""  # names the job to `resil-run --join` (join.json); "": no node joins
+    readmit: bool = False  # a node fenced on suspicion comes back as a spare (readmission.py; --readmit)
 
 
 def lease_terms(cfg: ControllerConfig, derived: Derived) -> tuple[int, int, float, float]:

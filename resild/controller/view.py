@@ -33,6 +33,7 @@ class NodeView:
     epoch_sent: int = 0  # last epoch sent to the node process (full or delta)
     epoch_have: int = 0  # last epoch the node process said it holds (heartbeats)
     membership_sent_s: float = -1e9  # when an epoch (view or delta) was last sent to it (resend throttle)
+    fenced_heard_s: float = -1e9  # a fenced node still spoke then (re-admission waits for its silence)
 
     def set_role(self, role: NodeRole, reason: str = "") -> None:
         check_transition(self.role, role)

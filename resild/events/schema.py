@@ -50,6 +50,7 @@ class EventName(str, Enum):
     CONTROLLER_ERROR = "controller_error"  # the controller's own bug: logged, the job goes on (loop.py)
     NODE_ADMITTED = "node_admitted"  # a node joined the running job as a spare (resil-run --join)
     JOIN_REFUSED = "join_refused"  # a request to join was refused: the reason, nothing changed
+    NODE_READMITTED = "node_readmitted"  # a node fenced on suspicion is back as a spare (qualified first)
     # -- peers (resild.wire.protocol.PEER_EVENTS): workers ----------------------------------
     GROUP_REFORMED = "group_reformed"
     STATE_REPLAYED = "state_replayed"

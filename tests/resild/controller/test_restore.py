@@ -86,6 +86,24 @@ def test_a_new_leader_keeps_the_nodes_that_joined_and_what_became_of_them() -> N
         ctl.server.close()
 
 
+def test_a_new_leader_keeps_a_node_that_came_back_after_a_suspect_fence() -> None:
+    m1 = Membership.initial(["a", "b"], 2)
+    records = [
+        {"action": "start", "membership": m1.to_dict()},
+        {"action": "replace_node", "node": "b", "spare": "s0", "membership": m1.replace("b", "s0").to_dict()},
+        {"action": "readmit", "node": "b", "reason": "b was fenced without evidence"},
+        {"action": "readmit", "node": "a", "reason": "a live node is not fenced: nothing to bring back"},
+    ]
+    ctl = _controller()
+    try:
+        ctl.restore(records, now=10.0)
+        roles = {n: x.role for n, x in ctl.view.nodes.items()}
+        assert roles == {"a": NodeRole.ACTIVE, "b": NodeRole.SPARE, "s0": NodeRole.ACTIVE, "s1": NodeRole.SPARE}
+        assert ctl.view.nodes["b"].reason == ""
+    finally:
+        ctl.server.close()
+
+
 def test_a_fault_the_old_leader_fired_last_is_fired_again_and_holds_the_next_one_back() -> None:
     # Soak: the old leader journaled hang:node0@157 and was killed before it sent it; the new
     # leader took it as fired and the fault never hit. A fault fired after the last decision
