@@ -3,10 +3,20 @@
 THIS IS A SIMULATION, not a measurement. An event-driven Monte-Carlo run of a job of
 --days wall time: failures arrive as a Poisson process at the job's published failure
 rate; each costs resild its measured recovery components (detection, fence, controller
-announcement, re-form, replay, the step in flight), and the failed node leaves the hot-spare
-pool until it is repaired (--repair-h). With no spare left, resild's job stops (as it does
-today: `no spare left`, requeued with --requeue-on-exhaustion) and restarts from the user's
-fallback disk checkpoint like checkpoint-restart does, with a full spare pool again.
+announcement, re-form, replay, the step in flight) and spends a hot spare. Where the spare
+comes back from is the row's pool:
+
+  fixed           never (today under Slurm: a fenced node never returns, nothing joins)
+  refill          a cold spare from the queue joins --cold-spare-wait-s + --join-s later
+                  (resil-run --join; the qualification is in --join-s)
+  refill + shrink as refill, and with no spare left a job with replicas drops one replica
+                  group (--shrink-group-nodes) and trains on, slower, until a spare arrives
+                  and it grows back (a recovery)
+  repair          a failed node returns after --repair-h (the model's first assumption)
+
+With no spare left (and nothing to shrink), resild's job stops (`no spare left`, requeued
+with --requeue-on-exhaustion) and restarts from the user's fallback disk checkpoint like
+checkpoint-restart does, with a full spare pool again.
 Checkpoint-restart writes a blocking checkpoint every interval (Young/Daly's optimum
 sqrt(2 x write x MTTF) unless --ckpt-interval-s is given), and on a failure detects it,
 restarts and redoes the work since its last checkpoint. A failure during a recovery, a
@@ -73,6 +83,10 @@ class Inputs:
     spare_quantile: float = 0.99
     spares: int | None = None  # spare nodes; None: from --spare-quantile
     fallback_ckpt_interval_h: float = 6.0
+    # the pool refilling (issue 35)
+    cold_spare_wait_s: float = 600.0
+    join_s: float = 15.0
+    shrink_group_nodes: int = 8
     # checkpoint-restart
     ckpt_detect_s: float = 11.0
     ckpt_write_s: float = 30.0
@@ -105,6 +119,12 @@ SOURCES = {
     "repair_h": "assumption: a failed node is back in the spare pool after this long",
     "spare_quantile": "spare nodes = the smallest S with P(failures during one repair time <= S) >= this",
     "spares": "fixed spare-node count (overrides --spare-quantile)",
+    "cold_spare_wait_s": "assumption: a queued cold-spare job (sbatch --array) gets a node this long after it is "
+    "needed (site-dependent: idle nodes start it at once, a full cluster waits)",
+    "join_s": "measured on the 2-core CPU lab (tests/launcher/run/test_join.py): admission -> the spare's workers "
+    "warm, qualification included, 9-15 s under load; a GPU node adds CUDA init and the self-test",
+    "shrink_group_nodes": "assumption: nodes in one replica group dropped by a shrink (HSDP: a shard group of "
+    "64 GPUs); DP drops one node",
     "fallback_ckpt_interval_h": "resild users' fallback disk checkpoint interval (assumption); "
     "used when the spare pool is exhausted",
     "ckpt_detect_s": "measured: bench/slurm_recovery.py, plain srun job, crash -> srun returns 10.4-11.6 s "
@@ -184,8 +204,27 @@ class RunResult:
     checkpoints: int
 
 
-def simulate(gpus: int, inp: Inputs, rng: random.Random, *, resild: bool) -> RunResult:
-    """One job of inp.days wall time. Returns net productive time / wall time."""
+POOLS = ("fixed", "refill", "shrink", "repair")
+POOL_LABELS = {
+    "fixed": "resild, fixed pool (today)",
+    "refill": "resild, refill",
+    "shrink": "resild, refill + shrink",
+    "repair": "resild, repaired nodes return",
+}
+
+
+def simulate(gpus: int, inp: Inputs, rng: random.Random, *, resild: bool, pool: str = "repair") -> RunResult:
+    """One job of inp.days wall time. Returns net productive time / wall time. `pool`: where
+    a spent spare comes back from (POOLS; the module's docstring)."""
+    assert pool in POOLS, pool
+    back_s = {
+        "fixed": math.inf,
+        "refill": inp.cold_spare_wait_s + inp.join_s,
+        "shrink": inp.cold_spare_wait_s + inp.join_s,
+        "repair": inp.repair_h * 3600.0,
+    }[pool]
+    groups = max(1, gpus // GPUS_PER_NODE // max(1, inp.shrink_group_nodes))
+    shrunk = 0  # replica groups dropped (pool "shrink"): the job runs at (groups - shrunk) / groups
     T = inp.days * 86400.0
     mttf_s = mttf_h(gpus, inp) * 3600.0
     rate = 1.0 / mttf_s  # failures/s among the job's active GPUs
@@ -206,7 +245,11 @@ def simulate(gpus: int, inp: Inputs, rng: random.Random, *, resild: bool) -> Run
     while t < T:
         while repairs and repairs[0] <= t:
             heapq.heappop(repairs)
-            spares = min(s_max, spares + 1)
+            if shrunk:  # the arriving spare grows the job back: a recovery (replay to it)
+                shrunk -= 1
+                busy_until = max(busy_until, t + cost)
+            else:
+                spares = min(s_max, spares + 1)
         nxt_fail = t + rng.expovariate(rate)
         nxt_spare_fail = t + rng.expovariate(node_rate * spares) if spares else math.inf
         nxt_repair = repairs[0] if repairs else math.inf
@@ -216,9 +259,10 @@ def simulate(gpus: int, inp: Inputs, rng: random.Random, *, resild: bool) -> Run
         else:
             nxt_done = busy_until
         t_next = min(nxt_fail, nxt_spare_fail, nxt_repair, nxt_done, T)
-        if busy_until <= t:  # training: the elapsed time is work
-            work += t_next - t
-            since_ckpt += t_next - t
+        if busy_until <= t:  # training: the elapsed time is work (at the shrunk job's rate)
+            rate_now = (groups - shrunk) / groups
+            work += (t_next - t) * rate_now
+            since_ckpt += (t_next - t) * rate_now
         t = t_next
         if t >= T:
             break
@@ -227,18 +271,24 @@ def simulate(gpus: int, inp: Inputs, rng: random.Random, *, resild: bool) -> Run
             writing = False  # a checkpoint being written is lost
             if resild and spares > 0:
                 spares -= 1
-                heapq.heappush(repairs, t + inp.repair_h * 3600.0)
+                if back_s < math.inf:
+                    heapq.heappush(repairs, t + back_s)
+                busy_until = t + cost
+            elif resild and pool == "shrink" and shrunk < groups - 1:
+                shrunk += 1  # one replica group fewer; a cold spare is on its way
+                heapq.heappush(repairs, t + back_s)
                 busy_until = t + cost
             else:
                 if resild:
                     exhaustions += 1
-                    spares, repairs = s_max, []  # requeued on a fresh allocation
+                    spares, repairs, shrunk = s_max, [], 0  # requeued on a fresh allocation
                 work -= since_ckpt  # redone after the restart
                 since_ckpt = 0.0
                 busy_until = t + restart
         elif t == nxt_spare_fail:
             spares -= 1
-            heapq.heappush(repairs, t + inp.repair_h * 3600.0)
+            if back_s < math.inf:
+                heapq.heappush(repairs, t + back_s)
         elif t == nxt_repair:
             continue  # handled at the top of the loop
         elif t == nxt_done:
@@ -272,9 +322,9 @@ class Row:
     parts: dict[str, float] = field(default_factory=dict)
 
 
-def project(gpus: int, inp: Inputs, resild: bool, label: str | None = None) -> Row:
+def project(gpus: int, inp: Inputs, resild: bool, label: str | None = None, pool: str = "repair") -> Row:
     rng = random.Random(f"{inp.seed}-{gpus}-{resild}-{label}")
-    runs = [simulate(gpus, inp, rng, resild=resild) for _ in range(inp.runs)]
+    runs = [simulate(gpus, inp, rng, resild=resild, pool=pool) for _ in range(inp.runs)]
     gp = sorted(r.goodput for r in runs)
     m = mttf_h(gpus, inp)
     s = spare_nodes(gpus, inp) if resild else 0
@@ -297,10 +347,14 @@ def project(gpus: int, inp: Inputs, resild: bool, label: str | None = None) -> R
     )
 
 
-def projections(gpus_list: list[int], inp: Inputs, before_fix: bool = True) -> list[Row]:
+def projections(
+    gpus_list: list[int], inp: Inputs, before_fix: bool = True, pools: tuple[str, ...] = ("repair",)
+) -> list[Row]:
     rows = []
     for g in gpus_list:
-        rows.append(project(g, inp, resild=True))
+        for pool in pools:
+            label = None if pools == ("repair",) else POOL_LABELS[pool]
+            rows.append(project(g, inp, resild=True, label=label, pool=pool))
         if before_fix:  # the controller as measured before issue 8's fix
             rows.append(
                 project(
@@ -352,14 +406,17 @@ def plot(rows: list[Row], path: Path, inp: Inputs) -> None:
     fig = Figure(figsize=(9, 5.5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    for system, style in (("resild", "o-"), ("resild, controller before issue 8", "s--"), ("checkpoint-restart", "^-")):
+    systems = list(dict.fromkeys(r.system for r in rows))  # in the table's order
+    styles = ["o-", "s--", "d-", "v:", "x-", "^-"]
+    for i, system in enumerate(systems):
+        style = "^-" if system == "checkpoint-restart" else styles[i % (len(styles) - 1)]
         pts = [(r.gpus, r.goodput * 100, r.goodput_p5 * 100, r.goodput_p95 * 100) for r in rows if r.system == system]
         if not pts:
             continue
         g, y, lo, hi = zip(*pts)
         ax.plot(g, y, style, label=system)
         ax.fill_between(g, lo, hi, alpha=0.15)
-        below = system != "resild"  # keep the labels of close lines apart
+        below = i % 2 == 1  # keep the labels of close lines apart
         for gi, yi in zip(g, y):
             ax.annotate(
                 f"{yi:.1f}%",
@@ -405,6 +462,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Input
     p.add_argument("--json", action="store_true", help="print the inputs and rows as one JSON object")
     p.add_argument("--plot", type=Path, metavar="FILE", help="draw goodput vs GPUs to FILE (.png)")
     p.add_argument(
+        "--pools",
+        default="repair",
+        help=f"comma-separated spare pools to compare, of {', '.join(POOLS)} (the docstring says what each "
+        "means); e.g. fixed,refill,shrink: today's fixed pool, refill, refill + shrink [default: repair]",
+    )
+    p.add_argument(
         "--no-before-fix",
         action="store_true",
         help="leave out the row with the controller's announcement cost as measured before issue 8",
@@ -417,7 +480,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Input
         elif k == "mttf_scaling":
             p.add_argument(flag, choices=["fit", "linear"], default=v, help=SOURCES[k])
         else:
-            typ = int if k in ("runs", "seed", "spares") else float
+            typ = int if k in ("runs", "seed", "spares", "shrink_group_nodes") else float
             p.add_argument(flag, type=typ, default=v, help=f"{SOURCES.get(k, '')} [default: {v}]")
     a = p.parse_args(argv)
     inp = Inputs(**{k: getattr(a, k) for k in asdict(defaults)})
@@ -425,6 +488,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Input
         p.error(f"--gpus: at least {GPUS_PER_NODE} (one node)")
     if inp.runs < 1 or inp.days <= 0:
         p.error("--runs must be >= 1 and --days > 0")
+    a.pools = tuple(x.strip() for x in a.pools.split(",") if x.strip())
+    if not a.pools or any(x not in POOLS for x in a.pools):
+        p.error(f"--pools: a comma-separated list of {', '.join(POOLS)}")
     if a.plot is not None and a.plot.suffix.lower() not in (".png", ".svg", ".pdf"):
         p.error("--plot FILE must end in .png (or .svg/.pdf)")
     return a, inp
@@ -432,7 +498,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Input
 
 def main(argv: list[str] | None = None) -> int:
     a, inp = parse_args(argv)
-    rows = projections(a.gpus, inp, before_fix=not a.no_before_fix)
+    rows = projections(a.gpus, inp, before_fix=not a.no_before_fix, pools=a.pools)
     if a.json:
         print(
             json.dumps(

@@ -71,3 +71,37 @@ def test_target_row_and_json(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["simulation"] is True and {r["system"] for r in d["rows"]} == {"resild", "checkpoint-restart"}
     assert "Kokolis" in d["sources"]["mttf_source"] and math.isclose(d["inputs"]["restart_s"], 600.0)
+
+
+def test_a_fixed_pool_runs_dry_and_one_that_refills_does_not():
+    inp = Inputs(days=30, runs=1, spares=5, cold_spare_wait_s=600, join_s=15)
+    fixed = simulate(16384, inp, random.Random(7), resild=True, pool="fixed")
+    refill = simulate(16384, inp, random.Random(7), resild=True, pool="refill")
+    # ~400 failures, 5 spares that never come back: dry after every 5 (then requeued with 5 again)
+    assert fixed.exhaustions >= fixed.failures // 6 > 0
+    assert refill.exhaustions == 0 and refill.goodput > fixed.goodput
+
+
+def test_shrink_trains_on_slower_instead_of_stopping():
+    # no spare at all, and a cold spare takes an hour: every failure shrinks, none restarts
+    inp = Inputs(days=30, runs=1, spares=0, cold_spare_wait_s=3600, join_s=0, shrink_group_nodes=8)
+    g = 16384
+    r = simulate(g, inp, random.Random(11), resild=True, pool="shrink")
+    assert r.exhaustions == 0 and r.failures > 0
+    # each failure runs one replica group short (8 of 2048 nodes) for about an hour
+    lost = r.failures * 3600 * 8 / (g // 8) / (30 * 86400)
+    ample = simulate(g, replace(inp, spares=1000), random.Random(11), resild=True, pool="refill")
+    assert r.goodput == pytest.approx(ample.goodput - lost, abs=0.002)
+    assert simulate(g, inp, random.Random(11), resild=True, pool="refill").exhaustions > 0  # without shrink
+
+
+def test_the_pool_rows(capsys):
+    assert main(["--gpus", "1024", "--runs", "2", "--days", "5", "--json", "--pools", "fixed,refill,shrink"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert [r["system"] for r in d["rows"]][:3] == [
+        "resild, fixed pool (today)",
+        "resild, refill",
+        "resild, refill + shrink",
+    ]
+    with pytest.raises(SystemExit):
+        main(["--pools", "nope"])
