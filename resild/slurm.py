@@ -8,6 +8,7 @@ passed to subprocess without a shell, so values need no shell quoting.
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -312,6 +313,12 @@ def requeue_cmd(job_id: str | int, comment: str) -> list[list[str]]:
 
 
 def _run(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str] | None) -> None:
+    _output(cmd, timeout_s, env)
+
+
+def _output(
+    cmd: Sequence[str], timeout_s: float, env: Mapping[str, str] | None, ok_codes: tuple[int, ...] = (0,)
+) -> str:
     try:
         res = subprocess.run(
             list(cmd), capture_output=True, text=True, timeout=timeout_s, env=dict(env) if env is not None else None
@@ -320,9 +327,10 @@ def _run(cmd: Sequence[str], timeout_s: float, env: Mapping[str, str] | None) ->
         raise SlurmError(f"{' '.join(cmd)} timed out after {timeout_s:g}s", cmd, None) from None
     except OSError as e:
         raise SlurmError(f"{' '.join(cmd)} could not run: {e}", cmd, None) from None
-    if res.returncode != 0:
+    if res.returncode not in ok_codes:
         err = res.stderr.strip() or res.stdout.strip()
         raise SlurmError(f"{' '.join(cmd)} failed (exit {res.returncode}): {err}", cmd, res.returncode, err)
+    return res.stdout
 
 
 def drain(node: str, reason: str, timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None) -> None:
@@ -339,6 +347,52 @@ def requeue(
     """
     for cmd in requeue_cmd(job_id, comment):
         _run(cmd, timeout_s, env)
+
+
+def job_fields(
+    job_id: str | int, timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """`scontrol show job -o <id>` as a dict (Account, Partition, Features, ...). Raises SlurmError."""
+    jid = str(job_id)
+    if not _JOB_ID_RE.match(jid):
+        raise ValueError(f"invalid job id {job_id!r}")
+    out = _output(["scontrol", "show", "job", "-o", jid], timeout_s, env)
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def cold_spare_cmd(run_dir: str, python: str, job: Mapping[str, str], out: str) -> list[str]:
+    """sbatch of a one-node cold-spare job for the job `job` (its scontrol fields): the same
+    account, partition, QOS and constraints, its name, and `resil-run --join RUN_DIR`."""
+    cmd = ["sbatch", "--parsable", "-N", "1", "--exclusive", "--no-requeue", f"--output={out}"]
+    for flag, key in (("--account", "Account"), ("--partition", "Partition"), ("--qos", "QOS")):
+        v = job.get(key, "")
+        if v and v != "(null)":
+            cmd.append(f"{flag}={v}")
+    feats = job.get("Features", "")
+    if feats and feats != "(null)":
+        cmd.append(f"--constraint={feats}")
+    name = job.get("JobName", "")
+    cmd.append(f"--job-name=resild-spare-{job.get('JobId', '')}-{name}"[:128] if name else "--job-name=resild-spare")
+    cmd.append(f"--wrap={shlex.quote(python)} -m launcher.run.cli --join {shlex.quote(run_dir)}")
+    return cmd
+
+
+def submit(cmd: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None) -> str:
+    """Run an `sbatch --parsable` command; the job id. Raises SlurmError."""
+    jid = _output(cmd, timeout_s, env).strip().split(";")[0]
+    if not _JOB_ID_RE.match(jid):
+        raise SlurmError(f"{' '.join(cmd)}: no job id in its answer {jid!r}", list(cmd), 0)
+    return jid
+
+
+def alive(
+    job_ids: Sequence[str], timeout_s: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None
+) -> set[str]:
+    """Which of `job_ids` are still in the queue (pending, running, completing)."""
+    if not job_ids:
+        return set()
+    out = _output(["squeue", "-h", "-o", "%i", "-j", ",".join(job_ids)], timeout_s, env, ok_codes=(0, 1))
+    return {j for j in out.split() if j in set(job_ids)}
 
 
 def cancel_cmd(job_id: str | int, only_running: bool = True) -> list[str]:

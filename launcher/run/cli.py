@@ -12,7 +12,8 @@ Inject faults (KIND:NODE@STEP[+DELAY_S]; kinds kill, exception, hang, nodeloss, 
   resil-run --local --nodes 4 --spares 2 --inject kill:node0@40 --inject xid79:node1@120 -- python train.py
 
 Add hot spares to a running job (its --run-dir holds the job secret; no command: the job's):
-  resil-run --local --join RUN_DIR --nodes 1
+  sbatch -N1 --wrap "resil-run --join RUN_DIR"      # a cold spare from the queue
+  resil-run --local --join RUN_DIR --nodes 1        # a simulated one
 
 --nodes counts every node, spares included (like `srun -N`): 3 nodes with
 1 spare train on 2 nodes and keep 1 warm. Node names are local-node0 ...;
@@ -221,6 +222,16 @@ def _copies(v: str | int) -> int:
     "nodes, epoch, fired faults); training state comes from --checkpoint-dir.",
 )
 @click.option(
+    "--spare-target",
+    type=click.IntRange(min=0, max=1024),
+    default=0,
+    show_default=True,
+    metavar="S",
+    help="Slurm: while fewer than S hot spares are in the pool, submit one-node cold-spare jobs "
+    "(sbatch, with this job's account, partition, QOS and constraints) that join it (--join); "
+    "those still queued or running are cancelled when the job ends. 0: never.",
+)
+@click.option(
     "--readmit",
     is_flag=True,
     help="--local: a node fenced without evidence against its hardware (a worker's exception, a hang) "
@@ -232,9 +243,10 @@ def _copies(v: str | int) -> int:
     "join_dir",
     type=click.Path(file_okay=False, path_type=Path),
     metavar="RUN_DIR",
-    help="Join the running job of RUN_DIR with --nodes new hot spares (default 1) instead of starting a job: "
-    "they authenticate with the job's secret (RUN_DIR/keys/join), get their own keys from its controller, "
-    "warm up and wait. --local only for now (simulated nodes on this machine).",
+    help="Join the running job of RUN_DIR with new hot spares instead of starting a job: under Slurm every "
+    "node of this allocation (a cold-spare job: sbatch -N1 --wrap 'resil-run --join RUN_DIR'), with --local "
+    "--nodes simulated ones (default 1). They authenticate with the job's secret (RUN_DIR/keys/join), get "
+    "their own keys from its controller, qualify (resild check --qualify), warm up and wait.",
 )
 @click.option(
     "--requeue-on-exhaustion",
@@ -279,6 +291,7 @@ def main(
     resume_dir: Path | None,
     join_dir: Path | None,
     readmit: bool,
+    spare_target: int,
     requeue_on_exhaustion: bool,
     as_json: bool,
     quiet: bool,
@@ -290,6 +303,8 @@ def main(
         _join(join_dir, local, nodes, cmd, inject, resume_dir, run_dir)
     if not cmd:
         raise click.UsageError("missing the training command: resil-run [OPTIONS] -- python train.py ...")
+    if spare_target and controllers > 1:
+        raise click.UsageError("--spare-target runs with one controller for now (not with --controllers N)")
     if readmit and (not local or controllers > 1):
         raise click.UsageError("--readmit runs with --local and one controller for now (Slurm: not built yet)")
     if events is not None:
@@ -352,8 +367,11 @@ def main(
                 controllers=controllers,
                 consensus=consensus,
                 etcd=etcd,
+                spare_target=spare_target,
             )
         )
+    if spare_target:
+        raise click.UsageError("--spare-target submits cold spares to Slurm: with --local, add them with --join")
     n = nodes or 3
     if spares >= n:
         raise click.UsageError(f"--spares {spares} leaves no active node out of --nodes {n}")
@@ -409,16 +427,16 @@ def _join(
     run_dir: Path | None,
 ) -> None:
     """resil-run --join: exits with the joined nodes' code, or 2 and one line when refused."""
-    if not local:
-        raise click.UsageError("--join runs simulated nodes (--local) for now; Slurm cold spares are not built yet")
     if cmd:
         raise click.UsageError("--join takes no command: joined nodes run the job's (from RUN_DIR/join.json)")
     if inject or resume_dir is not None or run_dir is not None:
         raise click.UsageError("--join takes no --inject, --resume or --run-dir: it joins the job of RUN_DIR")
-    from launcher.run.join import JOIN_EXIT, JoinError, run_join
+    from launcher.run.join import JOIN_EXIT, JoinError, run_join, run_join_slurm
 
+    if not local and nodes is not None:
+        raise click.UsageError("--join under Slurm joins every node of this allocation: no --nodes (sbatch -N)")
     try:
-        sys.exit(run_join(join_dir, nodes or 1))
+        sys.exit(run_join(join_dir, nodes or 1) if local else run_join_slurm(join_dir))
     except JoinError as e:
         print(f"resil-run: cannot join {join_dir}: {e}", file=sys.stderr)
         sys.exit(JOIN_EXIT)

@@ -35,6 +35,7 @@ class JobSpec:
     bind_host: str = "127.0.0.1"  # the address peers use to reach the controller
     bind_any: bool = False  # listen on every interface (cluster mode)
     readmit: bool = False  # nodes fenced on suspicion come back as spares (--readmit)
+    spare_target: int = 0  # Slurm: cold spares asked of the queue while the pool is below it
 
 
 def _fake_nvml(spec: JobSpec) -> Path | None:
@@ -73,6 +74,7 @@ def run_job(
         settings=spec.settings,
         job_id=job_id,
         readmit=spec.readmit,
+        spare_target=spec.spare_target,
     )
     ctl = Controller(
         cfg,

@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import resild.wire.env as resild_env
 from resild.procutil import say
 from resild.wire.keys import JOINER, KeyDir
 from resild.wire.protocol import MsgType
@@ -97,7 +99,9 @@ def mark_ended(run_dir: Path, exit_code: int) -> None:
         pass  # no join file (or a full disk): a late joiner finds no controller instead
 
 
-def ask(run_dir: Path, info: JoinInfo, names: list[str], timeout_s: float = JOIN_TIMEOUT_S) -> list[str]:
+def ask(
+    run_dir: Path, info: JoinInfo, names: list[str], timeout_s: float = JOIN_TIMEOUT_S, source: str = "local"
+) -> list[str]:
     """Ask the job's controller to admit `names` as spares; their names, or JoinError."""
     import zmq
 
@@ -114,7 +118,7 @@ def ask(run_dir: Path, info: JoinInfo, names: list[str], timeout_s: float = JOIN
         poller = zmq.Poller()
         poller.register(ch.sock, zmq.POLLIN)
         poller.register(mon, zmq.POLLIN)
-        ch.send(MsgType.JOIN, {"job": info.job, "nodes": names}, ttl_s=timeout_s)
+        ch.send(MsgType.JOIN, {"job": info.job, "nodes": names, "source": source}, ttl_s=timeout_s)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(int(left * 1000) + 1))
@@ -143,16 +147,89 @@ def ask(run_dir: Path, info: JoinInfo, names: list[str], timeout_s: float = JOIN
         ctx.destroy(linger=0)
 
 
-def run_join(run_dir: Path, nodes: int, timeout_s: float = JOIN_TIMEOUT_S) -> int:
-    """--local --join: `nodes` simulated nodes on this machine join the job as spares and
-    run until the job ends (or they are fenced). Returns the exit code."""
-    from launcher.run.local import LocalCluster
+def _check_open(run_dir: Path) -> JoinInfo:
     from resild.controller.verdict_file import RESULT_FILE
-    from resild.wire.settings import JobSettings
 
     info = JoinInfo.read(run_dir)
     if info.ended or (run_dir / RESULT_FILE).exists():
         raise JoinError(f"job {info.job} of {run_dir} has ended (exit code {info.exit_code}): nothing to join")
+    return info
+
+
+def _supervise(proc_alive, stop_all, what: str) -> int | None:
+    """Wait while `proc_alive()`; on SIGINT/SIGTERM call `stop_all()` and return 128+signal."""
+    stop: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: stop.append(s))
+    while not stop and proc_alive():
+        time.sleep(0.2)
+    if stop:
+        stop_all()
+        say(f"resil-run: {what} stopped by signal {stop[0]}")
+        return 128 + stop[0]
+    return None
+
+
+def run_join_slurm(run_dir: Path, timeout_s: float = JOIN_TIMEOUT_S) -> int:
+    """--join inside a Slurm allocation (a cold-spare job, e.g. `sbatch --array`): every node
+    of this allocation joins the job of RUN_DIR (on the shared file system) as a spare, one
+    node process per node in one `srun` step, each qualifying before it registers. When the
+    job ends they are told to shut down; if its controller is lost, each cancels this
+    allocation (never requeues it: a cold spare must not outlive the job)."""
+    import subprocess
+
+    from launcher.run.slurm_backend import per_node_keys
+    from resild import slurm
+
+    alloc = slurm.allocation_from_env(os.environ)
+    if alloc is None:
+        raise JoinError("not inside a Slurm allocation (no SLURM_JOB_ID): use --local for simulated nodes")
+    info = _check_open(run_dir)
+    admitted = ask(run_dir, info, list(alloc.nodes), timeout_s, source=f"slurm:{alloc.job_id}")
+    say(f"resil-run: {', '.join(admitted)} (Slurm job {alloc.job_id}) joined job {info.job} as hot spares")
+    node_cmd = [
+        sys.executable,
+        "-m",
+        "launcher.node",
+        "--controller",
+        info.endpoint,
+        "--keys",
+        str((run_dir / "keys").resolve()),
+        "--nproc",
+        str(info.nproc),
+        "--settings",
+        json.dumps(info.settings),
+        "--qualify",
+        "--",
+        *info.cmd,
+    ]
+    argv = slurm.srun_node_launcher_cmd(alloc, admitted, per_node_keys(node_cmd, admitted, mint=False))
+    env = {**os.environ, resild_env.ON_CONTROLLER_LOST.name: "cancel"}
+    p = subprocess.Popen(argv, env=env, start_new_session=True)
+
+    def stop_all() -> None:
+        os.killpg(p.pid, signal.SIGTERM)  # srun passes it to the step's tasks
+        try:
+            p.wait(15.0)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+    code = _supervise(lambda: p.poll() is None, stop_all, "joined nodes")
+    if code is not None:
+        return code
+    if p.returncode != 0:
+        say(f"resil-run: the joined nodes' srun ended with code {p.returncode}")
+    return 0 if p.returncode == 0 else 1
+
+
+def run_join(run_dir: Path, nodes: int, timeout_s: float = JOIN_TIMEOUT_S) -> int:
+    """--local --join: `nodes` simulated nodes on this machine join the job as spares and
+    run until the job ends (or they are fenced). Returns the exit code."""
+    from launcher.run.local import LocalCluster
+    from resild.wire.settings import JobSettings
+
+    info = _check_open(run_dir)
     names = [f"local-join{os.getpid()}-{i}" for i in range(nodes)]
     admitted = ask(run_dir, info, names, timeout_s)
     say(f"resil-run: {', '.join(admitted)} joined job {info.job} as hot spares")
@@ -165,19 +242,16 @@ def run_join(run_dir: Path, nodes: int, timeout_s: float = JOIN_TIMEOUT_S) -> in
         settings=JobSettings.from_dict(info.settings),
         qualify=True,
     )
-    stop: list[int] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, _f: stop.append(s))
     backend.start(info.endpoint, run_dir / "keys", minted=True)
     try:
-        while not stop and any(p.poll() is None for p in backend.procs.values()):
-            time.sleep(0.2)
-    finally:
-        backend.shutdown(0.0 if stop else 5.0)
+        code = _supervise(lambda: any(p.poll() is None for p in backend.procs.values()), lambda: None, "joined nodes")
+    except BaseException:
+        backend.shutdown(0.0)
+        raise
+    backend.shutdown(0.0 if code is not None else 5.0)
+    if code is not None:
+        return code
     codes = {n: p.returncode for n, p in backend.procs.items()}
-    if stop:
-        say(f"resil-run: joined nodes stopped by signal {stop[0]}")
-        return 128 + stop[0]
     bad = {n: c for n, c in codes.items() if c != 0}
     for n, c in bad.items():
         say(f"resil-run: joined node {n} ended with code {c}")

@@ -13,6 +13,9 @@ import logging
 import os
 import signal
 import subprocess
+import sys
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -31,18 +34,108 @@ _PICK_KEYS = (
 )
 
 
-def per_node_keys(node_cmd: list[str], nodes: list[str]) -> list[str]:
+def per_node_keys(node_cmd: list[str], nodes: list[str], mint: bool = True) -> list[str]:
     """Give every node its own key pair (made now, before any node starts) and make each
-    node process use only its own: the controller identifies nodes by key (ZAP User-Id)."""
+    node process use only its own: the controller identifies nodes by key (ZAP User-Id).
+    `mint=False`: the controller made them (nodes joining a running job)."""
     if "--keys" not in node_cmd:
         return list(node_cmd)
     i = node_cmd.index("--keys")
     if "--" in node_cmd and node_cmd.index("--") < i:
         return list(node_cmd)
     keys = KeyDir(Path(node_cmd[i + 1]))
-    for n in nodes:
+    for n in nodes if mint else ():
         add_node_key(keys, n)
     return ["/bin/sh", "-c", _PICK_KEYS, "sh", *node_cmd]
+
+
+class ColdSpares:
+    """The cold-spare jobs this job asked the queue for (`resil-run --spare-target`): submitted
+    and polled in a thread (sbatch and squeue take ~0.1 s: never on the controller's loop),
+    every one still queued or running cancelled at the end."""
+
+    POLL_S = 5.0
+
+    def __init__(self, job_id: str, run_dir: Path, env: Mapping[str, str]) -> None:
+        self.job_id, self.run_dir, self.env = job_id, run_dir, dict(env)
+        self.submitted: list[str] = []
+        self.open: frozenset[str] = frozenset()  # submitted and still in the queue (last poll)
+        self.wanted = 0  # asked for, not yet submitted
+        self.errors = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._fields: dict[str, str] | None = None
+        self.joined: frozenset[str] = frozenset()  # sources ("slurm:<id>") of the jobs whose nodes joined
+
+    def request(self, count: int) -> None:
+        with self._lock:
+            self.wanted += count
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="cold-spares", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def on_the_way(self, joined: frozenset[str]) -> int:
+        with self._lock:
+            self.joined = joined
+            return self.wanted + sum(1 for j in self.open if f"slurm:{j}" not in joined)
+
+    def _run(self) -> None:
+        next_poll = 0.0
+        while not self._stop:
+            with self._lock:
+                want = self.wanted
+            if want:
+                self._submit()
+            if time.monotonic() >= next_poll:
+                try:
+                    alive = slurm.alive(list(self.submitted), env=self.env)
+                    with self._lock:
+                        self.open = frozenset(alive)
+                except slurm.SlurmError as e:
+                    log.error("cannot poll the cold-spare jobs: %s", e)
+                next_poll = time.monotonic() + self.POLL_S
+            self._wake.wait(1.0)
+            self._wake.clear()
+
+    def _submit(self) -> None:
+        try:
+            if self._fields is None:
+                self._fields = slurm.job_fields(self.job_id, env=self.env)
+            cmd = slurm.cold_spare_cmd(
+                str(self.run_dir.resolve()), sys.executable, self._fields, str(self.run_dir.resolve() / "spare-%j.out")
+            )
+            jid = slurm.submit(cmd, env=self.env)
+        except (slurm.SlurmError, ValueError) as e:
+            self.errors += 1
+            log.error("could not submit a cold spare: %s", e)
+            time.sleep(min(60.0, 2.0**self.errors))  # the queue refused: do not hammer it
+            return
+        log.info("cold spare asked for: Slurm job %s", jid)
+        with self._lock:
+            self.wanted -= 1
+            self.submitted.append(jid)
+            self.open = self.open | {jid}
+
+    def cancel_all(self, joined_too: bool) -> list[str]:
+        """Cancel the cold-spare jobs still in the queue; their ids. Those whose nodes joined
+        only with `joined_too`: they were told to shut down, and one may hold rank 0, saving."""
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(15.0)
+        cancelled = []
+        for jid in self.submitted:
+            if not joined_too and f"slurm:{jid}" in self.joined:
+                continue
+            try:
+                slurm.cancel(jid, only_running=False, env=self.env)
+                cancelled.append(jid)
+            except (slurm.SlurmError, ValueError) as e:
+                log.error("could not cancel cold spare %s: %s", jid, e)
+        return cancelled
 
 
 class SlurmBackend(SlurmDrain):
@@ -53,10 +146,12 @@ class SlurmBackend(SlurmDrain):
         node_cmd: list[str],
         env: Mapping[str, str] | None = None,
         drain_nodes: bool = True,
+        run_dir: Path | None = None,
     ) -> None:
         super().__init__(env)
         self.alloc, self.nodes, self.node_cmd = alloc, nodes, node_cmd
         self.drain_nodes = drain_nodes
+        self.cold = ColdSpares(alloc.job_id, run_dir, self.env) if run_dir is not None else None
         self.proc: subprocess.Popen | None = None
         self.fenced: set[str] = set()
         self._srun_reported = False
@@ -73,6 +168,13 @@ class SlurmBackend(SlurmDrain):
     def fence(self, node: str, reason: str) -> None:
         self.fenced.add(node)
 
+    def request_spares(self, count: int) -> None:
+        if self.cold is not None:
+            self.cold.request(count)
+
+    def spares_on_the_way(self, joined: frozenset[str]) -> int:
+        return self.cold.on_the_way(joined) if self.cold is not None else 0
+
     def exited_nodes(self) -> list[tuple[str, int]]:
         """srun is one step for all nodes: if it ends while the job runs (a launch
         failure, or every node gone), every node not yet fenced has failed."""
@@ -82,6 +184,15 @@ class SlurmBackend(SlurmDrain):
         return [(n, self.proc.returncode) for n in self.nodes if n not in self.fenced]
 
     def shutdown(self, timeout_s: float) -> None:
+        if self.cold is not None and (cancelled := self.cold.cancel_all(joined_too=False)):
+            log.warning("cancelled cold-spare jobs %s (never joined): the job is over", ", ".join(cancelled))
+        try:
+            self._shutdown(timeout_s)
+        finally:
+            if self.cold is not None:
+                self.cold.cancel_all(joined_too=True)  # their nodes had our grace to finish
+
+    def _shutdown(self, timeout_s: float) -> None:
         self.join_drains()
         if self.proc is None:
             return

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -199,6 +200,10 @@ def default_run_dir_name(
     return f"{cluster_name(env, run)}-job-{_safe(job_id)}-r{_safe(restarts)}-{job_start_stamp(job_id, env, run, now)}"
 
 
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run_slurm(
     *,
     nodes: int | None,
@@ -215,6 +220,7 @@ def run_slurm(
     controllers: int = 1,
     consensus: str = "auto",
     etcd: EtcdTarget | None = None,
+    spare_target: int = 0,
 ) -> int:
     try:
         alloc = slurm.allocation_from_env(os.environ)
@@ -276,7 +282,7 @@ def run_slurm(
         ]
 
     def make_backend(endpoint: str, keys_dir: Path) -> SlurmBackend:
-        return SlurmBackend(alloc, all_nodes, node_cmd(endpoint, keys_dir))
+        return SlurmBackend(alloc, all_nodes, node_cmd(endpoint, keys_dir), run_dir=rd if spare_target else None)
 
     spec = JobSpec(
         active=active,
@@ -289,6 +295,7 @@ def run_slurm(
         settings=settings,
         bind_host=host,
         bind_any=True,
+        spare_target=spare_target,
     )
     if controllers > 1:
         from launcher.run.standby import run_replicated
@@ -303,6 +310,9 @@ def run_slurm(
             consensus=consensus,
             etcd=etcd,
         )
+    # scancel sends the batch script SIGTERM: end like Ctrl-C, so the job's own cold-spare
+    # requests are cancelled with it (no cold spare outlives the job)
+    signal.signal(signal.SIGTERM, _interrupt)
     code, reason = run_job(spec, as_json=as_json, backend_factory=make_backend, return_reason=True, status=status)
     if code != 0 and requeue_on_exhaustion and reason.startswith("no spare left"):
         try:

@@ -27,6 +27,13 @@ class Backend:
     def readmit(self, node: str) -> None:
         """Start a new node process on `node`, as a spare that qualifies first (`--qualify`)."""
 
+    def request_spares(self, count: int) -> None:
+        """Ask for `count` cold spares (they join on their own: `resil-run --join`)."""
+
+    def spares_on_the_way(self, joined: frozenset[str]) -> int:
+        """Cold spares asked for and not yet joined; `joined`: the sources of those that did."""
+        return 0
+
     def exited_nodes(self) -> list[tuple[str, int]]:
         """Node processes that exited since the last call: (node, returncode)."""
         return []

@@ -127,7 +127,7 @@ class Effects:
             )
             s.result = JobResult(0, d.reason)
 
-    def admit(self, a: Admission, now: float) -> bool:
+    def admit(self, a: Admission, now: float, source: str = "") -> bool:
         """Joining nodes become spares: journaled, then each gets its own key (minted in the
         job's key directory; the authenticator reads it at the node's first connection) and
         a place in the view. Their workers warm up as the start-up spares' do, on registering."""
@@ -138,7 +138,9 @@ class Effects:
         for n in a.nodes:
             add_node_key(s.keys, n)
             s.view.add(NodeView(n, NodeRole.SPARE, s.bc.nproc), now)
-            s.events.emit(EventName.NODE_ADMITTED, node=n, via="join", spares=len(s.view.spares()))
+            s.events.emit(EventName.NODE_ADMITTED, node=n, via="join", source=source, spares=len(s.view.spares()))
+        if source:
+            s.joined_sources.add(source)
         return True
 
     def readmit(self, r: Readmission, now: float) -> None:

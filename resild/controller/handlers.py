@@ -149,7 +149,7 @@ class Handlers:
                 keyed=s.keys is not None,
             )
             ok, a_reason = a.admit, a.reason
-            if ok and not self.effects.admit(a, now):
+            if ok and not self.effects.admit(a, now, (b.source or "")[:64]):
                 ok, a_reason = False, "not journaled (this controller may no longer lead): ask again"
         if not ok:
             log.warning("refused a joining node: %s", a_reason)

@@ -44,6 +44,7 @@ from resild.controller.policy import (
 )
 from resild.controller.readmission import readmission
 from resild.controller.records import parse_record
+from resild.controller.refill import refill
 from resild.controller.restore import fold, resume, snapshot, take_over
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
 from resild.controller.status import answer
@@ -146,6 +147,7 @@ class Controller:
         # Leases: one frame per node per interval (at scale rarer still: a lease costs the
         # controller a send per node; JobSettings.for_nodes).
         self._next_lease_s = 0.0
+        self._next_refill_s = 0.0
 
     # The shared state, as callers (resil-run, the standby replica, tests) know it.
     @property
@@ -304,6 +306,7 @@ class Controller:
         self._step("tick:deferred", self.effects.retry_deferred, now)
         self._step("tick:exits", self._exits, now)
         self._step("tick:readmit", self._readmit, now)
+        self._step("tick:refill", self._refill, now)
         started = self.view.membership is not None
         self._step("tick:checks", self._checks, now)
         if started:
@@ -323,6 +326,17 @@ class Controller:
             self.effects.decide(
                 on_node_failure(self.view, node, f"node process exited with code {rc}", "process-exit"), now
             )
+
+    def _refill(self, now: float) -> None:
+        if self.cfg.spare_target <= 0 or now < self._next_refill_s:
+            return
+        self._next_refill_s = now + self.cfg.refill_interval_s
+        on_the_way = self.backend.spares_on_the_way(frozenset(self.state.joined_sources))
+        r = refill(self.view, self.cfg.spare_target, on_the_way)
+        if r.count > 0:
+            log.warning("asking the queue for %d cold spare(s): %s", r.count, r.reason)
+            self.backend.request_spares(r.count)
+            self.events.emit(EventName.SPARES_REQUESTED, count=r.count, reason=r.reason)
 
     def _readmit(self, now: float) -> None:
         if not self.cfg.readmit:

@@ -51,6 +51,8 @@ class ControllerConfig:
     tick_error_limit_s: float = 60.0
     job_id: str = ""  # names the job to `resil-run --join` (join.json); "": no node joins
     readmit: bool = False  # a node fenced on suspicion comes back as a spare (readmission.py; --readmit)
+    spare_target: int = 0  # ask the queue for cold spares while the pool is below this (refill.py)
+    refill_interval_s: float = 2.0  # how often the pool is checked against the target
 
 
 def lease_terms(cfg: ControllerConfig, derived: Derived) -> tuple[int, int, float, float]:
@@ -78,6 +80,7 @@ class ControllerState:
     deferred_decisions: list[Decision] = field(default_factory=list)  # tried again at each tick
     abusive: dict[str, float] = field(default_factory=dict)  # node -> when it was last named abusive
     keys: KeyDir | None = None  # the job's key directory: a joining node's key is minted here
+    joined_sources: set[str] = field(default_factory=set)  # where admitted nodes came from ("slurm:<id>")
 
     @property
     def dropped(self) -> dict[str, int]:

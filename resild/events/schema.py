@@ -51,6 +51,7 @@ class EventName(str, Enum):
     NODE_ADMITTED = "node_admitted"  # a node joined the running job as a spare (resil-run --join)
     JOIN_REFUSED = "join_refused"  # a request to join was refused: the reason, nothing changed
     NODE_READMITTED = "node_readmitted"  # a node fenced on suspicion is back as a spare (qualified first)
+    SPARES_REQUESTED = "spares_requested"  # the pool is below --spare-target: cold spares asked of the queue
     # -- peers (resild.wire.protocol.PEER_EVENTS): workers ----------------------------------
     GROUP_REFORMED = "group_reformed"
     STATE_REPLAYED = "state_replayed"

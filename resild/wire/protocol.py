@@ -441,6 +441,7 @@ class Join(Body):
 
     job: str | None = _f("str", max_len=64, required=True)
     nodes: list[str] | None = _f("strs", max_len=NODE, required=True)
+    source: str | None = _f("str", max_len=64)  # "slurm:<job id>" of a cold-spare job; "local"
 
 
 @dataclass(frozen=True)

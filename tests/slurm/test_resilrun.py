@@ -42,6 +42,7 @@ class Job:
         node_logs: bool = False,
         after: str = "",
         held: bool = False,
+        setup: str = "",
     ) -> None:
         """held: the job waits before HOLD_STEP until release(), so a fault the test injects
         from outside lands while it runs, however loaded the machine."""
@@ -67,6 +68,7 @@ class Job:
 #SBATCH -o {tmp}/slurm.out
 export RESILD_CONTROLLER_HOST=127.0.0.1
 {logs}
+{setup}
 cd {where}
 {py} -m launcher.run.cli --spares {spares} --nproc-per-node 1 --heartbeat-timeout 1.5 \\
   --events {tmp}/events.jsonl {rd} --json {extra} \\

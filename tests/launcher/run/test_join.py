@@ -144,7 +144,7 @@ def test_join_usage_is_checked_before_anything_runs(tmp_path: Path) -> None:
     env = dict(os.environ)
     assert "no join.json" in _refused(tmp_path, env)
     for args, why in (
-        (["--join", str(tmp_path)], "--local"),
+        (["--join", str(tmp_path), "--nodes", "2"], "no --nodes"),
         (["--local", "--join", str(tmp_path), "--", "python", "x.py"], "takes no command"),
         (["--local", "--join", str(tmp_path), "--inject", "kill:node0@3"], "takes no --inject"),
         (["--local"], "missing the training command"),

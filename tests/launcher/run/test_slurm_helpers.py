@@ -403,3 +403,21 @@ def test_release_only_in_a_slurm_step_on_its_own_node() -> None:
     assert mode_from_env({"RESILD_ON_CONTROLLER_LOST": "none"}) == ("none", "")
     mode, note = mode_from_env({"RESILD_ON_CONTROLLER_LOST": "kill"})
     assert mode == "requeue" and "unknown" in note
+
+
+def test_a_cold_spare_job_takes_the_jobs_account_partition_qos_and_constraints() -> None:
+    fields = {
+        "JobId": "42",
+        "JobName": "train",
+        "Account": "ml",
+        "Partition": "gpu",
+        "QOS": "normal",
+        "Features": "h200&ib",
+    }
+    cmd = slurm.cold_spare_cmd("/shared/run dir", "/opt/py/bin/python", fields, "/shared/run dir/spare-%j.out")
+    assert cmd[:3] == ["sbatch", "--parsable", "-N"] and "--no-requeue" in cmd
+    assert {"--account=ml", "--partition=gpu", "--qos=normal", "--constraint=h200&ib"} <= set(cmd)
+    assert "--job-name=resild-spare-42-train" in cmd
+    assert cmd[-1] == "--wrap=/opt/py/bin/python -m launcher.run.cli --join '/shared/run dir'"
+    bare = slurm.cold_spare_cmd("/r", "python", {"JobId": "7", "Account": "(null)", "Features": "(null)"}, "/r/o")
+    assert not any(a.startswith(("--account", "--constraint", "--partition")) for a in bare)
