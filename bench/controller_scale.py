@@ -387,7 +387,7 @@ def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
     """Node process holding epoch E gets a delta -> all its P workers hold E+1 (the layout
     decoded and validated by each): the real RelayServer and RelayClients over ipc."""
     from launcher.node.relay import LayoutTracker, RelayServer
-    from launcher.worker.relay_client import RelayClient, wait_for
+    from launcher.worker.links.relay import RelayClient, wait_for
     from resild.membership import Membership
 
     ctx = zmq.Context()

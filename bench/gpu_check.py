@@ -24,7 +24,7 @@ others still run. Without CUDA every part reports ``{"skipped": "no CUDA"}`` exc
   side CUDA stream (GB/s), a bf16 matmul loop on the default stream sized to take about as
   long, each alone and both together; ``overlap`` = (t_mm + t_copy - t_both) / min(t_mm,
   t_copy): 1 is perfect overlap, 0 none.
-- ``replay_cuda``: ``launcher.worker.state_codec.flatten`` of a model + Adam state (~256 MB,
+- ``replay_cuda``: ``launcher.worker.transport.codec.flatten`` of a model + Adam state (~256 MB,
   as ``TrainState.snapshot`` lays it out) on CUDA and ``unflatten`` back on CUDA: GB/s each
   and bitwise equality. Adam keeps its ``step`` counters on the CPU next to CUDA parameters;
   the state is first flattened as it is (as the replay sends it) and, if that fails, again
@@ -290,7 +290,7 @@ def part_snapshot(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
 def part_replay(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from launcher.worker.state_codec import flatten, unflatten
+    from launcher.worker.transport.codec import flatten, unflatten
 
     a = run.args
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -354,7 +354,7 @@ def part_replay(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
     )
     # resild's peer-memory snapshot of this state: the copy the training thread pays
     # (device to host) and the CRC the exchange thread computes.
-    from launcher.worker.snapshots import Frozen
+    from launcher.worker.redundancy.snapshot_store import Frozen
 
     caps: list[float] = []
     frozen = None
@@ -385,7 +385,7 @@ def _rollback_restore(model: Any, opt: Any, dev: Any) -> dict[str, Any]:
     the peak (on CUDA; None elsewhere)."""
     import torch
 
-    from launcher.worker.snapshots import Frozen
+    from launcher.worker.redundancy.snapshot_store import Frozen
     from launcher.worker.train_state import TrainState
 
     ts = TrainState(model, opt, device=dev)
@@ -413,15 +413,15 @@ def _rollback_restore(model: Any, opt: Any, dev: Any) -> dict[str, Any]:
 
 
 def part_stage(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
-    """resild's GPU snapshot (launcher/worker/snapshot_stage.py): the training thread's
+    """resild's GPU snapshot (launcher/worker/redundancy/device_stager.py): the training thread's
     cost, the copy overlapping the next step's compute, and no tearing: the optimizer
     step after it waits for the copy, and the snapshot equals the state it was taken of."""
     if not cuda:
         return {"skipped": "no CUDA"}
     import torch
 
-    from launcher.worker.snapshot_stage import DeviceStager
-    from launcher.worker.snapshots import Frozen
+    from launcher.worker.redundancy.device_stager import DeviceStager
+    from launcher.worker.redundancy.snapshot_store import Frozen
 
     dev = torch.device("cuda", 0)
     width, layers = (2048, 4) if run.args.quick else (4096, 8)

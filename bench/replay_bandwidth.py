@@ -19,13 +19,13 @@ Paths, timed on the receiver from a barrier to the last byte usable:
   (``receive_into``), and the restore's copy into the model (``TrainState.restore``)
   finds nothing left to copy. Timed to the model restored.
 - ``direct_spare_warm``: ``direct_spare`` with the host memory a spare's warm-up leaves
-  (``launcher.worker.landing``: zeros of its optimizer state's shapes, touched before
+  (``launcher.worker.transport.landing_pool``: zeros of its optimizer state's shapes, touched before
   the fault, as the warm-up's optimizer step on stand-ins leaves them), so the moments,
   which have no live home, land in touched pages too. Filled before the barrier.
 - ``direct_spare_copy``: the same spare as before stop 31: every tensor received into
   fresh memory, then the parameters copied into the model.
 - ``direct_unfaulted``: ``direct`` without faulting the receiver's fresh pages in ahead
-  of the bytes (``launcher.worker.prefault``), as it was before: what that buys.
+  of the bytes (``launcher.worker.transport.page_prefault``), as it was before: what that buys.
 - ``flat``: the transport as it was before issue 17 (one flat buffer: snapshot, cat,
   CRC, header round trip, receive, CRC, unflatten clones), kept here to compare.
 - ``loopback``: the yardstick, a plain gloo send/recv of the same number of bytes into a
@@ -73,10 +73,10 @@ if __package__ in (None, ""):
 import torch
 import torch.multiprocessing as mp
 
-from launcher.worker.landing import LandingPool
 from launcher.worker.replica_map import Transfer, slice_bounds
-from launcher.worker.state_codec import checksum, flatten, unflatten
-from launcher.worker.state_transport import P2PTransport, Received
+from launcher.worker.transport.codec import checksum, flatten, unflatten
+from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.state_transport import P2PTransport, Received
 
 PATHS = (
     "loopback",
@@ -261,10 +261,10 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
     torch.set_num_threads(1)
     if args["cold"]:
         cold_heap()
-    from launcher.worker import prefault
     from launcher.worker.recovery import Recovery
     from launcher.worker.stable_group import GroupFactory, Interrupts
     from launcher.worker.torch_private import PrefixStore, backend_group, tcp_store
+    from launcher.worker.transport import page_prefault as prefault
 
     timeout = timedelta(seconds=args["timeout_s"])
     store = PrefixStore("resild/e1/world/", tcp_store("127.0.0.1", port, timeout))
@@ -387,8 +387,8 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
     when nothing else runs), for the state of `mb` MB."""
     import timeit
 
-    from launcher.worker import state_transport as tp
-    from launcher.worker.state_codec import assemble, parse, skeleton
+    from launcher.worker.transport import state_transport as tp
+    from launcher.worker.transport.codec import assemble, parse, skeleton
 
     torch.set_num_threads(1)
     if cold:
@@ -419,7 +419,7 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
     src, dst = torch.randint(0, 255, (n,), dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
     # A snapshot rollback (plain FSDP2): a survivor's live state (model and optimizer
     # state, touched), and a spare's (its model built, its optimizer empty).
-    from launcher.worker.snapshots import Frozen
+    from launcher.worker.redundancy.snapshot_store import Frozen
 
     frozen = Frozen.capture(100, 0, state, aux)
     survivor = {**state, "model": {k: v.clone() for k, v in state["model"].items()}}
@@ -485,7 +485,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         "127.0.0.1", 0, world, True, timeout=timedelta(seconds=args.timeout), wait_for_workers=False
     )
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "launcher.worker.state_transport", "launcher.worker.recovery"])
+    ctx.set_forkserver_preload(["torch", "launcher.worker.transport.state_transport", "launcher.worker.recovery"])
     q = ctx.Queue()
     spec = {
         "mb": args.mb,

@@ -35,7 +35,7 @@ first step: forward + backward, clipping, commit) show where its part of the rec
 ``--prewarm`` makes the worker import ``torch._dynamo`` before ``launcher.init()`` (the
 runtime now does so itself while a spare waits). ``--compare-warmup`` runs each fault run
 twice, the waiting spare's warm-up for the job's sharded state off (``RESILD_SPARE_WARMUP=0``)
-and on (``launcher/worker/spare_warmup.py``), alternating ABBA, and prints both side by side
+and on (``launcher/worker/spare/warmup.py``), alternating ABBA, and prints both side by side
 with ratios; ``spare_warmup_s`` is the warm-up's own time, spent while the spare waited.
 
 Usage::

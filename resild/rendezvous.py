@@ -3,7 +3,7 @@ CURVE-authenticated link (STORE / STORE_REPLY), never through an open listener.
 
 Each epoch's groups are formed through these keys (gloo's peer addresses, NCCL's unique
 id) under a prefix of their own (`resild/e<epoch>/...`). A worker's c10d store
-(`launcher.worker.link_store.LinkStore`) turns every store call into one request; a
+(`launcher.worker.links.store.LinkStore`) turns every store call into one request; a
 request for a key not yet set is parked until it is set or its deadline passes, so the
 controller never blocks on it.
 

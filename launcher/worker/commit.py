@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from launcher.worker.recovery import Agreement
-from launcher.worker.snapshot_manager import SnapshotManager
+from launcher.worker.redundancy.snapshot_cadence import SnapshotManager
 from launcher.worker.stable_group import Interrupts, StableGroup
-from launcher.worker.state_transport import Received
 from launcher.worker.step_state import StepState
 from launcher.worker.train_state import TrainState
+from launcher.worker.transport.state_transport import Received
 
 
 class CommitProtocol:

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from launcher.worker.landing import LandingPool
 from launcher.worker.replica_map import ReplicaMap, plan_replay
 from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort, wait_mode
-from launcher.worker.state_transport import P2PTransport, Received
+from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.state_transport import P2PTransport, Received
 
 
 class DamagedReplay(ValueError):
@@ -177,7 +177,7 @@ class Recovery:
     ) -> tuple[int, Received | None]:
         """`receive_into`: this rank's live state, to be written in place if it receives
         (state_transport); called only then. `landing`: host memory a spare touched for
-        what has no live home (launcher.worker.landing)."""
+        what has no live home (launcher.worker.transport.landing_pool)."""
         target, plan = plan_replay(steps, replicas, max_sources)
         pg = self.groups["world"]._inner
         transport = P2PTransport(pg, self.device, lambda w: self.wait(w, untimed=True), landing)

@@ -43,18 +43,18 @@ from typing import Any, NoReturn
 import torch
 
 import resild.wire.env as resild_env
-from launcher.worker.agent_link import AgentLink, agent_endpoint
 from launcher.worker.commit import CommitProtocol
-from launcher.worker.controller_link import ControlLink, keys_from_env
-from launcher.worker.landing import LandingPool
-from launcher.worker.link_store import LinkStore
+from launcher.worker.links.agent import AgentLink, agent_endpoint
+from launcher.worker.links.controller import ControlLink, keys_from_env
+from launcher.worker.links.store import LinkStore
 from launcher.worker.mesh_layout import MeshError, MeshLayout
 from launcher.worker.recovery import Recovery, Reformed
-from launcher.worker.redundancy import Redundancy, RedundancyError
+from launcher.worker.redundancy.coordinator import Redundancy, RedundancyError
 from launcher.worker.replica_map import NoReplica, ReplicaMap
-from launcher.worker.spare_warmup import SpareWarmup
+from launcher.worker.spare.recipe import RECIPE_KEY
+from launcher.worker.spare.recipe import describe as describe_recipe
+from launcher.worker.spare.warmup import SpareWarmup
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
-from launcher.worker.state_transport import describe
 from launcher.worker.step_state import StepState
 from launcher.worker.torch_private import (
     device_mesh_from_groups,
@@ -63,8 +63,8 @@ from launcher.worker.torch_private import (
     prewarm_lazy_imports,
 )
 from launcher.worker.train_state import TrainState
-from launcher.worker.warmup_recipe import RECIPE_KEY
-from launcher.worker.warmup_recipe import describe as describe_recipe
+from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.state_transport import describe
 from resild.events.schema import EventName
 from resild.membership import Membership, NodeRole
 from resild.wire.exits import FENCED_EXIT
@@ -305,7 +305,7 @@ class Job:
         return self
 
     def _publish_warmup_recipe(self) -> None:
-        """Describe the sharded state for spares to warm up on (launcher.worker.warmup_recipe);
+        """Describe the sharded state for spares to warm up on (launcher.worker.spare.recipe);
         nothing for a model that is not sharded on the job's mesh."""
         assert self.state is not None
         try:
@@ -321,7 +321,7 @@ class Job:
         fields["seconds"] = round(seconds, 4)
         landing = self._landing()
         if landing is not None:
-            fields["landing_bytes"] = landing.nbytes  # kept for the replay (launcher.worker.landing)
+            fields["landing_bytes"] = landing.nbytes  # kept for the replay (launcher.worker.transport.landing_pool)
         if error is not None:
             fields["error"] = error[:300]
         self._event(EventName.SPARE_WARMED, **fields)

@@ -516,7 +516,7 @@ def dtensor_like(t: Any, local: torch.Tensor) -> torch.Tensor:
     `local` lives. torch 2.13: `DTensor(local, spec, requires_grad=...)` with the private
     `_spec`; `DTensor.from_local` would move `local` to the mesh's device (a host copy for
     a checkpoint must stay on the host). If this changes, disk checkpoints of FSDP2 state
-    fail at their first save (tests/launcher/worker/test_disk_checkpoint.py)."""
+    fail at their first save (tests/launcher/worker/redundancy/test_disk_checkpoint.py)."""
     from torch.distributed.tensor import DTensor
 
     out: torch.Tensor = DTensor(local, t._spec, requires_grad=False)  # type: ignore[no-untyped-call]

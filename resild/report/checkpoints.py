@@ -1,5 +1,5 @@
 """What became of a job's disk checkpoints, from its events alone (rank 0 reports each
-save's end: launcher.worker.redundancy). resil-run's summary and `resild report` agree."""
+save's end: launcher.worker.redundancy.coordinator). resil-run's summary and `resild report` agree."""
 
 from __future__ import annotations
 

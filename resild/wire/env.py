@@ -45,7 +45,7 @@ CHECKPOINT_FAULTS = EnvVar(
     "worker",
     "",
     "tests and drills: disk checkpoint faults, POINT:MODE@STEP[:rRANK], e.g. write:hang@20:r1 "
-    "(launcher/worker/checkpoint_faults.py)",
+    "(launcher/worker/redundancy/checkpoint_faults.py)",
 )
 LOCAL_NVML = EnvVar(
     "RESILD_LOCAL_NVML",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import zmq
 
-from launcher.worker.relay_client import RelayClient
+from launcher.worker.links.relay import RelayClient
 from resild.membership import Membership
 from resild.wire.channel import connect
 from resild.wire.keys import KeyDir

@@ -16,7 +16,7 @@ import zmq
 
 from launcher.node.relay import CommitAggregator, LayoutTracker, RelayServer, leader_heartbeat_due
 from launcher.run.local import LocalCluster
-from launcher.worker.relay_client import RelayClient, wait_for
+from launcher.worker.links.relay import RelayClient, wait_for
 from resild.controller.loop import Controller, ControllerConfig, JobResult
 from resild.events.log import EventLog
 from resild.membership import Membership

@@ -1,6 +1,6 @@
 """End to end: disk checkpoints that fail, hang or outlive a recovery never stall training
 (issue 41). The storage writer is DCP's own with faults injected at its planning, data,
-metadata and COMPLETE points (launcher.worker.checkpoint_faults); every job must end
+metadata and COMPLETE points (launcher.worker.redundancy.checkpoint_faults); every job must end
 bitwise identical to the failure-free reference, with what happened to its checkpoints
 in the events and the summary."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.worker.checkpoint_faults import ENV
-from launcher.worker.disk_checkpoint import complete_steps
+from launcher.worker.redundancy.checkpoint_faults import ENV
+from launcher.worker.redundancy.disk_checkpoint import complete_steps
 
 from .conftest import RunResult, assert_bitwise_equal, run_job
 

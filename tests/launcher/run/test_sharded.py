@@ -84,12 +84,12 @@ def test_hsdp_node_loss_is_recovered_bitwise(
     assert all(e["bytes"] < full_bytes / 3 for e in replays), (replays, full_bytes)
     # The spare's built parameters were received in place (runtime passes receive_into).
     assert all(0 < e["in_place_bytes"] < e["bytes"] / 2 for e in replays), replays
-    # The waiting spare warmed up for this job's shards (launcher/worker/spare_warmup.py) if the
+    # The waiting spare warmed up for this job's shards (launcher/worker/spare/warmup.py) if the
     # fault left it the time; warmed, stopped half-way or not at all, the result is the same bits.
     warmed = [e for e in r.events if e["event"] == "spare_warmed"]
     assert all(e.get("node") == "local-node4" and not e.get("error") for e in warmed), warmed
     # Its moments had no live home: they came into the memory its warm-up's optimizer step
-    # touched, where the warm-up kept some before the fault (launcher/worker/landing.py; it keeps
+    # touched, where the warm-up kept some before the fault (launcher/worker/transport/landing_pool.py; it keeps
     # the shapes of the shard at coordinate 0, which every shard here has: the shards are even).
     assert all(e["in_place_bytes"] + e["landed_bytes"] <= e["bytes"] for e in replays), replays
     if len(warmed) == 2 and all(e.get("landing_bytes") for e in warmed):

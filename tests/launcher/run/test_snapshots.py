@@ -75,7 +75,7 @@ def rolled_back(r: RunResult, ref: RunResult, n_failures: int = 1) -> list[dict]
     # thawed into the spare's built parameters (redundancy wires the live state in)
     assert all(e["in_place_bytes"] > 0 for e in replays), replays
     # and what has no live home into the memory its warm-up touched, when it kept some
-    # before the fault (launcher/worker/landing.py; the shapes of the shard at coordinate 0: the
+    # before the fault (launcher/worker/transport/landing_pool.py; the shapes of the shard at coordinate 0: the
     # tests' faults take ranks whose shards have them)
     kept = [e for e in r.events if e["event"] == "spare_warmed" and e.get("landing_bytes")]
     assert all(e["in_place_bytes"] + e["landed_bytes"] <= e["bytes"] for e in replays), replays

@@ -14,7 +14,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from launcher.worker.data import ResumableLoader
 from launcher.worker.recovery import agree
 from launcher.worker.replica_map import NoReplica, ReplicaMap, Transfer, plan_replay, slice_bounds
-from launcher.worker.state_codec import flatten, unflatten
+from launcher.worker.transport.codec import flatten, unflatten
 
 pytestmark = pytest.mark.timeout(60)
 

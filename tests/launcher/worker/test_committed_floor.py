@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from launcher.node.relay import RelayServer
-from launcher.worker.controller_link import ControlLink
+from launcher.worker.links.controller import ControlLink
 from launcher.worker.runtime import Job
 from launcher.worker.stable_group import Interrupts
 from resild.membership import Membership

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from launcher.worker.replica_map import NoReplica, ReplicaMap, Transfer, plan_replay
-from launcher.worker.state_codec import flatten, unflatten
+from launcher.worker.transport.codec import flatten, unflatten
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:

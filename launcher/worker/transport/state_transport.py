@@ -1,0 +1,561 @@
+"""State transport: moves a rank's training state from healthy replicas to the
+ranks behind, over the epoch's communicator (torchft's CheckpointTransport is
+the shape: the recovery sequence only says who sends what to whom).
+
+Per receiver, every message a point-to-point of raw bytes (no pickle):
+
+1. META, from the source of part 0: a fixed-size message holding a header (version,
+   lengths, the CRC of the rest) and the JSON skeletons of state and aux, so the
+   receiver waits for one message before every other receive is in flight. A
+   skeleton too long for it sends its tail as META2.
+2. The bulk, cut by `layout` from the skeleton alone, alike on both sides: the
+   state's tensors laid end to end are split into the byte slices that the plan's
+   `Transfer.part`/`parts` name (`slice_bounds`), one per source, all sources at
+   once. Tensors of 64 KB or more go straight from the source tensor's storage into
+   the tensor handed back (in 4 MB pieces, so checksums overlap the wire); smaller
+   ones are packed into one batch per slice (each message has a fixed cost), each at a
+   64-byte offset, and the state's are handed back as views of it (the aux's, RNG
+   states, are copied out: torch's RNG setters ignore a view's offset). The aux
+   (RNG, extra) rides with part 0. A receiver that offers its own live state
+   (`receive_into`: a spare's built model, a rank's optimizer state) gets each large
+   host tensor of the same path, dtype and shape written in place: no second
+   allocation, no fresh pages, no copy into the model afterwards (a cut-off replay
+   closes its receives first: `finalize`). A large tensor with no live home takes
+   memory the spare touched while it waited, if it has some of that dtype and shape
+   (`landing`), before any fresh allocation.
+3. SUMS, per slice: the checksum of each of its messages, computed by the source
+   while they are on the wire; the receiver checksums each message as it lands,
+   while the rest are in flight. Nothing is handed back unless every sum matches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from launcher.worker.replica_map import Transfer, slice_bounds
+from launcher.worker.transport.codec import Spec, assemble, byte_view, checksum, live_matches, parse, skeleton
+from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.page_prefault import populate_ahead
+
+VERSION = 2  # of the wire layout below; 1 was the single flat buffer
+SMALL = 64 << 10  # tensors under this are batched
+CHUNK = 4 << 20  # largest message: a large tensor is cut into pieces of this
+ALIGN = 64  # offset of each tensor in a batch and of each cut inside one, as an allocation's
+META_CAP = 64 << 10  # META's fixed size: a few hundred tensors' skeleton
+_HEADER = 64  # bytes: 8 int64 (crc, version, the two skeletons' lengths, 0...); the crc covers the rest
+META_TAG, META2_TAG = 1, 2
+_PART_SHIFT = 20  # tag of message j of slice p: ((p + 1) << 20) + j; the slice's SUMS: the last tag
+
+
+@dataclass(frozen=True)
+class Received:
+    state: dict[str, Any]
+    aux: dict[str, Any]
+    nbytes: int
+    sources: list[int]
+    seconds: float
+    damaged: tuple[int, ...] = ()  # sources whose bytes failed their checksum (the state is not usable)
+    in_place: int = 0  # bytes written straight into the receiver's live tensors (`receive_into`)
+    landed: int = 0  # bytes received into memory the spare touched while it waited (`landing`)
+
+
+class StateTransport(Protocol):
+    def exchange(
+        self,
+        plan: list[Transfer],
+        me: int,
+        snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+        receive_into: Callable[[], Any] | None = None,
+    ) -> Received | None:
+        """Send what `plan` asks of `me` and receive what it gives `me`."""
+
+
+# ---- the layout: which bytes travel in which message -------------------------------------
+class Piece(NamedTuple):
+    """Bytes [lo, hi) of a large tensor, sent from and received into its own storage."""
+
+    tensor: int  # in skeleton order (the state's, then the aux's)
+    lo: int
+    hi: int
+
+
+class Run(NamedTuple):
+    """Small tensors of one dtype at offset `at` of a batch, each at an ALIGN-ed offset
+    (as a fresh allocation would be: the RNG's setter, for one, reads its state as
+    a struct), the gaps zeroed: packed with one cat, handed back as views by one split."""
+
+    dtype: torch.dtype
+    at: int
+    nbytes: int
+    indices: tuple[int, ...]
+
+
+class Message(NamedTuple):
+    nbytes: int
+    piece: Piece | None  # a large tensor's bytes, or
+    runs: tuple[Run, ...]  # a batch of small ones
+
+
+def layout(sizes: Sequence[int], dtypes: Sequence[torch.dtype], n_state: int, parts: int) -> list[list[Message]]:
+    """The messages of each slice `part` of `parts`, from every tensor's bytes and dtype
+    (the state's `n_state` first): what sources and receiver compute alike. A large
+    tensor is cut at the slice bounds (moved down to ALIGN) and into CHUNKs; a small one
+    belongs whole to the slice holding its first byte; the aux goes with slice 0."""
+    total = sum(sizes[:n_state])
+    bounds = [slice_bounds(total, p, parts) for p in range(parts)]
+    small: list[dict[torch.dtype, list[int]]] = [{} for _ in range(parts)]
+    out: list[list[Message]] = [[] for _ in range(parts)]
+    off = 0
+    p = 0  # the slice holding byte `off`
+    for i, n in enumerate(sizes):
+        state = i < n_state
+        if state:
+            while p < parts - 1 and off >= bounds[p][1]:
+                p += 1
+        if n >= SMALL:
+            whole = not state or parts == 1
+            spans = (
+                [(0, 0, n)] if whole else [(q, _cut(a - off, n), _cut(b - off, n)) for q, (a, b) in enumerate(bounds)]
+            )
+            for q, lo, hi in spans:
+                if 0 < hi - lo <= CHUNK:  # the common case, kept cheap: one message
+                    out[q].append(Message(hi - lo, Piece(i, lo, hi), ()))
+                elif hi > lo:
+                    out[q] += [
+                        Message(min(CHUNK, hi - c), Piece(i, c, min(c + CHUNK, hi)), ()) for c in range(lo, hi, CHUNK)
+                    ]
+        elif n:
+            small[p if state else 0].setdefault(dtypes[i], []).append(i)
+        if state:
+            off += n
+    for q in range(parts):
+        out[q] += _batches(small[q], sizes)
+    return out
+
+
+def _cut(x: int, n: int) -> int:
+    """A slice bound inside a tensor of n bytes, moved down to an ALIGN-ed offset (so that
+    every piece starts aligned: memcpy's fast path, and the GPU checksum's int64 view)."""
+    return 0 if x <= 0 else n if x >= n else x - x % ALIGN
+
+
+def _batches(by_dtype: dict[torch.dtype, list[int]], sizes: Sequence[int]) -> list[Message]:
+    out: list[Message] = []
+    runs: list[Run] = []
+    end = 0
+    for dtype, indices in by_dtype.items():
+        run: list[int] = []
+        at = end
+        for i in indices:
+            size = _aligned(sizes[i])
+            if end + size > CHUNK and (runs or run):  # full: close this batch
+                if run:
+                    runs.append(Run(dtype, at, end - at, tuple(run)))
+                out.append(Message(end, None, tuple(runs)))
+                runs, run, at, end = [], [], 0, 0
+            run.append(i)
+            end += size
+        if run:
+            runs.append(Run(dtype, at, end - at, tuple(run)))
+    if runs:
+        out.append(Message(end, None, tuple(runs)))
+    return out
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _tag(part: int, j: int) -> int:
+    if j >= (1 << _PART_SHIFT) - 1:
+        raise ValueError(f"replay slice {part} needs more than {(1 << _PART_SHIFT) - 2} messages")
+    return ((part + 1) << _PART_SHIFT) + j
+
+
+def _sums_tag(part: int) -> int:
+    return ((part + 2) << _PART_SHIFT) - 1
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0  # exchanges under way in this process
+_gc_paused_was = [True]  # whether the GC was on when the first of them began
+
+
+@contextlib.contextmanager
+def gc_paused() -> Any:
+    """Python's cyclic GC off for a bounded burst of allocations (a replay makes thousands
+    of small objects: skeletons, views, works) and on again after the last of the
+    overlapping bursts, if it was on. In a trainer that holds torch and a model, a
+    collection the burst triggers walks every live object (py-spy of a 64 MB replay:
+    ~6 ms of its ~60 in `gc_collect_main`). Reference counting frees everything not in a
+    cycle meanwhile."""
+    global _gc_pausers
+    with _gc_lock:
+        if _gc_pausers == 0:
+            _gc_paused_was[0] = gc.isenabled()
+            gc.disable()
+        _gc_pausers += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pausers -= 1
+            if _gc_pausers == 0 and _gc_paused_was[0]:
+                gc.enable()
+
+
+# ---- waiting ------------------------------------------------------------------------------
+class _InOrder:
+    """Several works waited as one, in order, by whichever thread waits on it (the epoch-
+    watching wait runs one helper thread per work it is given); `then(i)` runs as work i
+    completes, while the later ones are still in flight."""
+
+    def __init__(self, works: list[Any], then: Callable[[int], None] | None = None, keep: Any = None) -> None:
+        self.works, self.then = works, then
+        self.keep = keep  # buffers that must outlive the works
+        self._done = False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for i, w in enumerate(self.works):
+            w.wait()
+            if self.then is not None:
+                self.then(i)
+        self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done
+
+
+def finalize(works: list[Any]) -> None:
+    """Make every posted receive final: after this none writes its memory any more. A
+    failed or cut-off wait does not cancel a gloo receive, nor does aborting its group
+    (its bytes land whenever they come); but a wait that times out closes every
+    connection of its group (gloo's Context::signalException), after which nothing lands,
+    not even a message half read. So one short wait on each: a landed or failed receive
+    returns or raises at once, a posted one times out and takes the connections of its
+    group (the abandoned epoch's) with it."""
+    for w in works:
+        try:
+            w.wait(timedelta(milliseconds=1))
+        except Exception:
+            pass
+
+
+# ---- the transport ------------------------------------------------------------------------
+class P2PTransport:
+    """Point-to-point over a backend group; `wait(work)` waits while watching
+    for a newer epoch (and raises out of the exchange when one comes)."""
+
+    def __init__(
+        self, pg: Any, device: torch.device, wait: Callable[[Any], None], landing: LandingPool | None = None
+    ) -> None:
+        self.pg, self.device, self.wait, self.landing = pg, device, wait, landing
+
+    def exchange(
+        self,
+        plan: list[Transfer],
+        me: int,
+        snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+        receive_into: Callable[[], Any] | None = None,
+    ) -> Received | None:
+        """`receive_into`: called once if `me` receives, before any byte lands; returns the
+        live state whose tensors may be overwritten in place (whatever it returns is in
+        an unknown state if the exchange does not complete)."""
+        sends = sorted((t for t in plan if t.src == me), key=lambda t: (t.dst, t.part))
+        recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.part)
+        assert not (sends and recvs and receive_into is not None), "plan_replay never has a rank send and receive"
+        with gc_paused():
+            sent = _Sender(self, *snapshot()).post(sends) if sends else None
+            got = self._receive(recvs, receive_into) if recvs else None
+            if sent is not None:
+                self.wait(sent)
+        return got
+
+    def _receive(self, recvs: list[Transfer], receive_into: Callable[[], Any] | None = None) -> Received:
+        t0 = time.monotonic()
+        primary, parts = recvs[0].src, recvs[0].parts
+        if [t.part for t in recvs] != list(range(parts)):
+            raise ValueError(f"replay plan gives this rank slices {[t.part for t in recvs]} of {parts}")
+        sources = [t.src for t in recvs]
+        meta = self._recv_meta(primary)
+        if meta is None:  # nothing more can be matched: the source's sends fail at its group's timeout
+            return Received({}, {}, 0, sources, time.monotonic() - t0, (primary,))
+        skel, askel, specs, n_state, n_meta, meta_ok = meta
+        msgs = layout([s.nbytes for s in specs], [s.dtype for s in specs], n_state, parts)
+        # In place on the host only: on NCCL an aborted receive kernel is not known (measured
+        # on no GPU) to have stopped before the next write into the same memory.
+        live = {}
+        if receive_into is not None and self.device.type == "cpu":
+            live = in_place(skel, specs[:n_state], receive_into(), self.device)
+        into = _Destination(specs, self.device, live, self.landing)
+        works: list[Any] = []
+        wires: list[tuple[int, int, torch.Tensor]] = []  # (part, message, bytes) in posting order
+        fresh: list[tuple[int, int, torch.Tensor]] = []  # of them, those into memory never touched
+        for t in recvs:
+            for j, m in enumerate(msgs[t.part]):
+                wires.append((t.part, j, into.wire(m)))
+                if m.piece is None or (m.piece.tensor not in live and m.piece.tensor not in into.landed):
+                    fresh.append(wires[-1])
+        # Fresh pages faulted in ahead of the bytes, in the order they land: the parts'
+        # messages interleaved, as their sources send them at once.
+        populate_ahead([w for _, _, w in sorted(fresh, key=lambda x: (x[1], x[0]))])
+        for p, j, w in wires:
+            works.append(self.pg.recv([w], recvs[p].src, _tag(p, j)))
+        sums = [torch.empty(len(msgs[t.part]), dtype=torch.int64, device=self.device) for t in recvs]
+        works += [self.pg.recv([s], t.src, _sums_tag(t.part)) for t, s in zip(recvs, sums) if s.numel()]
+        mine: dict[tuple[int, int], int] = {}
+
+        def check(i: int) -> None:  # in the waiting thread, as message i lands
+            if i < len(wires):
+                p, j, w = wires[i]
+                mine[(p, j)] = checksum(w)
+
+        # In host memory the views need no data: build the state while the bytes flow.
+        views = into.tensors() if self.device.type == "cpu" else None
+        early = assemble(skel, views[:n_state]) if views is not None else None
+        try:
+            self.wait(_InOrder(works, check))
+        except BaseException:
+            # Cut off (a newer epoch, a dead source): the live tensors are half written, and
+            # a receive still posted would go on writing them. Return only once none can.
+            if live:
+                finalize(works)
+            raise
+        damaged = set() if meta_ok else {primary}
+        for t, s in zip(recvs, sums):
+            if s.numel() and s.cpu().tolist() != [mine[(t.part, j)] for j in range(s.numel())]:
+                damaged.add(t.src)
+        n = sum(s.nbytes for s in specs) + n_meta
+        if damaged:
+            return Received({}, {}, n, sources, time.monotonic() - t0, tuple(sorted(damaged)))
+        views = views if views is not None else into.tensors()
+        state = early if early is not None else assemble(skel, views[:n_state])
+        aux = assemble(askel, [into.own(i, t) for i, t in enumerate(views[n_state:], n_state)])
+        done = sum(specs[i].nbytes for i in live)
+        landed = sum(specs[i].nbytes for i in into.landed)
+        return Received(state, aux, n, sources, time.monotonic() - t0, in_place=done, landed=landed)
+
+    def _recv_meta(self, primary: int) -> tuple[Any, Any, list[Spec], int, int, bool] | None:
+        """-> (state skeleton, aux skeleton, every tensor's Spec, how many are the state's,
+        the skeletons' bytes, whether META's checksum matched), or None when it cannot
+        even be parsed. A mismatched one is still parsed, so that what follows is drained."""
+        meta = torch.empty(META_CAP, dtype=torch.uint8, device=self.device)
+        self.wait(self.pg.recv([meta], primary, META_TAG))
+        crc, version, n_skel, n_askel = (int(x) for x in meta[:_HEADER].view(torch.int64)[:4].tolist())
+        length = _HEADER + n_skel + n_askel
+        if version != VERSION or min(n_skel, n_askel) < 0 or length > (1 << 31):
+            return None
+        if length > META_CAP:
+            tail = torch.empty(length - META_CAP, dtype=torch.uint8, device=self.device)
+            self.wait(self.pg.recv([tail], primary, META2_TAG))
+            meta = torch.cat([meta, tail])
+        ok = checksum(meta[8:length]) == crc
+        body = meta[_HEADER:length].cpu().numpy().tobytes()
+        try:
+            skel, specs = parse(body[:n_skel])
+            askel, aspecs = parse(body[n_skel:])
+        except (ValueError, KeyError, TypeError):
+            return None
+        return skel, askel, specs + aspecs, len(specs), n_skel + n_askel, ok
+
+
+class _Sender:
+    """One source's side: every slice it owes (to one or several receivers), from one
+    snapshot; a slice owed twice is packed and checksummed once."""
+
+    def __init__(self, tr: P2PTransport, state: dict[str, Any], aux: dict[str, Any]) -> None:
+        self.tr = tr
+        skel, ts = skeleton(state)
+        askel, ta = skeleton(aux)
+        self.n_state = len(ts)
+        self.tensors = ts + ta
+        self._on_device = all(t.device == tr.device for t in self.tensors)
+        self._zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=tr.device)
+        self._gaps: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self.meta = self._meta(skel, askel)
+        self._layouts: dict[int, list[list[Message]]] = {}
+        self._raw: dict[int, torch.Tensor] = {}  # large tensors' bytes
+        self._bufs: dict[tuple[int, int, int], torch.Tensor] = {}  # batches
+        self._sums: dict[tuple[int, int], torch.Tensor] = {}
+        self.works: list[Any] = []
+
+    def _meta(self, skel: bytes, askel: bytes) -> torch.Tensor:
+        # Built in Python: a torch fill of 64 KB may wake a thread pool, ms on a busy host.
+        n = _HEADER + len(skel) + len(askel)
+        raw = bytearray(max(n, META_CAP))
+        struct.pack_into("<4q", raw, 8, VERSION, len(skel), len(askel), 0)
+        raw[_HEADER:n] = skel + askel
+        m = torch.frombuffer(raw, dtype=torch.uint8).to(self.tr.device)
+        m[:8] = torch.tensor([checksum(m[8:n])], dtype=torch.int64).view(torch.uint8).to(self.tr.device)
+        return m
+
+    def _layout(self, parts: int) -> list[list[Message]]:
+        if parts not in self._layouts:
+            ts = self.tensors
+            self._layouts[parts] = layout([t.nbytes for t in ts], [t.dtype for t in ts], self.n_state, parts)
+        return self._layouts[parts]
+
+    def _wire(self, parts: int, part: int, j: int) -> torch.Tensor:
+        m = self._layout(parts)[part][j]
+        dev = self.tr.device
+        if m.piece is not None:  # straight from the tensor's storage (moved only if elsewhere)
+            i = m.piece.tensor
+            if i not in self._raw:
+                t = self.tensors[i]
+                self._raw[i] = byte_view(t if t.device == dev else t.to(dev))
+            return self._raw[i][m.piece.lo : m.piece.hi]
+        key = (parts, part, j)
+        if key not in self._bufs:
+            buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
+            for r in m.runs:
+                pieces: list[torch.Tensor] = []
+                for i in r.indices:
+                    t = self.tensors[i].reshape(-1)
+                    pieces.append(t if self._on_device else t.to(dev))
+                    gap = -t.nbytes % ALIGN
+                    if gap:
+                        pieces.append(self._gap(r.dtype, gap))
+                torch.cat(pieces, out=buf[r.at : r.at + r.nbytes].view(r.dtype))
+            self._bufs[key] = buf
+        return self._bufs[key]
+
+    def _gap(self, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        """Zeros filling a batch up to the next tensor's aligned offset (a few dozen kinds)."""
+        key = (dtype, nbytes)
+        if key not in self._gaps:
+            self._gaps[key] = self._zeros[:nbytes].view(dtype)
+        return self._gaps[key]
+
+    def post(self, sends: list[Transfer]) -> _InOrder:
+        """Post META first (the receiver waits for it), then every message; checksum them
+        while they are on the wire and post the sums. -> the works, waited on as one."""
+        pg = self.tr.pg
+        for t in sends:
+            if t.part == 0:
+                self.works.append(pg.send([self.meta[:META_CAP]], t.dst, META_TAG))
+                if self.meta.numel() > META_CAP:
+                    self.works.append(pg.send([self.meta[META_CAP:]], t.dst, META2_TAG))
+        wires: dict[tuple[int, int, int], torch.Tensor] = {}
+        for t in sends:
+            for j in range(len(self._layout(t.parts)[t.part])):
+                w = wires[(t.parts, t.part, j)] = self._wire(t.parts, t.part, j)
+                self.works.append(pg.send([w], t.dst, _tag(t.part, j)))
+        for t in sends:
+            key = (t.parts, t.part)
+            if key not in self._sums:
+                n = len(self._layout(t.parts)[t.part])
+                sums = [checksum(wires[(t.parts, t.part, j)]) for j in range(n)]
+                self._sums[key] = torch.tensor(sums, dtype=torch.int64).to(self.tr.device)
+            if self._sums[key].numel():
+                self.works.append(pg.send([self._sums[key]], t.dst, _sums_tag(t.part)))
+        return _InOrder(self.works, keep=(wires, self.meta, self._sums))
+
+
+class _Destination:
+    """The receiver's tensors: large ones allocated whole and filled piece by piece,
+    small ones of the state views of their batch (the optimizer and `copy_` take any
+    view). The aux's small ones (RNG states) get storage of their own: torch's RNG
+    setters read a view's storage from its start, not from the view's offset. On a GPU
+    the batches (counters, RNG) are handed back in host memory, as those setters expect.
+    A large tensor goes, in this order, into the live tensor `live` names, into one
+    `landing` holds for its dtype and shape (`landed`: their indices), or into new memory."""
+
+    def __init__(
+        self,
+        specs: list[Spec],
+        device: torch.device,
+        live: dict[int, torch.Tensor] | None = None,
+        landing: LandingPool | None = None,
+    ) -> None:
+        self.specs, self.device = specs, device
+        live = live or {}
+        self.landed: set[int] = set()
+        self.out: list[torch.Tensor | None] = []
+        for i, s in enumerate(specs):
+            t = live.get(i)
+            if t is None and s.nbytes >= SMALL and landing is not None:
+                t = landing.take(s.dtype, s.shape, device)
+                if t is not None:
+                    self.landed.add(i)
+            if t is None and (s.nbytes >= SMALL or s.nbytes == 0):
+                t = torch.empty(s.shape, dtype=s.dtype, device=device)
+            self.out.append(t)
+        self.batches: list[tuple[Message, torch.Tensor]] = []
+
+    def wire(self, m: Message) -> torch.Tensor:
+        if m.piece is not None:
+            t = self.out[m.piece.tensor]
+            assert t is not None
+            return byte_view(t)[m.piece.lo : m.piece.hi]
+        buf = torch.empty(m.nbytes, dtype=torch.uint8, device=self.device)
+        self.batches.append((m, buf))
+        return buf
+
+    def own(self, i: int, t: torch.Tensor) -> torch.Tensor:
+        """Tensor i with storage of its own (a copy if it is a view of a batch): once landed."""
+        return t if self.out[i] is not None else t.clone()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor, small ones as views of their batch: on a GPU only once the batches
+        have landed (they are copied to the host), else at once (no data is read)."""
+        out = list(self.out)
+        for m, buf in self.batches:
+            host = buf.cpu()
+            for r in m.runs:
+                flat = host[r.at : r.at + r.nbytes].view(r.dtype)
+                size = flat.element_size()
+                lengths: list[int] = []  # each tensor, then its gap
+                for i in r.indices:
+                    n = self.specs[i].nbytes
+                    lengths += [n // size, -n % ALIGN // size]
+                for i, v in zip(r.indices, torch.split(flat, lengths)[::2]):
+                    shape = self.specs[i].shape
+                    out[i] = v if len(shape) == 1 else v.view(shape)
+        missing = [i for i, t in enumerate(out) if t is None]
+        if missing:
+            raise ValueError(f"replay layout left tensors {missing[:5]} unfilled")
+        return [t for t in out if t is not None]
+
+
+def in_place(skel: Any, specs: Sequence[Spec], live_state: Any, device: torch.device) -> dict[int, torch.Tensor]:
+    """Which received tensors (index -> live tensor) can be written straight into the
+    receiver's own: of those `live_matches` pairs up, a large contiguous one on `device`,
+    no two sharing a byte (tied weights appear under two paths: the second gets memory of
+    its own)."""
+    found = [
+        (t.data_ptr(), t.data_ptr() + specs[i].nbytes, i, t)  # (first byte, end, index, tensor)
+        for i, t in live_matches(skel, specs, live_state).items()
+        if specs[i].nbytes >= SMALL and t.device == device and t.is_contiguous()
+    ]
+    out: dict[int, torch.Tensor] = {}
+    end = -1
+    for lo, hi, i, t in sorted(found, key=lambda f: (f[0], f[2])):
+        if lo >= end:  # overlaps none taken before it
+            out[i], end = t, hi
+    return out
+
+
+def describe(r: Received) -> str:
+    mb = r.nbytes / 1e6
+    rate = mb / r.seconds if r.seconds > 0 else float("inf")
+    where = f", {r.in_place / 1e6:.2f} MB into its live tensors" if r.in_place else ""
+    if r.landed:
+        where += f", {r.landed / 1e6:.2f} MB into memory warmed while it waited"
+    return f"{mb:.2f} MB from ranks {r.sources} in {r.seconds:.3f}s ({rate:.0f} MB/s{where})"
+
+
+__all__ = ["P2PTransport", "Received", "StateTransport", "describe", "layout"]

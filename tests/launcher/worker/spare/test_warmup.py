@@ -1,0 +1,437 @@
+"""A waiting spare's warm-up (launcher/worker/spare/warmup.py, warmup_recipe.py).
+
+The recipe is validated like any input from the store; the warm-up leaves nothing
+behind (no default group, no registered group, the RNG as it was); the mesh the job
+hands out after a warm-up is the warm mesh, re-targeted; and the first real step
+after a warm-up runs no sharding propagation of its own and ends bitwise where a
+cold process ends (real processes: a solo job on a 1 x 1 HSDP mesh)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from launcher.worker.runtime import FETCH_RECIPE_AFTER_S, wait_for_ranks, warmup_plan
+from launcher.worker.spare import recipe as wr
+from launcher.worker.spare.warmup import SpareWarmup, dim_ranks
+from resild.membership import Membership
+
+pytestmark = pytest.mark.timeout(240)  # real processes on 2 loaded cores
+
+SHAPES = [[512, 128], [512], [512, 512], [512], [128, 512], [128]]
+
+
+def recipe_json(mesh_shape: list[int] | None = None, names: list[str] | None = None, **over: Any) -> str:
+    mesh_shape = mesh_shape or [1, 1]
+    n = 1
+    for s in mesh_shape:
+        n *= s
+    params = [
+        {
+            "shape": s,
+            "stride": [s[1], 1] if len(s) == 2 else [1],
+            "dtype": "float32",
+            "placements": [["R", -1], ["S", 0]],
+        }
+        for s in SHAPES
+    ]
+    d: dict[str, Any] = {
+        "mesh": {
+            "ranks": list(range(n)),
+            "shape": mesh_shape,
+            "names": names or ["replicate", "shard"],
+            "device_type": "cpu",
+        },
+        "optimizer": "AdamW",
+        "groups": [
+            {
+                "hp": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "foreach": None},
+                "params": list(range(len(SHAPES))),
+            }
+        ],
+        "params": params,
+    }
+    d.update(over)
+    return json.dumps(d)
+
+
+# ---- the recipe ---------------------------------------------------------------------------
+def test_a_recipe_parses_into_layouts() -> None:
+    r = wr.parse(recipe_json([2, 2]))
+    assert r.mesh_shape == (2, 2) and r.world_size == 4 and r.mesh_names == ("replicate", "shard")
+    assert r.optimizer == "AdamW" and r.groups[0][0]["betas"] == (0.9, 0.999)
+    assert r.params[0].placements == (("R", -1, 1), ("S", 0, 1))
+    assert r.params[0].local_shape(r.mesh_shape) == (256, 128)
+    assert wr.ParamSpec((5, 3), (3, 1), "float32", (("S", 0, 1),)).local_shape((2,)) == (3, 3)  # torch.chunk's first
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "not json",
+        json.dumps({"mesh": {}}),
+        recipe_json(params=[{"shape": [4], "stride": [1], "dtype": "float32", "placements": [["P", 0], ["R", -1]]}]),
+        recipe_json(params=[{"shape": [4], "stride": [1], "dtype": "os.system", "placements": [["R", -1]] * 2}]),
+        recipe_json(params=[{"shape": [4], "stride": [1], "dtype": "float32", "placements": [["S", 3], ["R", -1]]}]),
+        recipe_json(groups=[{"hp": {}, "params": [99]}]),
+        json.dumps({**json.loads(recipe_json()), "mesh": {"ranks": [0, 0], "shape": [2], "names": ["s"]}}),
+    ],
+)
+def test_a_bad_recipe_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError):
+        wr.parse(bad)
+
+
+def test_only_optimizers_of_torch_optim_are_built() -> None:
+    from launcher.worker.spare.warmup import _optimizer_class
+
+    assert _optimizer_class("AdamW") is torch.optim.AdamW
+    for name in ("Optimizer", "lr_scheduler", "nonexistent", "__class__"):
+        with pytest.raises(ValueError):
+            _optimizer_class(name)
+
+
+def test_dim_ranks_are_rank_0s_groups() -> None:
+    r = wr.parse(recipe_json([2, 3]))
+    assert dim_ranks(r, 0) == [0, 3] and dim_ranks(r, 1) == [0, 1, 2]
+
+
+def spare_holding(text: str | None) -> SpareWarmup:
+    w = SpareWarmup(store=None, device=torch.device("cpu"))
+    w._text = text.encode() if text is not None else None  # as its fetch thread leaves it
+    return w
+
+
+def test_a_spare_holding_the_recipe_knows_the_jobs_mesh_groups_before_the_user_asks() -> None:
+    # runtime._recipe_groups forms these with the world group: the labels must be the ones
+    # job.mesh() gives the same mesh on the survivors, or the spare would wait for no one.
+    from launcher.worker.mesh_layout import MeshLayout
+
+    layout = spare_holding(recipe_json([2, 4])).layout(8)
+    assert layout == MeshLayout.build(8, (2, 4), ("replicate", "shard"))
+    assert [layout.group(d, 5) for d in (0, 1)] == [("resild-replicate-1", [1, 5]), ("resild-shard-1", [4, 5, 6, 7])]
+
+
+@pytest.mark.parametrize(
+    "text,world",
+    [
+        (None, 4),  # no recipe (yet): the groups are formed when job.mesh() asks
+        (recipe_json([2, 2]), 8),  # another world size: not this job's mesh
+        ("not json", 4),
+        (
+            json.dumps(
+                {
+                    **json.loads(recipe_json([2, 2])),
+                    "mesh": {**json.loads(recipe_json([2, 2]))["mesh"], "ranks": [1, 0, 2, 3]},
+                }
+            ),
+            4,
+        ),
+    ],
+)
+def test_a_spare_forms_nothing_early_from_no_recipe_a_bad_one_or_another_mesh(text: str | None, world: int) -> None:
+    assert spare_holding(text).layout(world) is None
+
+
+# ---- the warm-up, in a process of its own (it sets and destroys a default group) -----------
+CHILD = r"""
+import json, sys, time
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+import launcher
+from launcher.worker.spare.warmup import SpareWarmup
+
+torch.set_num_threads(1)
+mode, recipe_path, out_path, kind = sys.argv[1:5]
+out = {}
+w = None
+if mode != "cold":
+    w = SpareWarmup(None, torch.device("cpu"))
+    w._text = open(recipe_path).read()
+    rng = torch.get_rng_state()
+    w.run(lambda: mode == "cancelled")
+    out["error"] = w.error
+    out["rng_kept"] = bool(torch.equal(rng, torch.get_rng_state()))
+    out["initialized_after"] = dist.is_initialized()
+    from torch.distributed.distributed_c10d import _world
+    out["groups_left"] = len(_world.pg_names)
+    warm_mesh = w.mesh
+    host = torch.device("cpu")
+    kept = [w.landing.take(torch.float32, s, host) for s in ((512, 128), (512, 512), (128, 512)) for _ in (0, 1)]
+    out["landing"] = [None if t is None else [list(t.shape), bool(t.eq(0).all())] for t in kept]
+    out["landing_left"] = len(w.landing)
+job = launcher.init()  # solo: installs its own default group (refused if the warm-up left one)
+job._warmup = w
+if kind == "tp":  # examples/train_fsdp_tp.py's model: FSDP2 on "shard", tensor parallel on "tp"
+    sys.path.insert(0, "examples")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from train_fsdp_tp import Model, clip_grad_norm
+    mesh = job.mesh((-1, 1), ("shard", "tp"))
+    model = Model(0, 0.0)
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}, src_data_rank=None)
+        fully_shard(b, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    clip = lambda: clip_grad_norm(list(model.parameters()), 1.0)
+else:
+    mesh = job.hsdp_mesh(shard_size=1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 512),
+                                torch.nn.GELU(), torch.nn.Linear(512, 128))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+out["adopted"] = w is not None and mesh is warm_mesh
+out["groups"] = list(mesh._dim_group_names)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+from launcher.worker.spare.recipe import describe
+out["recipe"] = describe(opt, mesh)
+job.attach(model, opt)
+misses = []
+orig = ShardingPropagator.propagate_op_sharding_non_cached
+def counting(self, op_schema):
+    misses.append(str(op_schema.op))
+    return orig(self, op_schema)
+ShardingPropagator.propagate_op_sharding_non_cached = counting
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(16, 128, generator=g), torch.randn(16, 128, generator=g)
+for step in job.steps(3):
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    clip()
+    if step == 0:
+        misses.clear()  # forward/backward run on local tensors; clipping and the step on DTensors
+        t0 = time.monotonic()
+    job.commit()
+    if step == 0:
+        out["first_commit_misses"] = list(misses)
+out["params"] = [p.to_local().detach().tolist() for p in model.parameters()]
+out["state"] = [v.to_local().detach().tolist() for st in opt.state.values() for k, v in sorted(st.items())
+                if k != "step"]
+json.dump(out, open(out_path, "w"))
+"""
+
+
+def _child(tmp: Path, mode: str, recipe: str, kind: str = "hsdp") -> dict[str, Any]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    rp, op = tmp / "recipe.json", tmp / f"{mode}.json"
+    rp.write_text(recipe)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RESILD_CONTROLLER", None)
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(rp), str(op), kind],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        cwd=Path(__file__).resolve().parents[4],
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    out: dict[str, Any] = json.loads(op.read_text())
+    return out
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _child(tmp_path_factory.mktemp("cold"), "cold", recipe_json())
+
+
+def test_after_a_warm_up_the_first_step_propagates_nothing_and_ends_bitwise_as_cold(
+    tmp_path: Path, cold: dict[str, Any]
+) -> None:
+    warm = _child(tmp_path, "warm", recipe_json())
+    assert warm["error"] is None
+    assert warm["rng_kept"] and not warm["initialized_after"] and warm["groups_left"] == 0
+    assert warm["adopted"] and warm["groups"] == cold["groups"] == ["resild-replicate-0", "resild-shard-0"]
+    assert cold["first_commit_misses"], "a cold process's first optimizer step propagates shardings"
+    assert warm["first_commit_misses"] == [], warm["first_commit_misses"]
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+    # The warm-up's AdamW step left both moments of each weight (of the job's shard shapes)
+    # touched for the replay (launcher/worker/transport/landing_pool.py); the biases' are too small to keep.
+    assert warm["landing"] == [[[512, 128], True]] * 2 + [[[512, 512], True]] * 2 + [[[128, 512], True]] * 2
+    assert warm["landing_left"] == 0
+
+
+def test_fsdp2_with_tensor_parallelism_warms_up_on_the_mesh_and_its_slices(tmp_path: Path) -> None:
+    # The FSDP-only parameters live on mesh["shard"], the TP-split ones on the whole mesh:
+    # the recipe names each one's dimensions, the spare cuts the same slices, and adopts them.
+    cold = _child(tmp_path / "cold", "cold", recipe_json(), "tp")
+    recipe = cold["recipe"]
+    assert recipe is not None, "FSDP2 + TP gives a recipe"
+    assert {tuple(p["dims"]) for p in json.loads(recipe)["params"]} == {(0,), (0, 1)}
+    assert cold["first_commit_misses"]
+    warm = _child(tmp_path / "warm", "warm", recipe, "tp")
+    assert warm["error"] is None and warm["adopted"]
+    assert warm["first_commit_misses"] == [], warm["first_commit_misses"]
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+
+
+def tp_recipe_2x2() -> str:
+    """What describe() gives for examples/train_fsdp_tp.py on a 2 x 2 ("shard", "tp") mesh:
+    FSDP2's shard of a dimension TP split is a strided shard."""
+    params = [
+        {"shape": [512, 128], "stride": [128, 1], "dtype": "float32", "placements": [["T", 0, 2], ["S", 0, 1]]},
+        {"shape": [128, 512], "stride": [512, 1], "dtype": "float32", "placements": [["S", 0, 1], ["S", 1, 1]]},
+        {"shape": [128], "stride": [1], "dtype": "float32", "placements": [["S", 0, 1], ["R", -1, 1]]},
+        {"shape": [128], "stride": [1], "dtype": "float32", "placements": [["S", 0, 1]], "dims": [0]},
+    ]
+    return recipe_json([2, 2], ["shard", "tp"], params=params, groups=[{"hp": {"lr": 1e-3}, "params": [0, 1, 2, 3]}])
+
+
+def test_a_tensor_parallel_recipe_parses_with_strided_shards_and_slices() -> None:
+    r = wr.parse(tp_recipe_2x2())
+    assert r.params[0].placements == (("T", 0, 2), ("S", 0, 1))
+    assert r.params[0].local_shape(r.mesh_shape) == (128, 128)
+    assert r.params[3].dims == (0,) and r.params[3].local_shape(r.mesh_shape) == (64,)
+    bad = json.loads(tp_recipe_2x2())
+    bad["params"][3]["dims"] = [2]
+    with pytest.raises(ValueError, match="mesh dimensions"):
+        wr.parse(json.dumps(bad))
+
+
+def test_a_tensor_parallel_warm_up_on_a_2x2_mesh_runs_and_leaves_nothing(tmp_path: Path, cold: dict[str, Any]) -> None:
+    warm = _child(tmp_path, "warm", tp_recipe_2x2())
+    assert warm["error"] is None and not warm["adopted"]  # the job's mesh is 1 x 1
+    assert warm["rng_kept"] and not warm["initialized_after"] and warm["groups_left"] == 0
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+
+
+def test_a_warm_up_for_another_mesh_is_not_adopted_and_changes_nothing(tmp_path: Path, cold: dict[str, Any]) -> None:
+    # 2 x 2: the warm-up's clipping runs DTensor collectives (on its fake groups)
+    warm = _child(tmp_path, "warm", recipe_json([2, 2]))
+    assert warm["error"] is None and not warm["adopted"]
+    assert warm["first_commit_misses"]  # its cache entries are for a mesh the job does not use
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+
+
+def test_a_warm_up_stopped_by_ranks_arriving_still_hands_its_mesh_over(tmp_path: Path, cold: dict[str, Any]) -> None:
+    warm = _child(tmp_path, "cancelled", recipe_json())
+    assert warm["error"] is None and warm["adopted"] and not warm["initialized_after"]
+    assert warm["landing"] == [None] * 6  # stopped before its optimizer step
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+
+
+# ---- the spare's wait -------------------------------------------------------------------------
+class FakeLink:
+    def __init__(self) -> None:
+        self.pending: Membership | None = None
+        self.shutdown: dict[str, Any] | None = None
+        self.cond = threading.Condition()
+
+    def wait(self, pred: Any, timeout_s: float) -> bool:
+        deadline = time.monotonic() + min(timeout_s, 10.0)
+        with self.cond:  # polls, as ControlLink.wait does (every 0.5 s there)
+            while not pred():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(0.05, left))
+            return True
+
+    def take(self) -> Membership | None:
+        m, self.pending = self.pending, None
+        return m
+
+    def announce(self, m: Membership) -> None:
+        with self.cond:
+            self.pending = m
+            self.cond.notify_all()
+
+
+class FakeStore:
+    def __init__(self, value: str | None) -> None:
+        self.value = value
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        if self.value is None:
+            raise RuntimeError("timed out")
+
+    def get(self, key: str) -> bytes:
+        assert key == wr.RECIPE_KEY and self.value is not None
+        return self.value.encode()
+
+
+def _membership(epoch: int, node_ranks: dict[str, tuple[int, ...]]) -> Membership:
+    world = sum(len(r) for r in node_ranks.values())
+    return Membership(epoch=epoch, world_size=world, node_ranks=node_ranks)
+
+
+def test_a_worker_left_waiting_fetches_the_recipe_and_warms_up_before_its_ranks_come() -> None:
+    link = FakeLink()
+    runs: list[bool] = []
+
+    class Probe(SpareWarmup):
+        def run(self, cancelled: Any) -> None:
+            runs.append(cancelled())  # no torch work in this test (it runs in pytest's process)
+            self._done = True
+            link.announce(_membership(2, {"a": (0,), "spare": (1,)}))
+
+    w = Probe(FakeStore(recipe_json([2])), torch.device("cpu"))
+    w_started = threading.Event()
+    orig_start = w.start
+
+    def start() -> None:
+        w_started.set()
+        orig_start()
+
+    w.start = start  # type: ignore[method-assign]
+    link.announce(_membership(1, {"a": (0,), "b": (1,)}))  # an epoch that leaves "spare" out (passed over)
+    m, rank = wait_for_ranks(link, "spare", 0, lambda: None, w, fetch_after_s=0.2)  # type: ignore[arg-type]
+    assert (m.epoch, rank) == (2, 1)
+    assert w_started.is_set() and runs == [False]
+
+
+def test_a_worker_given_ranks_at_once_fetches_nothing() -> None:
+    link = FakeLink()
+    w = SpareWarmup(FakeStore(recipe_json()), torch.device("cpu"))
+    link.announce(_membership(1, {"a": (0,), "b": (1,)}))
+    m, rank = wait_for_ranks(link, "b", 0, lambda: None, w, fetch_after_s=5.0)  # type: ignore[arg-type]
+    assert (m.epoch, rank) == (1, 1) and not w.started
+
+
+def test_a_worker_told_it_is_a_spare_warms_up_before_any_epoch_comes() -> None:
+    """fetch_after_s=0 (the controller's welcome said "spare"): the warm-up starts on the
+    first look, with no membership pending, not after a timer."""
+    link = FakeLink()
+    runs: list[float] = []
+    t0 = time.monotonic()
+
+    class Probe(SpareWarmup):
+        def run(self, cancelled: Any) -> None:
+            runs.append(time.monotonic() - t0)
+            self._done = True
+            link.announce(_membership(2, {"a": (0,), "spare": (1,)}))
+
+    w = Probe(FakeStore(recipe_json([2])), torch.device("cpu"))
+    m, rank = wait_for_ranks(link, "spare", 0, lambda: None, w, fetch_after_s=0.0)  # type: ignore[arg-type]
+    assert (m.epoch, rank) == (2, 1)
+    assert len(runs) == 1 and runs[0] < 1.0  # the 2 s timer of a worker told nothing is not waited
+
+
+@pytest.mark.parametrize(
+    "role,env,plan",
+    [
+        ("spare", {}, (True, 0.0)),  # told it is a spare's: warm up at once
+        ("active", {}, (False, FETCH_RECIPE_AFTER_S)),  # an active worker never fetches the recipe
+        (None, {}, (True, FETCH_RECIPE_AFTER_S)),  # an older controller: the timer, as before
+        ("spare", {"RESILD_SPARE_WARMUP": "0"}, (False, FETCH_RECIPE_AFTER_S)),  # turned off
+    ],
+)
+def test_the_welcomes_role_decides_whether_and_when_a_worker_warms_up(
+    role: str | None, env: dict[str, str], plan: tuple[bool, float]
+) -> None:
+    assert warmup_plan(role, env) == plan
