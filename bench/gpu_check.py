@@ -25,7 +25,7 @@ others still run. Without CUDA every part reports ``{"skipped": "no CUDA"}`` exc
   long, each alone and both together; ``overlap`` = (t_mm + t_copy - t_both) / min(t_mm,
   t_copy): 1 is perfect overlap, 0 none.
 - ``replay_cuda``: ``launcher.worker.transport.codec.flatten`` of a model + Adam state (~256 MB,
-  as ``TrainState.snapshot`` lays it out) on CUDA and ``unflatten`` back on CUDA: GB/s each
+  as ``TrainState.state_view`` lays it out) on CUDA and ``unflatten`` back on CUDA: GB/s each
   and bitwise equality. Adam keeps its ``step`` counters on the CPU next to CUDA parameters;
   the state is first flattened as it is (as the replay sends it) and, if that fails, again
   with every tensor on the GPU, so the part still measures. Then a snapshot rollback's
@@ -306,7 +306,7 @@ def part_replay(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.randn(8, width, device=dev)).square().mean().backward()
     opt.step()
-    # as TrainState.snapshot lays it out
+    # as TrainState.state_view lays it out
     state: dict[str, Any] = {"step": 1, "model": model.state_dict(), "optim": opt.state_dict(), "sched": None}
     state["scaler"] = None
     devices: dict[str, int] = {}
@@ -389,7 +389,7 @@ def _rollback_restore(model: Any, opt: Any, dev: Any) -> dict[str, Any]:
     from launcher.worker.train_state import TrainState
 
     ts = TrainState(model, opt, device=dev)
-    frozen = Frozen.capture(1, 0, ts.snapshot(1), ts.capture_aux()).seal()
+    frozen = Frozen.capture(1, 0, ts.state_view(1), ts.capture_aux()).seal()
     out: dict[str, Any] = {}
     for name in ("thaw", "thaw_into", "thaw", "thaw_into", "thaw", "thaw_into"):
         _sync(dev)
@@ -397,7 +397,7 @@ def _rollback_restore(model: Any, opt: Any, dev: Any) -> dict[str, Any]:
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         t = time.perf_counter()
-        state, aux = frozen.thaw() if name == "thaw" else frozen.thaw_into(ts.snapshot(1))[:2]
+        state, aux = frozen.thaw() if name == "thaw" else frozen.thaw_into(ts.state_view(1))[:2]
         ts.restore(state, aux)
         _sync(dev)
         took = time.perf_counter() - t
@@ -407,7 +407,7 @@ def _rollback_restore(model: Any, opt: Any, dev: Any) -> dict[str, Any]:
         out[f"rollback_{name}_peak_extra_bytes"] = peak
     for name in ("thaw", "thaw_into"):
         out[f"rollback_{name}_s"] = _r(statistics.median(out[f"rollback_{name}_s"][1:]), 5)
-    live, want = ts.snapshot(1)["model"], frozen.thaw()[0]["model"]
+    live, want = ts.state_view(1)["model"], frozen.thaw()[0]["model"]
     out["rollback_equal"] = all(torch.equal(live[k].cpu(), want[k]) for k in want)
     return out
 

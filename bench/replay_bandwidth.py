@@ -10,8 +10,8 @@ loader cursor as aux; a few hundred tensors, sized to ``--mb`` in total.
 
 Paths, timed on the receiver from a barrier to the last byte usable:
 
-- ``direct``: ``P2PTransport.exchange`` as ``Recovery.replay`` drives it (each wait
-  through ``Recovery.wait``, which watches the epoch): tensors sent from their own
+- ``direct``: ``P2PTransport.exchange`` as ``RecoverySequence.replay`` drives it (each wait
+  through ``RecoverySequence.wait``, which watches the epoch): tensors sent from their own
   storage, received into the tensors handed back, checksummed on both sides.
 - ``direct_spare``: what a spare pays to be restored: its model is built (the live
   parameters, touched, as after the training script's model construction; its
@@ -261,7 +261,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
     torch.set_num_threads(1)
     if args["cold"]:
         cold_heap()
-    from launcher.worker.recovery import Recovery
+    from launcher.worker.recovery import RecoverySequence
     from launcher.worker.stable_group import GroupFactory, Interrupts
     from launcher.worker.torch_private import PrefixStore, backend_group, tcp_store
     from launcher.worker.transport import page_prefault as prefault
@@ -269,9 +269,11 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
     timeout = timedelta(seconds=args["timeout_s"])
     store = PrefixStore("resild/e1/world/", tcp_store("127.0.0.1", port, timeout))
     pg = backend_group("gloo", store, rank, world, timeout, "127.0.0.1")
-    rec = Recovery(Interrupts(), GroupFactory("gloo", lambda: None, args["timeout_s"]), torch.device("cpu"), 0.0)
+    rec = RecoverySequence(
+        Interrupts(), GroupFactory("gloo", lambda: None, args["timeout_s"]), torch.device("cpu"), 0.0
+    )
 
-    def managed(w: Any) -> None:  # exactly what Recovery.replay gives the transport
+    def managed(w: Any) -> None:  # exactly what RecoverySequence.replay gives the transport
         rec.wait(w, untimed=True)
 
     def barrier() -> None:
@@ -287,7 +289,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
         state, aux = shard_state(mb, args["layers"], args["width"])
 
         def snapshot(state: dict[str, Any] = state, aux: dict[str, Any] = aux) -> tuple[dict, dict]:
-            return dict(state), dict(aux)  # as TrainState.snapshot: new dicts, the live tensors
+            return dict(state), dict(aux)  # as TrainState.state_view: new dicts, the live tensors
 
         nbytes = state_bytes(state) + state_bytes(aux)
         # A spare's built model (touched, other values), its optimizer empty: what it offers.

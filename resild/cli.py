@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 import click
 
-from resild.daemon.config import ConfigError, load_config
+from resild.health.config import ConfigError, load_config
 from resild.health.model import Verdict
 from resild.wire.protocol import MsgType
 

@@ -7,7 +7,7 @@ it is the node's single health authority: it has the site's configuration (Xid
 overrides, plug-in probes), the privileges (CAP_SYSLOG for the kernel log) and the
 history since boot, so the node process subscribes to it (`DaemonHealth`) and never
 opens NVML itself. Without a daemon, `InProcessHealth` builds the SAME probe set the
-daemon would, from the same configuration (`resild.daemon.config.load_config`: RESILD_CONFIG or
+daemon would, from the same configuration (`resild.health.config.load_config`: RESILD_CONFIG or
 /etc/resild/resild.toml, then RESILD_* variables; `resild.health.probes.build_probes`), so
 Xid overrides and plug-in probes apply to jobs either way.
 
@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any
 
 import resild.wire.env as resild_env
-from resild.daemon.config import Config, ConfigError, load_config
+from resild.events.schema import Detector, health_event_detector
+from resild.health.config import Config, ConfigError, load_config
 from resild.health.model import HealthEvent
 from resild.health.probes import GpuProbe, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
 from resild.wire.local_socket import read_frame, send_frame, unix_path
@@ -84,7 +85,7 @@ def _body(verdict: str, reasons: list[str], detector: str) -> HealthBody:
 class HealthSource:
     """start(), poll() -> latest body or None, stop(); on_change(body) on every change."""
 
-    detector = "unknown"
+    detector = Detector.UNKNOWN.value
 
     def __init__(self, on_change: OnChange) -> None:
         self.on_change = on_change
@@ -128,7 +129,7 @@ class DaemonHealth(HealthSource):
     (daemon restarted, or silent for SILENT_PUSHES keepalives) is reported as "unknown"
     and retried with backoff, forever, until stop()."""
 
-    detector = "daemon"
+    detector = Detector.DAEMON.value
 
     def __init__(self, path: str, on_change: OnChange, *, timeout_s: float = SUBSCRIBE_TIMEOUT_S) -> None:
         super().__init__(on_change)
@@ -231,8 +232,7 @@ class DaemonHealth(HealthSource):
 def _event_detector(ev: HealthEvent) -> str:
     """Named like the node process's events always were ("nvml-xid"): a kernel-log Xid
     on no GPU NVML knows is "kmsg-xid"."""
-    source = "kmsg" if ev.gpu_index is None and ev.kind == "xid" else "nvml"
-    return f"{source}-{ev.kind}"
+    return health_event_detector(ev.kind, kernel_log=ev.gpu_index is None and ev.kind == "xid")
 
 
 def _readable(path: str) -> bool:
@@ -248,7 +248,7 @@ class InProcessHealth(HealthSource):
     on a probe's event (NVML, kernel log). See the module docstring for what is left out.
     `cfg` None: the configuration could not be loaded (`config_error` says why)."""
 
-    detector = "probe-poll"
+    detector = Detector.PROBE_POLL.value
 
     def __init__(
         self,

@@ -38,6 +38,7 @@ import launcher.node.lease as lease
 import resild.wire.env as resild_env
 from launcher.node.node_store import NodeStore
 from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer, leader_heartbeat_due
+from resild.events.schema import Detector
 from resild.procutil import die_with_parent, say
 from resild.wire.exits import CONTROLLER_LOST_EXIT, FENCED_EXIT
 from resild.wire.keys import KeyDir
@@ -188,7 +189,11 @@ class NodeProcess:
             # with the reason; it never starts a worker, and exits when fenced.
             log.error("%s: not qualified: %s", self.node, "; ".join(unqualified))
             self._send_health(
-                {"verdict": "failed", "reasons": [f"not qualified: {r}" for r in unqualified], "detector": "qualify"}
+                {
+                    "verdict": "failed",
+                    "reasons": [f"not qualified: {r}" for r in unqualified],
+                    "detector": Detector.QUALIFY.value,
+                }
             )
         else:
             self._start_probe()

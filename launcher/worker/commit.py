@@ -7,21 +7,42 @@ GradScaler, scheduler). If it is cut off (a latched error, a newer epoch), the
 rank is PREPARED and in doubt: the vote may have completed elsewhere, and only
 the recovery's agreement says whether to roll forward or discard. The phases
 are in `step_state`.
+
+What else happens at a commit (snapshots, fingerprints, disk checkpoints) registers
+as a `CommitHook`: this module imports none of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from launcher.worker.recovery import Agreement
-from launcher.worker.redundancy.snapshot_cadence import SnapshotManager
 from launcher.worker.stable_group import Interrupts, StableGroup
 from launcher.worker.step_state import StepState
 from launcher.worker.train_state import TrainState
 from launcher.worker.transport.state_transport import Received
+
+
+class CommitHook(Protocol):
+    """Runs at every committed step, in registration order, which is the same on every
+    rank (hooks are registered from the job's settings, identical everywhere)."""
+
+    def vote_flag(self) -> int:
+        """This rank's number in the step's commit vote (summed over every rank); 0 if the
+        hook needs none."""
+        ...
+
+    def before_write(self) -> None:
+        """The live state is about to change (a step applied, a state restored)."""
+        ...
+
+    def after_commit(self, step: int, vote_sum: int) -> bool:
+        """The step committed; `vote_sum`: every rank's vote_flag() summed. -> False: the
+        step's state is not fit to keep (a divergence): the hooks after this one skip it."""
+        ...
 
 
 class CommitProtocol:
@@ -37,11 +58,7 @@ class CommitProtocol:
     ) -> None:
         self.steps, self.train, self.group, self.intr = steps, train, group, intr
         self.abandoned = abandoned  # the epoch failed or a newer one was announced: the step is lost
-        self.snap: SnapshotManager | None = None  # peer-memory snapshots, when the job keeps them
-        # Disk checkpoints: this rank's writer flag (checkpoint_cadence.flag), and the vote's
-        # sum of every rank's, which decides alike on every rank whether a due save starts.
-        self.ckpt_flag: Callable[[], int] | None = None
-        self.ckpt_writers = 0
+        self.hooks: list[CommitHook] = []  # launcher.worker.redundancy.coordinator registers them
 
     # ---- one step ------------------------------------------------------------------
     def sync(self) -> None:
@@ -62,27 +79,30 @@ class CommitProtocol:
         if self.abandoned():
             return False
         self.steps.prepare(self.train.capture_aux(), found)
-        # [ranks that saw inf/NaN, ranks whose snapshot exchange is still running,
-        #  ranks whose disk checkpoint is still being written]
-        busy = self.snap.vote_flag() if self.snap is not None else 0
-        writing = self.ckpt_flag() if self.ckpt_flag is not None else 0
-        vote = torch.tensor([found, busy, writing], dtype=torch.int64, device=self.train.device)
+        # [ranks that saw inf/NaN, then each hook's flag: for example ranks whose snapshot
+        #  exchange is still running, ranks whose disk checkpoint is still being written]
+        flags = [found] + [h.vote_flag() for h in self.hooks]
+        vote = torch.tensor(flags, dtype=torch.int64, device=self.train.device)
         self.group.allreduce([vote]).wait()
-        found_sum, busy_sum, writers = (int(x) for x in vote.tolist())
+        found_sum, *sums = (int(x) for x in vote.tolist())
         # Checked after the read: on NCCL wait() only orders streams and the read is what
         # blocks; an abort releases it with garbage, and the error is latched before the abort.
         if self.intr.error is not None:
             return False
         # The vote completed, so every rank synced this step: commit.
         verdict = int(found_sum > 0)
-        self.ckpt_writers = writers
-        if self.snap is not None:
-            self.snap.before_write()
+        self.before_write()
         self.train.apply_step(verdict)
         self.steps.commit(verdict)
-        if self.snap is not None:
-            self.snap.after_commit(self.steps.step, busy_sum)
+        for hook, total in zip(self.hooks, sums, strict=True):
+            if not hook.after_commit(self.steps.step, total):
+                break
         return True
+
+    def before_write(self) -> None:
+        """The live state is about to change: every hook finishes what still reads it."""
+        for hook in self.hooks:
+            hook.before_write()
 
     def commit_alone(self) -> None:
         """A single process (no resil-run): no vote, nothing to replay."""
@@ -104,11 +124,12 @@ class CommitProtocol:
         """The live state a replay may write in place (this rank's own parameters and
         optimizer state, uncopied). From here on this rank holds no step until `resume`."""
         self.steps.discard()
-        return self.train.snapshot(self.steps.step)  # the step in it is not read: only tensors
+        return self.train.state_view(self.steps.step)  # the step in it is not read: only tensors
 
-    def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What a replica sends: the replicated state at the committed step, and its aux."""
-        return self.train.snapshot(self.steps.step), self.steps.committed_aux
+    def replica_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What a replica sends (and a snapshot captures): the replicated state at the
+        committed step, and its aux."""
+        return self.train.state_view(self.steps.step), self.steps.committed_aux
 
     def resume(self, got: Received | None) -> None:
         """Continue from replayed state, or rewind this rank's aux to its last commit."""

@@ -60,7 +60,7 @@ def agree(rows: list[list[int]], floor: int = 0) -> Agreement:
     return Agreement(target, rollers, found, steps)
 
 
-class Recovery:
+class RecoverySequence:
     """Owns the epoch's backends for every StableGroup of this rank."""
 
     def __init__(self, intr: Interrupts, factory: GroupFactory, device: torch.device, bury_s: float) -> None:

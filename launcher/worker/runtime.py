@@ -48,9 +48,14 @@ from launcher.worker.links.agent import AgentLink, agent_endpoint
 from launcher.worker.links.controller import ControlLink, keys_from_env
 from launcher.worker.links.store import LinkStore
 from launcher.worker.mesh_layout import MeshError, MeshLayout
-from launcher.worker.recovery import Recovery, Reformed
+from launcher.worker.recovery import RecoverySequence, Reformed
 from launcher.worker.redundancy.coordinator import Redundancy, RedundancyError
-from launcher.worker.replica_map import NoReplica, ReplicaMap
+from launcher.worker.replica_map import ReplicaMap
+from launcher.worker.sources.base import Need, StateSource, Unavailable
+from launcher.worker.sources.chain import Exhausted
+from launcher.worker.sources.chain import build as build_sources
+from launcher.worker.sources.chain import restore as restore_state
+from launcher.worker.sources.context import SourceContext
 from launcher.worker.spare.recipe import RECIPE_KEY
 from launcher.worker.spare.recipe import describe as describe_recipe
 from launcher.worker.spare.warmup import SpareWarmup
@@ -110,6 +115,7 @@ class Job:
         self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
         self.redundancy_cfg = WorkerRedundancy.from_welcome({})
         self.redundancy: Redundancy | None = None  # snapshots, disk checkpoints, fingerprints (at attach)
+        self._sources: list[StateSource] = []  # where a lost rank's state is restored from (at attach)
         self._per_node = 1  # ranks per node (snapshot placement)
         self.link: ControlLink | None = None
         self._agent: AgentLink | None = None
@@ -136,7 +142,7 @@ class Job:
         self.backend = "gloo"
         self.device = torch.device("cpu")
         store = hash_store()
-        self.rec = Recovery(self.intr, GroupFactory("gloo", lambda: store, 60.0), self.device, 0.0)
+        self.rec = RecoverySequence(self.intr, GroupFactory("gloo", lambda: store, 60.0), self.device, 0.0)
         self._store = store
         self.rank, self.world_size, self.epoch = 0, 1, 1
         self._make_world(store)
@@ -177,7 +183,7 @@ class Job:
             local_store_client=lambda: self._node_store,
             node_ranks=self._node_ranks,
         )
-        self.rec = Recovery(self.intr, factory, self.device, timeout_s + 5.0)
+        self.rec = RecoverySequence(self.intr, factory, self.device, timeout_s + 5.0)
         self._install_excepthook()
         ep = agent_endpoint()
         self._agent = AgentLink(ep, f"{self.node}/rank{self.local_rank}", lambda: self.step).start() if ep else None
@@ -339,9 +345,22 @@ class Job:
             self._fatal,
         )
         try:
-            red.setup(self.state, self.steps_state, self._protocol, self._replica_map(), self._host_group)
+            red.setup(self.state, self.steps_state, self._protocol, self._replica_map, self.group, self._host_group)
         except RedundancyError as e:
             self._fatal(str(e))  # every rank computes the same: stop the job, do not burn spares on it
+        self._sources = build_sources(
+            SourceContext(
+                self.rank,
+                self.world_size,
+                self.rec,
+                self._protocol,
+                self._replica_map,
+                int(self.cfg.get("replay_sources", 2)),
+                red,
+                self._event,
+                self._fatal,
+            )
+        )
 
     def _host_group(self, label: str, timeout_s: float | None = None) -> StableGroup:
         """A gloo group of every rank for host-memory traffic (snapshots, checkpoints), formed
@@ -470,53 +489,31 @@ class Job:
                 continue
 
     def _join(self, t0: float | None = None) -> None:
-        """Agree on the newest committed step; roll forward or receive state: from a
-        replica where one holds it, else by rolling every rank back to a snapshot."""
+        """Agree on the newest committed step; roll forward or restore the state from the
+        first source that has it (launcher.worker.sources: a replica, else a rollback to
+        snapshots, else a disk checkpoint), else stop the job in one line."""
         protocol = self._protocol
         assert protocol is not None
         t0 = t0 or time.monotonic()
         floor = self._floor()
         ag = self.rec.agree(self.rank, self.world_size, self.steps_state.agreement_row(), floor)
-        red = self.redundancy
-        if red is not None:
-            red.before_write()  # rolling forward or restoring writes the live state
+        protocol.before_write()  # rolling forward or restoring writes the live state
         protocol.settle(ag, self.rank)  # roll forward or abandon; the agreed step is computed afresh
         landing = self._landing()
         try:
-            if ag.target < floor:
-                raise NoReplica(
-                    f"every rank holding committed step {floor} was lost (the newest state left is step "
-                    f"{ag.target}): checkpointless recovery is impossible; restart from a disk checkpoint"
-                )
-            target, got = self.rec.replay(
-                ag.steps,
-                self._replica_map(),
-                self.rank,
-                int(self.cfg.get("replay_sources", 2)),
-                protocol.snapshot,
-                protocol.receive_into,
-                landing,
-            )
-            source = "replica"
-        except (NoReplica, ValueError) as e:
-            if red is None:
-                self._fatal(str(e))
-            target, got, source = red.without_replica(ag.target, str(e), landing)
+            done = restore_state(self._sources, Need(ag.target, floor, ag.steps, landing))
+        except (Exhausted, Unavailable) as e:
+            self._fatal(str(e))
         if landing is not None:
             landing.clear()  # this rank holds its state now: the rest is memory no one needs
-        if source == "checkpoint":
-            pass  # the live objects were loaded in place
-        elif target == 0 and red is not None and red.saved_step() is not None:
-            # A fresh start (every rank at step 0) with checkpoints on disk: a requeued or
-            # resubmitted job resumes from the newest, with no user code.
-            target, got, source = red.load_checkpoint("resuming from resild's checkpoints"), None, "checkpoint"
-        else:
+        target, got, source = done.step, done.got, done.source
+        if not done.loaded:
             protocol.resume(got)
-        if red is not None:
-            red.after_join(target)
+        if self.redundancy is not None:
+            self.redundancy.after_join(target)
         if got is not None and got.sources != [self.rank]:  # not a restore of this rank's own snapshot
             # one write (not print's two): the ranks share one stderr pipe
-            sys.stderr.write(f"resild: rank {self.rank} replayed {describe(got)} ({source})\n")
+            sys.stderr.write(f"resild: rank {self.rank} replayed {describe(got)} ({source.value})\n")
             self._event(
                 EventName.STATE_REPLAYED,
                 bytes=got.nbytes,
@@ -524,14 +521,14 @@ class Job:
                 step=target,
                 sources=got.sources,
                 mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1),
-                source=source,
+                source=source.value,
                 in_place_bytes=got.in_place,
                 landed_bytes=got.landed,
             )
         if self.epoch > 1:
             self._progress("joined")
         if self.rank == 0 and self.epoch > 1:
-            self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4), source=source)
+            self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4), source=source.value)
 
     def _landing(self) -> LandingPool | None:
         """What a spare's warm-up touched for its state's tensors with no live home."""
@@ -637,10 +634,8 @@ class Job:
         if red is not None and self.link.inject_diverge:
             self.link.inject_diverge = False
             red.nudge()
-        if protocol.vote():
+        if protocol.vote():  # the after-commit hooks ran in it (snapshots, fingerprints, checkpoints)
             self._progress("commit")
-            if red is not None:
-                red.after_commit(self.step, self._replica_map, self.group)
             return True
         self._recover()
         return False

@@ -89,7 +89,8 @@ class TrainState:
             reset_reducer(ddp, layout)
 
     # ---- replicated state ---------------------------------------------------------
-    def snapshot(self, step: int) -> dict[str, Any]:
+    def state_view(self, step: int) -> dict[str, Any]:
+        """The replicated state at `step`: new dicts around the live tensors (uncopied)."""
         return {
             "step": step,
             "model": to_local(self.model.state_dict()),

@@ -27,7 +27,7 @@ from resild.controller.policy import (
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
 from resild.controller.status import answer
 from resild.controller.view import NodeView, RankProgress
-from resild.events.schema import EventName
+from resild.events.schema import Detector, EventName
 from resild.membership import Membership, NodeRole
 from resild.wire.channel import peer_name
 from resild.wire.keys import JOINER
@@ -219,7 +219,9 @@ class Handlers:
             return
         how = f"signal {-rc}" if rc is not None and rc < 0 else f"code {rc}"
         cause = f"worker {b.local_rank} (pid {b.pid}) exited with {how}"
-        self.effects.decide(on_node_failure(self.s.view, node.node_id, cause, "process-exit", worker_fault=True), now)
+        self.effects.decide(
+            on_node_failure(self.s.view, node.node_id, cause, Detector.PROCESS_EXIT.value, worker_fault=True), now
+        )
 
     def _on_health(self, ident: bytes, node: NodeView, b: Health, now: float) -> None:
         node.health = b.verdict or "unknown"
@@ -227,7 +229,10 @@ class Handlers:
             reasons = b.reasons or ["GPU failed"]
             self.effects.decide(
                 on_node_failure(
-                    self.s.view, node.node_id, "; ".join(reasons), b.detector if b.detector is not None else "gpu-probe"
+                    self.s.view,
+                    node.node_id,
+                    "; ".join(reasons),
+                    b.detector if b.detector is not None else Detector.GPU_PROBE.value,
                 ),
                 now,
             )
@@ -333,7 +338,7 @@ class Handlers:
 
     def _on_fatal(self, ident: bytes, node: NodeView, b: Fatal, now: float) -> None:
         error = b.error if b.error is not None else "no reason given"
-        self.effects.decide(Decision(Action.FAIL_JOB, f"unrecoverable: {error}", detector="runtime"), now)
+        self.effects.decide(Decision(Action.FAIL_JOB, f"unrecoverable: {error}", detector=Detector.RUNTIME.value), now)
 
     def _on_store(self, ident: bytes, node: NodeView, b: StoreRequest, now: float) -> None:
         s = self.s

@@ -45,12 +45,12 @@ from resild.controller.policy import (
 from resild.controller.readmission import readmission
 from resild.controller.records import parse_record
 from resild.controller.refill import refill
-from resild.controller.restore import fold, resume, snapshot, take_over
+from resild.controller.restore import fold, initial, resume, take_over
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
 from resild.controller.status import answer
 from resild.controller.view import ClusterView, JobResult, NodeView
 from resild.events.log import EventLog
-from resild.events.schema import EventName
+from resild.events.schema import Detector, EventName
 from resild.membership import Membership, NodeRole
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
@@ -324,7 +324,8 @@ class Controller:
     def _exits(self, now: float) -> None:
         for node, rc in self.backend.exited_nodes():
             self.effects.decide(
-                on_node_failure(self.view, node, f"node process exited with code {rc}", "process-exit"), now
+                on_node_failure(self.view, node, f"node process exited with code {rc}", Detector.PROCESS_EXIT.value),
+                now,
             )
 
     def _refill(self, now: float) -> None:
@@ -412,7 +413,7 @@ class Controller:
         (they follow the highest lease term) and heartbeat within their interval: a
         node that does not is lost like any silent node."""
         self.restored = True
-        folded = fold(map(parse_record, records), snapshot(self.state))
+        folded = fold(map(parse_record, records), initial(self.state))
         take_over(self.state, folded, now)
         gone = folded.fired - folded.unsettled  # fired and handled: never again
         self.injector.pending = [f for f in self.injector.pending if str(f) not in gone]
@@ -430,7 +431,7 @@ class Controller:
     def resume(self, records: list[dict[str, Any]]) -> None:
         """Start a new run of the job from its journal (restore.resume): the job starts
         again (a `job_started`), with the nodes it had and without the ones it fenced."""
-        folded = fold(map(parse_record, records), snapshot(self.state))
+        folded = fold(map(parse_record, records), initial(self.state))
         resume(self.state, folded)
         self.injector.pending = [f for f in self.injector.pending if str(f) not in folded.fired]
         self.events.emit(

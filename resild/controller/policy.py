@@ -12,6 +12,7 @@ from enum import Enum
 
 from resild.controller.budget import Overage
 from resild.controller.view import ClusterView, NodeView
+from resild.events.schema import Detector
 from resild.membership import Membership, NodeRole
 from resild.wire.settings import Derived, JobSettings
 
@@ -43,14 +44,14 @@ NOTHING = Decision(Action.NONE, "")
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Judgement:
     """A yes/no judgement with its reason (said in the events and the log)."""
 
     guilty: bool
     reason: str = ""
 
 
-INNOCENT = Verdict(False)
+INNOCENT = Judgement(False)
 
 # A node fenced on suspicion (no evidence) is drained at the second strike within this long:
 # one exception is the script's; two on one node within the hour are the node's.
@@ -115,7 +116,7 @@ def on_node_failure(
     Either way the node's ranks are replaced; only the node's own failure is evidence
     that drains it (a hang, like a worker's fault, is not: it may be the script's)."""
     d = _on_node_failure(view, node_id, cause, detector, worker_fault=worker_fault)
-    if worker_fault or detector == "hang":
+    if worker_fault or detector == Detector.HANG.value:
         return replace(d, evidence=False)
     return d
 
@@ -173,9 +174,9 @@ def on_worker_exception(view: ClusterView, node_id: str, error: str, cause: str)
             f"the same exception recurred on {node_id} after a node replacement; "
             f"this looks like a bug in the training script, not a fault: {error}",
             node=node_id,
-            detector="exception",
+            detector=Detector.EXCEPTION.value,
         )
-    return on_node_failure(view, node_id, cause, "exception", worker_fault=True)
+    return on_node_failure(view, node_id, cause, Detector.EXCEPTION.value, worker_fault=True)
 
 
 def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
@@ -202,7 +203,7 @@ def check_probe(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
             Action.REFORM,
             f"a collective failed in epoch {m.epoch} but every node answered the liveness probe: re-forming the group",
             membership=m.bump(),
-            detector="probe",
+            detector=Detector.PROBE.value,
         )
     return NOTHING
 
@@ -251,7 +252,9 @@ def check_heartbeats(now: float, view: ClusterView, cfg: PolicyConfig) -> Decisi
         if node.registered and node.role in (NodeRole.ACTIVE, NodeRole.SPARE):
             silent_s = now - node.last_heartbeat_s
             if silent_s > timeout_s:
-                return on_node_failure(view, node.node_id, f"no heartbeat for {silent_s:.1f}s", "heartbeat")
+                return on_node_failure(
+                    view, node.node_id, f"no heartbeat for {silent_s:.1f}s", Detector.HEARTBEAT.value
+                )
             break
     return NOTHING
 
@@ -282,7 +285,7 @@ def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
             assert node is not None
             last = "never reported" if p is None else f"last step {p.step}, state {p.state}"
             return on_node_failure(
-                view, node, f"hang: rank {rank} made no progress for {stalled_s:.1f}s ({last})", "hang"
+                view, node, f"hang: rank {rank} made no progress for {stalled_s:.1f}s ({last})", Detector.HANG.value
             )
     if stalled_s > 2 * cfg.hang_timeout_s and not excused:
         return Decision(
@@ -300,7 +303,7 @@ def check_done(view: ClusterView) -> Decision:
 
 
 # ---- the controller's own errors (errors.py, loop.py) ----------------------------------
-def give_up_verdict(now: float, failing_since_s: float | None, limit_s: float) -> Verdict:
+def give_up_verdict(now: float, failing_since_s: float | None, limit_s: float) -> Judgement:
     """Whether the controller stops on its own error: its tick has failed on every round
     since `failing_since_s` (None: the last round went through) for `limit_s` or longer.
     That long it could not detect failures (or send leases, or expire rendezvous): a new
@@ -309,7 +312,7 @@ def give_up_verdict(now: float, failing_since_s: float | None, limit_s: float) -
     a key holder's crafted message must not be able to stop the controller."""
     if failing_since_s is None or limit_s <= 0 or now - failing_since_s < limit_s:
         return INNOCENT
-    return Verdict(True, f"the controller's tick failed on every round for {now - failing_since_s:.1f}s")
+    return Judgement(True, f"the controller's tick failed on every round for {now - failing_since_s:.1f}s")
 
 
 # ---- a node that stays over its message budget (budget.py) -----------------------------
@@ -328,14 +331,14 @@ class AbuseLimits:
     bytes: int = 64 << 20
 
 
-def abuse_verdict(now: float, node: str, overages: Sequence[Overage], limits: AbuseLimits) -> Verdict:
+def abuse_verdict(now: float, node: str, overages: Sequence[Overage], limits: AbuseLimits) -> Judgement:
     """Whether `node` is abusive now, from its intervals with drops (budget.Overage)."""
     recent = [o for o in overages if now - o.start_s < limits.window_s]
     messages = sum(o.messages for o in recent)
     nbytes = sum(o.bytes for o in recent)
     if len(recent) < limits.intervals or (messages < limits.messages and nbytes < limits.bytes):
         return INNOCENT
-    return Verdict(
+    return Judgement(
         True,
         f"abuse: {node} stayed over its message budget: messages dropped in {len(recent)} intervals within "
         f"{limits.window_s:g}s ({messages} messages, {nbytes} bytes)",

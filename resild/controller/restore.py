@@ -102,7 +102,7 @@ def fold(records: Iterable[Record], initial: Restored) -> Restored:
     return reduce(apply, records, initial)
 
 
-def snapshot(s: ControllerState) -> Restored:
+def initial(s: ControllerState) -> Restored:
     """Where the fold starts: the controller's state before it read the journal."""
     nodes = s.view.nodes
     return Restored(

@@ -47,9 +47,9 @@ from typing import Any
 import psutil
 import zmq
 
-from resild.daemon.config import Config
 from resild.daemon.metrics import Metrics
-from resild.events.schema import EventName
+from resild.events.schema import Detector, EventName
+from resild.health.config import Config
 from resild.health.model import HealthEvent, Verdict
 from resild.health.probes import Outcome, Probe, ProbeRunner, aggregate, build_probes, start_probes, stop_probes
 from resild.wire.channel import Channel, connect
@@ -184,7 +184,7 @@ def _observe(w: Watched) -> tuple[bool, bool]:
 
 
 @dataclass
-class Snapshot:
+class NodeHealth:
     verdict: Verdict = Verdict.FAILED  # fail closed until the first check has run
     reasons: list[str] = field(default_factory=lambda: ["no check has run yet"])
     outcomes: dict[str, Outcome] = field(default_factory=dict)
@@ -292,7 +292,7 @@ class Agent:
         self.runners = [ProbeRunner(p, cfg.probe_timeout_s) for p in self.probes]
         self.ctx = ctx or zmq.Context()
         self._lock = threading.Lock()
-        self.snap = Snapshot()
+        self.snap = NodeHealth()
         self.procs: dict[int, Watched] = {}
         self._rep: PushServer | None = None
         self._push_seq = Sequencer(f"{cfg.node}/agent")
@@ -397,7 +397,9 @@ class Agent:
         with self._lock:
             if self.snap.verdict is Verdict.FAILED and self.snap.reasons == [reason]:
                 return
-            self.snap = Snapshot(Verdict.FAILED, [reason], self.snap.outcomes, time.monotonic(), self.snap.version + 1)
+            self.snap = NodeHealth(
+                Verdict.FAILED, [reason], self.snap.outcomes, time.monotonic(), self.snap.version + 1
+            )
         try:
             self.metrics.on_node(Verdict.FAILED)
         except Exception:
@@ -436,7 +438,7 @@ class Agent:
         self.metrics.on_outcomes(outcomes)
         self.metrics.on_node(verdict)
         with self._lock:
-            self.snap = Snapshot(verdict, reasons, outcomes, time.monotonic(), self.snap.version + 1)
+            self.snap = NodeHealth(verdict, reasons, outcomes, time.monotonic(), self.snap.version + 1)
 
     # -- main loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -501,15 +503,15 @@ class Agent:
         if self._last_hb_mono is not None:
             self.metrics.heartbeat_age.labels(self.cfg.node).set(now - self._last_hb_mono)
 
-    def _health_body(self, snap: Snapshot) -> dict[str, Any]:
+    def _health_body(self, snap: NodeHealth) -> dict[str, Any]:
         return {
             "node": self.cfg.node,
             "verdict": snap.verdict.value,
             "reasons": _bounded_reasons(snap.reasons),
-            "detector": "resild-agent",
+            "detector": Detector.AGENT.value,
         }
 
-    def _push_health(self, snap: Snapshot, now: float) -> None:
+    def _push_health(self, snap: NodeHealth, now: float) -> None:
         self._last_push_mono = now
         if self._rep is None or not self._rep.subscribers:
             return

@@ -23,6 +23,39 @@ from enum import Enum
 from typing import Any, ClassVar, TypeVar
 
 
+class Detector(str, Enum):
+    """Who saw a failure (`failure_detected`'s `detector`, the HEALTH body's): owned here,
+    as event names are. A health event's detector is `health_event_detector`'s."""
+
+    PROCESS_EXIT = "process-exit"  # the node process saw a worker (or a node process) exit
+    HEARTBEAT = "heartbeat"  # the controller heard nothing from a node for its timeout
+    HANG = "hang"  # a rank made no progress for --hang-timeout
+    EXCEPTION = "exception"  # a worker raised in its training step
+    PROBE = "probe"  # the controller's own probe verdict (and a re-form without a fence)
+    GPU_PROBE = "gpu-probe"  # a HEALTH report that named no detector (an older node)
+    RUNTIME = "runtime"  # a worker's FATAL: the job cannot go on
+    AGENT = "resild-agent"  # the node daemon's verdict
+    DAEMON = "daemon"  # the node process following the daemon (restarted, silent)
+    PROBE_POLL = "probe-poll"  # the node process's own periodic probes (no daemon)
+    QUALIFY = "qualify"  # a joining node's qualification failed
+    UNKNOWN = "unknown"  # no health source could tell
+
+
+def health_event_detector(kind: str, kernel_log: bool) -> str:
+    """The detector of a probe's health event: "nvml-<kind>", or "kmsg-<kind>" for what
+    the kernel log saw on no GPU NVML knows (e.g. "nvml-xid", "kmsg-xid")."""
+    return f"{'kmsg' if kernel_log else 'nvml'}-{kind}"
+
+
+class RestoreSource(str, Enum):
+    """Where a recovery restored a lost rank's state from (`state_replayed`, `resumed`):
+    the worker's restore sources (launcher/worker/sources/) are named by these."""
+
+    REPLICA = "replica"  # a live replica's memory: nothing redone
+    SNAPSHOT = "snapshot"  # every rank rolled back to a peer-memory snapshot
+    CHECKPOINT = "checkpoint"  # every rank loaded resild's newest disk checkpoint
+
+
 class EventName(str, Enum):
     # -- the controller (resild/controller/loop.py, replica.py, journal.py) -------------
     JOB_STARTED = "job_started"
@@ -347,7 +380,7 @@ class Resumed(Record):
     epoch: int | None = None
     step: int | None = None
     seconds: float | None = None
-    source: str | None = None  # "replica" (nothing redone) or "snapshot" (a rollback); older logs: None
+    source: str | None = None  # a RestoreSource value; older logs: None
 
     @classmethod
     def _fields(cls, t: float, rec: Mapping[str, Any]) -> Resumed:
@@ -357,7 +390,7 @@ class Resumed(Record):
             as_int(rec.get("epoch")),
             as_int(rec.get("step")),
             as_float(rec.get("seconds")),
-            src if src in ("replica", "snapshot", "checkpoint") else None,
+            src if src in {s.value for s in RestoreSource} else None,
         )
 
 

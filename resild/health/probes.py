@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from resild.daemon.config import Config, ConfigError
+from resild.health.config import Config, ConfigError
 from resild.health.kmsg import KmsgFollower, KmsgXid, parse_xid_line, pci_bus_key
 from resild.health.model import GpuStatus, HealthEvent, Verdict, worst
 from resild.health.nvml_probe import NvmlProbe, NvmlUnavailable

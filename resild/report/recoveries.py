@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 from resild.events.schema import (
     CollectiveFailed,
+    Detector,
     FailureDetected,
     FaultInjected,
     FullStrengthStep,
@@ -90,7 +91,7 @@ class Recovery:
     committed_step: int | None = None  # the newest committed step at detection
     resumed_step: int | None = None  # the step training restarted from
     steps_redone: int | None = None  # committed before, computed again after; None: not resumed
-    recovered_from: str | None = None  # "replica", "snapshot" (rollback) or "checkpoint" (disk)
+    recovered_from: str | None = None  # a RestoreSource value (resild.events.schema)
     bytes_replayed: int = 0
     replay_s: float | None = None  # the slowest state transfer (a receiver's own seconds)
     phases: dict[str, float] = field(default_factory=dict)  # PHASES -> seconds; {} when training never stopped
@@ -172,7 +173,7 @@ def recoveries(events: Iterable[Mapping[str, Any]]) -> list[Recovery]:
         t_fenced: float | None = None
         t_decided: float | None = None
         if isinstance(e, Reform):
-            kind, ep, cause, detector = REFORM, e.epoch, e.reason, "probe"
+            kind, ep, cause, detector = REFORM, e.epoch, e.reason, Detector.PROBE.value
             t_fence, t_decided = t_det, t_det
         else:
             assigned = _first(ev, SpareAssigned, after=t_det, failed=node)

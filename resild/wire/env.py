@@ -4,7 +4,7 @@ Environment variables are an interface between processes (the node process tells
 workers where things are) and between a user and a process; this module is their one
 list. The README's table is checked against it (tests/resild/wire/test_env.py), and so is
 every RESILD_* name in the code. The node daemon's configuration keys have their own
-prefix, RESILD_CFG_<KEY> (`resild.daemon.config`), so a variable the node process sets
+prefix, RESILD_CFG_<KEY> (`resild.health.config`), so a variable the node process sets
 for its workers can never be read as daemon configuration.
 
     python -m resild.wire.env          # the table, as the README shows it

@@ -21,8 +21,8 @@ import zmq
 
 import resild.daemon.agent as daemon_agent
 from resild.daemon.agent import Agent
-from resild.daemon.config import Config
 from resild.daemon.metrics import Metrics
+from resild.health.config import Config
 from resild.health.model import Verdict
 from resild.health.probes import ProbeResult
 from resild.wire.local_socket import local_request

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from resild.daemon.config import Config
+from resild.health.config import Config
 from resild.health.model import Verdict
 from resild.health.probes import build_probes
 from resild_diskspace import DiskspaceProbe, Thresholds, Usage, judge_usage, make_probe

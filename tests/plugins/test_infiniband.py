@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from resild.daemon.config import Config
+from resild.health.config import Config
 from resild.health.model import Verdict
 from resild.health.probes import ProbeRunner, build_probes
 from resild_infiniband import InfinibandProbe, make_probe

@@ -45,7 +45,7 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class Verdict:
+class Divergence:
     odd: tuple[int, ...]  # ranks outvoted by their replica group's majority
     undecided: tuple[tuple[int, ...], ...]  # groups that disagree with no majority (e.g. two replicas)
 
@@ -54,7 +54,7 @@ class Verdict:
         return not self.odd and not self.undecided
 
 
-def judge(values: list[int], groups: tuple[tuple[int, ...], ...]) -> Verdict:
+def judge(values: list[int], groups: tuple[tuple[int, ...], ...]) -> Divergence:
     """Pure: `values[r]` is rank r's fingerprint; `groups` the replica groups."""
     odd: list[int] = []
     undecided: list[tuple[int, ...]] = []
@@ -71,4 +71,4 @@ def judge(values: list[int], groups: tuple[tuple[int, ...], ...]) -> Verdict:
             odd += [r for r in g if values[r] != top]
         else:
             undecided.append(tuple(g))
-    return Verdict(tuple(sorted(odd)), tuple(undecided))
+    return Divergence(tuple(sorted(odd)), tuple(undecided))

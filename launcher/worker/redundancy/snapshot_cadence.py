@@ -72,13 +72,14 @@ class SnapshotManager:
             return 1
         return FAILED if self.exchanger.failed is not None else 0
 
-    def after_commit(self, step: int, vote: int) -> None:
-        """`vote`: the sum of every rank's vote_flag() in this step's commit vote."""
+    def after_commit(self, step: int, vote_sum: int) -> bool:
+        """`vote_sum`: the sum of every rank's vote_flag() in this step's commit vote.
+        (A commit hook: launcher.worker.commit.CommitHook.)"""
         c = self.cadence
         due = c.last_started is None or step - c.last_started >= c.every
-        if vote >= FAILED:
+        if vote_sum >= FAILED:
             self.exchanger.failed = None
-        done, start = c.on_commit(step, confirmed=vote == 0, failed=vote >= FAILED)
+        done, start = c.on_commit(step, confirmed=vote_sum == 0, failed=vote_sum >= FAILED)
         if done is not None:
             self.store.confirm(done)
         if start:
@@ -95,6 +96,7 @@ class SnapshotManager:
             self.exchanger.start(f)
         elif due:
             self.skipped += 1  # the previous exchange is not confirmed yet: skipped, never queued
+        return True
 
     def before_write(self) -> None:
         """The live state is about to change: a device copy still reading it must finish first."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from launcher.worker.commit import CommitProtocol
-from launcher.worker.recovery import Recovery, Reformed
+from launcher.worker.recovery import RecoverySequence, Reformed
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup
 from launcher.worker.step_state import Phase, StepState
 from launcher.worker.train_state import TrainState
@@ -71,7 +71,7 @@ class _NcclInner(_Group):
 
 def test_an_aborted_agreement_restarts_the_recovery(monkeypatch: pytest.MonkeyPatch) -> None:
     intr = Interrupts()
-    rec = Recovery(intr, GroupFactory("gloo", lambda: None, 10.0), torch.device("cpu"), bury_s=0.0)
+    rec = RecoverySequence(intr, GroupFactory("gloo", lambda: None, 10.0), torch.device("cpu"), bury_s=0.0)
     world = StableGroup("world", [0, 1], 0, intr)
     world.set_backend(_NcclInner())
     rec.groups["world"] = world

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from launcher.worker.recovery import Recovery
+from launcher.worker.recovery import RecoverySequence
 from launcher.worker.stable_group import (
     GroupFactory,
     Interrupts,
@@ -216,7 +216,7 @@ def test_a_future_asked_for_after_the_epoch_failed_is_done_at_once() -> None:
 
 
 def test_a_wait_that_is_not_a_collective_stays_in_flight_across_a_new_epoch() -> None:
-    """Recovery's own waits (forming, aborting the old backends) may still block after the
+    """RecoverySequence's own waits (forming, aborting the old backends) may still block after the
     epoch is interrupted: they count until their owner ends them."""
     intr = Interrupts()
     token = intr.begin_wait()
@@ -285,7 +285,7 @@ class FakeNcclGroup:
 
 def test_a_new_epoch_aborts_the_nccl_communicators_of_the_old_one_off_the_callers_thread() -> None:
     intr = Interrupts()
-    rec = Recovery(intr, GroupFactory("nccl", hash_store, 10.0), torch.device("cpu"), 0.0)
+    rec = RecoverySequence(intr, GroupFactory("nccl", hash_store, 10.0), torch.device("cpu"), 0.0)
     old = FakeNcclGroup()
     g = StableGroup("world", [0], 0, intr)
     g.set_backend(old)

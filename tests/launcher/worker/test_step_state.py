@@ -100,7 +100,7 @@ def test_a_rank_whose_live_state_a_replay_will_write_holds_no_step_until_it_land
     live = {"model": {"w": "the parameters"}}
 
     class Train(_Train):
-        def snapshot(self, step: int) -> dict[str, Any]:
+        def state_view(self, step: int) -> dict[str, Any]:
             return {"step": step, **live}
 
     assert _protocol(st, Train()).receive_into() == {"step": 5, **live}

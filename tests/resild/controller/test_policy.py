@@ -8,8 +8,8 @@ from resild.controller.budget import Budget, Limits
 from resild.controller.policy import (
     AbuseLimits,
     Action,
+    Judgement,
     PolicyConfig,
-    Verdict,
     abuse_verdict,
     check_done,
     check_timeouts,
@@ -269,7 +269,7 @@ def _flood(budget: Budget, node: str, t0: float, seconds: float, per_s: int, siz
     return t0 + seconds
 
 
-def _verdict(budget: Budget, node: str, now: float, limits: AbuseLimits = ABUSE) -> Verdict:
+def _verdict(budget: Budget, node: str, now: float, limits: AbuseLimits = ABUSE) -> Judgement:
     return abuse_verdict(now, node, budget.overages.get(node, ()), limits)
 
 

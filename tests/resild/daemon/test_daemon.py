@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from resild.daemon.agent import Agent, ProcState, Watched, judge_process, sd_notify, watchdog_interval_s
-from resild.daemon.config import Config
+from resild.health.config import Config
 from resild.health.fakenvml import build_fake_nvml, fake_nvml_env
 from resild.health.model import Verdict
 from resild.health.probes import ProbeResult, ProbeRunner, aggregate

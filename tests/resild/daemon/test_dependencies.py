@@ -23,7 +23,7 @@ sys.meta_path.insert(0, Block())
 @pytest.mark.timeout(60)
 def test_the_daemon_and_its_cli_import_without_the_extras() -> None:
     code = BLOCK + (
-        "import resild.cli, resild.daemon.agent, resild.daemon.config, resild.daemon.metrics, resild.health.probes\n"
+        "import resild.cli, resild.daemon.agent, resild.health.config, resild.daemon.metrics, resild.health.probes\n"
         "import resild.health.nvml_probe, resild.health.kmsg, resild.slurm, resild.report.goodput\n"
         "from click.testing import CliRunner\n"
         "r = CliRunner().invoke(resild.cli.cli, ['status', '--help'])\n"

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resild.daemon.agent import Agent
-from resild.daemon.config import Config
+from resild.health.config import Config
 from resild.wire.local_socket import Peer
 from resild.wire.protocol import MAX_FRAME_BYTES, PROTOCOL_VERSION, MsgType, ProtocolError, decode
 from tests.resild.daemon.test_daemon import Flip

@@ -148,3 +148,25 @@ def test_no_bare_event_name_strings_at_emit_sites() -> None:
         for m in bare.finditer(p.read_text())
     ]
     assert found == []
+
+
+def test_detector_names_are_made_only_by_the_schema() -> None:
+    """Every detector the code names is a `Detector` member (or a health event's, built by
+    `health_event_detector`): no free string `detector="..."` anywhere in resild/launcher."""
+    import re
+    from pathlib import Path
+
+    from resild.events.schema import Detector, health_event_detector
+
+    root = Path(__file__).resolve().parents[3]
+    literal = re.compile(r"""detector["']?\s*[:=]=?\s*["'][a-z-]+["']""")
+    found = [
+        f"{p.relative_to(root)}: {m.group(0)}"
+        for top in ("resild", "launcher")
+        for p in (root / top).rglob("*.py")
+        for m in literal.finditer(p.read_text())
+    ]
+    assert not found, found
+    assert {d.value for d in Detector} >= {"process-exit", "heartbeat", "hang", "exception", "resild-agent"}
+    assert health_event_detector("xid", kernel_log=True) == "kmsg-xid"
+    assert health_event_detector("ecc_dbe", kernel_log=False) == "nvml-ecc_dbe"

@@ -93,7 +93,7 @@ def train(live: dict[str, Any], step: int) -> None:
 def test_the_vote_flag_is_one_while_the_exchange_runs() -> None:
     m, ex, live = manager()
     assert m.vote_flag() == 0
-    m.after_commit(1, vote=1)
+    m.after_commit(1, vote_sum=1)
     assert m.vote_flag() == 1
     ex.running = False
     assert m.vote_flag() == 0
@@ -102,7 +102,7 @@ def test_the_vote_flag_is_one_while_the_exchange_runs() -> None:
 def test_a_commit_captures_keeps_and_sends_a_snapshot_of_the_live_state() -> None:
     m, ex, live = manager()
     train(live, 1)
-    m.after_commit(1, vote=1)
+    m.after_commit(1, vote_sum=1)
     assert m.taken == 1 and m.skipped == 0 and m.capture_s >= 0
     (f,) = ex.started
     assert (f.step, f.src) == (1, 2) and m.store.get(2, 1) is f
@@ -113,48 +113,48 @@ def test_a_commit_captures_keeps_and_sends_a_snapshot_of_the_live_state() -> Non
 
 def test_an_unconfirmed_exchange_skips_the_due_snapshots_and_a_confirmed_one_drops_the_older() -> None:
     m, ex, live = manager()
-    m.after_commit(1, vote=1)
-    m.after_commit(2, vote=1)  # the vote said some rank's exchange still runs
-    m.after_commit(3, vote=1)
+    m.after_commit(1, vote_sum=1)
+    m.after_commit(2, vote_sum=1)  # the vote said some rank's exchange still runs
+    m.after_commit(3, vote_sum=1)
     assert (m.taken, m.skipped) == (1, 2)
     assert sorted(m.store.own) == [1]
     ex.running = False
-    m.after_commit(4, vote=0)  # step 1 confirmed everywhere: kept until 4 is confirmed too
+    m.after_commit(4, vote_sum=0)  # step 1 confirmed everywhere: kept until 4 is confirmed too
     assert (m.taken, m.skipped) == (2, 2)
     assert sorted(m.store.own) == [1, 4] and [f.step for f in ex.started] == [1, 4]
-    m.after_commit(5, vote=0)  # 4 confirmed: 1 is no longer needed
+    m.after_commit(5, vote_sum=0)  # 4 confirmed: 1 is no longer needed
     assert sorted(m.store.own) == [4, 5]
     assert m.taken == 3
 
 
 def test_confirm_also_drops_the_older_copies_held_for_others() -> None:
     m, ex, live = manager()
-    m.after_commit(1, vote=1)
+    m.after_commit(1, vote_sum=1)
     m.store.keep_held(Frozen.capture(1, 0, {"w": torch.ones(2)}, {}).seal())
-    m.after_commit(2, vote=0)
+    m.after_commit(2, vote_sum=0)
     m.store.keep_held(Frozen.capture(2, 0, {"w": torch.ones(2)}, {}).seal())
-    m.after_commit(3, vote=0)
+    m.after_commit(3, vote_sum=0)
     assert sorted(m.store.held[0]) == [2] and sorted(m.store.own) == [2, 3]
 
 
 def test_every_n_takes_one_snapshot_per_n_commits_and_counts_no_skip_in_between() -> None:
     m, ex, live = manager(every=4)
     for s in range(1, 10):
-        m.after_commit(s, vote=0)
+        m.after_commit(s, vote_sum=0)
     assert [f.step for f in ex.started] == [1, 5, 9] and (m.taken, m.skipped) == (3, 0)
 
 
 def test_a_recovery_abandons_the_exchange_drops_newer_snapshots_and_snapshots_at_the_next_commit() -> None:
     m, ex, live = manager(every=3)
-    m.after_commit(1, vote=1)
+    m.after_commit(1, vote_sum=1)
     ex.running = False
-    m.after_commit(4, vote=0)
+    m.after_commit(4, vote_sum=0)
     assert sorted(m.store.own) == [1, 4]
     m.abandon()
     assert ex.abandoned == 1
     m.after_recovery(1)  # rolled back to 1: the snapshot of 4 describes a recomputed future
     assert sorted(m.store.own) == [1]
-    m.after_commit(2, vote=1)
+    m.after_commit(2, vote_sum=1)
     assert [f.step for f in ex.started] == [1, 4, 2] and m.taken == 3
 
 
@@ -165,10 +165,10 @@ def test_every_below_one_means_every_commit() -> None:
 
 def test_a_failed_exchange_votes_failed_and_the_next_snapshot_starts_instead_of_waiting_forever() -> None:
     m, ex, _ = manager(every=1)
-    m.after_commit(1, vote=1)  # snapshot of step 1 starts
+    m.after_commit(1, vote_sum=1)  # snapshot of step 1 starts
     ex.running, ex.failed = False, "RuntimeError: peer timed out"
     assert m.vote_flag() == FAILED  # not "done": the copies never arrived
-    m.after_commit(2, vote=FAILED + 1)  # one rank failed, another was still running
+    m.after_commit(2, vote_sum=FAILED + 1)  # one rank failed, another was still running
     assert m.cadence.pending == 2 and [f.step for f in ex.started] == [1, 2]
     assert ex.failed is None
     assert 1 in m.store.own  # never confirmed, so nothing older was dropped on its account

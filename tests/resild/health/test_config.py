@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from resild.daemon.config import Config, ConfigError, load_config
+from resild.health.config import Config, ConfigError, load_config
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resild.daemon.config import _TYPES, Config, ConfigError, env_name, load_config
+from resild.health.config import _TYPES, Config, ConfigError, env_name, load_config
 
 pytestmark = pytest.mark.timeout(120)
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,128 @@
+"""The after-commit hooks that redundancy registers with the commit protocol
+(launcher.worker.commit.CommitHook): replicas' fingerprints compared, and resild's disk
+checkpoints started. Peer-memory snapshots are one too (snapshot_cadence.SnapshotManager).
+Registered snapshots, fingerprints, checkpoints: a diverged step is never saved."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import torch
+
+from launcher.worker.redundancy.checkpoint_cadence import Action, CheckpointCadence, flag
+from launcher.worker.redundancy.disk_checkpoint import DiskCheckpointer
+from launcher.worker.redundancy.fingerprint import fingerprint, judge
+from launcher.worker.replica_map import ReplicaMap
+from launcher.worker.stable_group import StableGroup
+from launcher.worker.step_state import StepState
+from launcher.worker.train_state import TrainState
+from resild.events.schema import EventName
+
+
+class FingerprintHook:
+    """Every `every` steps, every rank's state fingerprint in one all-reduce; a rank its
+    replicas outvote leaves (its node is replaced and the state replayed from them)."""
+
+    def __init__(
+        self,
+        every: int,
+        state: TrainState,
+        replicas: Callable[[], ReplicaMap],
+        group: StableGroup,
+        rank: int,
+        world_size: int,
+        emit: Callable[..., Any],
+        fatal: Callable[[str], NoReturn],
+    ) -> None:
+        self.every, self.state, self.replicas, self.group = every, state, replicas, group
+        self.rank, self.world_size, self.emit, self.fatal = rank, world_size, emit, fatal
+
+    def vote_flag(self) -> int:
+        return 0
+
+    def before_write(self) -> None:
+        pass
+
+    def after_commit(self, step: int, vote_sum: int) -> bool:
+        """-> the replicas agree (or the step was not compared)."""
+        if step % self.every:
+            return True
+        vals = torch.zeros(self.world_size, dtype=torch.int64, device=self.state.device)
+        vals[self.rank] = fingerprint(self.state.state_view(step))
+        self.group.allreduce([vals]).wait()
+        values = vals.cpu().tolist()  # on NCCL the read is what waits: the error is checked after it
+        if self.group._intr.error is not None:
+            return True  # the epoch is failing: the next vote finds out
+        verdict = judge(values, self.replicas().groups)
+        if verdict.clean:
+            return True
+        if self.rank == 0:
+            self.emit(
+                EventName.REPLICA_DIVERGED,
+                step=step,
+                odd=list(verdict.odd),
+                undecided=[list(g) for g in verdict.undecided],
+            )
+        if verdict.undecided:
+            self.fatal(
+                f"replicas {[list(g) for g in verdict.undecided]} hold different state at step {step} and no "
+                "majority says which is right: a faulty device; restart from a checkpoint"
+            )
+        if self.rank in verdict.odd:
+            raise RuntimeError(
+                f"resild: rank {self.rank}'s state diverged from its replicas at step {step} (fingerprints "
+                "differ): a faulty device; this node leaves and a spare takes its ranks"
+            )
+        return False  # the odd ranks leave; the rest wait for the recovery that follows
+
+
+class CheckpointHook:
+    """Starts a due disk checkpoint when the vote says no rank is writing (every rank has
+    the same sum, so every rank decides alike), and reports how saves ended. Never waits:
+    a slow or hung file system defers checkpoints, never training."""
+
+    def __init__(
+        self,
+        ckpt: DiskCheckpointer,
+        cadence: CheckpointCadence,
+        state: TrainState,
+        steps: StepState,
+        rank: int,
+        emit: Callable[..., Any],
+    ) -> None:
+        self.ckpt, self.cadence, self.state, self.steps = ckpt, cadence, state, steps
+        self.rank, self.emit = rank, emit
+
+    def vote_flag(self) -> int:
+        return flag(self.ckpt.busy(), self.ckpt.broken())
+
+    def before_write(self) -> None:
+        pass
+
+    def after_commit(self, step: int, vote_sum: int) -> bool:
+        """`vote_sum`: every rank's writer flag (checkpoint_cadence.flag) summed."""
+        self.report_saves()
+        d = self.cadence.on_commit(step, vote_sum)
+        if d.action is Action.SAVE:
+            self.ckpt.save(step, self.state, self.steps.committed_aux)
+        elif d.first and self.rank == 0:
+            self.emit(EventName.CHECKPOINT_DEFERRED, step=step, due=self.cadence.pending, reason=d.reason)
+        return True
+
+    def report_saves(self) -> None:
+        """Rank 0 says how each save ended: every rank's ends alike (DCP gathers a rank's
+        failure to all, and the COMPLETE confirmation is an all-reduce)."""
+        for o in self.ckpt.take_outcomes():
+            if self.rank != 0:
+                continue
+            if o.result == "saved":
+                self.emit(EventName.CHECKPOINT_SAVED, step=o.step, seconds=round(o.seconds, 4), bytes=o.nbytes)
+            else:
+                self.emit(
+                    EventName.CHECKPOINT_FAILED,
+                    step=o.step,
+                    seconds=round(o.seconds, 4),
+                    abandoned=o.result == "abandoned",
+                    error=o.error,
+                )
