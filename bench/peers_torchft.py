@@ -170,6 +170,9 @@ def run_torchft(
 ) -> dict:
     from torchft.coordination import LighthouseServer
 
+    sys.path.insert(0, str(REPO))  # as run_resild_side: `bench` importable when run as a script
+    from bench.commands import torchrun
+
     prof = PROFILES[profile]
     workdir.mkdir(parents=True, exist_ok=True)
     events = workdir / "events.jsonl"
@@ -195,17 +198,7 @@ def run_torchft(
             }
             log = open(workdir / f"group{g}.log", "wb")
             logs.append(log)
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                str(ppn),
-                "--max-restarts",
-                "3",
-                "--monitor-interval",
-                "0.1",
+            cmd = torchrun(
                 str(HERE),
                 "--worker",
                 "--events",
@@ -220,7 +213,10 @@ def run_torchft(
                 profile,
                 "--seed",
                 str(seed),
-            ]
+                nproc_per_node=ppn,
+                max_restarts=3,
+                monitor_interval=0.1,
+            )
             procs.append(
                 subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )

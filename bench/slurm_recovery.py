@@ -61,6 +61,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.commands import resil_run, shell_line, train
 from bench.common import read_events, select
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,6 +167,22 @@ def run_resild(
     events_path, out = work / "events.jsonl", work / "slurm.out"
     py = sys.executable
     script = work / "job.sh"
+    resil_run_line = shell_line(
+        resil_run(
+            "--heartbeat-timeout",
+            str(heartbeat_timeout),
+            "--events",
+            str(events_path),
+            "--run-dir",
+            f"{work}/run",
+            "--json",
+            local=False,
+            spares=1,
+            nproc_per_node=1,
+            worker=train(steps, f"{work}/final.pt", script="examples/train.py", python=py),
+            python=py,
+        )
+    )
     script.write_text(f"""#!/bin/bash
 #SBATCH -N 3
 #SBATCH --exclusive
@@ -174,9 +191,7 @@ def run_resild(
 #SBATCH -o {out}
 export RESILD_CONTROLLER_HOST=127.0.0.1
 cd {REPO}
-{py} -m launcher.run.cli --spares 1 --nproc-per-node 1 --heartbeat-timeout {heartbeat_timeout} \\
-  --events {events_path} --run-dir {work}/run --json \\
-  -- {py} examples/train.py --steps {steps} --save {work}/final.pt > {work}/summary.json
+{resil_run_line} > {work}/summary.json
 rc=$?
 echo $rc > {work}/rc
 exit $rc
