@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
@@ -139,8 +140,8 @@ def resild_cmd(
     times: Path,
     events: Path,
     run_dir: Path,
-    inject: list[str] = (),
-    worker_extra: list[str] = (),
+    inject: Sequence[str] = (),
+    worker_extra: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
     if nproc % ppn:

@@ -57,6 +57,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 if __package__ in (None, ""):  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -67,6 +68,7 @@ from bench.common import read_events, select
 REPO = Path(__file__).resolve().parent.parent
 BASELINE_JOB = REPO / "bench" / "slurm_baseline_job.sh"
 DEFAULT_LAB = "/tmp/resild-bench-lab"
+T = TypeVar("T")
 LAB_NODES = 4
 
 
@@ -81,8 +83,9 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def _wait(
-    what: str, pred: Callable[[], object], timeout_s: float, log: Path | None = None, poll_s: float = 0.05
-) -> object:
+    what: str, pred: Callable[[], T | None], timeout_s: float, log: Path | None = None, poll_s: float = 0.05
+) -> T:
+    """What `pred` returns once it is true (not None, not empty, not False)."""
     deadline = time.monotonic() + timeout_s
     while True:
         v = pred()
@@ -275,7 +278,9 @@ def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: i
     with _job_guard(lab, jid, res):
         started = _wait("baseline job_started", lambda: _first(jev(), lambda e: e["event"] == "job_started"), 120, out)
         host = started["batch_host"]
-        tasks = _wait("baseline tasks", lambda: (t := select(jev(), "task", attempt=0)) and len(t) >= 2 and t, 120, out)
+        tasks = _wait(
+            "baseline tasks", lambda: t if len(t := select(jev(), "task", attempt=0)) >= 2 else None, 120, out
+        )
         victim = next(t["node"] for t in tasks if t["node"] != host)
         _wait("baseline first step", lambda: len(select(ev(), "step", restart_count=0, step=0)) >= 2, 120, out)
         t_first = max(e["t_wall"] for e in select(ev(), "step", restart_count=0, step=0))
@@ -490,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print(format_table(pairs))
-        for e in errors:
-            print(f"error: {e}")
+        for err in errors:
+            print(f"error: {err}")
     return 1 if errors else 0
 
 
