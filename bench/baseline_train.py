@@ -93,6 +93,12 @@ if _REPO not in sys.path:
 from examples.train import build_model, make_batch  # noqa: E402
 
 
+def _grad(q: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient: every parameter takes part in the loss, so it has one after backward."""
+    assert q.grad is not None
+    return q.grad
+
+
 def save_checkpoint(path: str, model, opt, sched, step: int) -> None:
     """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
     tmp = f"{path}.tmp.{os.getpid()}"
@@ -138,7 +144,7 @@ def main() -> None:
     if args.grad_sync == "ddp":
         # The constructor broadcasts rank 0's parameters: also the barrier that keeps
         # rank 0 from overwriting the checkpoint before every rank has read it.
-        net = torch.nn.parallel.DistributedDataParallel(model)
+        net: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(model)
     else:
         net = model
         dist.barrier()
@@ -165,13 +171,13 @@ def main() -> None:
         loss = F.mse_loss(net(x), y)
         loss.backward()
         if args.grad_sync == "allreduce":
-            flat = torch.cat([q.grad.reshape(-1) for q in params])
+            flat = torch.cat([_grad(q).reshape(-1) for q in params])
             dist.all_reduce(flat)
             flat.div_(world)
             off = 0
             for q in params:
                 n = q.numel()
-                q.grad.copy_(flat[off : off + n].view_as(q))
+                _grad(q).copy_(flat[off : off + n].view_as(q))
                 off += n
         opt.step()
         sched.step()

@@ -48,10 +48,10 @@ def select(events: Iterable[dict], event: str | None = None, **match) -> list[di
     ]
 
 
-def median(xs: Iterable[float]) -> float | None:
-    """Median, or None for an empty sequence."""
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
+def median(xs: Iterable[float | None]) -> float | None:
+    """Median of the values that are not None, or None when there are none."""
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
 
 
 def step_intervals(

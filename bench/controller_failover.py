@@ -47,7 +47,10 @@ from typing import Any
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
-TRAIN = REPO / "examples" / "train.py"
+if str(REPO) not in sys.path:  # run as a script: make `bench` importable
+    sys.path.insert(0, str(REPO))
+
+from bench.commands import resil_run, train  # noqa: E402
 
 
 def say(msg: str) -> None:
@@ -60,15 +63,7 @@ class Job:
     def __init__(self, d: Path, a: argparse.Namespace, controllers: int) -> None:
         d.mkdir(parents=True, exist_ok=True)
         self.mark, self.ev = uuid.uuid4().hex, d / "events.jsonl"
-        cmd = [
-            sys.executable,
-            "-m",
-            "launcher.run.cli",
-            "--local",
-            "--nodes",
-            "3",
-            "--spares",
-            "1",
+        cmd = resil_run(
             "--controllers",
             str(controllers),
             "--heartbeat-timeout",
@@ -81,14 +76,10 @@ class Job:
             str(d / "run"),
             "--json",
             "-q",
-            "--",
-            sys.executable,
-            str(TRAIN),
-            "--steps",
-            str(a.steps),
-            "--save",
-            str(d / "final.pt"),
-        ]
+            nodes=3,
+            spares=1,
+            worker=train(a.steps, d / "final.pt"),
+        )
         self.err = open(d / "stderr.txt", "w")
         self.proc = subprocess.Popen(
             cmd,

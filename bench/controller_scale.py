@@ -74,6 +74,13 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _int_opt(sock: zmq.Socket[Any], opt: int) -> int:
+    """An integer socket option (FD, EVENTS): pyzmq types every option as int | bytes."""
+    v = sock.getsockopt(opt)
+    assert isinstance(v, int)
+    return v
+
+
 def _keys_for(keys_dir: str, node: str) -> Any:
     from resild.wire.keys import KeyDir
 
@@ -121,10 +128,11 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any, ended: Any) -> Non
     class TimedJournal(Journal):  # the decision includes its fsync: report it apart
         fsync_s: list[float] = []
 
-        def append(self, record: Record) -> None:
+        def append(self, record: Record) -> bool:
             t = time.perf_counter()
-            super().append(record)
+            durable = super().append(record)
             self.fsync_s.append(time.perf_counter() - t)
+            return durable
 
     events = EventLog(None)
     ccfg = ControllerConfig(
@@ -238,7 +246,7 @@ def generator_main(
     for name in nodes:
         ch = connect(ctx, endpoint, _keys_for(keys_dir, name), sender=f"{name}/node")
         s = SimNode(name, ch.sock, Sequencer(f"{name}/node"), hb_s=hb_s)
-        fd = ch.sock.getsockopt(zmq.FD)
+        fd = _int_opt(ch.sock, zmq.FD)
         sims[name], by_fd[fd] = s, s
         ep.register(fd, select.EPOLLIN)
     ep.register(conn.fileno(), select.EPOLLIN)
@@ -258,7 +266,7 @@ def generator_main(
 
     def drain(s: SimNode) -> None:
         t_recv = time.monotonic()
-        while s.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while _int_opt(s.sock, zmq.EVENTS) & zmq.POLLIN:
             on_frame(s, s.sock.recv(zmq.NOBLOCK), t_recv)
 
     def hold(s: SimNode, epoch: int, now: float) -> None:
@@ -405,8 +413,10 @@ def relay_hop_s(n_nodes: int, nproc: int, repeats: int = 5) -> float:
     for i in range(min(repeats, n_nodes - 1)):
         new = m.replace(f"n{i + 1}", f"spare{i}")
         delta = new.delta_from(m)
+        assert delta is not None  # a node replaced: the layout changed
         t = time.perf_counter()
         tracker.on_delta(delta)
+        assert tracker.membership is not None
         srv.set_membership(tracker.membership)
         for c in clients:
             msg = wait_for(c, MsgType.MEMBERSHIP, 5.0)

@@ -104,7 +104,7 @@ SOURCES = {
     "runs": "Monte-Carlo repetitions per row",
     "step_s": "training step time (assumption); a fault loses on average half a step in flight",
     "detect_s": "measured: bench/slurm_recovery.py, node crash under real Slurm, liveness probe 0.53-0.55 s "
-    "(process exit 0.03 s and NVML Xid 0.014 s are faster; README Benchmarks)",
+    "(process exit 0.03 s and NVML Xid 0.014 s are faster; docs/benchmarks.md)",
     "hang_fraction": "assumption: share of failures that are hangs, caught only after --hang-timeout",
     "hang_timeout_s": "resil-run --hang-timeout default",
     "fence_s": "measured: bench/recovery.py, failure_detected -> node_fenced < 0.02 s",

@@ -63,6 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make `bench`, `examples`, `launcher` importable
     sys.path.insert(0, str(REPO))
 
+from bench.commands import resil_run  # noqa: E402
 from bench.gpu_common import (  # noqa: E402
     REEXEC_MARK,
     SCRIPT,
@@ -97,9 +98,10 @@ def part_loop(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
         res["plain"] = _read_worker(out, rc, se)
         # (b) resild, world size 1
         out = Path(d) / "resild.json"
-        cmd = [sys.executable, "-m", "launcher.run.cli", "--local", "--nodes", "1", "--spares", "0"]
-        cmd += ["--nproc-per-node", "1", "--json", "--quiet", "--run-dir", str(Path(d) / "run"), "--"]
-        cmd += [*common, "--mode", "resild", "--out", str(out)]
+        worker = [*common, "--mode", "resild", "--out", str(out)]
+        cmd = resil_run(
+            "--json", "--quiet", "--run-dir", str(Path(d) / "run"), nodes=1, spares=0, nproc_per_node=1, worker=worker
+        )
         log(f"loop: resild (resil-run --local, RESILD_BACKEND={backend}), {warmup}+{steps} steps")
         t = time.monotonic()
         rc, so, se = run.spawn(cmd, child_env(RESILD_BACKEND=backend), 180.0)

@@ -257,8 +257,8 @@ def _pair(run: Run, backend: str) -> dict[str, Any]:
                 _killpg(p)
                 p.wait()
                 run.procs.remove(p)
-            for e in errs:
-                e.close()
+            for f in errs:
+                f.close()
         if "error" in res:
             res["rank0_stderr_tail"] = _tail((Path(d) / "rank0.err").read_text(errors="replace"), 2000)
     return res
@@ -339,7 +339,12 @@ def worker_pair(a: argparse.Namespace) -> None:
     if dev.type == "cuda":  # do the device's queues drain after the abort?
         done = threading.Event()
         t = time.perf_counter()
-        threading.Thread(target=lambda: (torch.cuda.synchronize(dev), done.set()), daemon=True).start()
+
+        def drain() -> None:
+            torch.cuda.synchronize(dev)
+            done.set()
+
+        threading.Thread(target=drain, daemon=True).start()
         ok = done.wait(20.0)
         out["cuda_sync_after_abort"] = f"returned in {time.perf_counter() - t:.3f}s" if ok else "hung for 20 s"
         Path(a.out).write_text(json.dumps(out))

@@ -77,10 +77,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.commands import torchrun
 from bench.common import read_events
 from bench.nvrx_train import INPROCESS_PROFILES
 
@@ -92,12 +94,18 @@ NVRX_VERSION = "0.4.1"
 #: termination barrier sometimes crashes on a malformed store value and leaves a rank waiting)
 EXIT_GRACE_S = 30.0
 
+
+class FtlProfile(TypedDict):
+    launcher_args: list[str]  # ft_launcher's own flags, after torchrun's
+    gloo_timeout: float
+
+
 #: ft_launcher settings. "documented": its defaults (monitor interval 0.1 s, workload check 5 s,
 #: heartbeat timeouts 60 / 45 min, NIC monitor on) with recovery.py's torchrun gloo timeout;
 #: "tuned": the launcher's and the rank monitors' intervals and timeouts turned down.
-FTL_PROFILES: dict[str, dict[str, object]] = {
-    "documented": dict(launcher_args=[], gloo_timeout=60.0),
-    "tuned": dict(
+FTL_PROFILES: dict[str, FtlProfile] = {
+    "documented": FtlProfile(launcher_args=[], gloo_timeout=60.0),
+    "tuned": FtlProfile(
         launcher_args=[
             "--monitor-interval",
             "0.02",
@@ -388,16 +396,8 @@ def run_ftl(python: Path, profile: str, a: argparse.Namespace, workdir: Path) ->
         f.unlink(missing_ok=True)
     prof = FTL_PROFILES[profile]
     nproc = 2 * a.nproc_per_node
-    cmd = [
-        str(python),
-        "-m",
-        "nvidia_resiliency_ext.fault_tolerance.launcher",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        "3",
-        *prof["launcher_args"],  # type: ignore[misc]
+    cmd = torchrun(
+        *prof["launcher_args"],
         str(WORKER),
         "--mode",
         "ftl",
@@ -419,7 +419,11 @@ def run_ftl(python: Path, profile: str, a: argparse.Namespace, workdir: Path) ->
         str(prof["gloo_timeout"]),
         "--seed",
         str(a.seed),
-    ]
+        nproc_per_node=nproc,
+        max_restarts=3,
+        module="nvidia_resiliency_ext.fault_tolerance.launcher",
+        python=str(python),
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_CPP_LOG_LEVEL": "error"}
     t0 = time.time()
     with open(workdir / "ft_launcher.log", "wb") as log:

@@ -46,16 +46,28 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, TypedDict
 
 from resild.events.log import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
 
+
+class Profile(TypedDict):
+    quorum_tick_ms: int
+    join_timeout_ms: int
+    heartbeat_timeout_ms: int | None  # None: the lighthouse's default
+    timeout_s: float
+    quorum_timeout_s: float
+    connect_timeout_s: float
+    heartbeat_interval_ms: int
+
+
 # Lighthouse and Manager settings. "documented": torchft's README (lighthouse flags) and the
 # Manager's defaults. "tuned": as low as they go here without breaking a healthy run.
-PROFILES = {
-    "documented": dict(
+PROFILES: dict[str, Profile] = {
+    "documented": Profile(
         quorum_tick_ms=100,
         join_timeout_ms=10000,
         heartbeat_timeout_ms=None,
@@ -64,7 +76,7 @@ PROFILES = {
         connect_timeout_s=60.0,
         heartbeat_interval_ms=100,
     ),
-    "tuned": dict(
+    "tuned": Profile(
         quorum_tick_ms=10,
         join_timeout_ms=100,
         heartbeat_timeout_ms=300,
@@ -137,6 +149,11 @@ def worker(a: argparse.Namespace) -> None:
     )
     _emit(a.events, "ready")
     params = list(model.parameters())
+
+    def grad(p: torch.Tensor) -> torch.Tensor:
+        assert p.grad is not None  # every parameter takes part in the loss
+        return p.grad
+
     while manager.current_step() < a.steps:
         step = manager.current_step()
         if restart == 0 and group == a.kill_group and rank == 0 and step == a.kill_at:
@@ -146,14 +163,14 @@ def worker(a: argparse.Namespace) -> None:
         opt.zero_grad()
         x, y = make_batch(a.seed, step, group * world + rank)  # the same shard as resild's global rank
         F.mse_loss(model(x), y).backward()
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        flat = torch.cat([grad(p).reshape(-1) for p in params])
         dist.all_reduce(flat)  # inside the group
         flat /= world
         manager.allreduce(flat).wait()  # across groups (averaged over the groups taking part)
         off = 0
         for p in params:
             n = p.numel()
-            p.grad.copy_(flat[off : off + n].view_as(p))
+            grad(p).copy_(flat[off : off + n].view_as(p))
             off += n
         if manager.should_commit():
             opt.step()
@@ -169,6 +186,9 @@ def run_torchft(
     profile: str, groups: int, ppn: int, steps: int, kill_at: int, workdir: Path, timeout_s: float, seed: int = 0
 ) -> dict:
     from torchft.coordination import LighthouseServer
+
+    sys.path.insert(0, str(REPO))  # as run_resild_side: `bench` importable when run as a script
+    from bench.commands import torchrun
 
     prof = PROFILES[profile]
     workdir.mkdir(parents=True, exist_ok=True)
@@ -195,17 +215,7 @@ def run_torchft(
             }
             log = open(workdir / f"group{g}.log", "wb")
             logs.append(log)
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                str(ppn),
-                "--max-restarts",
-                "3",
-                "--monitor-interval",
-                "0.1",
+            cmd = torchrun(
                 str(HERE),
                 "--worker",
                 "--events",
@@ -220,7 +230,10 @@ def run_torchft(
                 profile,
                 "--seed",
                 str(seed),
-            ]
+                nproc_per_node=ppn,
+                max_restarts=3,
+                monitor_interval=0.1,
+            )
             procs.append(
                 subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )
@@ -296,10 +309,10 @@ def analyze_torchft(events: list[dict], groups: int) -> dict:
         after = [e for e in commits if e["t_wall"] > t_fault]
         if after:
             res["training_again_s"] = after[0]["t_wall"] - t_fault
-            full = next((e for e in after if e["participants"] == groups), None)
-            res["full_strength_s"] = full["t_wall"] - t_fault if full else None
+            back = next((e for e in after if e["participants"] == groups), None)  # the first at full strength
+            res["full_strength_s"] = back["t_wall"] - t_fault if back else None
             res["steps_reduced"] = sum(
-                1 for e in after if e["participants"] < groups and (full is None or e["t_wall"] < full["t_wall"])
+                1 for e in after if e["participants"] < groups and (back is None or e["t_wall"] < back["t_wall"])
             )
         committed_at_fault = max((e["step"] for e in before), default=0)
         resumed_from = min((e["step"] for e in after), default=committed_at_fault + 1) - 1
@@ -404,13 +417,15 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
     # Ratios resild / peer per run (medians over runs).
-    med = {}
+    med: dict[str, dict[str, list[float]]] = {}
     for r in rows:
         med.setdefault(r["system"], {k: [] for k in COLS})
         for k in COLS:
             if isinstance(r.get(k), (int, float)):
                 med[r["system"]][k].append(float(r[k]))
-    summary = {s: {k: (statistics.median(v) if v else None) for k, v in d.items()} for s, d in med.items()}
+    summary: dict[str, dict[str, Any]] = {
+        s: {k: (statistics.median(v) if v else None) for k, v in d.items()} for s, d in med.items()
+    }
     rs = summary.get("resild (1 hot spare)")
     ratios = {}
     if rs:

@@ -90,11 +90,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.commands import resil_run, train
 from bench.common import median, phase_table, read_events, select
 from bench.torchrun_baseline import run_baseline
 
 REPO = Path(__file__).resolve().parent.parent
-TRAIN = REPO / "examples" / "train.py"
 #: gloo collective timeout of bench/baseline_train.py (its --pg-timeout default): the only
 #: thing that ends a hang under torchrun
 TORCHRUN_HANG_TIMEOUT_S = 60.0
@@ -158,26 +158,11 @@ def resild_command(
         raise ValueError(f"--nproc {nproc} is not a multiple of --nproc-per-node {ppn}")
     active = nproc // ppn
     node = "node1" if active >= 2 else "node0"
-    cmd = [
-        python,
-        "-m",
-        "launcher.run.cli",
-        "--local",
-        "--nodes",
-        str(active + spares),
-        "--spares",
-        str(spares),
-        "--nproc-per-node",
-        str(ppn),
-        "--events",
-        str(events),
-        "--json",
-        "--inject",
-        f"{fault}:{node}@{kill_at}",
-    ]
+    options = ["--events", str(events), "--json", "--inject", f"{fault}:{node}@{kill_at}"]
     if hang_timeout_s is not None:
-        cmd += ["--hang-timeout", str(hang_timeout_s)]
-    cmd += ["--", python, str(TRAIN), "--steps", str(steps)]
+        options += ["--hang-timeout", str(hang_timeout_s)]
+    worker = train(steps, python=python)
+    cmd = resil_run(*options, nodes=active + spares, spares=spares, nproc_per_node=ppn, worker=worker, python=python)
     return cmd, f"local-{node}"
 
 

@@ -276,6 +276,7 @@ def resild_gen_main(
         inflight: dict[int, tuple[int, float]] = {}  # request id -> (lane, sent at)
         lat = array("d")
         errors = forwarded = 0
+        t_last = 0.0  # the last reply's arrival (from t_first on, below)
         # --sides resild-node: each simulated node process's NodeStore (launcher/node/node_store.py,
         # the real class) between its lanes and the controller; its ipc hop is not simulated.
         stores = [NodeStore() for _ in nodes] if through_node else []

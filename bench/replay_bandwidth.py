@@ -558,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'ratio':>6} {'pairs':>6} {'cpu ms':>7} ok"
     )
     for r in results:
-        ok = {True: "yes", False: "NO"}.get(r.get("bitwise_equal"), "-")  # type: ignore[call-overload]
+        eq = r.get("bitwise_equal")  # True, False or None (not compared)
+        ok = "-" if eq is None else "yes" if eq else "NO"
         if r.get("offered_bytes") and not r.get("landed_bytes"):
             ok += " (nothing landed in the warmed memory)"
         print(

@@ -61,11 +61,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.commands import repeated, resil_run, torchrun
 from bench.common import median, phase_table, read_events, select
 from bench.recovery import _parse_summary, analyze_resild
 
@@ -138,66 +140,32 @@ def resild_cmd(
     times: Path,
     events: Path,
     run_dir: Path,
-    inject: list[str] = (),
-    worker_extra: list[str] = (),
+    inject: Sequence[str] = (),
+    worker_extra: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
     if nproc % ppn:
         raise ValueError(f"{nproc} ranks are not a multiple of {ppn} per node")
-    cmd = [
-        python,
-        "-m",
-        "launcher.run.cli",
-        "--local",
-        "--nodes",
-        str(nproc // ppn + spares),
-        "--spares",
-        str(spares),
-        "--nproc-per-node",
-        str(ppn),
+    worker = [python, str(WORKER), "--mode", "resild", "--model", model, "--steps", str(steps), "--times", str(times)]
+    return resil_run(
         "--json",
         "-q",
         "--run-dir",
         str(run_dir),
         "--events",
         str(events),
-    ]
-    for spec in inject:
-        cmd += ["--inject", spec]
-    return cmd + [
-        "--",
-        python,
-        str(WORKER),
-        "--mode",
-        "resild",
-        "--model",
-        model,
-        "--steps",
-        str(steps),
-        "--times",
-        str(times),
-        *worker_extra,
-    ]
+        *repeated("--inject", inject),
+        nodes=nproc // ppn + spares,
+        spares=spares,
+        nproc_per_node=ppn,
+        worker=[*worker, *worker_extra],
+        python=python,
+    )
 
 
 def plain_cmd(model: str, nproc: int, steps: int, times: Path, python: str = sys.executable) -> list[str]:
-    return [
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        str(WORKER),
-        "--mode",
-        "plain",
-        "--model",
-        model,
-        "--steps",
-        str(steps),
-        "--times",
-        str(times),
-    ]
+    worker = [str(WORKER), "--mode", "plain", "--model", model, "--steps", str(steps), "--times", str(times)]
+    return torchrun(*worker, nproc_per_node=nproc, python=python)
 
 
 def step_stats(times_path: Path, warmup: int) -> dict:
@@ -411,23 +379,8 @@ def loopback(nbytes: int, iters: int, workdir: Path, timeout_s: float) -> dict:
     times.unlink(missing_ok=True)
     env = _env()
     env["GLOO_SOCKET_IFNAME"] = "lo"  # 127.0.0.1
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(WORKER),
-        "--mode",
-        "loopback",
-        "--nbytes",
-        str(nbytes),
-        "--iters",
-        str(iters),
-        "--times",
-        str(times),
-    ]
+    worker = [str(WORKER), "--mode", "loopback", "--nbytes", str(nbytes), "--iters", str(iters), "--times", str(times)]
+    cmd = torchrun(*worker, nproc_per_node=2)
     r = _run(cmd, workdir, timeout_s, interrupt=signal.SIGTERM, env=env)
     try:
         secs = json.loads(times.read_text())["seconds"]

@@ -61,6 +61,7 @@ import signal
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,7 +99,7 @@ def ddp_batch(seed: int, step: int, micro: int, rank: int, batch: int = 16) -> t
     return x, torch.tanh(x.roll(1, dims=1))
 
 
-def hsdp_model(seed: int, dropout: float = 0.1) -> torch.nn.Module:
+def hsdp_model(seed: int, dropout: float = 0.1) -> torch.nn.Sequential:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
         torch.nn.Linear(128, 512),
@@ -115,6 +116,7 @@ def hsdp_loader(seed: int, world: int, rank: int, n: int = 4096) -> ResumableLoa
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 128, generator=g)
     ds = TensorDataset(x, torch.tanh(x.roll(3, dims=1)))
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]]
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed)
     return ResumableLoader(StatefulDataLoader(ds, batch_size=16, sampler=sampler))
 
@@ -127,7 +129,10 @@ class Plain:
         dist.init_process_group("gloo")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = None  # DDP's default: the world group
-        self.opt = self.sched = self.scaler = None
+        # attach's: an optimizer, an LR scheduler, an AMP GradScaler (whichever the loop made)
+        self.opt: Any = None
+        self.sched: Any = None
+        self.scaler: Any = None
         self.start = 0  # fsdp: the step a DCP checkpoint resumes at
 
     def mesh(self, shard: int):
@@ -268,6 +273,7 @@ def train_tp(rt, args, record, mark) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     ds, dp = dataset(args.seed), mesh["shard"]
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]]
     sampler = DistributedSampler(ds, num_replicas=dp.size(), rank=dp.get_local_rank(), shuffle=True, seed=args.seed)
     loader = ResumableLoader(StatefulDataLoader(ds, batch_size=16, sampler=sampler))
     mark("built")

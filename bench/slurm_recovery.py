@@ -57,15 +57,18 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 if __package__ in (None, ""):  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.commands import resil_run, shell_line, train
 from bench.common import read_events, select
 
 REPO = Path(__file__).resolve().parent.parent
 BASELINE_JOB = REPO / "bench" / "slurm_baseline_job.sh"
 DEFAULT_LAB = "/tmp/resild-bench-lab"
+T = TypeVar("T")
 LAB_NODES = 4
 
 
@@ -80,8 +83,9 @@ def _jsonl(path: Path) -> list[dict]:
 
 
 def _wait(
-    what: str, pred: Callable[[], object], timeout_s: float, log: Path | None = None, poll_s: float = 0.05
-) -> object:
+    what: str, pred: Callable[[], T | None], timeout_s: float, log: Path | None = None, poll_s: float = 0.05
+) -> T:
+    """What `pred` returns once it is true (not None, not empty, not False)."""
     deadline = time.monotonic() + timeout_s
     while True:
         v = pred()
@@ -166,6 +170,22 @@ def run_resild(
     events_path, out = work / "events.jsonl", work / "slurm.out"
     py = sys.executable
     script = work / "job.sh"
+    resil_run_line = shell_line(
+        resil_run(
+            "--heartbeat-timeout",
+            str(heartbeat_timeout),
+            "--events",
+            str(events_path),
+            "--run-dir",
+            f"{work}/run",
+            "--json",
+            local=False,
+            spares=1,
+            nproc_per_node=1,
+            worker=train(steps, f"{work}/final.pt", script="examples/train.py", python=py),
+            python=py,
+        )
+    )
     script.write_text(f"""#!/bin/bash
 #SBATCH -N 3
 #SBATCH --exclusive
@@ -174,9 +194,7 @@ def run_resild(
 #SBATCH -o {out}
 export RESILD_CONTROLLER_HOST=127.0.0.1
 cd {REPO}
-{py} -m launcher.run.cli --spares 1 --nproc-per-node 1 --heartbeat-timeout {heartbeat_timeout} \\
-  --events {events_path} --run-dir {work}/run --json \\
-  -- {py} examples/train.py --steps {steps} --save {work}/final.pt > {work}/summary.json
+{resil_run_line} > {work}/summary.json
 rc=$?
 echo $rc > {work}/rc
 exit $rc
@@ -260,7 +278,9 @@ def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: i
     with _job_guard(lab, jid, res):
         started = _wait("baseline job_started", lambda: _first(jev(), lambda e: e["event"] == "job_started"), 120, out)
         host = started["batch_host"]
-        tasks = _wait("baseline tasks", lambda: (t := select(jev(), "task", attempt=0)) and len(t) >= 2 and t, 120, out)
+        tasks = _wait(
+            "baseline tasks", lambda: t if len(t := select(jev(), "task", attempt=0)) >= 2 else None, 120, out
+        )
         victim = next(t["node"] for t in tasks if t["node"] != host)
         _wait("baseline first step", lambda: len(select(ev(), "step", restart_count=0, step=0)) >= 2, 120, out)
         t_first = max(e["t_wall"] for e in select(ev(), "step", restart_count=0, step=0))
@@ -475,8 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         print(format_table(pairs))
-        for e in errors:
-            print(f"error: {e}")
+        for err in errors:
+            print(f"error: {err}")
     return 1 if errors else 0
 
 

@@ -103,6 +103,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.commands import torchrun
 from bench.common import median, phase_table, read_events, select
 from bench.sharded import _env, _intervals_by_step, _run, plain_cmd, resild_cmd, step_stats
 from bench.snapshots_analysis import (
@@ -201,17 +202,7 @@ def overhead(args: argparse.Namespace, base: Path, say) -> dict:
 def torchrun_fault_cmd(
     args: argparse.Namespace, nproc: int, workdir: Path, python: str = sys.executable, kill_rank: int | None = None
 ) -> list[str]:
-    return [
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        "1",
-        "--monitor-interval",
-        "0.1",
+    return torchrun(
         str(WORKER),
         "--mode",
         "plain",
@@ -231,7 +222,11 @@ def torchrun_fault_cmd(
         str(workdir / "events.jsonl"),
         "--times",
         str(workdir / "times.json"),
-    ]
+        nproc_per_node=nproc,
+        max_restarts=1,
+        monitor_interval=0.1,
+        python=python,
+    )
 
 
 def _fresh(workdir: Path) -> None:

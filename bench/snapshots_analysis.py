@@ -140,8 +140,8 @@ def overhead_rows(runs: Sequence[dict], variants: Sequence[str]) -> list[dict]:
         )
         # the same repeat's plain run as the yardstick (they ran next to each other)
         pl = {r.get("repeat"): r.get("step_s") for r in by.get("plain", [])}
-        pairs = [_div(r.get("step_s"), pl.get(r.get("repeat"))) for r in rs] if v != "plain" else []
-        pairs = [p for p in pairs if p is not None]
+        ratios = [_div(r.get("step_s"), pl.get(r.get("repeat"))) for r in rs] if v != "plain" else []
+        pairs = [p for p in ratios if p is not None]
         row["pair_ratio_min"], row["pair_ratio_max"] = (min(pairs), max(pairs)) if pairs else (None, None)
         out.append(row)
     return out

@@ -40,9 +40,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: make `bench` importable
     sys.path.insert(0, str(REPO))
 
+from bench.commands import resil_run, train  # noqa: E402
 from bench.soak_system import SystemFault, SystemFaults, Tmpfs, can_mount  # noqa: E402
 
-TRAIN = REPO / "examples" / "train.py"
 ACTIVE = 2  # active nodes (x 1 rank): the reference's world size
 KINDS = ("kill", "exception", "hang", "nodeloss", "xid79", "xid48")
 SPARE_KINDS = ("kill", "nodeloss", "xid79")  # a spare runs no steps: a stopped or raising spare shows nothing
@@ -217,17 +217,7 @@ def run_one(
     nodes, spares = (sched.nodes, sched.spares) if sched else (ACTIVE + 1, 1)
     inject = [a for f in (sched.faults if sched else []) for a in ("--inject", f)]
     system = [SystemFault.parse(x) for x in (sched.system if sched else [])]
-    cmd = [
-        sys.executable,
-        "-m",
-        "launcher.run.cli",
-        "--local",
-        "--nodes",
-        str(nodes),
-        "--spares",
-        str(spares),
-        "--nproc-per-node",
-        "1",
+    cmd = resil_run(
         "--events",
         str(events),
         "--run-dir",
@@ -238,14 +228,11 @@ def run_one(
         str(hang_timeout_s),
         *(["--controllers", str(controllers)] if controllers > 1 else []),
         *inject,
-        "--",
-        sys.executable,
-        str(TRAIN),
-        "--steps",
-        str(steps),
-        "--save",
-        str(save),
-    ]
+        nodes=nodes,
+        spares=spares,
+        nproc_per_node=1,
+        worker=train(steps, save),
+    )
     mark = uuid.uuid4().hex
     env = dict(os.environ, RESILD_SOAK_MARK=mark, PYTHONUNBUFFERED="1")
     disk = Tmpfs(run_dir) if any(f.kind == "diskfull" for f in system) else None

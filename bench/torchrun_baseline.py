@@ -45,6 +45,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.commands import torchrun
 from bench.common import PHASES, median, phase_table, read_events, select, step_intervals
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,17 +73,7 @@ def build_command(
     grad_sync: str = "ddp",
     python: str = sys.executable,
 ) -> list[str]:
-    return [
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(max_restarts),
-        "--monitor-interval",
-        "0.1",
+    return torchrun(
         str(WORKER),
         "--steps",
         str(steps),
@@ -98,7 +89,11 @@ def build_command(
         str(events),
         "--grad-sync",
         grad_sync,
-    ]
+        nproc_per_node=nproc,
+        max_restarts=max_restarts,
+        monitor_interval=0.1,
+        python=python,
+    )
 
 
 def _kill_leftovers(events: list[dict]) -> None:

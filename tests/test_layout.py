@@ -31,8 +31,10 @@ ALLOWED: dict[str, set[str]] = {
         "resild.slurm",
         "resild.procutil",
     },
-    # resil-run hosts the controller and prints its summary from the event log.
+    # resil-run hosts the controller and prints its summary from the event log; it starts
+    # node processes with the command line their package defines.
     "launcher.run": {
+        "launcher.node.command",
         "resild.wire",
         "resild.controller",
         "resild.events",

@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import resild.wire.env as resild_env
+from launcher.node.command import node_command
 from resild.procutil import say
 from resild.wire.keys import JOINER, KeyDir
 from resild.wire.protocol import MsgType
@@ -187,22 +187,9 @@ def run_join_slurm(run_dir: Path, timeout_s: float = JOIN_TIMEOUT_S) -> int:
     info = _check_open(run_dir)
     admitted = ask(run_dir, info, list(alloc.nodes), timeout_s, source=f"slurm:{alloc.job_id}")
     say(f"resil-run: {', '.join(admitted)} (Slurm job {alloc.job_id}) joined job {info.job} as hot spares")
-    node_cmd = [
-        sys.executable,
-        "-m",
-        "launcher.node",
-        "--controller",
-        info.endpoint,
-        "--keys",
-        str((run_dir / "keys").resolve()),
-        "--nproc",
-        str(info.nproc),
-        "--settings",
-        json.dumps(info.settings),
-        "--qualify",
-        "--",
-        *info.cmd,
-    ]
+    node_cmd = node_command(
+        info.endpoint, info.nproc, info.settings, info.cmd, keys=(run_dir / "keys").resolve(), qualify=True
+    )
     argv = slurm.srun_node_launcher_cmd(alloc, admitted, per_node_keys(node_cmd, admitted, mint=False))
     env = {**os.environ, resild_env.ON_CONTROLLER_LOST.name: "cancel"}
     p = subprocess.Popen(argv, env=env, start_new_session=True)

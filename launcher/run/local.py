@@ -7,16 +7,15 @@ that the node's GPU probe reads through the real nvidia-ml-py binding).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import resild.wire.env as resild_env
+from launcher.node.command import node_command
 from resild.controller.backend import Backend
 from resild.procutil import die_with_parent
 from resild.wire.keys import KeyDir, add_node_key
@@ -64,35 +63,26 @@ class LocalCluster(Backend):
 
     def _start(self, node: str, key_path: Path | None, qualify: bool) -> None:
         """One node process, leading its own process group (fencing is one killpg)."""
-        args = [
-            sys.executable,
-            "-m",
-            "launcher.node",
-            "--node",
-            node,
-            "--controller",
-            self._controller,
-            "--nproc",
-            str(self.nproc),
-            "--settings",
-            json.dumps(self.settings.to_dict()),
-        ]
         env = dict(os.environ)
         env.pop(resild_env.KEYS.name, None)  # never inherit another key directory
-        if key_path is not None:
-            args += ["--keys", str(key_path)]
-        if qualify:
-            args += ["--qualify"]
+        control = None
         if self.fake_nvml_dir is not None:
             control = self.run_dir / f"nvml-{node}.ctl"
             extra = [x.strip() for x in os.environ.get(resild_env.LOCAL_NVML.name, "").split(";") if x.strip()]
             control.write_text("\n".join([f"gpus {max(1, self.gpus_per_node)}", *extra]) + "\n")
-            args += ["--nvml-control", str(control)]
             env["LD_LIBRARY_PATH"] = f"{self.fake_nvml_dir}:{env.get('LD_LIBRARY_PATH', '')}"
             env["FAKE_NVML_CONTROL"] = str(control)
-        self.procs[node] = subprocess.Popen(
-            args + ["--"] + self.cmd, env=env, start_new_session=True, preexec_fn=die_with_parent
+        argv = node_command(
+            self._controller,
+            self.nproc,
+            self.settings.to_dict(),
+            self.cmd,
+            node=node,
+            keys=key_path,
+            qualify=qualify,
+            nvml_control=control,
         )
+        self.procs[node] = subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
     def restartable(self) -> frozenset[str]:
         """Our nodes whose node process has exited (fenced: killed; its process group with it)."""

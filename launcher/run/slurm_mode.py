@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import click
 
 import resild.wire.env as resild_env
+from launcher.node.command import node_command
 from resild import slurm
 from resild.controller.faults import FaultSpecError, parse_fault
 from resild.procutil import say
@@ -265,21 +266,7 @@ def run_slurm(
     say(f"resil-run: run dir {rd}")
 
     def node_cmd(endpoint: str, keys_dir: Path) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "launcher.node",
-            "--controller",
-            endpoint,
-            "--keys",
-            str(keys_dir),
-            "--nproc",
-            str(nproc_per_node),
-            "--settings",
-            json.dumps(settings.to_dict()),
-            "--",
-            *cmd,
-        ]
+        return node_command(endpoint, nproc_per_node, settings.to_dict(), cmd, keys=keys_dir)
 
     def make_backend(endpoint: str, keys_dir: Path) -> SlurmBackend:
         return SlurmBackend(alloc, all_nodes, node_cmd(endpoint, keys_dir), run_dir=rd if spare_target else None)

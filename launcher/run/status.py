@@ -5,51 +5,20 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TextIO
 
-from resild.events.schema import EventName, JobFinished, event_time
+from resild.events.schema import RECOVERY_EVENTS, EventName, JobFinished, event_time
 from resild.procutil import say
 from resild.report.checkpoints import CheckpointCounts, checkpoint_counts
-from resild.report.goodput import step_time
+from resild.report.goodput import FailureBreakdown, failure_breakdowns, step_time
 from resild.report.recoveries import Recovery, recoveries
 
 
-@dataclass
-class FailureSummary:
-    node: str | None  # None for a re-form (no node lost)
-    cause: str
-    detector: str
-    fault: str | None
-    detect_s: float | None
-    recovery_s: float | None
-    steps_lost: int | None  # the same number as steps_redone (its older name)
-    bytes_replayed: int
-    replay_s: float | None
-    steps_redone: int | None = None  # committed steps computed again (a rollback redoes the steps since its snapshot)
-    recovered_from: str | None = None  # replica | snapshot | checkpoint
-
-
-def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureSummary], dict[str, Any]]:
-    # The recoveries come from resild.report.recoveries, as `resild report`'s do: the two agree.
-    out = [
-        FailureSummary(
-            node=r.node,
-            cause=r.cause,
-            detector=r.detector,
-            fault=r.fault,
-            detect_s=r.detect_s,
-            recovery_s=r.recovery_s,
-            # Negative would mean the survivors committed more steps before the notice (a GPU
-            # fault leaves processes running): nothing lost either way (recoveries clamps at 0).
-            steps_lost=r.steps_redone,
-            bytes_replayed=r.bytes_replayed,
-            replay_s=r.replay_s,
-            steps_redone=r.steps_redone,
-            recovered_from=r.recovered_from,
-        )
-        for r in recoveries(events)
-    ]
+def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureBreakdown], dict[str, Any]]:
+    # The recoveries are `resild report`'s (resild.report.goodput, from resild.report.recoveries):
+    # the two agree. Steps lost (redone) are clamped at 0: a GPU fault leaves processes running,
+    # so the survivors may commit more steps before the notice.
+    out = failure_breakdowns(events)
     job: dict[str, Any] = {}
     fin_rec = next((e for e in events if e.get("event") == EventName.JOB_FINISHED), None)
     fin = JobFinished.from_record(fin_rec) if fin_rec is not None else None
@@ -74,7 +43,7 @@ def _fmt(v: float | None, unit: str = "s") -> str:
     return "-" if v is None else f"{v:.3f}{unit}"
 
 
-def format_table(failures: list[FailureSummary], job: dict[str, Any]) -> str:
+def format_table(failures: list[FailureBreakdown], job: dict[str, Any]) -> str:
     lines = []
     if failures:
         lines.append(
@@ -85,7 +54,7 @@ def format_table(failures: list[FailureSummary], job: dict[str, Any]) -> str:
             mb = f"{f.bytes_replayed / 1e6:.1f}MB" if f.bytes_replayed else "-"
             lines.append(
                 f"{i:>2} {(f.node or '-'):<13} {(f.fault or '-'):<22} {f.detector:<13} {_fmt(f.detect_s):>8} "
-                f"{_fmt(f.recovery_s):>9} {('-' if f.steps_redone is None else f.steps_redone):>6} "
+                f"{_fmt(f.recovery_s):>9} {('-' if f.steps_lost is None else f.steps_lost):>6} "
                 f"{(f.recovered_from or '-'):<8} {mb:>10}  {f.cause}"
             )
     else:
@@ -102,25 +71,6 @@ def format_table(failures: list[FailureSummary], job: dict[str, Any]) -> str:
 
 
 # ---- live status: one line while the job runs, driven by the event stream -----------------------
-_RECOVERY_EVENTS = frozenset(
-    {
-        EventName.JOB_STARTED,
-        EventName.NODE_REGISTERED,
-        EventName.MEMBERSHIP,
-        EventName.COLLECTIVE_FAILED,
-        EventName.FAULT_INJECTED,
-        EventName.FAILURE_DETECTED,
-        EventName.REFORM,
-        EventName.NODE_FENCED,
-        EventName.SPARE_ASSIGNED,
-        EventName.FULL_STRENGTH_STEP,
-        EventName.GROUP_REFORMED,
-        EventName.STATE_REPLAYED,
-        EventName.RESUMED,
-    }
-)
-
-
 def print_summary(
     code: int, reason: str, events: list[dict[str, Any]], as_json: bool, extra: dict[str, Any] | None = None
 ) -> None:
@@ -129,7 +79,7 @@ def print_summary(
     failures, job = summarize(events)
     if as_json:
         body = {"exit_code": code, "reason": reason, "job": job, **(extra or {})}
-        body["failures"] = [f.__dict__ for f in failures]
+        body["failures"] = [f.summary() for f in failures]
         print(json.dumps(body, indent=2))
     else:
         say(format_table(failures, job))
@@ -177,7 +127,7 @@ class StatusLine:
     def __call__(self, e: dict[str, Any]) -> None:
         name = e.get("event")
         t = float(e.get("t_log", e.get("t_mono", self.clock())))
-        if name in _RECOVERY_EVENTS:
+        if name in RECOVERY_EVENTS:
             self._recovery_events.append(e)
         if name == EventName.JOB_STARTED:
             self.t0, self.nodes = t, list(e.get("nodes") or [])

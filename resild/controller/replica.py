@@ -38,6 +38,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ from resild.controller.faults import parse_fault
 from resild.controller.journal import Journal
 from resild.controller.loop import Controller, ControllerConfig, ControllerFailed
 from resild.controller.records import Closed, Leader
+from resild.controller.view import JobResult
 from resild.events.log import EventLog
 from resild.events.schema import EventName
 from resild.procutil import die_with_parent, say
@@ -267,6 +269,105 @@ def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
     log.warning("%s", slurm.release_job(job_id, f"{result.reason} (batch host lost)", mode))
 
 
+@dataclass(frozen=True)
+class TakeOver:
+    """A replica just elected, Raft's or etcd's: who it is and what the journal holds."""
+
+    spec: dict[str, Any]
+    index: int
+    endpoint: str
+    term: int
+    t_elected: float  # time.monotonic() when the election was won
+    journal: list[dict[str, Any]]  # every record committed so far
+
+    @property
+    def cluster(self) -> bool:
+        return bool(self.spec.get("hosts"))
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The job's records: the journal without the replicas' own (leader, closed)."""
+        return [r for r in self.journal if r.get("action") not in (Leader.ACTION, CLOSED)]
+
+
+def lead(
+    taken: TakeOver,
+    keys: KeyDir | None,
+    ctx: zmq.Context[Any],
+    server: Server,
+    journal: Journal,
+    leadership: Callable[[], bool],
+    resuming: bool = False,
+    failed: Callable[[], None] = lambda: None,
+) -> tuple[Controller, JobResult]:
+    """The take-over, with either consensus: the controller rebuilt from the journal (or, for
+    resil-run --resume, the job started again from it), its leadership said in the event log,
+    then the job run to its verdict, or the verdict said again if the job had ended when the
+    old leader died. A ControllerFailed (the controller's own failure) calls `failed` first."""
+    spec, records = taken.spec, taken.records
+    events = EventLog(Path(spec["events"]))
+    cfg = ControllerConfig(
+        bind=taken.endpoint,
+        settings=JobSettings.from_dict(spec["settings"]),
+        term=taken.term,
+        leader_index=taken.index,
+        # Under Slurm nothing else tells us the node processes are gone
+        # (their workers may still be saving) before we end the allocation.
+        wait_nodes_gone_s=2.0 if taken.cluster else 0.0,
+    )
+    nodes = list(spec["active"]) + list(spec["spares"])
+    ctl = Controller(
+        cfg,
+        list(spec["active"]),
+        list(spec["spares"]),
+        int(spec["nproc"]),
+        keys,
+        events,
+        journal,
+        None,
+        [parse_fault(f) for f in spec.get("faults", [])],
+        ctx=ctx,
+        server=server,
+        leadership=leadership,
+    )
+    ctl.backend = SlurmDrain() if taken.cluster else ProcessNodes(_host_pid_of(ctl), nodes)
+    if resuming:
+        ctl.resume(records)
+    elif records:
+        ctl.restore(records, time.monotonic())
+    events.emit(
+        EventName.CONTROLLER_LEADER,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        term=taken.term,
+        index=taken.index,
+        endpoint=taken.endpoint,
+        restored=len(records),
+        elected_s=round(time.monotonic() - taken.t_elected, 4),
+    )
+    if ctl.result is not None:  # the job had ended when the old leader died: say so again
+        result = ctl.result
+        ctl._finish()
+    else:
+        try:
+            result = ctl.run()
+        except ControllerFailed:
+            events.close()
+            failed()
+            raise
+    events.close()
+    return ctl, result
+
+
+def say_verdict(taken: TakeOver, result: JobResult) -> None:
+    """The leader's verdict, for resil-run (the run directory) and, under Slurm, for the
+    allocation when resil-run is gone."""
+    run_dir = Path(taken.spec["run_dir"])
+    verdict_file.write(run_dir, taken.index, result.exit_code, result.reason)
+    if taken.cluster:
+        end_orphaned_job(run_dir, result)
+
+
 def serve(spec: dict[str, Any], index: int) -> int:
     run_dir = Path(spec["run_dir"])
     verdict_file.reserve(run_dir, index)  # room for the verdict, whatever fills the disk later
@@ -311,56 +412,11 @@ def serve(spec: dict[str, Any], index: int) -> int:
         time.sleep(4 * APPEND_PERIOD_S)  # the last standby learns of `closed` from our appends
         raft.destroy()
         return 0
-    records = [r for r in raft.records if r.get("action") not in (Leader.ACTION, CLOSED)]
-    events = EventLog(Path(spec["events"]))
-    cfg = ControllerConfig(
-        bind=endpoint,
-        settings=JobSettings.from_dict(spec["settings"]),
-        term=term,
-        leader_index=index,
-        # Under Slurm nothing else tells us the node processes are gone
-        # (their workers may still be saving) before we end the allocation.
-        wait_nodes_gone_s=2.0 if cluster else 0.0,
-    )
-    nodes = list(spec["active"]) + list(spec["spares"])
-    ctl = Controller(
-        cfg,
-        list(spec["active"]),
-        list(spec["spares"]),
-        int(spec["nproc"]),
-        keys,
-        events,
-        RaftJournal(raft),
-        None,
-        [parse_fault(f) for f in spec.get("faults", [])],
-        ctx=ctx,
-        server=server,
-        leadership=raft._isLeader,
-    )
-    ctl.backend = SlurmDrain() if cluster else ProcessNodes(lambda n: ctl.view.nodes[n].host_pid, nodes)
-    if records:
-        ctl.restore(records, time.monotonic())
-    events.emit(
-        EventName.CONTROLLER_LEADER,
-        pid=os.getpid(),
-        host=socket.gethostname(),
-        term=term,
-        index=index,
-        endpoint=endpoint,
-        restored=len(records),
-        elected_s=round(time.monotonic() - t_elected, 4),
-    )
-    if ctl.result is not None:  # the job had ended when the old leader died: say so again
-        result = ctl.result
-        ctl._finish()
-    else:
-        result = ctl.run()
-    events.close()
+    taken = TakeOver(spec, index, endpoint, term, t_elected, raft.records)
+    ctl, result = lead(taken, keys, ctx, server, RaftJournal(raft), raft._isLeader)
     if ctl.deposed:
         return 1
-    verdict_file.write(run_dir, index, result.exit_code, result.reason)
-    if cluster:
-        end_orphaned_job(run_dir, result)
+    say_verdict(taken, result)
     # Tell the standbys the job is over, or they elect one of themselves the moment we go
     # (which would say the verdict again, late). Not committed (we die first): they take over,
     # which is right, since nodes might still need the SHUTDOWN.
@@ -416,13 +472,11 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
     """The replica with etcd: stand by, lead when elected, stand by again when deposed."""
     run_dir = Path(spec["run_dir"])
     keys = KeyDir(Path(spec["keys"])) if spec.get("keys") else None
-    cluster = bool(spec.get("hosts"))
     target = EtcdTarget.from_dict(spec["etcd"])
     etcd = Etcd(target)
     follower = Follower(etcd, target.prefix, run_dir / f"journal-{index}.jsonl")
     election = Election(etcd, target.prefix, index, os.getpid(), ttl_s=int(spec.get("lease_ttl_s", 1)))
     bind = server.endpoint  # the address bound (a wildcard under Slurm): bound again after a deposition
-    nodes = list(spec["active"]) + list(spec["spares"])
     log.info("replica %d: standing by (%s, etcd %s)", index, endpoint, ",".join(target.endpoints))
     while True:
         if stand_by(server, follower, election, index) is Standing.CLOSED:
@@ -437,70 +491,25 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
             election.resign()
             continue
         say(f"resild controller replica (pid {os.getpid()}): leader (term {term}) at t_mono {time.monotonic():.3f}")
-        records = [r for r in follower.records if r.get("action") not in (Leader.ACTION, CLOSED)]
         # resil-run --resume: the first leader of the new run starts the job again from the
         # journal; a later one takes over from it as usual.
         at = spec.get("resume_records")
         resuming = at is not None and all(r.get("action") == Leader.ACTION for r in follower.records[int(at) :])
-        events = EventLog(Path(spec["events"]))
-        cfg = ControllerConfig(
-            bind=endpoint,
-            settings=JobSettings.from_dict(spec["settings"]),
-            term=term,
-            leader_index=index,
-            wait_nodes_gone_s=2.0 if cluster else 0.0,
-        )
-        ctl = Controller(
-            cfg,
-            list(spec["active"]),
-            list(spec["spares"]),
-            int(spec["nproc"]),
-            keys,
-            events,
-            journal,
-            None,
-            [parse_fault(f) for f in spec.get("faults", [])],
-            ctx=ctx,
-            server=server,
-            leadership=election.holds,
-        )
-        ctl.backend = SlurmDrain() if cluster else ProcessNodes(_host_pid_of(ctl), nodes)
-        if resuming:
-            ctl.resume(records)
-        elif records:
-            ctl.restore(records, time.monotonic())
-        events.emit(
-            EventName.CONTROLLER_LEADER,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            term=term,
-            index=index,
-            endpoint=endpoint,
-            restored=len(records),
-            elected_s=round(time.monotonic() - t_elected, 4),
-        )
-        if ctl.result is not None:  # the job had ended when the old leader died: say so again
-            result = ctl.result
-            ctl._finish()
-        else:
-            try:
-                result = ctl.run()
-            except ControllerFailed:
-                # Our own failure, not the job's: no verdict, nobody told to shut down. The lease
-                # goes now (a standby leads at once, not when it expires) and we exit, as with Raft.
-                events.close()
-                election.resign()
-                follower.close()
-                raise
-        events.close()
+        taken = TakeOver(spec, index, endpoint, term, t_elected, follower.records)
+
+        def failed() -> None:
+            # Our own failure, not the job's: no verdict, nobody told to shut down. The lease
+            # goes now (a standby leads at once, not when it expires) and we exit, as with Raft.
+            election.resign()
+            follower.close()
+
+        ctl, result = lead(taken, keys, ctx, server, journal, election.holds, resuming=resuming, failed=failed)
         if ctl.deposed:  # another replica leads now: stand by again, on the same endpoint
             election.resign()
             say(f"resild controller replica (pid {os.getpid()}): deposed at t_mono {time.monotonic():.3f}; standing by")
             server = Server(ctx, bind, keys)
             continue
-        verdict_file.write(run_dir, index, result.exit_code, result.reason)
-        if cluster:
-            end_orphaned_job(run_dir, result)
+        say_verdict(taken, result)
         # Tell the standbys the job is over, or they elect one of themselves the moment we go
         # (which would say the verdict again, late). Not committed: they take over, which is
         # right, since nodes might still need the SHUTDOWN.

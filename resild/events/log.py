@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from resild.events.schema import EventName
+from resild.events.schema import RECOVERY_EVENTS, EventName
 
 log = logging.getLogger("resild.events")
 
@@ -34,30 +34,15 @@ RECENT_PROGRESS = 20_000  # progress events kept in memory: hours of step rate, 
 MAX_RECORDS = 50_000
 MAX_OTHER_RECORDS = 20_000
 MAX_RECORD_BYTES = 64 << 20  # the kept records' JSON, all together: a few large events cannot fill memory
-SUMMARY_EVENTS = frozenset(
-    {
-        EventName.JOB_STARTED,
-        EventName.NODE_REGISTERED,
-        EventName.MEMBERSHIP,
-        EventName.COLLECTIVE_FAILED,
-        EventName.FAULT_INJECTED,
-        EventName.FAILURE_DETECTED,
-        EventName.NODE_FENCED,
-        EventName.NODE_SUSPECT,
-        EventName.SPARE_ASSIGNED,
-        EventName.REFORM,
-        EventName.FULL_STRENGTH_STEP,
-        EventName.JOB_FINISHED,
-        EventName.JOB_FAILED,
-        EventName.CONTROLLER_RESTORED,
-        EventName.JOURNAL_ERROR,
-        EventName.GROUP_REFORMED,
-        EventName.STATE_REPLAYED,
-        EventName.RESUMED,
-        EventName.ROLLED_BACK,
-        EventName.SNAPSHOT_CORRUPT,
-    }
-)
+SUMMARY_EVENTS = RECOVERY_EVENTS | {
+    EventName.NODE_SUSPECT,
+    EventName.JOB_FINISHED,
+    EventName.JOB_FAILED,
+    EventName.CONTROLLER_RESTORED,
+    EventName.JOURNAL_ERROR,
+    EventName.ROLLED_BACK,
+    EventName.SNAPSHOT_CORRUPT,
+}
 
 
 class EventLog:

@@ -448,6 +448,11 @@ RECORDS: dict[EventName, type[Record]] = {
 }
 
 
+# The events a job's recoveries are computed from (resild.report.recoveries; resil-run's live
+# status keeps these): every typed record but the steps' progress and the job's end.
+RECOVERY_EVENTS = frozenset(RECORDS) - {EventName.PROGRESS, EventName.JOB_FINISHED, EventName.JOB_FAILED}
+
+
 def parse(rec: Any) -> Record | None:
     """The typed record for `rec`; None for an event without a typed record (unknown
     names, `worker.*`, events no analysis reads), a malformed one, or a non-dict."""

@@ -40,6 +40,9 @@ class EventFileError(ValueError):
 
 @dataclass
 class FailureBreakdown:
+    """One recovery (resild.report.recoveries) as `resild report` and resil-run's end-of-run
+    table and --json summary show it."""
+
     index: int
     kind: str  # "node failure", "spare lost", "re-form" (transient; no node lost), "before start"
     node: str | None
@@ -58,6 +61,35 @@ class FailureBreakdown:
     spares_left: int | None = None
     epoch: int | None = None
     overlapped: bool = False  # a later failure hit before this recovery finished
+    # resil-run's summary only (RESIL_RUN_ONLY: not in the report's JSON)
+    detect_s: float | None = None  # fault → detection; None when the fault's start is not known
+    replay_s: float | None = None  # the slowest state transfer (a receiver's own seconds)
+    recovered_from: str | None = None  # replica | snapshot | checkpoint
+
+    @property
+    def steps_lost(self) -> int | None:
+        """The steps redone, None where not known (training never resumed, or no committed
+        step at detection): what resil-run shows ('-'), where the report counts 0."""
+        return None if self.resumed_step is None or self.committed_step is None else self.steps_redone
+
+    def summary(self) -> dict[str, Any]:
+        """A row of resil-run's --json summary (its keys, in its order)."""
+        return {
+            "node": self.node,
+            "cause": self.cause,
+            "detector": self.detector,
+            "fault": self.fault,
+            "detect_s": self.detect_s,
+            "recovery_s": self.recovery_s,
+            "steps_lost": self.steps_lost,  # the older name of steps_redone
+            "bytes_replayed": self.bytes_replayed,
+            "replay_s": self.replay_s,
+            "steps_redone": self.steps_lost,
+            "recovered_from": self.recovered_from,
+        }
+
+
+RESIL_RUN_ONLY = ("detect_s", "replay_s", "recovered_from")  # FailureBreakdown's fields the report leaves out
 
 
 @dataclass
@@ -99,6 +131,9 @@ class Breakdown:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for f in d["failures"]:
+            for k in RESIL_RUN_ONLY:
+                del f[k]
         d["step_line"] = [[round(t, 4), s] for t, s in self.step_line]
         d["spares_line"] = [[round(t, 4), s] for t, s in self.spares_line]
         return d
@@ -278,7 +313,7 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     line.sort()
 
     # -- failures -----------------------------------------------------------------------
-    failures = _failures(ev, t0, step_s)
+    failures = failure_breakdowns(ev, t0, step_s)
 
     # -- spares left over time --------------------------------------------------------------
     spares_line = [(0.0, len(spares))]
@@ -343,9 +378,12 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     )
 
 
-def _failures(ev: list[dict[str, Any]], t0: float, step_s: float | None) -> list[FailureBreakdown]:
+def failure_breakdowns(
+    ev: list[dict[str, Any]], t0: float = 0.0, step_s: float | None = None
+) -> list[FailureBreakdown]:
     """The recoveries (resild.report.recoveries: the rules resil-run's table uses too), with
-    times from the job's start and the redone steps' time at the median step."""
+    times from the job's start `t0` and the redone steps' time at the median step `step_s`
+    (resil-run's table shows neither: 0 and None)."""
     out: list[FailureBreakdown] = []
     for r in recoveries(ev):
         redone = r.steps_redone or 0
@@ -369,6 +407,9 @@ def _failures(ev: list[dict[str, Any]], t0: float, step_s: float | None) -> list
                 spares_left=r.spares_left,
                 epoch=r.epoch,
                 overlapped=r.overlapped,
+                detect_s=r.detect_s,
+                replay_s=r.replay_s,
+                recovered_from=r.recovered_from,
             )
         )
     return out

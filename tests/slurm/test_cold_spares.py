@@ -8,12 +8,12 @@ healthy GPU) and runs its self-test on the CPU.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.commands import resil_run, shell_line
 from resild.health.fakenvml import build_fake_nvml
 from tests.slurmlab.fixture import SlurmLab
 
@@ -39,7 +39,7 @@ def _cold_spare(lab: SlurmLab, tmp: Path, run_dir: Path) -> str:  # noqa: F811
 #SBATCH -o {tmp}/spare-%j.out
 {_stand_in(tmp)}
 cd {REPO}
-exec {sys.executable} -m launcher.run.cli --join {run_dir}
+exec {shell_line(resil_run("--join", str(run_dir), local=False))}
 """)
     return lab.run(["sbatch", "--parsable", str(script)]).stdout.strip().split(";")[0]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import time
@@ -18,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.commands import resil_run, shell_line
+from bench.commands import train as train_cmd
 from tests.slurmlab.fixture import SlurmLab
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
@@ -51,11 +54,18 @@ class Job:
         script = tmp / "job.sh"
         py = sys.executable
         # without --run-dir resil-run makes its default under the current directory: tmp, not the repo
-        where, rd = (REPO, f"--run-dir {tmp}/run") if run_dir else (tmp, "")
+        where, rd = (REPO, ["--run-dir", f"{tmp}/run"]) if run_dir else (tmp, [])
+        save = f"{tmp}/final.pt"
         if held:  # examples/train.py, held
             assert not train, "a held job runs examples/train.py"
-            train = f"{py} {REPO}/tests/held_train.py {tmp}/release {HOLD_STEP}"
-        train = train or f"{py} {REPO}/examples/train.py"
+            worker = train_cmd(steps, save, [f"{REPO}/tests/held_train.py", f"{tmp}/release", str(HOLD_STEP)], py)
+        elif train:  # an executable of the test's
+            worker = train_cmd(steps, save, shlex.split(train), python=None)
+        else:
+            worker = train_cmd(steps, save, f"{REPO}/examples/train.py", py)
+        events = f"{tmp}/events.jsonl"
+        opts = ["--heartbeat-timeout", "1.5", "--events", events, *rd, "--json", *shlex.split(extra)]
+        resil_run_line = shell_line(resil_run(*opts, local=False, spares=spares, nproc_per_node=1, worker=worker))
         # node_logs: each node's srun output straight to tmp/step-<node>.out, written by that node's
         # slurmstepd, so it survives the batch host (where srun runs)
         logs = f"export SLURM_STDOUTMODE={tmp}/step-%N.out" if node_logs else ""
@@ -70,9 +80,7 @@ export RESILD_CONTROLLER_HOST=127.0.0.1
 {logs}
 {setup}
 cd {where}
-{py} -m launcher.run.cli --spares {spares} --nproc-per-node 1 --heartbeat-timeout 1.5 \\
-  --events {tmp}/events.jsonl {rd} --json {extra} \\
-  -- {train} --steps {steps} --save {tmp}/final.pt > {tmp}/summary.json
+{resil_run_line} > {tmp}/summary.json
 rc=$?
 echo $rc > {tmp}/rc
 {after}

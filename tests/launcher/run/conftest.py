@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -14,6 +13,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+
+from bench.commands import resil_run, train
 
 REPO = Path(__file__).resolve().parents[3]
 TRAIN = REPO / "examples" / "train.py"
@@ -77,31 +78,18 @@ def _job_cmd(
 ) -> list[str]:
     ev, save = tmp / "events.jsonl", tmp / "final.pt"
     script_cmd = [str(script)] if isinstance(script, Path) else script.split()
-    return [
-        sys.executable,
-        "-m",
-        "launcher.run.cli",
-        "--local",
-        "--nodes",
-        str(nodes),
-        "--spares",
-        str(spares),
-        "--nproc-per-node",
-        str(nproc),
+    return resil_run(
         "--events",
         str(ev),
         "--run-dir",
         str(tmp / "run"),
         "--json",
         *args,
-        "--",
-        sys.executable,
-        *script_cmd,
-        "--steps",
-        str(steps),
-        "--save",
-        str(save),
-    ]
+        nodes=nodes,
+        spares=spares,
+        nproc_per_node=nproc,
+        worker=train(steps, save, script_cmd),
+    )
 
 
 def start_job(

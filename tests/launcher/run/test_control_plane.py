@@ -18,6 +18,7 @@ import psutil
 import pytest
 import torch
 
+from bench.commands import resil_run, train
 from resild.controller.etcd_client import Etcd
 from resild.controller.etcd_cluster import LocalEtcd
 from resild.controller.etcd_journal import read_records
@@ -44,15 +45,7 @@ class LiveJob:
         self.mark = uuid.uuid4().hex
         tmp.mkdir(parents=True, exist_ok=True)
         self.ev, self.save = tmp / "events.jsonl", tmp / "final.pt"
-        cmd = [
-            sys.executable,
-            "-m",
-            "launcher.run.cli",
-            "--local",
-            "--nodes",
-            str(nodes),
-            "--spares",
-            str(spares),
+        cmd = resil_run(
             "--events",
             str(self.ev),
             "--run-dir",
@@ -60,14 +53,10 @@ class LiveJob:
             "--json",
             *(["-q"] if quiet else []),
             *args,
-            "--",
-            sys.executable,
-            str(script),
-            "--steps",
-            str(steps),
-            "--save",
-            str(self.save),
-        ]
+            nodes=nodes,
+            spares=spares,
+            worker=train(steps, self.save, script),
+        )
         env = dict(os.environ, RESILD_TEST_MARK=self.mark, PYTHONUNBUFFERED="1")
         self.err = open(tmp / "stderr.txt", "w+")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=self.err, text=True)
@@ -294,9 +283,9 @@ def test_a_job_resumed_from_its_etcd_keeps_its_fenced_nodes_and_fired_faults(tmp
     assert r.final is not None and r.final["step"] == steps
     assert "loaded checkpoint step" in r.stderr
     # A finished job is not run again: its verdict is said again.
+    never = [sys.executable, "-c", "raise SystemExit(3)"]
     over = subprocess.run(
-        [sys.executable, "-m", "launcher.run.cli", "--local", "--controllers", "3", "--resume", str(tmp_path / "run")]
-        + ["--", sys.executable, "-c", "raise SystemExit(3)"],
+        resil_run("--controllers", "3", "--resume", str(tmp_path / "run"), worker=never),
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -12,12 +12,12 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.commands import resil_run
 from resild.wire.keys import add_join_key, generate_keys
 from tests.launcher.run.conftest import REPO, STEPS, RunResult, Started, assert_bitwise_equal, start_job
 
@@ -50,7 +50,7 @@ def _wait(job: Started, pred, what: str, timeout_s: float = 90.0) -> dict:
 
 def _join(run_dir: Path, env: dict[str, str], *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "launcher.run.cli", "--local", "--join", str(run_dir), *extra],
+        resil_run("--join", str(run_dir), *extra),
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -149,9 +149,7 @@ def test_join_usage_is_checked_before_anything_runs(tmp_path: Path) -> None:
         (["--local", "--join", str(tmp_path), "--inject", "kill:node0@3"], "takes no --inject"),
         (["--local"], "missing the training command"),
     ):
-        p = subprocess.run(
-            [sys.executable, "-m", "launcher.run.cli", *args], cwd=REPO, env=env, capture_output=True, text=True
-        )
+        p = subprocess.run(resil_run(*args, local=False), cwd=REPO, env=env, capture_output=True, text=True)
         assert p.returncode == 2 and why in p.stderr and "Traceback" not in p.stderr, (args, p.stderr)
 
 

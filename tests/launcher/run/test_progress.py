@@ -7,12 +7,12 @@ import io
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from bench.commands import resil_run, train
 from launcher.run.slurm_mode import (
     allocation_survives_node_failure,
     no_kill_from_job_json,
@@ -210,28 +210,17 @@ def test_warning_printed_at_start():
 def test_real_local_job_status_json_and_report(tmp_path: Path):
     events = tmp_path / "events.jsonl"
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher.run.cli",
-            "--local",
-            "--nodes",
-            "3",
-            "--spares",
-            "1",
-            "--nproc-per-node",
-            "1",
+        resil_run(
             "--events",
             str(events),
             "--json",
             "--inject",
             "kill:node1@30",
-            "--",
-            sys.executable,
-            str(REPO / "examples/train.py"),
-            "--steps",
-            "80",
-        ],
+            nodes=3,
+            spares=1,
+            nproc_per_node=1,
+            worker=train(80, script=REPO / "examples/train.py"),
+        ),
         cwd=REPO,
         capture_output=True,
         text=True,

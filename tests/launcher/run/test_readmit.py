@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from bench.commands import resil_run
 from tests.launcher.run.conftest import REPO, RunResult, assert_bitwise_equal, start_job
 from tests.launcher.run.test_join import _events, _wait
 
@@ -68,7 +68,7 @@ def test_a_suspect_node_comes_back_and_takes_ranks_and_one_with_an_xid_never_doe
 
 def test_readmit_needs_the_local_cluster(tmp_path: Path) -> None:
     p = subprocess.run(
-        [sys.executable, "-m", "launcher.run.cli", "--readmit", "--", "python", "x.py"],
+        resil_run("--readmit", local=False, worker=["python", "x.py"]),
         cwd=REPO,
         capture_output=True,
         text=True,

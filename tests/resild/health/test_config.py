@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.commands import resil_run
 from resild.health.config import Config, ConfigError, load_config
 
 
@@ -140,25 +141,16 @@ def test_resil_run_start_timeout_flag(tmp_path: Path) -> None:
 
     t0 = time.monotonic()
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launcher.run.cli",
-            "--local",
-            "--nodes",
-            "2",
-            "--spares",
-            "0",
+        resil_run(
             "-q",
             "--start-timeout",
             "2",
             "--run-dir",
             str(tmp_path / "run"),
-            "--",
-            sys.executable,
-            "-c",
-            "import time; time.sleep(60)",
-        ],
+            nodes=2,
+            spares=0,
+            worker=[sys.executable, "-c", "import time; time.sleep(60)"],
+        ),
         capture_output=True,
         text=True,
         timeout=100,
@@ -166,7 +158,7 @@ def test_resil_run_start_timeout_flag(tmp_path: Path) -> None:
     assert out.returncode == 1 and "start timed out after 2s" in out.stderr, out.stderr
     assert time.monotonic() - t0 < 60
     bad = subprocess.run(
-        [sys.executable, "-m", "launcher.run.cli", "--local", "--start-timeout", "nan", "--", "true"],
+        resil_run("--start-timeout", "nan", worker=["true"]),
         capture_output=True,
         text=True,
         timeout=60,

@@ -7,10 +7,10 @@ import dataclasses
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 
+from bench.commands import resil_run
 from resild.wire.settings import MIN_COLLECTIVE_TIMEOUT_S, JobSettings, SettingsError, WorkerTimeouts
 
 
@@ -110,8 +110,7 @@ def test_settings_are_frozen() -> None:
 @pytest.mark.timeout(60)
 def test_resil_run_refuses_a_bad_nesting_in_one_line() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "launcher.run.cli", "--local", "--heartbeat-timeout", "10", "--controller-timeout", "1"]
-        + ["--", "true"],
+        resil_run("--heartbeat-timeout", "10", "--controller-timeout", "1", worker=["true"]),
         capture_output=True,
         text=True,
         timeout=60,

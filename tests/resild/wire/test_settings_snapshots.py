@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
 
 import launcher.run.cli as cli
+from bench.commands import resil_run as resil_run_cmd
 from resild.wire.settings import AUTO_COPIES, JobSettings, SettingsError, WorkerRedundancy
 
 
@@ -167,7 +167,7 @@ def test_resil_run_passes_the_snapshot_flags_to_the_job_settings(
 @pytest.mark.timeout(60)
 def test_resil_run_as_a_command_refuses_bad_copies_without_a_traceback() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "launcher.run.cli", "--local", "--snapshot-copies", "x", "--", "true"],
+        resil_run_cmd("--snapshot-copies", "x", worker=["true"]),
         capture_output=True,
         text=True,
         timeout=60,
