@@ -21,7 +21,10 @@ sys.path[0] = str(REPO)  # not this file's directory: tests/launcher/ is the tes
 
 import launcher  # noqa: E402
 
-RELEASE_WAIT_S = 60.0  # far beyond any test's release; then train on rather than hang
+# Far beyond any test's release (a Slurm test waits up to 2 x 120 s for a cold spare to be
+# admitted and registered); then train on rather than hang. A held job's --hang-timeout must
+# exceed it: from the controller's side a held rank is a hung one.
+RELEASE_WAIT_S = 240.0
 
 
 def main() -> None:

@@ -27,6 +27,10 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 150
 HOLD_STEP = 20  # a held job waits before this step until the test releases it (held_train.py)
+# A held job is, to the controller, hung: its hang timeout exceeds the hold's own bound
+# (held_train.RELEASE_WAIT_S), as the local join tests' do. Cold-spare tests hold the job
+# while a spare is queued, admitted and warmed, which a loaded machine stretches past 10 s.
+HELD_HANG_TIMEOUT_S = 270
 
 
 class Job:
@@ -64,7 +68,8 @@ class Job:
         else:
             worker = train_cmd(steps, save, f"{REPO}/examples/train.py", py)
         events = f"{tmp}/events.jsonl"
-        opts = ["--heartbeat-timeout", "1.5", "--events", events, *rd, "--json", *shlex.split(extra)]
+        hang = ["--hang-timeout", str(HELD_HANG_TIMEOUT_S)] if held else []
+        opts = ["--heartbeat-timeout", "1.5", *hang, "--events", events, *rd, "--json", *shlex.split(extra)]
         resil_run_line = shell_line(resil_run(*opts, local=False, spares=spares, nproc_per_node=1, worker=worker))
         # node_logs: each node's srun output straight to tmp/step-<node>.out, written by that node's
         # slurmstepd, so it survives the batch host (where srun runs)
