@@ -76,7 +76,7 @@ class RecoverySequence:
         and so every CPU wait behind it (a `.item()`, a stream sync). Taken now, aborted in
         a thread of their own (about a second each): never the next epoch's. gloo's abort
         interrupts nothing; its waits watch the epoch instead (`WaitMode`)."""
-        doomed = [g._inner for g in list(self.groups.values()) if g._inner is not None and g.kind == "nccl"]
+        doomed = [g.pg for g in list(self.groups.values()) if g.pg is not None and g.kind == "nccl"]
 
         def abort_all() -> None:
             for x in doomed:
@@ -107,7 +107,7 @@ class RecoverySequence:
     def retire(self) -> None:
         """Abort the old backends and keep them alive off the hot path: freeing a
         gloo group whose threads are blocked on a dead peer can deadlock."""
-        old = [g._inner for g in self.groups.values() if g._inner is not None]
+        old = [g.pg for g in self.groups.values() if g.pg is not None]
         for g in self.groups.values():
             g.set_backend(None)
         for inner in old:
@@ -147,7 +147,7 @@ class RecoverySequence:
         try:
             formed = self.intr.wait_until(lambda: len(out) == len(groups))
         finally:
-            self.intr._done(token)
+            self.intr.done(token)
         if not formed:
             raise Reformed(self.intr.error or "interrupted")  # abandoned: the threads fail on their own
         errors = [f"{k}: {v}" for k, v in out.items() if isinstance(v, Exception)]
@@ -162,7 +162,7 @@ class RecoverySequence:
     def agree(self, rank: int, world: int, row: tuple[int, int, int], floor: int = 0) -> Agreement:
         rows = torch.zeros(world, 3, dtype=torch.int64, device=self.device)
         rows[rank] = torch.tensor(row, dtype=torch.int64)
-        self.wait(self.groups["world"]._inner.allreduce([rows]))
+        self.wait(self.groups["world"].pg.allreduce([rows]))
         return agree(self.read(rows), floor)
 
     def replay(
@@ -179,7 +179,7 @@ class RecoverySequence:
         (state_transport); called only then. `landing`: host memory a spare touched for
         what has no live home (launcher.worker.transport.landing_pool)."""
         target, plan = plan_replay(steps, replicas, max_sources)
-        pg = self.groups["world"]._inner
+        pg = self.groups["world"].pg
         transport = P2PTransport(pg, self.device, lambda w: self.wait(w, untimed=True), landing)
         got = transport.exchange(plan, rank, snapshot, receive_into)
         if not plan:

@@ -451,7 +451,7 @@ class Job:
             try:
                 self.redundancy.abandon()  # snapshot exchanges and checkpoint writes of the failed epoch
             finally:
-                self.intr._done(token)
+                self.intr.done(token)
         while True:
             self._check_shutdown()
             if not link.newer_epoch():
@@ -471,7 +471,7 @@ class Job:
             try:
                 self.rec.retire()
             finally:
-                self.intr._done(token)
+                self.intr.done(token)
             self.intr.clear()
             if link.newer_epoch():
                 continue

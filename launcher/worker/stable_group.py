@@ -176,7 +176,8 @@ class Interrupts:
             self._works[self._next] = (time.monotonic() if t0 is None else t0, w)
             return self._next
 
-    def _done(self, key: int) -> None:
+    def done(self, key: int) -> None:
+        """The wait `key` (from begin_wait, or a work's) ended."""
         with self.cond:
             self._works.pop(key, None)
             self.cond.notify_all()
@@ -326,7 +327,7 @@ class ManagedWork(PyWork):
             key, fut = self._key, self._fut
             self._key = None
         if key is not None:
-            self._intr._done(key)
+            self._intr.done(key)
         if fut is not None and not fut.done():
             fut.set_result(self._result)
 
@@ -438,6 +439,17 @@ class StableGroup(PyProcessGroup):
         self.allow = False  # collectives allowed (joined and attached)
         self.backend: str | None = None  # None: the job's backend; "gloo" for host-memory traffic on a GPU job
         self.timeout_s: float | None = None  # None: the job's collective timeout
+
+    @property
+    def pg(self) -> Any:
+        """The current epoch's backend ProcessGroup (None between epochs): for resild's own
+        point-to-point and collective traffic that needs no StableGroup bookkeeping."""
+        return self._inner
+
+    @property
+    def intr(self) -> Interrupts:
+        """The epoch's failure latch this group's collectives report to."""
+        return self._intr
 
     # torch reads these
     @property

@@ -242,7 +242,7 @@ class Controller:
             self.errors.record("loop", e, time.monotonic(), fatal=True)
             raise ControllerFailed(f"the controller's loop failed: {e!r}") from e
         finally:
-            self._finish()
+            self.finish()
         if self.state.result is None:  # deposed: no verdict of ours (the new leader's to say)
             assert self.deposed
             return JobResult(1, "deposed: another controller leads")
@@ -443,7 +443,7 @@ class Controller:
             committed_step=0,
         )
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
         """SHUTDOWN goes out only with a verdict (effects.finish): not from a deposed
         leader (the new one speaks), nor from a controller that failed on its own."""
         try:

@@ -347,7 +347,7 @@ def lead(
     )
     if ctl.result is not None:  # the job had ended when the old leader died: say so again
         result = ctl.result
-        ctl._finish()
+        ctl.finish()
     else:
         try:
             result = ctl.run()

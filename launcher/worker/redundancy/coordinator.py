@@ -154,7 +154,7 @@ class Redundancy:
             self.world_size,
             g,
             keep=2,
-            intr=g._intr,
+            intr=g.intr,
             faults=checkpoint_faults.Faults(faults, self.rank, os.environ.get(resild_env.NODE.name, ""))
             if faults
             else None,
@@ -191,12 +191,12 @@ class Redundancy:
         """Never blocks (also an `Interrupts.on_fail` hook of the job's epoch)."""
         if self.ckpt is not None and self.ckpt_group is not None:
             self.ckpt.abandon()
-            self.ckpt_group._intr.fail("a new epoch")
+            self.ckpt_group.intr.fail("a new epoch")
 
     def formed(self) -> None:
         """The new epoch's groups exist: a new generation, the abandoned save never completes."""
         if self.ckpt_group is not None:
-            self.ckpt_group._intr.clear()
+            self.ckpt_group.intr.clear()
         if self.cadence is not None:
             self.cadence.after_recovery()
 

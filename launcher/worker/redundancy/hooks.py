@@ -52,7 +52,7 @@ class FingerprintHook:
         vals[self.rank] = fingerprint(self.state.state_view(step))
         self.group.allreduce([vals]).wait()
         values = vals.cpu().tolist()  # on NCCL the read is what waits: the error is checked after it
-        if self.group._intr.error is not None:
+        if self.group.intr.error is not None:
             return True  # the epoch is failing: the next vote finds out
         verdict = judge(values, self.replicas().groups)
         if verdict.clean:

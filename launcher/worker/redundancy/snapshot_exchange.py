@@ -59,7 +59,7 @@ class Exchanger:
 
     def start(self, f: Frozen) -> None:
         self.failed = None
-        pg = self.group._inner
+        pg = self.group.pg
         with self._lock:
             gen = self._gen
         t = threading.Thread(target=self._run, args=(f, pg, gen), name=f"resild-snapshot-{f.step}", daemon=True)

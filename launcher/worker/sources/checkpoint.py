@@ -48,7 +48,7 @@ class CheckpointSource:
         mine = self.ckpt.newest_complete()
         seen = torch.zeros(c.world_size, dtype=torch.int64, device=self.state.device)
         seen[c.rank] = (mine if mine is not None else -1) + 1
-        c.rec.wait(c.rec.groups["world"]._inner.allreduce([seen]))
+        c.rec.wait(c.rec.groups["world"].pg.allreduce([seen]))
         views = set(c.rec.read(seen))
         if len(views) > 1:
             c.fatal(
@@ -68,8 +68,8 @@ class CheckpointSource:
         try:
             aux = ck.load(step, state)
         except (OSError, ValueError, RuntimeError) as e:
-            if self.group._intr.error is not None:  # a peer, not the files: recover again
-                raise Reformed(f"loading checkpoint step {step}: {self.group._intr.error}") from None
+            if self.group.intr.error is not None:  # a peer, not the files: recover again
+                raise Reformed(f"loading checkpoint step {step}: {self.group.intr.error}") from None
             # the files: every rank fails alike (DCP gathers every rank's error)
             raise Unavailable(f"and loading checkpoint step {step} from {ck.directory} failed: {e}"[:1500]) from None
         state.rewind_aux(aux if aux else steps.committed_aux)

@@ -34,7 +34,7 @@ class SnapshotSource:
         t0 = time.monotonic()
         try:
             step, frozen, plan, damaged = rollback(
-                c.rec.groups["world"]._inner,
+                c.rec.groups["world"].pg,
                 lambda w: c.rec.wait(w, untimed=True),
                 snap.store,
                 c.rank,

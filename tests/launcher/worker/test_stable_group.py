@@ -73,7 +73,7 @@ def test_gloo_list_reduce_scatter_is_waited_on_in_a_helper_thread() -> None:
     g.allow = True
     w = HUNG_OPS["reduce_scatter"](g)
     assert isinstance(w, ManagedWork) and w._mode is WaitMode.THREAD
-    g._intr.fail("done")
+    g.intr.fail("done")
 
 
 def run_ranks(n: int, fn: Any) -> list[Any]:
@@ -119,7 +119,7 @@ def test_a_gloo_reduce_scatter_is_waited_on_in_slices_and_bitwise_the_backends_o
     for r in range(n):
         assert torch.equal(mine[r], theirs[r]), r
     assert not any(torch.equal(mine[0], inputs[r].chunk(n)[0]) for r in range(n))  # reduced, not copied
-    groups[0]._intr.fail("done")
+    groups[0].intr.fail("done")
 
 
 def test_a_gloo_reduce_scatter_is_done_when_polled_and_its_future_carries_the_result() -> None:
@@ -223,7 +223,7 @@ def test_a_wait_that_is_not_a_collective_stays_in_flight_across_a_new_epoch() ->
     time.sleep(0.05)
     intr.fail("epoch 2 announced")
     assert intr.oldest_in_flight_s(time.monotonic()) >= 0.05
-    intr._done(token)
+    intr.done(token)
     assert intr.oldest_in_flight_s(time.monotonic()) == 0.0
 
 

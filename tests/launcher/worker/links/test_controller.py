@@ -114,7 +114,7 @@ def test_a_cleared_wait_is_said_only_if_the_trainer_said_nothing_since(monkeypat
         token = intr.begin_wait()
         time.sleep(0.05)
         assert link._report_wait(False) is True and states() == ["wait"]
-        intr._done(token)
+        intr.done(token)
         if trainer_speaks:
             link.send(MsgType.PROGRESS, rank=0, epoch=1, step=7, state="checkpoint")
         assert link._report_wait(True) is False
