@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 import click
 
-from resild.health.config import ConfigError, load_config
+from resild.health.config import Config, ConfigError, load_config
 from resild.health.model import Verdict
 from resild.wire.protocol import MsgType
 
@@ -27,7 +27,7 @@ def _fail(msg: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
-def _config(path: str | None, **overrides: Any):
+def _config(path: str | None, **overrides: Any) -> Config:
     try:
         return load_config(path, overrides=overrides)
     except ConfigError as e:

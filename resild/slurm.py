@@ -97,12 +97,12 @@ def expand_nodelist(nodelist: str) -> list[str]:
     dups = _duplicates(nodes)
     if dups:
         raise SlurmEnvError(f"node list {nodelist!r} names nodes more than once: {', '.join(dups)}")
-    return nodes
+    return list(nodes)
 
 
 def compress_nodelist(nodes: Sequence[str]) -> str:
     """['node1', 'node2', 'node7'] -> 'node[1-2,7]' (sorted: Slurm ignores the order anyway)."""
-    return hostlist.collect_hostlist(list(nodes))
+    return str(hostlist.collect_hostlist(list(nodes)))
 
 
 def _int_env(env: Mapping[str, str], key: str, default: int | None = None) -> int | None:

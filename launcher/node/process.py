@@ -30,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -57,7 +57,7 @@ log = logging.getLogger("resild.node")
 @dataclass
 class Worker:
     local_rank: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     pidfd: int
 
 
@@ -88,8 +88,8 @@ class NodeProcess:
         self.ctx = zmq.Context()
         # One link per controller replica (comma-separated endpoints); sends go to the leader.
         self.ch = ControllerSet(self.ctx, controller.split(","), keys, sender=f"{node}/node")
-        self.exited: list[dict] = []  # worker exits so far: told again to a new leader
-        self.health: dict | None = None  # the newest health verdict sent: told again to a new leader
+        self.exited: list[dict[str, Any]] = []  # worker exits so far: told again to a new leader
+        self.health: dict[str, Any] | None = None  # the newest health verdict sent: told again to a new leader
         self.env = {
             **os.environ,
             resild_env.CONTROLLER.name: controller,
@@ -102,7 +102,7 @@ class NodeProcess:
         if keys is not None:
             self.env[resild_env.KEYS.name] = str(keys.path)
         self.workers: dict[int, Worker] = {}
-        self.health_q: queue.Queue[dict] = queue.Queue()
+        self.health_q: queue.Queue[dict[str, Any]] = queue.Queue()
         self._wake_r, self._wake_w = os.pipe()
         self.nvml_control = nvml_control
         self.probe: HealthSource | None = None
@@ -127,7 +127,7 @@ class NodeProcess:
             self.node, self._on_health_event, self.nvml_control, interval_s=self.probe_interval_s
         )
 
-    def _on_health_event(self, body: dict) -> None:  # health source thread: {verdict, reasons, detector}
+    def _on_health_event(self, body: dict[str, Any]) -> None:  # health source thread: {verdict, reasons, detector}
         self.health_q.put(body)
         os.write(self._wake_w, b"x")
 
@@ -147,7 +147,7 @@ class NodeProcess:
         for w in self.workers.values():
             w.proc.wait()
 
-    def _inject(self, body: dict) -> None:
+    def _inject(self, body: dict[str, Any]) -> None:
         kind, lr = body.get("kind"), int(body.get("local_rank", 0))
         w = self.workers.get(lr)
         if kind == "nodeloss":
@@ -269,7 +269,7 @@ class NodeProcess:
     def _heartbeat(self, resync: bool = False, periodic: bool = False) -> bool:
         """Heartbeat every replica (the leader too, unless `periodic` and a commit report has
         just told it we are alive); True when the leader got it."""
-        body: dict = {"node": self.node, "epoch": self.layout.epoch, "pid": os.getpid()}
+        body: dict[str, Any] = {"node": self.node, "epoch": self.layout.epoch, "pid": os.getpid()}
         relayed = sorted(self.relay.workers) if self.relay is not None else []
         if relayed != self._relayed_sent:  # only on change: the controller keeps it
             body["relayed"] = relayed
@@ -289,7 +289,7 @@ class NodeProcess:
     def _register(self) -> None:
         self.ch.send_all(MsgType.REGISTER_NODE, {"node": self.node, "pid": os.getpid(), "nproc": self.nproc})
 
-    def _new_leader(self, lease: dict) -> None:
+    def _new_leader(self, lease: dict[str, Any]) -> None:
         """A new (or restarted) controller leads: tell it who we are, what we hold and
         what it missed (workers that exited), and point our workers at it."""
         log.warning(
@@ -347,12 +347,12 @@ class NodeProcess:
             else:  # anything else is the controller's business, unchanged
                 self.ch.send(msg.type, {**msg.body, "node": self.node})
 
-    def _store_replies(self, replies: list[tuple[bytes, dict]]) -> None:
+    def _store_replies(self, replies: list[tuple[bytes, dict[str, Any]]]) -> None:
         assert self.relay is not None
         for ident, body in replies:
             self.relay.ch.send(MsgType.STORE_REPLY, body, to=ident)
 
-    def _on_progress(self, b: dict) -> None:
+    def _on_progress(self, b: dict[str, Any]) -> None:
         now = time.monotonic()
         state = b.get("state")
         if state == "commit":
@@ -381,7 +381,7 @@ class NodeProcess:
         if body is not None:  # None: no daemon and no probe applies here (e.g. no NVML)
             self._send_health(body)
 
-    def _send_health(self, body: dict) -> None:
+    def _send_health(self, body: dict[str, Any]) -> None:
         self.health = body  # the newest verdict: a new leader hears it again (_new_leader)
         self.ch.send(MsgType.HEALTH, {"node": self.node, **body})
 

@@ -192,7 +192,7 @@ def _alive(pid: int) -> bool:
 class RelayServer:
     """The node process's end: a ROUTER on ipc:// in a private directory."""
 
-    def __init__(self, ctx: zmq.Context, node: str, run_dir: str | None = None) -> None:
+    def __init__(self, ctx: zmq.Context[Any], node: str, run_dir: str | None = None) -> None:
         self.node = node
         sweep_stale_relay_dirs(run_dir)
         # 0700: only this user connects; the pid in the name lets a later node process sweep it

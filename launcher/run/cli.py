@@ -453,7 +453,10 @@ def _site_etcd(
     if (cert is None) != (key is None):
         raise click.UsageError("--etcd-cert and --etcd-key go together")
     job = os.environ.get("SLURM_JOB_ID") or os.urandom(6).hex()
-    abspath = lambda p: str(Path(p).resolve()) if p else None  # noqa: E731  # replicas may start elsewhere
+
+    def abspath(p: str | None) -> str | None:  # replicas may start elsewhere
+        return str(Path(p).resolve()) if p else None
+
     try:
         return EtcdTarget.from_dict(
             {

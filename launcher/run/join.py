@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,7 @@ def _check_open(run_dir: Path) -> JoinInfo:
     return info
 
 
-def _supervise(proc_alive, stop_all, what: str) -> int | None:
+def _supervise(proc_alive: Callable[[], bool], stop_all: Callable[[], object], what: str) -> int | None:
     """Wait while `proc_alive()`; on SIGINT/SIGTERM call `stop_all()` and return 128+signal."""
     stop: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -41,7 +41,7 @@ class LocalCluster(Backend):
         self.nodes, self.nproc, self.cmd, self.run_dir = nodes, nproc, cmd, run_dir
         self.fake_nvml_dir = fake_nvml_dir
         self.gpus_per_node = gpus_per_node
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._expected_exit: set[str] = set()
         self._reported: set[str] = set()
         # set by start: a re-admitted node starts the same way

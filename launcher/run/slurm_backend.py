@@ -152,7 +152,7 @@ class SlurmBackend(SlurmDrain):
         self.alloc, self.nodes, self.node_cmd = alloc, nodes, node_cmd
         self.drain_nodes = drain_nodes
         self.cold = ColdSpares(alloc.job_id, run_dir, self.env) if run_dir is not None else None
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.fenced: set[str] = set()
         self._srun_reported = False
 

@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import click
 
@@ -138,7 +138,7 @@ def _run_quiet(argv: list[str], timeout_s: float = 10.0) -> str | None:
 
 
 def warn_if_allocation_dies_with_a_node(
-    job_id: str, env: Mapping[str, str], out=sys.stderr, run: Callable[[list[str]], str | None] = _run_quiet
+    job_id: str, env: Mapping[str, str], out: TextIO = sys.stderr, run: Callable[[list[str]], str | None] = _run_quiet
 ) -> bool | None:
     survives, how = allocation_survives_node_failure(job_id, env, run)
     if survives is False:
@@ -307,4 +307,4 @@ def run_slurm(
             say(f"resil-run: requeued job {alloc.job_id}: {reason}")
         except slurm.SlurmError as e:
             say(f"resil-run: requeue failed: {e}")
-    return code
+    return int(code)

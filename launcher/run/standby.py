@@ -179,7 +179,7 @@ def run_replicated(
                 slurm_job, nodes_all, node_cmd(",".join(endpoints), keys.path), drain_nodes=False
             )  # the leader drains
             backend.start()
-            running = lambda: backend.proc.poll() is None  # noqa: E731
+            running: Callable[[], bool] = lambda: backend.proc.poll() is None  # noqa: E731
         else:
             backend = LocalCluster(
                 nodes_all,

@@ -283,7 +283,7 @@ class PushServer(UnixServer):
 
 
 class Agent:
-    def __init__(self, cfg: Config, probes: list[Probe] | None = None, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, cfg: Config, probes: list[Probe] | None = None, ctx: zmq.Context[Any] | None = None) -> None:
         self.cfg = cfg
         self.metrics = Metrics(cfg.node)
         self._trigger = threading.Event()

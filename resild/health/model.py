@@ -60,7 +60,8 @@ class GpuStatus:
     name: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_jsonable(self)
+        d: dict[str, Any] = _to_jsonable(self)
+        return d
 
 
 @dataclass
@@ -87,7 +88,8 @@ class HealthEvent:
     action: str | None = None  # NVIDIA's recommended action, when known
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_jsonable(self)
+        d: dict[str, Any] = _to_jsonable(self)
+        return d
 
 
 def _to_jsonable(obj: Any) -> Any:

@@ -69,7 +69,8 @@ def field_value(v: Any) -> float | int:
     attr = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}.get(
         int(v.valueType), "ullVal"
     )
-    return getattr(v.value, attr)
+    value: float | int = getattr(v.value, attr)
+    return value
 
 
 def as_text(value: Any) -> str | None:

@@ -229,7 +229,9 @@ def _t(e: dict[str, Any]) -> float:
     return float(e.get("t_log", e["t_mono"]))
 
 
-def _first(events: list[dict], name: str, after: float = float("-inf"), **match: Any) -> dict | None:
+def _first(
+    events: list[dict[str, Any]], name: str, after: float = float("-inf"), **match: Any
+) -> dict[str, Any] | None:
     for e in events:
         if e["event"] == name and _t(e) >= after and all(e.get(k) == v for k, v in match.items()):
             return e
@@ -267,7 +269,10 @@ def analyze(events: list[dict[str, Any]], job: int | None = None) -> Breakdown:
 def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     started = _first(ev, EventName.JOB_STARTED)
     t0 = _t(started) if started else _t(ev[0])
-    rel = lambda t: t - t0  # noqa: E731
+
+    def rel(t: float) -> float:
+        return t - t0
+
     fin = _first(ev, EventName.JOB_FINISHED)
     failed = _first(ev, EventName.JOB_FAILED)
     end_ev = fin or failed

@@ -11,8 +11,10 @@ import html
 import io
 import json
 from pathlib import Path
+from typing import Any
 
-from resild.report.goodput import PHASES, Breakdown, format_breakdown
+from resild.report.goodput import Breakdown, format_breakdown
+from resild.report.recoveries import PHASES
 
 PHASE_COLORS = {
     "detection": "#d62728",
@@ -66,7 +68,7 @@ def render_png(b: Breakdown, title: str = "") -> bytes:
     return buf.getvalue()
 
 
-def _timeline(ax, b: Breakdown) -> None:
+def _timeline(ax: Any, b: Breakdown) -> None:
     ax.set_title("committed step against wall time; faults, recovery phases and spares left", fontsize=10)
     if b.startup_s > 0:
         ax.axvspan(0, b.startup_s, color=PART_COLORS["start-up"], alpha=0.15, lw=0)
@@ -123,7 +125,7 @@ def _timeline(ax, b: Breakdown) -> None:
     ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
 
 
-def _gantt(ax, b: Breakdown) -> None:
+def _gantt(ax: Any, b: Breakdown) -> None:
     rows = [f for f in b.failures if f.phases][:MAX_GANTT_ROWS]
     ax.set_title("each recovery, phase by phase (ms from the fault)", fontsize=10)
     if not rows:
@@ -149,7 +151,7 @@ def _gantt(ax, b: Breakdown) -> None:
         )
 
 
-def _parts(ax, b: Breakdown) -> None:
+def _parts(ax: Any, b: Breakdown) -> None:
     ax.set_title("where the wall time went", fontsize=10)
     left = 0.0
     wall = b.wall_s or 1.0
