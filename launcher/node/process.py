@@ -44,9 +44,7 @@ from resild.wire.exits import CONTROLLER_LOST_EXIT, FENCED_EXIT
 from resild.wire.keys import KeyDir
 from resild.wire.leader import ControllerSet
 from resild.wire.protocol import Message, MsgType
-from resild.wire.settings import JobSettings
-
-QUALIFY_TIMEOUT_S = 300.0  # `resild check --qualify`: probes and the GPU self-test (a torch import)
+from resild.wire.settings import QUALIFY_TIMEOUT_S, JobSettings
 
 if TYPE_CHECKING:  # imported when the probe starts (_start_probe)
     from launcher.node.health_source import HealthSource

@@ -152,7 +152,7 @@ class Effects:
             return
         old = s.view.nodes[r.node]
         old.set_role(NodeRole.SPARE)
-        fresh = NodeView(r.node, NodeRole.SPARE, old.nproc, last_heartbeat_s=old.last_heartbeat_s)
+        fresh = NodeView(r.node, NodeRole.SPARE, old.nproc, last_heartbeat_s=old.last_heartbeat_s, admitted_s=now)
         s.view.nodes[r.node] = fresh
         s.node_ident.pop(r.node, None)
         for lr in range(old.nproc):

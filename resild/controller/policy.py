@@ -14,7 +14,7 @@ from resild.controller.budget import Overage
 from resild.controller.view import ClusterView, NodeView
 from resild.events.schema import Detector
 from resild.membership import Membership, NodeRole
-from resild.wire.settings import Derived, JobSettings
+from resild.wire.settings import QUALIFY_TIMEOUT_S, Derived, JobSettings
 
 
 class Action(str, Enum):
@@ -83,6 +83,10 @@ class PolicyConfig:
     checkpoint_wait_s: float = _DEFAULT.collective_timeout_s + _DEFAULT.hang_timeout_s
     # A suspect node comes back (readmission.py) once its fenced incarnation was silent this long.
     readmit_quiet_s: float = 3 * _DEFAULT.heartbeat_timeout_s
+    # A node admitted into the running job (a join, a re-admission) qualifies, then registers:
+    # one that has not within this long never will, and is dropped (it would count toward
+    # --spare-target forever while it could never take ranks).
+    admit_register_timeout_s: float = QUALIFY_TIMEOUT_S + _DEFAULT.start_heartbeat_timeout_s
 
     @classmethod
     def from_settings(cls, s: JobSettings, derived: Derived) -> PolicyConfig:
@@ -93,6 +97,7 @@ class PolicyConfig:
             start_heartbeat_timeout_s=s.start_heartbeat_timeout_s,
             checkpoint_wait_s=s.collective_timeout_s + s.hang_timeout_s,
             readmit_quiet_s=3 * derived.heartbeat_timeout_s,
+            admit_register_timeout_s=QUALIFY_TIMEOUT_S + s.start_heartbeat_timeout_s,
         )
 
 
@@ -239,6 +244,9 @@ def check_timeouts(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision
     d = check_heartbeats(now, view, cfg)
     if d.action != Action.NONE:
         return d
+    d = check_admitted(now, view, cfg)
+    if d.action != Action.NONE:
+        return d
     return check_hang(now, view, cfg)
 
 
@@ -256,6 +264,24 @@ def check_heartbeats(now: float, view: ClusterView, cfg: PolicyConfig) -> Decisi
                     view, node.node_id, f"no heartbeat for {silent_s:.1f}s", Detector.HEARTBEAT.value
                 )
             break
+    return NOTHING
+
+
+def check_admitted(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
+    """A spare admitted into the running job that has not registered within
+    admit_register_timeout_s of its admission is dropped (start-up spares are the start's)."""
+    for node in view.spares():
+        if node.registered or node.admitted_s is None:
+            continue
+        waited_s = now - node.admitted_s
+        if waited_s > cfg.admit_register_timeout_s:
+            return on_node_failure(
+                view,
+                node.node_id,
+                f"admitted {waited_s:.0f}s ago, it never registered (qualification and start-up "
+                f"take at most {cfg.admit_register_timeout_s:.0f}s)",
+                Detector.HEARTBEAT.value,
+            )
     return NOTHING
 
 

@@ -34,6 +34,7 @@ class NodeView:
     epoch_have: int = 0  # last epoch the node process said it holds (heartbeats)
     membership_sent_s: float = -1e9  # when an epoch (view or delta) was last sent to it (resend throttle)
     fenced_heard_s: float = -1e9  # a fenced node still spoke then (re-admission waits for its silence)
+    admitted_s: float | None = None  # joined or re-admitted into the running job then (None: a start-up node)
 
     def set_role(self, role: NodeRole, reason: str = "") -> None:
         check_transition(self.role, role)
@@ -113,6 +114,7 @@ class ClusterView:
         assert node.node_id not in self.nodes, node.node_id
         self.nodes[node.node_id] = node
         self._hb_order[node.node_id] = None
+        node.admitted_s = now
         self.beat(node.node_id, now)
 
     def spares(self) -> list[NodeView]:

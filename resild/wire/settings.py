@@ -49,6 +49,10 @@ TEXTS = ("checkpoint_dir",)
 MAX_COPIES = 8
 AUTO_COPIES = -1  # --snapshot-copies auto: 1 where no rank has a replica (FSDP2, TP), else 0
 MIN_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL collectives never time out sooner than this
+# `resild check --qualify` (probes and the GPU self-test, a torch import) bounds how long a
+# joining or re-admitted node takes before it registers: the node process gives up after it,
+# and the controller drops an admitted spare that never registered.
+QUALIFY_TIMEOUT_S = 300.0
 
 
 class SettingsError(ValueError):

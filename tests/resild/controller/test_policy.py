@@ -319,3 +319,37 @@ def test_a_steady_job_is_checked_less_often_than_one_that_starts_recovers_or_pro
     assert tick_interval_s(v, busy=False, tick_s=0.02, idle_tick_s=0.1) == 0.02
     # An idle interval below the tick never makes it faster.
     assert tick_interval_s(view(), busy=False, tick_s=0.05, idle_tick_s=0.01) == 0.05
+
+
+def test_an_admitted_spare_that_never_registers_is_dropped_after_its_deadline() -> None:
+    """A joined node qualifies, then registers; one that never does would count toward
+    --spare-target forever (refill.py) while it can never take ranks."""
+    cfg = PolicyConfig(heartbeat_timeout_s=2.0, hang_timeout_s=5.0, admit_register_timeout_s=60.0)
+    v = view(now=100.0, spares=0)
+    v.add(NodeView("j0", NodeRole.SPARE, 2), now=100.0)  # admitted at 100, heard of nothing since
+    assert v.nodes["j0"].admitted_s == 100.0
+    assert check_timeouts(beat_active(v, 159.0), v, cfg).action == Action.NONE  # still qualifying
+    d = check_timeouts(beat_active(v, 161.0), v, cfg)
+    assert (d.action, d.node) == (Action.DROP_SPARE, "j0") and "never registered" in d.reason, d
+    # registered in time: nothing, however long it waits
+    v.nodes["j0"].registered = True
+    assert check_timeouts(beat_active(v, 500.0), v, cfg).action == Action.NONE
+
+
+def test_a_start_up_spare_still_starting_is_not_the_admission_checks() -> None:
+    cfg = PolicyConfig(heartbeat_timeout_s=2.0, hang_timeout_s=5.0, admit_register_timeout_s=60.0)
+    v = view(now=100.0, spares=0)
+    v.nodes["s9"] = NodeView("s9", NodeRole.SPARE, 2)  # started with the job, not registered yet
+    v._hb_order["s9"] = None
+    assert check_timeouts(beat_active(v, 1000.0), v, cfg).action == Action.NONE
+
+
+def beat_active(v: ClusterView, now: float) -> float:
+    """Every registered node heard at `now` (the admitted one stays silent). -> now"""
+    for n, node in v.nodes.items():
+        if node.registered:
+            v.beat(n, now)
+            for r, p in v.progress.items():
+                v.progress[r] = RankProgress(step=p.step + 1, epoch=p.epoch, state="commit", t_s=now)
+    v.last_commit_s = now
+    return now
