@@ -57,7 +57,11 @@ class FingerprintHook:
         verdict = judge(values, self.replicas().groups)
         if verdict.clean:
             return True
-        if self.rank == 0:
+        # One rank says so: the lowest odd rank, which always gets here (it leaves next, and its
+        # link flushes before its failure is reported); rank 0 may not, when the odd rank's
+        # failure has already latched the epoch's error by the time it checks (a loaded host).
+        speaker = min(verdict.odd) if verdict.odd else 0
+        if self.rank == speaker:
             self.emit(
                 EventName.REPLICA_DIVERGED,
                 step=step,
