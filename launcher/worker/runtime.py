@@ -22,12 +22,13 @@ stable group or mesh, then attach (examples/train_hsdp.py):
 
 The optimizer steps only if every rank of the epoch completed this step's
 gradient sync (the commit vote). `Job` is a facade over the parts:
-`controller_link` (the controller link), `stable_group` (the stable process
+`links.controller` (the controller link), `stable_group` (the stable process
 group and backend factory), `recovery` (the sequence), `step_state` and
-`commit` (the step's phases and the commit protocol), `state_transport` (the
-replay), `train_state` (what is replayed), `redundancy` (peer-memory snapshots
-and rollback, resild's disk checkpoints, replicas' fingerprints), `mesh_layout`
-(any mesh), `spare_warmup` and `warmup_recipe` (a waiting spare's warm-up for the
+`commit` (the step's phases, the commit protocol and its after-commit hooks),
+`sources` (where a lost rank's state is restored from), `transport` (the replay),
+`train_state` (what is replayed), `redundancy` (peer-memory snapshots and rollback,
+resild's disk checkpoints, replicas' fingerprints), `mesh_layout`
+(any mesh), `spare.warmup` and `spare.recipe` (a waiting spare's warm-up for the
 job's sharded state); private torch APIs in `torch_private`.
 """
 

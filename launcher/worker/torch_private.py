@@ -336,7 +336,7 @@ def retarget_device_mesh(mesh: Any, real: Any) -> Any:
     warm-up filled the cache with must be the one the job uses. torch 2.13: a DeviceMesh's
     groups, rank and coordinate are the instance fields below; equality and hash read none
     of them. If the fields change, the groups stay the warm-up's (gone): the spare's first
-    sharded collective fails loudly, and test_spare_warmup.py fails first."""
+    sharded collective fails loudly, and spare/test_warmup.py fails first."""
     if mesh != real:
         raise ValueError("retarget_device_mesh: the meshes differ")
     mesh._dim_group_names = list(real._dim_group_names)

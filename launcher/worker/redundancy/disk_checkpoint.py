@@ -24,7 +24,7 @@ but JSON, so no pickle of ours (DCP's own `.metadata` is a pickle it reads back)
 - `meta/skeleton` (rank 0): the JSON of the same state with each tensor replaced
   by its key (param groups, scheduler and scaler values, the step), as uint8.
 - `aux/rank{r}`: rank r's own aux (RNG, data-loader position, DDP buckets), which
-  differs per rank: `state_codec.flatten`'s JSON skeleton and byte buffer packed
+  differs per rank: `transport.codec.flatten`'s JSON skeleton and byte buffer packed
   into one uint8 tensor under the rank's own key.
 
 Threads: `save` stages (copies to host memory, so the next optimizer step cannot
@@ -87,7 +87,7 @@ COMPLETE = "COMPLETE"
 FORMAT = 1
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _SKELETON_KEY = "meta/skeleton"
-_LEN_BYTES = 8  # aux tensor: [skeleton length, int64][skeleton JSON][state_codec buffer]
+_LEN_BYTES = 8  # aux tensor: [skeleton length, int64][skeleton JSON][transport.codec buffer]
 
 
 class CheckpointError(RuntimeError):

@@ -4,7 +4,7 @@ A spare's replay writes its parameters into the model it built (`state_transport
 in-place receive), but its optimizer has no state yet, so the moments (two thirds of an
 AdamW shard's bytes) land in memory allocated during the replay: on a host every 4 KB
 page of it faults on first write, while the job waits. The spare's warm-up
-(`spare_warmup`) already steps the job's optimizer on stand-ins of the job's shard
+(`spare.warmup`) already steps the job's optimizer on stand-ins of the job's shard
 shapes; it hands their optimizer state here instead of freeing it, and the replay takes
 a tensor of the same dtype and shape from the pool for each large tensor it has no live
 home for. What the pool holds is never state (its contents are whatever the warm-up's step
