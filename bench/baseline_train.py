@@ -37,6 +37,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 _T_START = time.time()
 RESTART_COUNT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -56,7 +57,7 @@ def _events_path(argv: list[str]) -> str | None:
 _EVENTS_FD: int | None = None
 
 
-def emit(event: str, **fields) -> None:
+def emit(event: str, **fields: Any) -> None:
     """Append one JSON line; one write() per line, O_APPEND, unbuffered."""
     if _EVENTS_FD is None:
         return
@@ -99,7 +100,13 @@ def _grad(q: torch.Tensor) -> torch.Tensor:
     return q.grad
 
 
-def save_checkpoint(path: str, model, opt, sched, step: int) -> None:
+def save_checkpoint(
+    path: str,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    step: int,
+) -> None:
     """Write atomically: a crash mid-write leaves the previous checkpoint intact."""
     tmp = f"{path}.tmp.{os.getpid()}"
     torch.save(
@@ -169,7 +176,7 @@ def main() -> None:
         x, y = make_batch(args.seed, step, rank)
         opt.zero_grad()
         loss = F.mse_loss(net(x), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch
         if args.grad_sync == "allreduce":
             flat = torch.cat([_grad(q).reshape(-1) for q in params])
             dist.all_reduce(flat)

@@ -11,18 +11,19 @@ import json
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 #: Recovery phases, in order; they add up: detect + restart + first_step == total.
 PHASES = ("detect_s", "restart_s", "first_step_s", "total_s")
 
 
-def read_events(path: str | Path) -> list[dict]:
+def read_events(path: str | Path) -> list[dict[str, Any]]:
     """All well-formed events in ``path``, sorted by ``t_wall``.
 
     A torn last line (a writer killed mid-write) or any other line that is not a JSON
     object is skipped, not fatal. A missing file reads as no events.
     """
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -41,7 +42,7 @@ def read_events(path: str | Path) -> list[dict]:
     return out
 
 
-def select(events: Iterable[dict], event: str | None = None, **match) -> list[dict]:
+def select(events: Iterable[dict[str, Any]], event: str | None = None, **match: Any) -> list[dict[str, Any]]:
     """Events with the given ``event`` name whose fields equal ``match``."""
     return [
         e for e in events if (event is None or e.get("event") == event) and all(e.get(k) == v for k, v in match.items())
@@ -55,7 +56,7 @@ def median(xs: Iterable[float | None]) -> float | None:
 
 
 def step_intervals(
-    events: Iterable[dict], rank: int, restart_count: int, first: int | None = None, last: int | None = None
+    events: Iterable[dict[str, Any]], rank: int, restart_count: int, first: int | None = None, last: int | None = None
 ) -> list[float]:
     """Seconds between consecutive ``step`` events of one rank in one attempt.
 
@@ -63,7 +64,7 @@ def step_intervals(
     the caller can leave out the steps next to a fault or a restart.
     """
     steps = {e["step"]: e["t_wall"] for e in select(events, "step", rank=rank, restart_count=restart_count)}
-    out = []
+    out: list[float] = []
     for k in sorted(steps):
         if k - 1 not in steps:
             continue
@@ -75,7 +76,7 @@ def step_intervals(
     return out
 
 
-def _fmt(v, digits: int = 3) -> str:
+def _fmt(v: object, digits: int = 3) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -83,7 +84,9 @@ def _fmt(v, digits: int = 3) -> str:
     return str(v)
 
 
-def phase_table(rows: Sequence[dict], columns: Sequence[str] = PHASES, label: str = "run", digits: int = 3) -> str:
+def phase_table(
+    rows: Sequence[dict[str, Any]], columns: Sequence[str] = PHASES, label: str = "run", digits: int = 3
+) -> str:
     """A plain-text table, one row per result dict, plus a median row when there are several.
 
     Floats are shown with ``digits`` decimals."""
@@ -104,5 +107,5 @@ def phase_table(rows: Sequence[dict], columns: Sequence[str] = PHASES, label: st
     return "\n".join(lines)
 
 
-def print_phase_table(rows: Sequence[dict], columns: Sequence[str] = PHASES, label: str = "run") -> None:
+def print_phase_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = PHASES, label: str = "run") -> None:
     print(phase_table(rows, columns, label))

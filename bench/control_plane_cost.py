@@ -33,6 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -92,11 +93,11 @@ def _role(proc: psutil.Process) -> str:
     return "trainer"
 
 
-def wakeups(procs: list[psutil.Process], window_s: float) -> list[dict]:
+def wakeups(procs: list[psutil.Process], window_s: float) -> list[dict[str, Any]]:
     """Per process role and thread name: wake-ups/s (voluntary switches) and CPU %."""
     before = {p.pid: _thread_counters(p) for p in procs}
     time.sleep(window_s)
-    rows: dict[tuple[str, str], dict] = {}
+    rows: dict[tuple[str, str], dict[str, Any]] = {}
     for p in procs:
         try:
             after = _thread_counters(p)
@@ -129,14 +130,14 @@ def _signal_all(procs: list[psutil.Process], sig: int) -> None:
             pass
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="resild-cpcost-"))
     times, events = work / "times.json", work / "events.jsonl"
     cmd = resild_cmd(args.model, 4, 2, 0, args.steps, times, events, work / "run")
     log = open(work / "log.txt", "w")
     job = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     windows: list[Window] = []
-    table: list[dict] = []
+    table: list[dict[str, Any]] = []
     control: list[psutil.Process] = []
     try:
         time.sleep(args.start_s)  # start-up and warm-up; steps before the windows are left out
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"the job failed (exit {rc}); log: {work / 'log.txt'}")
     rec = json.loads(times.read_text())
     split = split_steps(rec["steps"], windows, args.settle_s)
-    res: dict = {"model": args.model, "workdir": str(work), "threads": table}
+    res: dict[str, Any] = {"model": args.model, "workdir": str(work), "threads": table}
     for kind, xs in split.items():
         res[f"{kind}_steps"] = len(xs)
         res[f"{kind}_step_ms"] = round(statistics.median(xs) * 1e3, 2) if xs else None

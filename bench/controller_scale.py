@@ -194,7 +194,7 @@ def controller_main(cfg: dict[str, Any], out: Any, stop: Any, ended: Any) -> Non
 @dataclass
 class SimNode:
     name: str
-    sock: zmq.Socket
+    sock: zmq.Socket[Any]
     seq: Sequencer
     epoch: int = 0
     alive: bool = True

@@ -44,6 +44,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 GPUS_PER_NODE = 8
 
@@ -147,8 +148,8 @@ def mttf_h(gpus: int, inp: Inputs) -> float:
     if len(pts) >= 2:
         (g1, m1), (g2, m2) = pts[0], pts[-1]
         k = math.log(m1 / m2) / math.log(g2 / g1)
-        return m1 * (gpus / g1) ** -k
-    return m0 * (gpus / g0) ** -k_fit
+        return float(m1 * (gpus / g1) ** -k)
+    return float(m0 * (gpus / g0) ** -k_fit)
 
 
 @dataclass
@@ -442,7 +443,7 @@ def plot(rows: list[Row], path: Path, inp: Inputs) -> None:
     path.write_bytes(_png(fig)) if path.suffix.lower() == ".png" else fig.savefig(path)
 
 
-def _png(fig) -> bytes:
+def _png(fig: Any) -> bytes:  # a matplotlib Figure
     import io
 
     buf = io.BytesIO()

@@ -179,7 +179,7 @@ def worker_loop(a: argparse.Namespace) -> None:
         x, y = make_batch(0, step, rank)
         x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        F.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]  # untyped in torch
         tc = time.perf_counter()
         if a.mode == "resild":
             job.commit()  # resild: all-reduce, vote, optimizer step
@@ -222,12 +222,12 @@ def part_snapshot(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
     t = time.perf_counter()
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     res["pinned_alloc_s"] = _r(time.perf_counter() - t)
-    views = list(host.split(per * 4))
-    side = torch.cuda.Stream(dev)
+    views = list(host.split(per * 4))  # type: ignore[no-untyped-call]  # untyped in torch
+    side = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]  # untyped in torch
     main = torch.cuda.current_stream(dev)
 
     def copy() -> tuple[Any, Any]:
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
         side.wait_stream(main)
         with torch.cuda.stream(side):
             e0.record()
@@ -242,7 +242,7 @@ def part_snapshot(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
     mc = torch.empty(n, n, device=dev, dtype=torch.bfloat16)
 
     def mm(k: int) -> tuple[Any, Any]:
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # untyped in torch
         e0.record()
         for _ in range(k):
             torch.matmul(ma, mb, out=mc)
@@ -606,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         env["device_count"] = torch.cuda.device_count()
         try:
-            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))  # type: ignore[no-untyped-call]  # untyped in torch
         except Exception as e:
             env["nccl"] = _err(e)
     r["env"] = env

@@ -46,10 +46,10 @@ def _r(x: float | None, nd: int = 4) -> float | None:
 class Run:
     def __init__(self, args: argparse.Namespace, json_fd: int) -> None:
         self.args, self.json_fd = args, json_fd
-        self.deadline = T0 + args.budget_s
+        self.deadline: float = T0 + args.budget_s
         self.result: dict[str, Any] = {}
         self.current: str | None = None
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
         self._emitted = False
 
@@ -104,7 +104,7 @@ class Run:
         return rc, so, se
 
 
-def _killpg(p: subprocess.Popen) -> None:
+def _killpg(p: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

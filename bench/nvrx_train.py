@@ -111,7 +111,7 @@ def _fault(kind: str, step: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
 
 
-def _flat_allreduce_grads(params: list, world: int) -> None:
+def _flat_allreduce_grads(params: list[Any], world: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -206,7 +206,7 @@ def train_inprocess(
             _fault(a.fault, step)
         x, y = make_batch(a.seed, step, rank)
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        F.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]  # untyped in torch
         _flat_allreduce_grads(params, world)
         with call_wrapper.atomic():  # no restart between the optimizer step and the counter
             opt.step()
@@ -311,7 +311,7 @@ def run_ftl(a: argparse.Namespace) -> None:
             _fault(a.fault, step)
         x, y = make_batch(a.seed, step, rank)
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        F.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]  # untyped in torch
         _flat_allreduce_grads(params, world)
         opt.step()
         sched.step()

@@ -77,7 +77,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -189,7 +189,7 @@ def _free_base_port(n: int = 3) -> int:
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+            base: int = s.getsockname()[1]
         if base + n > 65535:
             continue
         try:
@@ -207,7 +207,7 @@ def _free_base_port(n: int = 3) -> int:
     raise RuntimeError("no free port range")
 
 
-def _kill_monitor_daemons(events: list[dict]) -> None:
+def _kill_monitor_daemons(events: list[dict[str, Any]]) -> None:
     """The Wrapper's monitor processes daemonize (setsid): end leftovers by the pids they reported."""
     for pid in {e["monitor_pid"] for e in events if e.get("monitor_pid")}:
         try:
@@ -221,7 +221,9 @@ def _kill_monitor_daemons(events: list[dict]) -> None:
                 pass
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float, finished: Callable[[], bool] | None = None) -> str:
+def _wait_all(
+    procs: list[subprocess.Popen[bytes]], timeout_s: float, finished: Callable[[], bool] | None = None
+) -> str:
     """Wait for ``procs``; kill what is left at the deadline, or EXIT_GRACE_S after ``finished()``.
 
     Returns "" (all exited), "timed out", or "hung at exit" (training done, a process stuck).
@@ -247,7 +249,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float, finished: Callabl
     return outcome
 
 
-def analyze_nvrx(events: list[dict], active: int, attempt_key: str) -> dict:
+def analyze_nvrx(events: list[dict[str, Any]], active: int, attempt_key: str) -> dict[str, Any]:
     """The metrics of ``peers_torchft.analyze_torchft``, for a job that never runs at reduced strength.
 
     ``attempt_key`` numbers the attempts in the events (``iteration``: the in-process restart;
@@ -255,9 +257,9 @@ def analyze_nvrx(events: list[dict], active: int, attempt_key: str) -> dict:
     commit the step in flight a moment after the fault. A recovery that itself failed (a second
     restart) is counted in ``restarts``; the phases describe the attempt that trained.
     """
-    res: dict = dict.fromkeys((*COLS, "steps_reduced", "steps", "copy_bytes", "restarts"))
+    res: dict[str, Any] = dict.fromkeys((*COLS, "steps_reduced", "steps", "copy_bytes", "restarts"))
 
-    def mine(e: dict) -> bool:
+    def mine(e: dict[str, Any]) -> bool:
         return (e.get(attempt_key) or 0) >= 1
 
     steps = [e for e in events if e["event"] == "step" and e["rank"] == 0]
@@ -309,11 +311,12 @@ def run_inprocess(
     profile: str,
     a: argparse.Namespace,
     workdir: Path,
-) -> dict:
+) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     events = workdir / "events.jsonl"
     events.unlink(missing_ok=True)
-    ppn, active = a.nproc_per_node, 2 * a.nproc_per_node
+    ppn: int = a.nproc_per_node
+    active = 2 * ppn
     world = active + ppn  # one spare node
     port = _free_base_port()
     procs, logs = [], []
@@ -389,7 +392,7 @@ def run_inprocess(
 
 
 # ---- NVRx ft_launcher ----------------------------------------------------------------------------
-def run_ftl(python: Path, profile: str, a: argparse.Namespace, workdir: Path) -> dict:
+def run_ftl(python: Path, profile: str, a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     events, ckpt = workdir / "events.jsonl", workdir / "ckpt.pt"
     for f in (events, ckpt):
@@ -443,7 +446,7 @@ def run_ftl(python: Path, profile: str, a: argparse.Namespace, workdir: Path) ->
 
 
 # ---- resild -------------------------------------------------------------------------------------
-def run_resild_side(a: argparse.Namespace, workdir: Path) -> dict:
+def run_resild_side(a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from bench.recovery import run_resild
 
     ppn = a.nproc_per_node
@@ -475,7 +478,7 @@ def run_resild_side(a: argparse.Namespace, workdir: Path) -> dict:
     }
 
 
-def _read(path: Path) -> list[dict]:
+def _read(path: Path) -> list[dict[str, Any]]:
     return sorted(read_events(path), key=lambda e: e["t_wall"])
 
 
@@ -535,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in sides:
         jobs += [(s, None)] if s == "resild" else [(s, pr) for pr in profiles]
     wd = a.workdir or Path(tempfile.mkdtemp(prefix="resild-nvrx-"))
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     for i in range(a.runs):
         order = jobs if i % 2 == 0 else jobs[::-1]  # ABBA: no side always runs on a warmer machine
         for side, prof in order:

@@ -89,7 +89,7 @@ PROFILES: dict[str, Profile] = {
 
 
 # ---- worker (run by torchrun, one per rank of a replica group) -----------------------------
-def _emit(path: str, event: str, **fields) -> None:
+def _emit(path: str, event: str, **fields: Any) -> None:
     rec = {
         "event": event,
         "t_wall": time.time(),
@@ -128,10 +128,10 @@ def worker(a: argparse.Namespace) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.5)
 
-    def state_dict():
+    def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
 
-    def load_state_dict(sd) -> None:
+    def load_state_dict(sd: dict[str, Any]) -> None:
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["opt"])
         sched.load_state_dict(sd["sched"])
@@ -162,7 +162,7 @@ def worker(a: argparse.Namespace) -> None:
         manager.start_quorum()
         opt.zero_grad()
         x, y = make_batch(a.seed, step, group * world + rank)  # the same shard as resild's global rank
-        F.mse_loss(model(x), y).backward()
+        F.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]  # untyped in torch
         flat = torch.cat([grad(p).reshape(-1) for p in params])
         dist.all_reduce(flat)  # inside the group
         flat /= world
@@ -184,7 +184,7 @@ def worker(a: argparse.Namespace) -> None:
 # ---- orchestrator -------------------------------------------------------------------------
 def run_torchft(
     profile: str, groups: int, ppn: int, steps: int, kill_at: int, workdir: Path, timeout_s: float, seed: int = 0
-) -> dict:
+) -> dict[str, Any]:
     from torchft.coordination import LighthouseServer
 
     sys.path.insert(0, str(REPO))  # as run_resild_side: `bench` importable when run as a script
@@ -265,12 +265,12 @@ def run_torchft(
     return res
 
 
-def _read(path: Path) -> list[dict]:
+def _read(path: Path) -> list[dict[str, Any]]:
     return sorted(read_events(path), key=lambda e: e["t_wall"])
 
 
-def analyze_torchft(events: list[dict], groups: int) -> dict:
-    res: dict = dict.fromkeys(
+def analyze_torchft(events: list[dict[str, Any]], groups: int) -> dict[str, Any]:
+    res: dict[str, Any] = dict.fromkeys(
         (
             "training_again_s",
             "full_strength_s",
@@ -288,7 +288,7 @@ def analyze_torchft(events: list[dict], groups: int) -> dict:
         return res
     # One record per commit: the groups' rank 0s report each step together (it needs them all),
     # so a repeat of the previous step is the same commit; a lower step after a fault is a rollback.
-    commits: list[dict] = []
+    commits: list[dict[str, Any]] = []
     for e in sorted(steps, key=lambda e: e["t_wall"]):
         if not commits or e["step"] != commits[-1]["step"]:
             commits.append(e)
@@ -332,7 +332,7 @@ def analyze_torchft(events: list[dict], groups: int) -> dict:
     return res
 
 
-def run_resild_side(ppn: int, steps: int, kill_at: int, workdir: Path, timeout_s: float) -> dict:
+def run_resild_side(ppn: int, steps: int, kill_at: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
     sys.path.insert(0, str(REPO))
     from bench.recovery import run_resild
 
@@ -362,7 +362,7 @@ def run_resild_side(ppn: int, steps: int, kill_at: int, workdir: Path, timeout_s
 COLS = ("training_again_s", "full_strength_s", "steps_reduced", "steps_redone", "lost_s", "goodput", "step_time_s")
 
 
-def _fmt(v) -> str:
+def _fmt(v: object) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     wd = a.workdir or Path(tempfile.mkdtemp(prefix="resild-peers-"))
     profiles = list(PROFILES) if a.profile == "both" else [a.profile]
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     for i in range(a.runs):
         if a.only != "torchft":
             rows.append(run_resild_side(a.nproc_per_node, a.steps, a.kill_at, wd / f"resild-{i}", a.timeout))

@@ -86,6 +86,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, cast
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -166,7 +167,7 @@ def resild_command(
     return cmd, f"local-{node}"
 
 
-def _parse_summary(stdout: str) -> dict | None:
+def _parse_summary(stdout: str) -> dict[str, Any] | None:
     """resil-run --json prints one indented object; anything a worker printed may surround it."""
     try:
         obj = json.loads(stdout)
@@ -178,7 +179,7 @@ def _parse_summary(stdout: str) -> dict | None:
         return None
     try:
         obj, _ = json.JSONDecoder().raw_decode(stdout[i:])
-        return obj
+        return cast(dict[str, Any], obj)
     except ValueError:
         return None
 
@@ -194,7 +195,7 @@ def run_resild(
     fault: str = "kill",
     hang_timeout_s: float | None = None,
     python: str = sys.executable,
-) -> dict:
+) -> dict[str, Any]:
     """Run one resil-run job with one injected fault; return its measured phases (seconds).
 
     ``workdir`` receives ``events.jsonl``, ``resil-run.log`` (stderr) and ``summary.json``
@@ -247,10 +248,10 @@ def run_resild(
     return res
 
 
-def analyze_resild(events: list[dict], summary: dict | None, fault_node: str) -> dict:
+def analyze_resild(events: list[dict[str, Any]], summary: dict[str, Any] | None, fault_node: str) -> dict[str, Any]:
     """Phases of the first injected failure. Fields that could not be measured are None."""
     keys = set(RESILD_PHASES) | set(RESILD_PARTS)
-    res: dict = dict.fromkeys(keys)
+    res: dict[str, Any] = dict.fromkeys(keys)
     res.update(
         killed_rank=None,
         replay_bytes=None,
@@ -334,7 +335,7 @@ def analyze_resild(events: list[dict], summary: dict | None, fault_node: str) ->
 
 
 # ---- torchrun side ------------------------------------------------------------
-def torchrun_goodput(events: list[dict], steps: int, step_time_s: float | None) -> float | None:
+def torchrun_goodput(events: list[dict[str, Any]], steps: int, step_time_s: float | None) -> float | None:
     """resild's formula on the baseline's log: (steps-1) × median step / (rank 0's first step → last step)."""
     if step_time_s is None:
         return None
@@ -349,19 +350,19 @@ def torchrun_goodput(events: list[dict], steps: int, step_time_s: float | None) 
 
 def run_torchrun(
     nproc: int, steps: int, kill_at: int, ckpt_every: int, workdir: Path, timeout_s: float, kill_rank: int
-) -> dict:
+) -> dict[str, Any]:
     r = run_baseline(nproc, steps, kill_at, ckpt_every, workdir, timeout_s, kill_rank=kill_rank)
     r["goodput"] = torchrun_goodput(read_events(Path(workdir) / "events.jsonl"), steps, r.get("step_time_s"))
     return r
 
 
 # ---- comparison -------------------------------------------------------------
-def _ratio(a, b) -> float | None:
+def _ratio(a: object, b: object) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
 
 
-def compare(rs: dict | None, tr: dict | None, fault: str) -> dict:
-    out: dict = dict.fromkeys(COMPARE)
+def compare(rs: dict[str, Any] | None, tr: dict[str, Any] | None, fault: str) -> dict[str, Any]:
+    out: dict[str, Any] = dict.fromkeys(COMPARE)
     if rs is None:
         return out
     step = rs.get("step_time_s")
@@ -385,11 +386,11 @@ def compare(rs: dict | None, tr: dict | None, fault: str) -> dict:
     return out
 
 
-def _yn(v) -> str:
+def _yn(v: object) -> str:
     return "-" if v is None else ("yes" if v else "NO")
 
 
-def _table(rows: list[dict], cols: tuple[str, ...], digits: int = 3) -> str:
+def _table(rows: list[dict[str, Any]], cols: tuple[str, ...], digits: int = 3) -> str:
     """phase_table, with booleans shown as yes/NO."""
     conv = [{k: (_yn(v) if isinstance(v, bool) else v) for k, v in r.items()} for r in rows]
     return phase_table(conv, cols, digits=digits)
@@ -433,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i in range(args.runs):
         order = sides if i % 2 == 0 else sides[::-1]
-        row: dict = {"run": i + 1, "order": order, "resild": None, "torchrun": None}
+        row: dict[str, Any] = {"run": i + 1, "order": order, "resild": None, "torchrun": None}
         for side in order:
             wd = base / f"run{i + 1}" / side
             if not args.json:
@@ -464,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     tr_rows = [dict(r["torchrun"], run=r["run"]) for r in results if r["torchrun"] is not None]
     cmp_rows = [{k: r.get(k) for k in ("run", *COMPARE)} for r in results]
 
-    def med(rows: list[dict], k: str):
+    def med(rows: list[dict[str, Any]], k: str) -> float | None:
         vals = [r.get(k) for r in rows if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
         m = median(vals)
         return int(m) if m is not None and all(isinstance(v, int) for v in vals) and float(m).is_integer() else m
@@ -537,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.fault == "hang" and tr_total is not None:
             tr_txt = f"est. {tr_total + TORCHRUN_HANG_TIMEOUT_S:.3f}s ({TORCHRUN_HANG_TIMEOUT_S:g}s timeout + {tr_total:.3f}s)"
 
-        def f(v, fmt: str) -> str:
+        def f(v: object, fmt: str) -> str:
             return "-" if v is None else format(v, fmt)
 
         print(

@@ -179,7 +179,9 @@ class FlatTransport:
     def __init__(self, pg: Any, wait: Callable[[Any], None]) -> None:
         self.pg, self.wait = pg, wait
 
-    def exchange(self, plan: list[Transfer], me: int, snapshot: Callable[[], tuple[dict, dict]]) -> Received | None:
+    def exchange(
+        self, plan: list[Transfer], me: int, snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]]
+    ) -> Received | None:
         sends = [t for t in plan if t.src == me]
         recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.part)
         works: list[Any] = []
@@ -288,7 +290,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
     for mb in args["mb"]:
         state, aux = shard_state(mb, args["layers"], args["width"])
 
-        def snapshot(state: dict[str, Any] = state, aux: dict[str, Any] = aux) -> tuple[dict, dict]:
+        def snapshot(state: dict[str, Any] = state, aux: dict[str, Any] = aux) -> tuple[dict[str, Any], dict[str, Any]]:
             return dict(state), dict(aux)  # as TrainState.state_view: new dicts, the live tensors
 
         nbytes = state_bytes(state) + state_bytes(aux)

@@ -61,8 +61,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -94,15 +95,20 @@ FAULT_COLS = (
 )
 
 
+Emit = Callable[[dict[str, Any]], None]  # one result record out (a JSON line or nothing)
+
+
 # ---- running things --------------------------------------------------------------------
-def _env() -> dict:
+def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
     return env
 
 
-def _run(cmd: list[str], workdir: Path, timeout_s: float, interrupt=signal.SIGINT, env: dict | None = None) -> dict:
+def _run(
+    cmd: list[str], workdir: Path, timeout_s: float, interrupt: int = signal.SIGINT, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run ``cmd`` in its own session; stdout to the caller, stderr to workdir/log.txt."""
     log_path = workdir / "log.txt"
     t0 = time.time()
@@ -168,7 +174,7 @@ def plain_cmd(model: str, nproc: int, steps: int, times: Path, python: str = sys
     return torchrun(*worker, nproc_per_node=nproc, python=python)
 
 
-def step_stats(times_path: Path, warmup: int) -> dict:
+def step_stats(times_path: Path, warmup: int) -> dict[str, Any]:
     """Rank 0's per-step times: medians over steps >= warmup (consecutive steps only)."""
     try:
         rows = json.loads(Path(times_path).read_text())["steps"]
@@ -193,7 +199,7 @@ def step_stats(times_path: Path, warmup: int) -> dict:
 
 
 # ---- part 1: failure-free overhead ---------------------------------------------------------
-def run_one(side: str, model: str, args, workdir: Path) -> dict:
+def run_one(side: str, model: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     times = workdir / "times.json"
     times.unlink(missing_ok=True)
@@ -213,8 +219,8 @@ def run_one(side: str, model: str, args, workdir: Path) -> dict:
     return r
 
 
-def overhead(args, base: Path, emit) -> list[dict]:
-    runs: list[dict] = []
+def overhead(args: argparse.Namespace, base: Path, emit: Emit) -> list[dict[str, Any]]:
+    runs: list[dict[str, Any]] = []
     for i in range(args.repeats):
         for model in args.models:
             order = ("resild", "plain") if i % 2 == 0 else ("plain", "resild")
@@ -241,8 +247,8 @@ def overhead(args, base: Path, emit) -> list[dict]:
             "failed_runs": sum(1 for r in rs + pl if r["exit_code"] != 0 or r["step_s"] is None),
         }
         row["ratio"] = _div(row["resild_ms"], row["plain_ms"])
-        pairs = [_div(a["step_s"], b["step_s"]) for a, b in zip(rs, pl)]
-        pairs = [p for p in pairs if p is not None]
+        ratios = [_div(a["step_s"], b["step_s"]) for a, b in zip(rs, pl)]
+        pairs = [p for p in ratios if p is not None]
         row["pair_ratio_min"], row["pair_ratio_max"] = (min(pairs), max(pairs)) if pairs else (None, None)
         row["within_5pct"] = None if row["ratio"] is None else row["ratio"] <= 1 + TARGET_OVERHEAD
         out.append(row)
@@ -251,7 +257,7 @@ def overhead(args, base: Path, emit) -> list[dict]:
 
 
 # ---- part 2: HSDP fault → full strength ------------------------------------------------------
-def fault_run(args, workdir: Path, warmup: bool = True) -> dict:
+def fault_run(args: argparse.Namespace, workdir: Path, warmup: bool = True) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     times, events, phases = workdir / "times.json", workdir / "events.jsonl", workdir / "phases"
     for p in (times, events, *phases.glob("phases-*.json")):
@@ -338,9 +344,11 @@ SPARE_PHASES = (
 )
 
 
-def spare_phases(evs: list[dict], phases_dir: Path, ranks: set) -> dict:
+def spare_phases(evs: list[dict[str, Any]], phases_dir: Path, ranks: set[int]) -> dict[str, Any]:
     """Where the spare's ranks spent the recovery (the slowest rank's figure per phase)."""
-    out: dict = dict.fromkeys([name for name, _, _ in SPARE_PHASES] + ["spare_warmup_s", "spare_warmup_error"])
+    out: dict[str, Any] = dict.fromkeys(
+        [name for name, _, _ in SPARE_PHASES] + ["spare_warmup_s", "spare_warmup_error"]
+    )
     out["spare_warmed_ranks"] = 0
     assigned = select(evs, "spare_assigned")
     if not assigned or not ranks:
@@ -373,7 +381,7 @@ def _intervals_by_step(times_path: Path) -> list[tuple[int, float]]:
     return [(k, by[k] - by[k - 1]) for k in sorted(by) if k - 1 in by]
 
 
-def loopback(nbytes: int, iters: int, workdir: Path, timeout_s: float) -> dict:
+def loopback(nbytes: int, iters: int, workdir: Path, timeout_s: float) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     times = workdir / "loopback.json"
     times.unlink(missing_ok=True)
@@ -397,7 +405,7 @@ def loopback(nbytes: int, iters: int, workdir: Path, timeout_s: float) -> dict:
     }
 
 
-def fault(args, base: Path, emit) -> dict:
+def fault(args: argparse.Namespace, base: Path, emit: Emit) -> dict[str, Any]:
     runs = []
     # --compare-warmup: each run is a pair, the spare's warm-up off and on, ABBA across runs
     plan = []
@@ -444,7 +452,7 @@ def fault(args, base: Path, emit) -> dict:
     out["replay_vs_loopback"] = _div(out["replay_s_per_rank"], lb and lb["seconds"])
     # "warmed": the warm runs whose spare ranks had all finished their warm-up before the fault
     # (a fault during it waits for the part under way: the bench's early fault can land there)
-    pick = {
+    pick: dict[str, Callable[[dict[str, Any]], Any]] = {
         "cold": lambda r: not r["warmup"],
         "warm": lambda r: r["warmup"],
         "warmed": lambda r: r["warmup"] and r.get("spare_warmed_ranks", 0) >= args.ppn,
@@ -470,23 +478,23 @@ def fault(args, base: Path, emit) -> dict:
 SPARE_COLS = (*(n for n, _, _ in SPARE_PHASES), "spare_warmup_s", "spare_warmed_ranks")
 
 
-def _num(v) -> bool:
+def _num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _ms(s):
+def _ms(s: float | None) -> float | None:
     return None if s is None else s * 1000.0
 
 
-def _div(a, b):
+def _div(a: object, b: object) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0 else None
 
 
-def _yn(v) -> str:
+def _yn(v: object) -> str:
     return "-" if v is None else ("yes" if v else "NO")
 
 
-def print_overhead(args, rows: list[dict]) -> None:
+def print_overhead(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(
         f"\nfailure-free step time, {args.nproc} ranks, gloo on CPU, rank 0's median over steps "
         f"{args.warmup}..{args.steps - 1}, {args.repeats} runs per side (ABBA); ms"
@@ -516,7 +524,7 @@ def _no_median(t: str) -> str:
     return "\n".join(line for line in t.splitlines() if not line.lstrip().startswith("median"))
 
 
-def print_fault(args, res: dict) -> None:
+def print_fault(args: argparse.Namespace, res: dict[str, Any]) -> None:
     print(
         f"\nHSDP fault: resil-run --local {args.fault_nodes} nodes x {args.ppn} (1 spare; "
         f"{(args.fault_nodes - 1) * args.ppn} ranks, 2 replicas x {(args.fault_nodes - 1) * args.ppn // 2} shards), "
@@ -642,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = args.workdir or Path(tempfile.mkdtemp(prefix="resild-sharded-"))
 
-    def emit(obj: dict) -> None:
+    def emit(obj: dict[str, Any]) -> None:
         if args.json:
             print(json.dumps(obj), flush=True)
 

@@ -60,15 +60,16 @@ import os
 import signal
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler, TensorDataset
@@ -76,6 +77,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import launcher  # resild (imports nothing more until launcher.init)
 from launcher.worker.data import ResumableLoader  # a data cursor only (torch + torchdata)
+
+if TYPE_CHECKING:
+    from launcher.worker.runtime import Job
 
 # Everything is imported before launcher.init(), as in the examples: a spare taking
 # over pays only for what follows init (mesh, model, fully_shard, optimizer, attach).
@@ -135,19 +139,26 @@ class Plain:
         self.scaler: Any = None
         self.start = 0  # fsdp: the step a DCP checkpoint resumes at
 
-    def mesh(self, shard: int):
+    def mesh(self, shard: int) -> DeviceMesh:
         return init_device_mesh("cpu", (self.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
 
-    def mesh_1d(self):
+    def mesh_1d(self) -> DeviceMesh:
         return init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("shard",))
 
-    def mesh_tp(self, tp: int):
+    def mesh_tp(self, tp: int) -> DeviceMesh:
         return init_device_mesh("cpu", (self.world_size // tp, tp), mesh_dim_names=("shard", "tp"))
 
-    def attach(self, model, opt, scheduler=None, scaler=None, extra=None) -> None:
+    def attach(
+        self,
+        model: torch.nn.Module,
+        opt: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: Any = None,
+        extra: Any = None,
+    ) -> None:
         self.opt, self.sched, self.scaler = opt, scheduler, scaler
 
-    def steps(self, total: int):
+    def steps(self, total: int) -> Iterator[int]:
         yield from range(self.start, total)
 
     def commit(self) -> bool:
@@ -165,22 +176,29 @@ class Plain:
 
 class Resild:
     def __init__(self) -> None:
-        self.job = launcher.init()  # a spare waits here
+        self.job: Job = launcher.init()  # a spare waits here
         self.rank, self.world_size, self.group = self.job.rank, self.job.world_size, self.job.group
 
-    def mesh(self, shard: int):
-        return self.job.hsdp_mesh(shard_size=shard)
+    def mesh(self, shard: int) -> DeviceMesh:
+        return cast(DeviceMesh, self.job.hsdp_mesh(shard_size=shard))
 
-    def mesh_1d(self):
-        return self.job.mesh((self.world_size,), ("shard",))
+    def mesh_1d(self) -> DeviceMesh:
+        return cast(DeviceMesh, self.job.mesh((self.world_size,), ("shard",)))
 
-    def mesh_tp(self, tp: int):
-        return self.job.mesh((-1, tp), ("shard", "tp"))
+    def mesh_tp(self, tp: int) -> DeviceMesh:
+        return cast(DeviceMesh, self.job.mesh((-1, tp), ("shard", "tp")))
 
-    def attach(self, model, opt, scheduler=None, scaler=None, extra=None) -> None:
+    def attach(
+        self,
+        model: torch.nn.Module,
+        opt: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: Any = None,
+        extra: Any = None,
+    ) -> None:
         self.job.attach(model, opt, scheduler=scheduler, scaler=scaler, extra=extra)
 
-    def steps(self, total: int):
+    def steps(self, total: int) -> Iterator[int]:
         return self.job.steps(total)
 
     def commit(self) -> bool:
@@ -191,7 +209,12 @@ class Resild:
 
 
 # ---- the loops ------------------------------------------------------------------------
-def train_ddp(rt, args, record, mark) -> None:
+Runtime = Plain | Resild
+Record = Callable[[int, float, float, float], None]  # (step, t_top, t_commit, t_end)
+Mark = Callable[[str], None]
+
+
+def train_ddp(rt: Runtime, args: argparse.Namespace, record: Record, mark: Mark) -> None:
     kw = {"process_group": rt.group, "init_sync": False} if rt.group is not None else {}
     model = DDP(ddp_model(args.seed), **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -209,7 +232,7 @@ def train_ddp(rt, args, record, mark) -> None:
             with model.no_sync() if not last else contextlib.nullcontext():
                 with torch.autocast("cpu", dtype=torch.float16):
                     loss = F.mse_loss(model(x), y) / MICRO_STEPS
-                scaler.scale(loss).backward()
+                scaler.scale(loss).backward()  # type: ignore[no-untyped-call]  # untyped in torch
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         t_commit = time.perf_counter()
@@ -217,7 +240,7 @@ def train_ddp(rt, args, record, mark) -> None:
             record(step, t_top, t_commit, time.perf_counter())
 
 
-def train_hsdp(rt, args, record, mark) -> None:
+def train_hsdp(rt: Runtime, args: argparse.Namespace, record: Record, mark: Mark) -> None:
     shard = max(1, rt.world_size // 2)
     mesh = rt.mesh(shard)
     mark("mesh")
@@ -239,7 +262,7 @@ def train_hsdp(rt, args, record, mark) -> None:
         t_top = time.perf_counter()
         x, y = next(loader)
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        F.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]  # untyped in torch
         if first:
             mark("first_backward")
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -251,7 +274,7 @@ def train_hsdp(rt, args, record, mark) -> None:
             record(step, t_top, t_commit, time.perf_counter())
 
 
-def train_tp(rt, args, record, mark) -> None:
+def train_tp(rt: Runtime, args: argparse.Namespace, record: Record, mark: Mark) -> None:
     """examples/train_fsdp_tp.py's loop (its model and per-mesh clipping, imported)."""
     import sys
 
@@ -284,7 +307,7 @@ def train_tp(rt, args, record, mark) -> None:
         t_top = time.perf_counter()
         x, y = next(loader)
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        F.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]  # untyped in torch
         if first:
             mark("first_backward")
         clip_grad_norm(list(model.parameters()), 1.0)
@@ -299,7 +322,7 @@ def train_tp(rt, args, record, mark) -> None:
 def local_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     """This rank's own tensor bytes: its parameter shards and its optimizer state's."""
 
-    def nbytes(t) -> int:
+    def nbytes(t: Any) -> int:
         t = t.to_local() if hasattr(t, "to_local") else t
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
@@ -314,7 +337,7 @@ class Events:
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if path else None
         self.rank, self.restart_count = rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
-    def __call__(self, event: str, **fields) -> None:
+    def __call__(self, event: str, **fields: Any) -> None:
         if self.fd is None:
             return
         rec = {"event": event, "rank": self.rank, "pid": os.getpid(), "restart_count": self.restart_count}
@@ -334,7 +357,13 @@ def process_start_wall() -> float:
         return time.time()
 
 
-def _dcp_state(model, opt, sched, loader, rank: int) -> dict:
+def _dcp_state(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    loader: ResumableLoader,
+    rank: int,
+) -> dict[str, Any]:
     msd, osd = get_state_dict(model, opt)
     # keys of one rank only: DCP would keep one rank's copy of a key every rank saves
     own = {"loader": loader.state_dict(), "rng": torch.get_rng_state()}
@@ -353,7 +382,7 @@ def newest_checkpoint(ckpt_dir: str) -> tuple[int, Path] | None:
     return max(found) if found else None
 
 
-def train_fsdp(rt, args, record, mark) -> dict:
+def train_fsdp(rt: Runtime, args: argparse.Namespace, record: Record, mark: Mark) -> dict[str, Any]:
     """examples/train_fsdp.py's loop; plain mode may add a DCP checkpoint and a fault."""
     emit = Events(args.events, rt.rank)
     emit("start", t_wall=args.t_start)
@@ -382,7 +411,7 @@ def train_fsdp(rt, args, record, mark) -> dict:
             own = state[f"rank{rt.rank}"]
             loader.load_state_dict(own["loader"])
             torch.set_rng_state(own["rng"])
-        rt.start = start
+        cast(Plain, rt).start = start  # plain mode: rt is Plain
     t_loaded = time.time()
     rt.attach(model, opt, scheduler=sched, extra=loader)
     mark("attached")
@@ -403,7 +432,7 @@ def train_fsdp(rt, args, record, mark) -> dict:
         t_top = time.perf_counter()
         x, y = next(loader)
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        F.mse_loss(model(x), y).backward()  # type: ignore[no-untyped-call]  # untyped in torch
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         t_commit = time.perf_counter()
         if rt.commit():
@@ -421,7 +450,7 @@ def train_fsdp(rt, args, record, mark) -> dict:
 
 
 # ---- loopback yardstick ---------------------------------------------------------------
-def loopback(args) -> None:
+def loopback(args: argparse.Namespace) -> None:
     """Rank 1 sends a uint8 tensor of --nbytes to rank 0 (gloo, TCP over loopback),
     --iters times after one warm-up exchange; rank 0 times each recv (the sender
     starts after a barrier, so the recv's time is the transfer)."""

@@ -57,13 +57,16 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if __package__ in (None, ""):  # run as a script: make `bench` and `tests` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.commands import resil_run, shell_line, train
 from bench.common import read_events, select
+
+if TYPE_CHECKING:
+    from tests.slurmlab.fixture import SlurmLab
 
 REPO = Path(__file__).resolve().parent.parent
 BASELINE_JOB = REPO / "bench" / "slurm_baseline_job.sh"
@@ -77,7 +80,7 @@ class BenchError(RuntimeError):
 
 
 # -- small helpers ------------------------------------------------------------------------------
-def _jsonl(path: Path) -> list[dict]:
+def _jsonl(path: Path) -> list[dict[str, Any]]:
     """Events in file order (read_events sorts by t_wall; these files are in order anyway)."""
     return read_events(path)
 
@@ -97,15 +100,15 @@ def _wait(
         time.sleep(poll_s)
 
 
-def _first(events: list[dict], pred: Callable[[dict], bool]) -> dict | None:
+def _first(events: list[dict[str, Any]], pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
     return next((e for e in events if pred(e)), None)
 
 
-def _sbatch(lab, args: list[str]) -> str:
+def _sbatch(lab: SlurmLab, args: list[str]) -> str:
     return lab.run(["sbatch", "--parsable", *args]).stdout.strip().split(";")[0]
 
 
-def _wait_job_end(lab, jid: str, timeout_s: float) -> str:
+def _wait_job_end(lab: SlurmLab, jid: str, timeout_s: float) -> str:
     from tests.slurmlab.fixture import _JOB_DONE
 
     deadline = time.monotonic() + timeout_s
@@ -120,7 +123,7 @@ def _wait_job_end(lab, jid: str, timeout_s: float) -> str:
         time.sleep(0.2)
 
 
-def _crash(lab, node: str) -> tuple[float, float, float]:
+def _crash(lab: SlurmLab, node: str) -> tuple[float, float, float]:
     """Crash `node`; returns (time.time(), time.monotonic()) right after, and the call's length."""
     t0 = time.monotonic()
     lab.crash(node)
@@ -128,7 +131,7 @@ def _crash(lab, node: str) -> tuple[float, float, float]:
     return t_wall, t_mono, round(t_mono - t0, 3)
 
 
-def _ctld_marked_down_s(lab, node: str, t_crash: float) -> float | None:
+def _ctld_marked_down_s(lab: SlurmLab, node: str, t_crash: float) -> float | None:
     """Seconds from the crash to slurmctld's log line marking `node` not responding/DOWN."""
     try:
         lines = (lab.lab / "log" / "slurmctld.log").read_text().splitlines()
@@ -152,7 +155,7 @@ def _r(v: float | None, digits: int = 3) -> float | None:
 
 # -- (a) resild --------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _job_guard(lab, jid: str, res: dict) -> Iterator[None]:
+def _job_guard(lab: SlurmLab, jid: str, res: dict[str, Any]) -> Iterator[None]:
     """Cancel the job if the measurement fails; always record how the job ended."""
     try:
         yield
@@ -164,8 +167,8 @@ def _job_guard(lab, jid: str, res: dict) -> Iterator[None]:
 
 
 def run_resild(
-    lab, work: Path, steps: int, kill_after_s: float, heartbeat_timeout: float, timeout_s: float = 240
-) -> dict:
+    lab: SlurmLab, work: Path, steps: int, kill_after_s: float, heartbeat_timeout: float, timeout_s: float = 240
+) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     events_path, out = work / "events.jsonl", work / "slurm.out"
     py = sys.executable
@@ -201,8 +204,11 @@ exit $rc
 """)
     t_submit = time.time()
     jid = _sbatch(lab, [str(script)])
-    res: dict = {"side": "resild", "job_id": jid, "workdir": str(work)}
-    ev = lambda: _jsonl(events_path)  # noqa: E731
+    res: dict[str, Any] = {"side": "resild", "job_id": jid, "workdir": str(work)}
+
+    def ev() -> list[dict[str, Any]]:
+        return _jsonl(events_path)
+
     with _job_guard(lab, jid, res):
         started = _wait("resild job_started", lambda: _first(ev(), lambda e: e["event"] == "job_started"), 120, out)
         host = started["controller_host"]
@@ -267,14 +273,21 @@ exit $rc
 
 
 # -- (b) plain srun + checkpoint restart ----------------------------------------------------------
-def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: int, timeout_s: float = 300) -> dict:
+def run_baseline(
+    lab: SlurmLab, work: Path, steps: int, kill_after_s: float, ckpt_every: int, timeout_s: float = 300
+) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     events_path, jobev_path, out = work / "events.jsonl", work / "job_events.jsonl", work / "slurm.out"
     t_submit = time.time()
     jid = _sbatch(lab, ["-o", str(out), str(BASELINE_JOB), str(work), str(steps), str(ckpt_every)])
-    res: dict = {"side": "srun+ckpt", "job_id": jid, "workdir": str(work), "ckpt_every": ckpt_every}
-    jev = lambda: _jsonl(jobev_path)  # noqa: E731
-    ev = lambda: _jsonl(events_path)  # noqa: E731
+    res: dict[str, Any] = {"side": "srun+ckpt", "job_id": jid, "workdir": str(work), "ckpt_every": ckpt_every}
+
+    def jev() -> list[dict[str, Any]]:
+        return _jsonl(jobev_path)
+
+    def ev() -> list[dict[str, Any]]:
+        return _jsonl(events_path)
+
     with _job_guard(lab, jid, res):
         started = _wait("baseline job_started", lambda: _first(jev(), lambda e: e["event"] == "job_started"), 120, out)
         host = started["batch_host"]
@@ -296,7 +309,7 @@ def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: i
         t_crash, _, res["crash_call_s"] = _crash(lab, victim)
         res["t_crash_wall"] = t_crash
 
-        def restarted_first_step():
+        def restarted_first_step() -> tuple[list[dict[str, Any]], int, list[dict[str, Any]]] | None:
             evs = ev()
             ready = select(evs, "ready", restart_count=1)
             if len(ready) < 2:
@@ -305,7 +318,7 @@ def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: i
             s = select(evs, "step", restart_count=1, step=k)
             return (ready, k, s) if len(s) >= 2 else None
 
-        def recovered_or_gave_up():
+        def recovered_or_gave_up() -> tuple[list[dict[str, Any]], int, list[dict[str, Any]]] | None:
             got = restarted_first_step()
             if not got and (select(jev(), "gave_up") or select(jev(), "srun_exit", attempt=1)):
                 tail = out.read_text()[-3000:] if out.exists() else ""
@@ -354,7 +367,7 @@ def run_baseline(lab, work: Path, steps: int, kill_after_s: float, ckpt_every: i
 
 
 # -- driver ---------------------------------------------------------------------------------------
-def _restore_all(lab) -> None:
+def _restore_all(lab: SlurmLab) -> None:
     for node in lab.nodes:
         lab.restore(node)
 
@@ -362,12 +375,12 @@ def _restore_all(lab) -> None:
 COLUMNS = (("detect_s", "detection"), ("recovery_s", "recovery"), ("steps_redone", "redone"))
 
 
-def format_table(pairs: list[tuple[dict, dict]]) -> str:
-    def f(v, d=2):
+def format_table(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    def f(v: object, d: int = 2) -> str:
         return "-" if v is None else (f"{v:.{d}f}" if isinstance(v, float) else str(v))
 
     lines = [f"{'run':>3}  {'side':<10} {'detection':>10} {'recovery':>9} {'redone':>6}  notes", "-" * 100]
-    ratios = []
+    ratios: list[float] = []
     for i, (a, b) in enumerate(pairs, 1):
         if a:
             lines.append(
@@ -421,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("LINK_ETC", "0")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="resild-slurm-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    pairs: list[tuple[dict, dict]] = []
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]] = []
     errors: list[str] = []
     t0 = time.monotonic()
     lab_up_s = None
@@ -430,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             lab_up_s = round(lab.up_seconds, 1)
             print(f"lab up in {lab.up_seconds:.1f}s ({args.lab}); job dirs under {work}", file=sys.stderr)
 
-            def side(label: str, fn: Callable[[], dict]) -> dict:
+            def side(label: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
                 try:
                     out = fn()
                 except BenchError as e:

@@ -97,8 +97,9 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -151,6 +152,8 @@ FALLBACK_NPROC = 3  # active ranks, one per node
 FALLBACK_SPARES = 2  # two nodes are lost at once
 FALLBACK_KILL_RANK = 0  # torchrun: the rank that SIGKILLs itself (resild loses ranks 0 and 1)
 
+Say = Callable[[str], None]  # a progress line out (to stderr, or nowhere)
+
 
 # ---- running things --------------------------------------------------------------------
 def _with_flags(cmd: list[str], *flags: str) -> list[str]:
@@ -165,12 +168,12 @@ def _with_snapshots(cmd: list[str], copies: int, every: int) -> list[str]:
 
 def _state_bytes(times: Path) -> int | None:
     try:
-        return json.loads(times.read_text()).get("state_bytes")
+        return cast(int | None, json.loads(times.read_text()).get("state_bytes"))
     except (OSError, ValueError, AttributeError):
         return None
 
 
-def overhead_run(variant: str, repeat: int, args: argparse.Namespace, workdir: Path) -> dict:
+def overhead_run(variant: str, repeat: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     times, events = workdir / "times.json", workdir / "events.jsonl"
     for p in (times, events):
@@ -189,8 +192,8 @@ def overhead_run(variant: str, repeat: int, args: argparse.Namespace, workdir: P
     return r
 
 
-def overhead(args: argparse.Namespace, base: Path, say) -> dict:
-    runs: list[dict] = []
+def overhead(args: argparse.Namespace, base: Path, say: Say) -> dict[str, Any]:
+    runs: list[dict[str, Any]] = []
     for i in range(args.repeats):
         order = args.variants if i % 2 == 0 else args.variants[::-1]
         for v in order:
@@ -236,7 +239,7 @@ def _fresh(workdir: Path) -> None:
     shutil.rmtree(workdir / "ckpt", ignore_errors=True)
 
 
-def resild_fault_run(args: argparse.Namespace, workdir: Path) -> dict:
+def resild_fault_run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     _fresh(workdir)
     nproc = (args.fault_nodes - 1) * args.fault_ppn
     times, events = workdir / "times.json", workdir / "events.jsonl"
@@ -266,7 +269,7 @@ def resild_fault_run(args: argparse.Namespace, workdir: Path) -> dict:
 
 def torchrun_fault_run(
     args: argparse.Namespace, workdir: Path, nproc: int | None = None, kill_rank: int | None = None
-) -> dict:
+) -> dict[str, Any]:
     _fresh(workdir)
     nproc = (args.fault_nodes - 1) * args.fault_ppn if nproc is None else nproc
     env = _env()
@@ -283,11 +286,11 @@ def torchrun_fault_run(
 
 
 def side_by_side(
-    part: str, args: argparse.Namespace, base: Path, say, runs: dict[str, Any], what: dict[str, str]
-) -> tuple[list[dict], list[dict]]:
+    part: str, args: argparse.Namespace, base: Path, say: Say, runs: dict[str, Any], what: dict[str, str]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """`args.fault_runs` runs of each side, ABBA-ordered (resild, torchrun, torchrun, resild, ...)
     so a drift in the machine's load hits both alike; `runs[side](workdir)` runs one."""
-    out: dict[str, list[dict]] = {"resild": [], "torchrun": []}
+    out: dict[str, list[dict[str, Any]]] = {"resild": [], "torchrun": []}
     for i in range(args.fault_runs):
         for side in ("resild", "torchrun") if i % 2 == 0 else ("torchrun", "resild"):
             say(f"{part}: run {i + 1}/{args.fault_runs}, {side}, {what[side]} at step {args.kill_at} ...")
@@ -295,7 +298,7 @@ def side_by_side(
     return out["resild"], out["torchrun"]
 
 
-def recovery(args: argparse.Namespace, base: Path, say) -> dict:
+def recovery(args: argparse.Namespace, base: Path, say: Say) -> dict[str, Any]:
     rs, tr = side_by_side(
         "recovery",
         args,
@@ -331,7 +334,7 @@ def resild_fallback_cmd(args: argparse.Namespace, workdir: Path, python: str = s
     )
 
 
-def resild_fallback_run(args: argparse.Namespace, workdir: Path) -> dict:
+def resild_fallback_run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     _fresh(workdir)
     r = _run(resild_fallback_cmd(args, workdir), workdir, args.timeout)
     evs = read_events(workdir / "events.jsonl")
@@ -350,7 +353,7 @@ def resild_fallback_run(args: argparse.Namespace, workdir: Path) -> dict:
     return res
 
 
-def fallback(args: argparse.Namespace, base: Path, say) -> dict:
+def fallback(args: argparse.Namespace, base: Path, say: Say) -> dict[str, Any]:
     rs, tr = side_by_side(
         "fallback",
         args,
@@ -370,7 +373,7 @@ def _no_median(t: str) -> str:
     return "\n".join(line for line in t.splitlines() if not line.lstrip().startswith("median"))
 
 
-def print_overhead(args: argparse.Namespace, res: dict) -> None:
+def print_overhead(args: argparse.Namespace, res: dict[str, Any]) -> None:
     print(
         f"\nfailure-free step time, plain FSDP2, {args.nproc} ranks, gloo on CPU, rank 0's median over steps "
         f"{args.warmup}..{args.steps - 1}, {args.repeats} run(s) per variant (ABBA); snapshot every {args.every}"
@@ -388,7 +391,7 @@ def print_overhead(args: argparse.Namespace, res: dict) -> None:
     )
 
 
-def print_recovery(args: argparse.Namespace, res: dict) -> None:
+def print_recovery(args: argparse.Namespace, res: dict[str, Any]) -> None:
     nproc = (args.fault_nodes - 1) * args.fault_ppn
     print(
         f"\nnode loss, plain FSDP2, {nproc} ranks; SIGKILL of rank {args.fault_ppn} once {args.kill_at} of "
@@ -423,7 +426,7 @@ def print_recovery(args: argparse.Namespace, res: dict) -> None:
         )
 
 
-def print_fallback(args: argparse.Namespace, res: dict) -> None:
+def print_fallback(args: argparse.Namespace, res: dict[str, Any]) -> None:
     print(
         f"\ndisk fallback, plain FSDP2, {FALLBACK_NPROC} ranks; every in-memory copy of rank 0's state lost "
         f"once {args.kill_at} of {args.fault_steps} steps are committed; checkpoints every {args.ckpt_every} "
@@ -534,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     load_before = os.getloadavg()
-    out: dict = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    out: dict[str, Any] = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
     ok = True
     if args.only in (None, "overhead"):
         out["overhead"] = overhead(args, base, say)

@@ -84,10 +84,10 @@ def _med_int(xs: Iterable[Any]) -> float | int | None:
     return int(m) if m is not None and float(m).is_integer() else m
 
 
-def snapshot_stats(events: Sequence[dict]) -> dict:
+def snapshot_stats(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One run's ``snapshots`` events (one per rank, the last of each rank): medians
     over ranks. Empty fields (None) when no rank reported (K = 0, or a failed run)."""
-    by_rank: dict[Any, dict] = {}
+    by_rank: dict[Any, dict[str, Any]] = {}
     for e in select(events, "snapshots"):
         by_rank[e.get("rank")] = e  # sorted by time: a rank's last report wins
     rs = list(by_rank.values())
@@ -106,7 +106,7 @@ def snapshot_stats(events: Sequence[dict]) -> dict:
     }
 
 
-def overhead_rows(runs: Sequence[dict], variants: Sequence[str]) -> list[dict]:
+def overhead_rows(runs: Sequence[dict[str, Any]], variants: Sequence[str]) -> list[dict[str, Any]]:
     """One row per variant from the runs' records (``variant``, ``step_s``, ``commit_s``,
     ``compute_s``, ``exit_code``, ``state_bytes``, ``snapshots`` = snapshot_stats)."""
     by = {v: [r for r in runs if r.get("variant") == v] for v in variants}
@@ -115,7 +115,7 @@ def overhead_rows(runs: Sequence[dict], variants: Sequence[str]) -> list[dict]:
     for v in variants:
         rs = by[v]
         snaps = [r.get("snapshots") or {} for r in rs]
-        row: dict = {
+        row: dict[str, Any] = {
             "variant": v,
             "copies": VARIANTS.get(v),
             "runs": len(rs),
@@ -147,9 +147,11 @@ def overhead_rows(runs: Sequence[dict], variants: Sequence[str]) -> list[dict]:
     return out
 
 
-def resild_recovery(events: Sequence[dict], step_s: float | None, fault_node: str = "local-node1") -> dict:
+def resild_recovery(
+    events: Sequence[dict[str, Any]], step_s: float | None, fault_node: str = "local-node1"
+) -> dict[str, Any]:
     """The first node failure's recovery (resild.report.recoveries), the rollback and the replay."""
-    res: dict = dict.fromkeys(RESILD_COLS)
+    res: dict[str, Any] = dict.fromkeys(RESILD_COLS)
     res.update(rolled_back_newest=None, replay_bytes=None, replay_sources=None, replay_source=None, outcome=None)
     res["step_s"] = step_s
     rec = next((r for r in recoveries(events) if r.kind == NODE_FAILURE and r.node == fault_node), None)
@@ -185,7 +187,7 @@ def resild_recovery(events: Sequence[dict], step_s: float | None, fault_node: st
     return res
 
 
-def torchrun_recovery(events: Sequence[dict], nproc: int, kill_at: int) -> dict:
+def torchrun_recovery(events: Sequence[dict[str, Any]], nproc: int, kill_at: int) -> dict[str, Any]:
     """bench.torchrun_baseline.analyze, plus the work lost (steps redone x step time)."""
     res = analyze_torchrun(list(events), nproc=nproc, kill_at=kill_at)
     res["step_s"] = res.get("step_time_s")
@@ -195,7 +197,9 @@ def torchrun_recovery(events: Sequence[dict], nproc: int, kill_at: int) -> dict:
     return res
 
 
-def summarize_recovery(resild_runs: Sequence[dict], torchrun_runs: Sequence[dict]) -> dict:
+def summarize_recovery(
+    resild_runs: Sequence[dict[str, Any]], torchrun_runs: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
     """Medians per side and the ratios torchrun / resild."""
     rs = {k: _med_int(r.get(k) for r in resild_runs) for k in RESILD_COLS if k != "exit_code"}
     tr = {k: _med_int(r.get(k) for r in torchrun_runs) for k in TORCHRUN_COLS if k != "exit_code"}
@@ -207,11 +211,11 @@ def summarize_recovery(resild_runs: Sequence[dict], torchrun_runs: Sequence[dict
     }
 
 
-def fallback_recovery(events: Sequence[dict], step_s: float | None) -> dict:
+def fallback_recovery(events: Sequence[dict[str, Any]], step_s: float | None) -> dict[str, Any]:
     """The recovery that loaded resild's own disk checkpoint (``recovered_from`` "checkpoint"),
     timed from the first of the failures it brought back to full strength (every node lost
     at once: each is a failure of its own, all ending at the same full-strength step)."""
-    res: dict = dict.fromkeys(FALLBACK_RESILD_COLS)
+    res: dict[str, Any] = dict.fromkeys(FALLBACK_RESILD_COLS)
     res.update(step_s=step_s, nodes_lost=None, recovered_from=None, outcome=None, ckpt_why=None, resumed_step=None)
     recs = recoveries(events)
     rec = next((r for r in recs if r.recovered_from == "checkpoint"), None)
@@ -259,10 +263,12 @@ def fallback_recovery(events: Sequence[dict], step_s: float | None) -> dict:
     return res
 
 
-def summarize_fallback(resild_runs: Sequence[dict], torchrun_runs: Sequence[dict]) -> dict:
+def summarize_fallback(
+    resild_runs: Sequence[dict[str, Any]], torchrun_runs: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
     """Medians per side, the ratios torchrun / resild, and the side-by-side table's rows."""
 
-    def med(k: str, runs: Sequence[dict]) -> Any:
+    def med(k: str, runs: Sequence[dict[str, Any]]) -> Any:
         xs = [r.get(k) for r in runs if _num(r.get(k))]
         return _med_int(xs) if k in _COUNTS else median(xs)
 

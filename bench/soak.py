@@ -32,6 +32,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -210,7 +211,7 @@ def run_one(
     timeout_s: float,
     hang_timeout_s: float = HANG_TIMEOUT_S,
     controllers: int = 1,
-) -> tuple[int | None, dict | None, dict | None, str]:
+) -> tuple[int | None, dict[str, Any] | None, dict[str, Any] | None, str]:
     """One resil-run; returns (rc, --json summary, final checkpoint, stderr tail)."""
     work.mkdir(parents=True, exist_ok=True)
     save, events, run_dir = work / "final.pt", work / "events.jsonl", work / "run"
@@ -278,7 +279,7 @@ def run_one(
     return rc, summary, final, err[-2000:]
 
 
-def bitwise_diff(a: dict, b: dict, steps: int) -> str:
+def bitwise_diff(a: dict[str, Any], b: dict[str, Any], steps: int) -> str:
     """'' when equal, else what differs first."""
     if a["step"] != b["step"] or a["step"] != steps:
         return f"step {b['step']} vs {a['step']}"
@@ -314,7 +315,7 @@ def unfired_node_faults(events: Path, faults: list[str]) -> list[str]:
 def judge(
     i: int,
     sched: Schedule,
-    ref: dict,
+    ref: dict[str, Any],
     steps: int,
     work: Path,
     timeout_s: float,

@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -82,7 +83,7 @@ class SystemFaults:
     fired: list[Fired] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     _step: int = 0
-    _leader: dict | None = None
+    _leader: dict[str, Any] | None = None
     _offset: int = 0
     _stopped: list[psutil.Process] = field(default_factory=list)
     _halt: threading.Event = field(default_factory=threading.Event)

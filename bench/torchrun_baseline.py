@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -96,7 +97,7 @@ def build_command(
     )
 
 
-def _kill_leftovers(events: list[dict]) -> None:
+def _kill_leftovers(events: list[dict[str, Any]]) -> None:
     """SIGKILL worker processes of this run that are still alive (by pid, from their start events)."""
     for e in select(events, "start"):
         try:
@@ -117,7 +118,7 @@ def run_baseline(
     disable_shared_store: bool = True,
     grad_sync: str = "ddp",
     python: str = sys.executable,
-) -> dict:
+) -> dict[str, Any]:
     """Run one torchrun job with one injected SIGKILL and return its measured phases (seconds).
 
     ``workdir`` receives ``events.jsonl``, ``ckpt.pt`` and ``torchrun.log`` (earlier ones
@@ -175,9 +176,9 @@ def run_baseline(
     return res
 
 
-def analyze(events: list[dict], nproc: int, kill_at: int) -> dict:
+def analyze(events: list[dict[str, Any]], nproc: int, kill_at: int) -> dict[str, Any]:
     """Phases from one run's events. Fields that could not be measured are None."""
-    res: dict = dict.fromkeys(PHASES)
+    res: dict[str, Any] = dict.fromkeys(PHASES)
     res.update(
         steps_redone=None,
         resumed_step=None,
