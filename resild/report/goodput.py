@@ -320,7 +320,7 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     # -- failures -----------------------------------------------------------------------
     failures = failure_breakdowns(ev, t0, step_s)
 
-    # -- spares left over time --------------------------------------------------------------
+    # -- spares left over time: spent or fenced, then joined or re-admitted (the pool refills) --
     spares_line = [(0.0, len(spares))]
     left = set(spares)
     for e in ev:
@@ -328,6 +328,8 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
             left.discard(e.get("spare"))
         elif e["event"] == EventName.NODE_FENCED:
             left.discard(e.get("node"))
+        elif e["event"] in (EventName.NODE_ADMITTED, EventName.NODE_READMITTED) and e.get("node"):
+            left.add(e["node"])
         else:
             continue
         if len(left) != spares_line[-1][1]:

@@ -219,3 +219,14 @@ def test_what_became_of_the_disk_checkpoints_is_counted_and_said():
     ) in format_breakdown(b)
     assert analyze(one_failure_job()).checkpoints is None  # no checkpoint: no line
     assert "disk checkpoints" not in format_breakdown(analyze(one_failure_job()))
+
+
+def test_the_spares_line_rises_when_a_spare_joins_or_comes_back():
+    events = one_failure_job()
+    at = next(i for i, e in enumerate(events) if e["event"] == "progress" and e["step"] == 100)
+    events[at:at] = [
+        ev("node_admitted", 116.0, node="j0", via="join", source="local", spares=1),
+        ev("node_readmitted", 118.0, node="n1", reason="fenced without evidence", spares=2),
+    ]
+    b = analyze(events)
+    assert b.spares_line == [(0.0, 1), (pytest.approx(14.16), 0), (pytest.approx(16.0), 1), (pytest.approx(18.0), 2)]
