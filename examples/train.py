@@ -10,6 +10,7 @@ The lines marked `# resild` are the only changes from an ordinary loop.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save", help="write the final model and optimizer state here (rank 0)")
+    p.add_argument(
+        "--keep-global-batch",
+        action="store_true",
+        help="under resil-run --min-replicas: when the job shrinks, accumulate the missing ranks' batches",
+    )
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -49,10 +55,16 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=100, gamma=0.5)
 
     job = launcher.init(model, opt, scheduler=sched)  # resild: a spare waits here, warm
+    job.on_resize(lambda old, new: print(f"rank {job.rank}: {old} -> {new} ranks", file=sys.stderr))  # resild
     for step in job.steps(args.steps):  # resild: resumes at the committed step
-        x, y = make_batch(args.seed, step, job.rank)
         opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
+        if args.keep_global_batch:  # resild: the batches of every rank of the full width
+            for shard in job.data_shards():
+                x, y = make_batch(args.seed, step, shard)
+                (F.mse_loss(model(x), y) * job.shard_weight).backward()
+        else:  # the per-rank batch: a job that shrank trains on a smaller global batch
+            x, y = make_batch(args.seed, step, job.rank)
+            F.mse_loss(model(x), y).backward()
         job.commit()  # resild: all-reduce, vote, optimizer+scheduler step
     if args.save and job.rank == 0:  # resild
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": job.step}, args.save)

@@ -2,7 +2,7 @@
 
 NodeRole transitions (anything else is a bug and raises):
 
-    SPARE  -> ACTIVE   (assigned a failed node's ranks)
+    SPARE  -> ACTIVE   (assigned a failed node's ranks, or new ranks when a shrunk job grows)
     SPARE  -> FENCED   (a spare that failed is dropped from the pool)
     ACTIVE -> FENCED   (failed: killed, drained, never rejoins)
     ACTIVE -> DONE, SPARE -> DONE   (job finished)
@@ -131,6 +131,32 @@ class Membership:
         if not next_epoch:
             return Membership(self.epoch, self.world_size, layout, self.committed)
         return Membership(self.epoch + 1, self.world_size, layout, self.committed, (weakref.ref(self), {failed: spare}))
+
+    def shrink(self, failed: str) -> Membership:
+        """The next epoch without `failed` (no spare was left): the survivors keep their
+        order and are renumbered 0..W'-1, each node's ranks still consecutive. Only for
+        jobs whose every rank is a replica of the state (data parallel), where dropping
+        any node leaves every shard held."""
+        if failed not in self.node_ranks:
+            raise KeyError(f"{failed} holds no ranks in epoch {self.epoch}")
+        order = sorted((r[0] if r else 0, n) for n, r in self.node_ranks.items() if n != failed)
+        layout: dict[str, tuple[int, ...]] = {}
+        nxt = 0
+        for _, n in order:
+            k = len(self.node_ranks[n])
+            layout[n] = tuple(range(nxt, nxt + k))
+            nxt += k
+        return Membership(self.epoch + 1, nxt, layout, self.committed)
+
+    def grow(self, spare: str, nproc: int) -> Membership:
+        """The next epoch with `spare` holding `nproc` new ranks after the last one."""
+        if spare in self.node_ranks:
+            raise ValueError(f"{spare} already holds ranks in epoch {self.epoch}")
+        if nproc <= 0:
+            raise ValueError(f"a node holds at least one rank, not {nproc}")
+        layout = dict(self.node_ranks)
+        layout[spare] = tuple(range(self.world_size, self.world_size + nproc))
+        return Membership(self.epoch + 1, self.world_size + nproc, layout, self.committed)
 
     # ---- deltas: what changed from the previous epoch ------------------------
     def delta_from(self, prev: Membership) -> dict[str, Any] | None:

@@ -232,6 +232,18 @@ def _copies(v: str | int) -> int:
     "those still queued or running are cancelled when the job ends. 0: never.",
 )
 @click.option(
+    "--min-replicas",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="R",
+    help="Data-parallel jobs (plain or DDP): with no spare left, drop the failed node's ranks and train on "
+    "while at least R replicas (ranks) remain, renumbered; a spare that arrives later (--join, --readmit, "
+    "--spare-target) grows the job back to its full width. The loop sees it in job.world_size and "
+    "job.on_resize(); the per-rank batch is kept (the global batch shrinks) unless the loop uses "
+    "job.data_shards() to keep it. 0: never shrink (stop or requeue, as without a spare).",
+)
+@click.option(
     "--readmit",
     is_flag=True,
     help="--local: a node fenced without evidence against its hardware (a worker's exception, a hang) "
@@ -291,6 +303,7 @@ def main(
     resume_dir: Path | None,
     join_dir: Path | None,
     readmit: bool,
+    min_replicas: int,
     spare_target: int,
     requeue_on_exhaustion: bool,
     as_json: bool,
@@ -345,6 +358,7 @@ def main(
             fingerprint_every=fingerprint_every,
             checkpoint_dir=str(checkpoint_dir or ""),
             checkpoint_every=checkpoint_every if checkpoint_dir is not None else 0,
+            min_replicas=min_replicas,
         )
     except SettingsError as e:
         raise click.UsageError(str(e)) from None
@@ -379,6 +393,11 @@ def main(
         raise click.UsageError(
             f"--snapshot-copies {snapshot_copies} needs at least {snapshot_copies + 1} active nodes "
             f"(each copy on another node); --nodes {n} --spares {spares} leaves {n - spares}"
+        )
+    if min_replicas > (n - spares) * nproc_per_node:
+        raise click.UsageError(
+            f"--min-replicas {min_replicas} is more than the job has: {n - spares} active node(s) x "
+            f"{nproc_per_node} rank(s) = {(n - spares) * nproc_per_node} replicas"
         )
     names = [f"local-node{i}" for i in range(n)]
     try:

@@ -253,6 +253,11 @@ def run_slurm(
         if f.node not in all_nodes:
             raise click.UsageError(f"fault {f} names node {f.node!r}; nodes are {', '.join(all_nodes)}")
 
+    if settings.min_replicas > len(active) * nproc_per_node:
+        raise click.UsageError(
+            f"--min-replicas {settings.min_replicas} is more than the job has: {len(active)} active node(s) x "
+            f"{nproc_per_node} rank(s) = {len(active) * nproc_per_node} replicas"
+        )
     # Said at start, not after the first failure: by then the allocation is gone.
     warn_if_allocation_dies_with_a_node(alloc.job_id, os.environ)
 

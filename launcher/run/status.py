@@ -178,6 +178,14 @@ class StatusLine:
                 t,
                 permanent=True,
             )
+        elif name == EventName.JOB_RESIZED:
+            self.spares = int(e.get("spares_left", self.spares or 0))
+            if e.get("how") == "shrink":
+                self.awaiting_epoch = int(e["epoch"])
+                what = f"no spare left: the job shrinks to {e.get('world_size')} ranks (epoch {e['epoch']})"
+            else:
+                what = f"{e.get('node')} joins: the job grows to {e.get('world_size')} ranks (epoch {e['epoch']})"
+            self._line(what, t, permanent=True)
         elif name in (EventName.NODE_ADMITTED, EventName.NODE_READMITTED):
             self.spares = int(e.get("spares", (self.spares or 0) + 1))
             how = "joined" if name == EventName.NODE_ADMITTED else "is back"

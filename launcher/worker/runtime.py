@@ -45,6 +45,7 @@ import torch
 
 import resild.wire.env as resild_env
 from launcher.worker.commit import CommitProtocol
+from launcher.worker.ddp import find_ddp
 from launcher.worker.links.agent import AgentLink, agent_endpoint
 from launcher.worker.links.controller import ControlLink, keys_from_env
 from launcher.worker.links.store import LinkStore
@@ -67,6 +68,7 @@ from launcher.worker.torch_private import (
     gloo_batched_reads,
     hash_store,
     prewarm_lazy_imports,
+    replace_default_group,
 )
 from launcher.worker.train_state import TrainState
 from launcher.worker.transport.landing_pool import LandingPool
@@ -112,6 +114,12 @@ class Job:
         self._warmup: SpareWarmup | None = None  # a spare's warm-up for the job's sharded state
         self._took_over = False  # a spare given a failed node's ranks (not in the job's first epoch)
         self.intr = Interrupts()
+        # Shrink and grow (--min-replicas): the job's full width, the callbacks told of a
+        # resize, and how many times this process re-made its groups at another width.
+        self.full_world_size = 1
+        self._on_resize: list[Callable[[int, int], None]] = []
+        self._widths = 0
+        self._defer_forming = False  # a resize: groups made now are formed with the epoch's
         self.cfg: dict[str, Any] = {}
         self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
         self.redundancy_cfg = WorkerRedundancy.from_welcome({})
@@ -204,6 +212,8 @@ class Job:
             fetch_after_s=fetch_after_s,
         )
         self.world_size, self.epoch = m.world_size, m.epoch
+        full = self.cfg.get("full_world")
+        self.full_world_size = full if isinstance(full, int) and full >= self.world_size else self.world_size
         self._per_node = len(m.node_ranks.get(self.node, ())) or 1
         self._took_over = self.epoch > 1
         if self._took_over:  # a spare taking over: building the model may take a while, and that is no hang
@@ -220,6 +230,65 @@ class Job:
         self.group: StableGroup = StableGroup("world", list(range(self.world_size)), self.rank, self.intr)
         self.rec.groups["world"] = self.group
         install_default(self.group, store)
+
+    # ---- shrink and grow -----------------------------------------------------------------
+    @property
+    def replicas(self) -> int:
+        """Replicas of the training state in this epoch: every rank of a data-parallel job."""
+        return self.world_size
+
+    def on_resize(self, callback: Callable[[int, int], None]) -> None:
+        """`callback(old_world_size, new_world_size)` runs on every rank that lived through a
+        resize (--min-replicas: a shrink when no spare was left, a grow when one came), after
+        the state is agreed and before the next step: rebuild what depends on the width (a
+        sampler, a learning-rate scale). A newcomer starts at the new width and is not called."""
+        self._on_resize.append(callback)
+
+    def data_shards(self) -> list[int]:
+        """The data-parallel shards this rank computes to keep the job's global batch: its
+        rank at full width; when shrunk, the shards of the missing ranks spread round-robin.
+        Accumulate over them with each loss scaled by `shard_weight` (the gradient average
+        over the ranks then equals the full-width one, up to summation order)."""
+        return list(range(self.rank, self.full_world_size, self.world_size))
+
+    @property
+    def shard_weight(self) -> float:
+        """world_size / full_world_size: a shard's loss scale under `data_shards()`."""
+        return self.world_size / self.full_world_size
+
+    def _cannot_resize(self) -> str | None:
+        """Why this job cannot change width (None: it can). Every rank must be a replica."""
+        if self._mesh is not None:
+            return "it builds a device mesh (FSDP2, HSDP, TP); only data-parallel jobs (plain or DDP) shrink"
+        if self._replicas is not None:
+            return "it gives its own replica map; only data-parallel jobs (every rank a replica) shrink"
+        return None
+
+    def _resize(self, rank: int, m: Membership) -> None:
+        """A new width (after `retire`): new world and host groups for it, formed with the
+        epoch's; torch's default group, DDP's group, the commit protocol, redundancy and the
+        restore sources follow. c10d names stay unique in this process; the ranks meet under
+        the plain names (`store_key`), as a newcomer names them."""
+        assert self.state is not None
+        self._widths += 1
+        self.rank, self.world_size = rank, m.world_size
+        self._per_node = len(m.node_ranks.get(self.node, ())) or 1
+        if self.redundancy is not None:
+            self.redundancy.close()
+        self.rec.groups.clear()  # the old width's groups: retired, never formed again
+        world = StableGroup(f"world~{self._widths}", list(range(self.world_size)), rank, self.intr, "world")
+        world.allow = True
+        self.group = self.rec.groups["world"] = world
+        replace_default_group(world, world.label, self._store)
+        ddp = find_ddp(self.state.model)
+        if ddp is not None:
+            ddp.process_group = world  # its reducer is rebuilt on this group as the recovery ends
+        self._protocol = CommitProtocol(self.steps_state, self.state, world, self.intr, self._abandoned)
+        self._defer_forming = True
+        try:
+            self._setup_redundancy()
+        finally:
+            self._defer_forming = False
 
     def mesh(
         self, shape: tuple[int, ...] | list[int], names: tuple[str, ...] | list[str], device_type: str | None = None
@@ -301,6 +370,10 @@ class Job:
         self.steps_state.committed_aux = self.state.capture_aux()
         for g in self.rec.groups.values():
             g.allow = True
+        min_replicas = self.redundancy_cfg.min_replicas
+        why = self._cannot_resize() if min_replicas > 0 else None
+        if why is not None and not self.solo:
+            self._fatal(f"--min-replicas {min_replicas}: this job cannot shrink: {why}; run it without --min-replicas")
         if not self.solo:
             self._setup_redundancy()
             try:
@@ -366,13 +439,15 @@ class Job:
     def _host_group(self, label: str, timeout_s: float | None = None) -> StableGroup:
         """A gloo group of every rank for host-memory traffic (snapshots, checkpoints), formed
         now. `timeout_s`: its collectives' own timeout (None: the job's)."""
-        g = StableGroup(label, list(range(self.world_size)), self.rank, Interrupts())
+        name = f"{label}~{self._widths}" if self._widths else label
+        g = StableGroup(name, list(range(self.world_size)), self.rank, Interrupts(), label)
         g.backend = "gloo"  # host memory, whatever the training backend
         g.timeout_s = timeout_s
         g.allow = True
         register(g, self._store)
         self.rec.groups[g.label] = g
-        self._form_until_stable(only=[g])
+        if not self._defer_forming:
+            self._form_until_stable(only=[g])
         return g
 
     # ---- messages and failures -----------------------------------------------------
@@ -453,6 +528,7 @@ class Job:
                 self.redundancy.abandon()  # snapshot exchanges and checkpoint writes of the failed epoch
             finally:
                 self.intr.done(token)
+        resized: list[tuple[int, int]] = []  # (old width, new width) of each resize on the way
         while True:
             self._check_shutdown()
             if not link.newer_epoch():
@@ -462,10 +538,12 @@ class Job:
             rank = m.rank_of(self.node, self.local_rank)
             if rank is None:
                 os._exit(FENCED_EXIT)  # not in the new membership: we were fenced
-            if rank != self.rank or m.world_size != self.world_size:
+            resize = rank != self.rank or m.world_size != self.world_size
+            why = self._cannot_resize() if resize else None
+            if resize and (why is not None or self.state is None):
                 raise ResilienceError(
-                    f"membership epoch {m.epoch} moved rank {self.rank} to {rank}: "
-                    "resild replaces failed nodes one for one, it never renumbers survivors"
+                    f"membership epoch {m.epoch} moved rank {self.rank} to {rank} of {m.world_size}: "
+                    f"this job cannot change width ({why or 'not attached yet'})"
                 )
             self.epoch = m.epoch
             token = self.intr.begin_wait()  # aborting the old backends: waiting, not hung
@@ -474,6 +552,10 @@ class Job:
             finally:
                 self.intr.done(token)
             self.intr.clear()
+            if resize:
+                widths = (self.world_size, m.world_size)
+                self._resize(rank, m)
+                resized.append(widths)
             if link.newer_epoch():
                 continue
             t0 = time.monotonic()
@@ -485,6 +567,8 @@ class Job:
                     self._event(EventName.GROUP_REFORMED, seconds=round(formed_s, 4), world_size=self.world_size)
                 if self.state is not None:
                     self._join(t0)
+                if resized:
+                    self._resized(resized[0][0], self.world_size)
                 return
             except Reformed:
                 continue
@@ -530,6 +614,13 @@ class Job:
             self._progress("joined")
         if self.rank == 0 and self.epoch > 1:
             self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4), source=source.value)
+
+    def _resized(self, old: int, new: int) -> None:
+        """The recovery into another width is complete: say it, then the loop's callbacks."""
+        if self.rank == 0:
+            sys.stderr.write(f"resild: the job {'shrank' if new < old else 'grew'} from {old} to {new} ranks\n")
+        for cb in self._on_resize:
+            cb(old, new)
 
     def _landing(self) -> LandingPool | None:
         """What a spare's warm-up touched for its state's tensors with no live home."""

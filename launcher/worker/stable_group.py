@@ -430,9 +430,13 @@ class NotJoined(RuntimeError):
 class StableGroup(PyProcessGroup):
     """One rank's view of a group whose backend is replaced at every epoch."""
 
-    def __init__(self, name: str, ranks: list[int], rank: int, intr: Interrupts) -> None:
+    def __init__(self, name: str, ranks: list[int], rank: int, intr: Interrupts, store_key: str | None = None) -> None:
         super().__init__(ranks.index(rank), len(ranks))
         self.label, self.ranks, self.global_rank = name, list(ranks), rank
+        # Where its ranks meet in an epoch's store: the label, unless the group replaces one
+        # of another width in this process (a resize: c10d names must stay unique here, while
+        # a newcomer that never had the old group names it plainly).
+        self.store_key = store_key or name
         self._intr = intr
         self._inner: Any = None  # the epoch's backend ProcessGroup
         self.kind: str | None = None  # the epoch backend's name ("gloo", "nccl"): how its works are waited on
@@ -551,7 +555,7 @@ class GroupFactory:
         store.wait() holding its client, which would stall the next epoch."""
         client = self._local_store_client if self.node_local(group) else self._store_client
         assert client is not None
-        store = PrefixStore(f"resild/e{epoch}/{group.label}/", client())
+        store = PrefixStore(f"resild/e{epoch}/{group.store_key}/", client())
         timeout = timedelta(seconds=group.timeout_s or self.timeout_s)
         backend = group.backend or self.backend
         return backend_group(backend, store, group.rank(), group.size(), timeout, self.gloo_host)

@@ -60,6 +60,7 @@ __all__ = [
     "prewarm_lazy_imports",
     "private_device_mesh",
     "register_group",
+    "replace_default_group",
     "scaler_found_inf",
     "scaler_reset_stages",
     "scaler_unscaled",
@@ -239,6 +240,20 @@ def register_group(pg: dist.ProcessGroup, name: str, ranks: list[int], store: St
     _world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
     _world.pg_backend_config[pg] = "cpu:resild,cuda:resild"
     _register_process_group(GroupName(name), pg)
+
+
+def replace_default_group(pg: dist.ProcessGroup, name: str, store: Store) -> None:
+    """Make `pg` torch's default group in place of the one `init_process_group` installed (a
+    job that shrank or grew: `dist.get_rank()`, `get_world_size()` and DDP without
+    `process_group=` see the new width).
+
+    torch 2.13: `distributed_c10d._update_default_pg(pg)` sets `_world.default_pg` and the
+    C++ global rank; the group is made known as `register_group` does. If they change, a
+    resize fails in its recovery (tests/launcher/worker/test_resize.py)."""
+    from torch.distributed.distributed_c10d import _update_default_pg
+
+    register_group(pg, name, list(range(pg.size())), store)
+    _update_default_pg(pg)
 
 
 def backend_group(

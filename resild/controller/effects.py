@@ -57,7 +57,7 @@ class Effects:
             if d not in s.deferred_decisions and len(s.deferred_decisions) < 64:
                 s.deferred_decisions.append(d)  # a message's decision: no tick would make it again
             return
-        failed = d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.FAIL_JOB) and d.node
+        failed = d.action in (Action.REPLACE_NODE, Action.DROP_SPARE, Action.SHRINK, Action.FAIL_JOB) and d.node
         if failed:
             self.injector.settled()  # a fault's failure was seen (a spare's brings no new epoch)
             s.events.emit(
@@ -68,7 +68,8 @@ class Effects:
                 committed_step=s.max_step,
             )
         sent: Announced | None = None
-        if d.action in (Action.REPLACE_NODE, Action.REFORM) and d.membership is not None:
+        was = s.view.membership.world_size if s.view.membership is not None else 0
+        if d.action in (Action.REPLACE_NODE, Action.SHRINK, Action.GROW, Action.REFORM) and d.membership is not None:
             # Journaled: the new epoch goes out first; fencing the failed node (it is not
             # in the new epoch, so it hears nothing of it) and the events follow.
             if d.spare:
@@ -107,6 +108,22 @@ class Effects:
                 spares_left=len(s.view.spares()),
             )
             self.announced(d.membership, sent, now)
+        elif d.action in (Action.SHRINK, Action.GROW):
+            assert d.membership is not None and sent
+            m = d.membership
+            s.events.emit(
+                EventName.JOB_RESIZED,
+                how=d.action.value,
+                node=d.node or d.spare,
+                epoch=m.epoch,
+                world_size=m.world_size,
+                was=was,
+                full=s.view.full_world,
+                ranks=list(m.node_ranks[d.spare]) if d.spare else None,
+                spares_left=len(s.view.spares()),
+                reason=d.reason,
+            )
+            self.announced(m, sent, now)
         elif d.action == Action.REFORM:
             assert d.membership is not None and sent
             s.events.emit(EventName.REFORM, epoch=d.membership.epoch, reason=d.reason)

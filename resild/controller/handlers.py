@@ -259,6 +259,7 @@ class Handlers:
                     **self.cfg.settings.worker_timeouts().to_dict(),
                     **self.cfg.settings.worker_redundancy().to_dict(),
                     "role": role,
+                    "full_world": s.view.full_world,  # a job that shrank grows back to this width
                 },
                 separators=(",", ":"),
             ).encode()

@@ -35,6 +35,7 @@ from resild.controller.handlers import Handlers
 from resild.controller.journal import Journal
 from resild.controller.policy import (
     PolicyConfig,
+    check_grow,
     check_heartbeats,
     check_timeouts,
     controller_stall_s,
@@ -125,7 +126,7 @@ class Controller:
         self._refused: dict[str, tuple[float, int]] = {}  # key holder -> (last event, refusals since)
         nodes = {n: NodeView(n, NodeRole.ACTIVE, nproc_per_node) for n in active}
         nodes.update({n: NodeView(n, NodeRole.SPARE, nproc_per_node) for n in spares})
-        self.view = ClusterView(nodes)
+        self.view = ClusterView(nodes, full_world=len(active) * nproc_per_node, min_replicas=cfg.settings.min_replicas)
         self.bc = Broadcaster(self.ch, self.view, nproc_per_node)
         self.state = ControllerState(
             self.view,
@@ -307,6 +308,7 @@ class Controller:
         self._step("tick:exits", self._exits, now)
         self._step("tick:readmit", self._readmit, now)
         self._step("tick:refill", self._refill, now)
+        self._step("tick:grow", self._grow, now)
         started = self.view.membership is not None
         self._step("tick:checks", self._checks, now)
         if started:
@@ -338,6 +340,10 @@ class Controller:
             log.warning("asking the queue for %d cold spare(s): %s", r.count, r.reason)
             self.backend.request_spares(r.count)
             self.events.emit(EventName.SPARES_REQUESTED, count=r.count, reason=r.reason)
+
+    def _grow(self, now: float) -> None:
+        if self.view.min_replicas > 0 and self.state.result is None:
+            self.effects.decide(check_grow(self.view, busy=self.state.awaiting_full_strength is not None), now)
 
     def _readmit(self, now: float) -> None:
         if not self.cfg.readmit:

@@ -22,6 +22,8 @@ class Action(str, Enum):
     REPLACE_NODE = "replace_node"  # fence `node`, give its ranks to `spare`
     REFORM = "reform"  # same layout, new epoch: a transient collective failure
     DROP_SPARE = "drop_spare"  # a spare failed: fence it, no epoch change
+    SHRINK = "shrink"  # fence `node`, no spare left: the survivors train on, renumbered (--min-replicas)
+    GROW = "grow"  # a shrunk job takes `spare` back in: new ranks after the last one
     FAIL_JOB = "fail_job"
     FINISH = "finish"
 
@@ -158,6 +160,15 @@ def _on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str,
         )
     spare = pick_spare(view)
     if spare is None:
+        smaller = shrink_to(view, node_id)
+        if smaller is not None:
+            return Decision(
+                Action.SHRINK,
+                f"{node_id} failed ({cause}); no spare left: {smaller.world_size} replicas train on",
+                node=node_id,
+                membership=smaller,
+                detector=detector,
+            )
         return Decision(Action.FAIL_JOB, f"no spare left: {node_id} failed ({cause})", node=node_id, detector=detector)
     return Decision(
         Action.REPLACE_NODE,
@@ -167,6 +178,37 @@ def _on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str,
         membership=view.membership.replace(node_id, spare.node_id),
         detector=detector,
     )
+
+
+def shrink_to(view: ClusterView, node_id: str) -> Membership | None:
+    """The epoch without `node_id` if the job may shrink (--min-replicas) and keeps at least
+    that many replicas without it; else None (the job stops or requeues, as without a spare).
+    Every rank is a replica here (the workers refuse --min-replicas for any other job)."""
+    m = view.membership
+    if m is None or view.min_replicas <= 0 or node_id not in m.node_ranks:
+        return None
+    left = m.world_size - len(m.node_ranks[node_id])
+    return m.shrink(node_id) if left >= view.min_replicas and left > 0 else None
+
+
+def check_grow(view: ClusterView, busy: bool) -> Decision:
+    """A shrunk job grows back one node at a time, with a warm spare whose ranks keep it within
+    its full width, once its last recovery is over (`busy`: an epoch not yet at full strength).
+    The new epoch abandons the step in flight (nothing committed is lost); the newcomer gets
+    the state by replay like any spare."""
+    m = view.membership
+    if busy or m is None or view.min_replicas <= 0 or m.world_size >= view.full_world:
+        return NOTHING
+    for n in view.spares():
+        if n.registered and n.workers_ready >= n.nproc and m.world_size + n.nproc <= view.full_world:
+            bigger = m.grow(n.node_id, n.nproc)
+            return Decision(
+                Action.GROW,
+                f"{n.node_id} joins: {bigger.world_size} of {view.full_world} replicas",
+                spare=n.node_id,
+                membership=bigger,
+            )
+    return NOTHING
 
 
 def on_worker_exception(view: ClusterView, node_id: str, error: str, cause: str) -> Decision:

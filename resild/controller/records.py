@@ -8,6 +8,8 @@ record from a test, or an older writer) and keeps a record of an action it does 
     start           the first epoch: every active worker registered
     replace_node    a decision (policy.Decision): fence `node`, `spare` takes its ranks
     drop_spare      a decision: a failed spare is fenced
+    shrink          a decision: fence `node`, no spare left, the survivors renumbered (--min-replicas)
+    grow            a decision: a shrunk job gives `spare` new ranks after the last
     reform          a decision: same layout, next epoch
     fail_job        a decision: the job's verdict, failed
     finish          a decision: the job's verdict, finished
@@ -102,6 +104,16 @@ class DropSpare(_Decided):
 
 
 @dataclass(frozen=True)
+class Shrink(_Decided):
+    ACTION: ClassVar[str] = Action.SHRINK.value
+
+
+@dataclass(frozen=True)
+class Grow(_Decided):
+    ACTION: ClassVar[str] = Action.GROW.value
+
+
+@dataclass(frozen=True)
 class Reform(_Decided):
     ACTION: ClassVar[str] = Action.REFORM.value
 
@@ -116,11 +128,13 @@ class Finish(_Decided):
     ACTION: ClassVar[str] = Action.FINISH.value
 
 
-Decided = ReplaceNode | DropSpare | Reform | FailJob | Finish
+Decided = ReplaceNode | DropSpare | Shrink | Grow | Reform | FailJob | Finish
 
 _DECIDED: dict[Action, type[Decided]] = {
     Action.REPLACE_NODE: ReplaceNode,
     Action.DROP_SPARE: DropSpare,
+    Action.SHRINK: Shrink,
+    Action.GROW: Grow,
     Action.REFORM: Reform,
     Action.FAIL_JOB: FailJob,
     Action.FINISH: Finish,
@@ -252,6 +266,8 @@ Record = (
     Start
     | ReplaceNode
     | DropSpare
+    | Shrink
+    | Grow
     | Reform
     | FailJob
     | Finish
@@ -270,6 +286,8 @@ _BY_ACTION: dict[str, Any] = {
         Start,
         ReplaceNode,
         DropSpare,
+        Shrink,
+        Grow,
         Reform,
         FailJob,
         Finish,

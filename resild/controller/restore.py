@@ -23,10 +23,12 @@ from resild.controller.records import (
     FailJob,
     FaultFired,
     Finish,
+    Grow,
     Readmit,
     Record,
     Reform,
     ReplaceNode,
+    Shrink,
     Start,
 )
 from resild.controller.view import JobResult, NodeView
@@ -74,18 +76,18 @@ def apply(s: Restored, rec: Record) -> Restored:
         return replace(
             s, roles={**s.roles, **dict.fromkeys(new, NodeRole.SPARE)}, reasons={**s.reasons, **dict.fromkeys(new, "")}
         )
-    if not isinstance(rec, (ReplaceNode, DropSpare, Reform, FailJob, Finish)):
+    if not isinstance(rec, (ReplaceNode, DropSpare, Shrink, Grow, Reform, FailJob, Finish)):
         return s
     s = replace(s, unsettled=frozenset())
     node, spare = rec.node, rec.spare
-    if isinstance(rec, (ReplaceNode, DropSpare, FailJob)) and node in s.roles and s.roles[node] in _LIVE:
+    if isinstance(rec, (ReplaceNode, DropSpare, Shrink, FailJob)) and node in s.roles and s.roles[node] in _LIVE:
         s = _set(s, node, NodeRole.FENCED, rec.reason)
-    if isinstance(rec, ReplaceNode) and spare in s.roles:
+    if isinstance(rec, (ReplaceNode, Grow)) and spare in s.roles:
         if s.roles[spare] == NodeRole.SPARE:
             s = _set(s, spare, NodeRole.ACTIVE)
-        if rec.membership is None:  # a start-up replacement
+        if rec.membership is None and isinstance(rec, ReplaceNode):  # a start-up replacement
             s = replace(s, initial=s.initial.replace(node or "", spare, next_epoch=False))
-    if rec.membership is not None and isinstance(rec, (ReplaceNode, Reform)):
+    if rec.membership is not None and isinstance(rec, (ReplaceNode, Shrink, Grow, Reform)):
         # The epoch's committed floor is its decision's committed step (a record written
         # before the membership carried it has only that): a new leader announces the same.
         floor = max(rec.membership.committed, rec.committed_step)

@@ -66,6 +66,11 @@ class ClusterView:
     probe_targets: frozenset[str] = frozenset()  # the nodes it was sent to
     probe_epoch: int = 0  # the epoch whose collective failed
     exceptions_seen: list[str] = field(default_factory=list)  # worker exception texts, oldest first
+    # Shrink and grow (--min-replicas): the job's full width (the first epoch's world size) and
+    # the fewest replicas it may train on with no spare left (0: never shrink). Every rank of a
+    # job that may shrink is a replica of the state (the workers refuse any other at attach).
+    full_world: int = 0
+    min_replicas: int = 0
     # Nodes fenced on suspicion (policy.drain_verdict): when, and why. Not journaled: a new
     # leader forgives them (a missed drain costs a retry elsewhere, a wrong one a node).
     strikes: dict[str, list[float]] = field(default_factory=dict)

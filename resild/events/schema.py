@@ -69,6 +69,7 @@ class EventName(str, Enum):
     NODE_FENCED = "node_fenced"
     NODE_SUSPECT = "node_suspect"  # a worker failed without evidence against the node: not drained (yet)
     SPARE_ASSIGNED = "spare_assigned"
+    JOB_RESIZED = "job_resized"  # no spare left: the job shrank (a node's replicas dropped), or grew back
     REFORM = "reform"  # a transient failure: same layout, new epoch
     FULL_STRENGTH_STEP = "full_strength_step"  # the first commit of a new epoch
     RANK_DONE = "rank_done"
@@ -326,6 +327,30 @@ class SpareAssigned(Record):
 
 
 @dataclass
+class JobResized(Record):
+    """No spare was left and the job shrank (`how` "shrink": `node` lost), or it grew back
+    (`how` "grow": `node` joined) into epoch `epoch` of `world_size` ranks."""
+
+    NAME = EventName.JOB_RESIZED
+    how: str = ""
+    node: str | None = None
+    epoch: int | None = None
+    world_size: int | None = None
+    spares_left: int | None = None
+
+    @classmethod
+    def _fields(cls, t: float, rec: Mapping[str, Any]) -> JobResized:
+        return cls(
+            t,
+            as_str(rec.get("how")) or "",
+            as_str(rec.get("node")),
+            as_int(rec.get("epoch")),
+            as_int(rec.get("world_size")),
+            as_int(rec.get("spares_left")),
+        )
+
+
+@dataclass
 class FullStrengthStep(Record):
     NAME = EventName.FULL_STRENGTH_STEP
     epoch: int | None = None
@@ -438,6 +463,7 @@ RECORDS: dict[EventName, type[Record]] = {
         Reform,
         NodeFenced,
         SpareAssigned,
+        JobResized,
         FullStrengthStep,
         GroupReformed,
         StateReplayed,

@@ -324,8 +324,8 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
     spares_line = [(0.0, len(spares))]
     left = set(spares)
     for e in ev:
-        if e["event"] == EventName.SPARE_ASSIGNED:
-            left.discard(e.get("spare"))
+        if e["event"] == EventName.SPARE_ASSIGNED or (e["event"] == EventName.JOB_RESIZED and e.get("how") == "grow"):
+            left.discard(e.get("spare") if e["event"] == EventName.SPARE_ASSIGNED else e.get("node"))
         elif e["event"] == EventName.NODE_FENCED:
             left.discard(e.get("node"))
         elif e["event"] in (EventName.NODE_ADMITTED, EventName.NODE_READMITTED) and e.get("node"):

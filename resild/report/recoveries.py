@@ -44,6 +44,7 @@ from resild.events.schema import (
     FaultInjected,
     FullStrengthStep,
     GroupReformed,
+    JobResized,
     MembershipEvent,
     NodeFenced,
     NodeRegistered,
@@ -170,6 +171,7 @@ def recoveries(events: Iterable[Mapping[str, Any]]) -> list[Recovery]:
         else:
             t_fault, src = t_det, "detection"
         assigned: SpareAssigned | None = None
+        decided: SpareAssigned | JobResized | None = None  # the new epoch: a spare's, or a shrink's
         t_fenced: float | None = None
         t_decided: float | None = None
         if isinstance(e, Reform):
@@ -177,15 +179,18 @@ def recoveries(events: Iterable[Mapping[str, Any]]) -> list[Recovery]:
             t_fence, t_decided = t_det, t_det
         else:
             assigned = _first(ev, SpareAssigned, after=t_det, failed=node)
+            # no spare left: the job may have shrunk instead (--min-replicas), into its own epoch
+            shrunk = _first(ev, JobResized, after=t_det, node=node, how="shrink") if assigned is None else None
             if assigned is not None and assigned.before_start:
                 kind = BEFORE_START
             else:
                 kind = NODE_FAILURE if node in layout else SPARE_LOST
-            ep, cause, detector = (assigned.epoch if assigned else None), e.cause, e.detector
+            decided = assigned or shrunk
+            ep, cause, detector = (decided.epoch if decided else None), e.cause, e.detector
             fenced = _first(ev, NodeFenced, after=t_det, node=node)
             t_fenced = fenced.t if fenced else None
             t_fence = t_fenced if t_fenced is not None else t_det
-            t_decided = assigned.t if assigned else None
+            t_decided = decided.t if decided else None
         r = Recovery(
             index=len(out) + 1,
             kind=kind,
@@ -200,7 +205,7 @@ def recoveries(events: Iterable[Mapping[str, Any]]) -> list[Recovery]:
             t_fenced=t_fenced,
             t_decided=t_decided,
             epoch=ep,
-            spares_left=assigned.spares_left if assigned else None,
+            spares_left=decided.spares_left if decided else None,
             committed_step=e.committed_step if isinstance(e, FailureDetected) else None,
         )
         out.append(r)

@@ -42,9 +42,16 @@ FLAGS = {
     "fingerprint_every": "--fingerprint-every",
     "checkpoint_every": "--checkpoint-every",
     "checkpoint_dir": "--checkpoint-dir",
+    "min_replicas": "--min-replicas",
 }
-COUNTS = ("snapshot_copies", "snapshot_every", "fingerprint_every", "checkpoint_every")  # whole numbers
-COUNT_MIN = {"snapshot_copies": -1, "snapshot_every": 1, "fingerprint_every": 0, "checkpoint_every": 0}
+COUNTS = ("snapshot_copies", "snapshot_every", "fingerprint_every", "checkpoint_every", "min_replicas")  # whole
+COUNT_MIN = {
+    "snapshot_copies": -1,
+    "snapshot_every": 1,
+    "fingerprint_every": 0,
+    "checkpoint_every": 0,
+    "min_replicas": 0,
+}
 TEXTS = ("checkpoint_dir",)
 MAX_COPIES = 8
 AUTO_COPIES = -1  # --snapshot-copies auto: 1 where no rank has a replica (FSDP2, TP), else 0
@@ -108,6 +115,9 @@ class WorkerRedundancy:
     fingerprint_every: int = 0
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
+    # > 0: with no spare left the job drops a failed node's replicas and trains on while at
+    # least this many remain (a data-parallel job's every rank is a replica); grows back.
+    min_replicas: int = 0
 
     def to_dict(self) -> dict[str, int | str]:
         return dataclasses.asdict(self)
@@ -124,6 +134,7 @@ class WorkerRedundancy:
             count("fingerprint_every", 0, 0),
             d if isinstance(d := body.get("checkpoint_dir"), str) else "",
             count("checkpoint_every", 0, 0),
+            count("min_replicas", 0, 0),
         )
 
     def copies(self, has_replicas: bool, nodes: int) -> int:
@@ -157,6 +168,8 @@ class JobSettings:
     # resild's own disk checkpoints (torch.distributed.checkpoint): "" none; every N commits.
     checkpoint_dir: str = ""
     checkpoint_every: int = 0
+    # Shrink instead of stop when no spare is left, down to this many replicas (0: never shrink).
+    min_replicas: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.checkpoint_dir, str) or len(self.checkpoint_dir) > 4096:
@@ -223,6 +236,7 @@ class JobSettings:
             self.fingerprint_every,
             self.checkpoint_dir,
             self.checkpoint_every,
+            self.min_replicas,
         )
 
     def for_nodes(self, n_nodes: int) -> Derived:

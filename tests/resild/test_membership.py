@@ -141,3 +141,25 @@ def test_heartbeat_order_puts_the_longest_silent_node_first() -> None:
     assert [n.node_id for n in v.by_heartbeat()] == ["a", "b", "c"]
     v.beat("b", 5.0)  # a clock going back (tests only) still leaves the order right
     assert [n.node_id for n in v.by_heartbeat()] == ["b", "a", "c"]
+
+
+def test_shrink_drops_the_failed_node_and_renumbers_the_survivors_in_order() -> None:
+    m = Membership.initial(["a", "b", "c"], 2)
+    s = m.shrink("a")
+    assert (s.epoch, s.world_size) == (2, 4)
+    assert s.node_ranks == {"b": (0, 1), "c": (2, 3)}
+    assert s.shrink("c").node_ranks == {"b": (0, 1)}
+    # the delta protocol cannot express a resize: the full layout goes out
+    assert s.delta_from(m) is None
+
+
+def test_grow_appends_the_spare_s_ranks_after_the_last_one() -> None:
+    m = Membership.initial(["a", "b", "c"], 2).shrink("b")
+    g = m.grow("s", 2)
+    assert (g.epoch, g.world_size) == (3, 6)
+    assert g.node_ranks == {"a": (0, 1), "c": (2, 3), "s": (4, 5)}
+    assert g.rank_of("s", 1) == 5
+    with pytest.raises(ValueError):
+        g.grow("a", 2)
+    with pytest.raises(KeyError):
+        g.shrink("zz")

@@ -193,6 +193,13 @@ class Redundancy:
             self.ckpt.abandon()
             self.ckpt_group.intr.fail("a new epoch")
 
+    def close(self) -> None:
+        """This redundancy is replaced (the job changed width): stop listening to the epoch."""
+        try:
+            self.rec.intr.on_fail.remove(self._abandon_checkpoint)
+        except ValueError:
+            pass  # no checkpoints: never added
+
     def formed(self) -> None:
         """The new epoch's groups exist: a new generation, the abandoned save never completes."""
         if self.ckpt_group is not None:

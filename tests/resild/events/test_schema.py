@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 # The strings in files written before the schema existed: renaming one breaks every reader.
 NAMES = """job_started node_registered worker_registered membership progress collective_failed
-fault_injected failure_detected node_fenced spare_assigned reform full_strength_step rank_done
+fault_injected failure_detected node_fenced spare_assigned job_resized reform full_strength_step rank_done
 job_finished job_failed controller_restored controller_leader controller_stalled journal_error group_reformed
 state_replayed resumed process_running process_exited process_zombie process_hung node_suspect
 rolled_back snapshot_corrupt snapshots replica_diverged checkpoint_loaded spare_warmed peer_refused node_abusive

@@ -1,0 +1,100 @@
+"""Shrink and grow (`--min-replicas`): with no spare left a data-parallel job drops a lost
+node's ranks and trains on; a spare that joins later grows it back to full width.
+
+Real processes: the job runs examples/train.py held before some steps (tests/held_train.py)
+so each loss and join lands while it runs; nodes are lost for real (SIGKILL of their
+process group) and spares join with `resil-run --join`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.run.conftest import REPO, STEPS, RunResult, start_job
+from tests.launcher.run.test_join import _events, _join, _lose, _wait
+
+pytestmark = pytest.mark.timeout(300)
+HOLDS = (10, 25)
+
+
+def _resized(events: list[dict]) -> list[tuple[str, int, int]]:
+    return [(e["how"], e["was"], e["world_size"]) for e in events if e["event"] == "job_resized"]
+
+
+def _run(tmp_path: Path, *train_args: str) -> tuple[RunResult, list[subprocess.Popen]]:
+    held = f"{REPO}/tests/held_train.py {tmp_path}/release {','.join(map(str, HOLDS))} {' '.join(train_args)}"
+    # a held rank is, to the controller, a hung one: --hang-timeout beyond the hold
+    job = start_job(
+        tmp_path, "--min-replicas", "2", "--fingerprint-every", "1", "--hang-timeout", "270", spares=0, script=held
+    )
+    joiners: list[subprocess.Popen] = []
+    try:
+        _wait(job, lambda e: e["event"] == "full_strength_step", "the first step")
+        _lose(job, "local-node1")  # no spare: the job shrinks to 2 ranks
+        _wait(job, lambda e: e["event"] == "job_resized" and e["how"] == "shrink", "the shrink")
+        Path(f"{tmp_path}/release-{HOLDS[0]}").touch()
+        joiners.append(_join(tmp_path / "run", job.env, "--nodes", "1"))
+        grown = _wait(job, lambda e: e["event"] == "job_resized" and e["how"] == "grow", "the grow", 150.0)
+        assert not any(e["event"] == "rank_done" for e in _events(job)), "grew after the end: nothing was tested"
+        Path(f"{tmp_path}/release-{HOLDS[1]}").touch()
+        r = job.finish(timeout_s=180)
+    finally:
+        for hold in HOLDS:
+            Path(f"{tmp_path}/release-{hold}").touch()
+        if job.p.poll() is None:
+            job.p.kill()
+        for j in joiners:
+            try:
+                j.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                j.kill()
+                j.communicate()
+    assert r.rc == 0, r.stderr[-3000:]
+    assert grown["ranks"] == [2] and grown["world_size"] == 3
+    assert _resized(r.events) == [("shrink", 3, 2), ("grow", 2, 3)]
+    return r, joiners
+
+
+def test_a_data_parallel_job_with_no_spare_shrinks_trains_on_and_grows_back_when_a_spare_joins(
+    tmp_path: Path,
+) -> None:
+    r, joiners = _run(tmp_path)
+    assert r.final is not None and r.final["step"] == STEPS
+    # the replicas compared fingerprints after every commit, the joined rank's too: identical
+    assert not [e for e in r.events if e["event"] == "replica_diverged"]
+    # the committed step never went back: every recovery resumed at or past the last commit before it
+    assert r.summary is not None and all(f["steps_lost"] == 0 for f in r.summary["failures"])
+    resumed = [e["step"] for e in r.events if e["event"] == "resumed"]
+    assert resumed == sorted(resumed) and len(resumed) == 2, resumed
+    # the loop saw both resizes through job.on_resize, on every rank that lived through them
+    assert "rank 0: 3 -> 2 ranks" in r.stderr and "rank 1: 3 -> 2 ranks" in r.stderr
+    assert "rank 0: 2 -> 3 ranks" in r.stderr and "rank 2: 2 -> 3 ranks" not in r.stderr  # the newcomer: not told
+    assert "resild: the job shrank from 3 to 2 ranks" in r.stderr
+    assert [j.returncode for j in joiners] == [0]
+
+
+def test_min_replicas_larger_than_the_job_is_refused_in_one_line(tmp_path: Path) -> None:
+    from bench.commands import resil_run
+
+    p = subprocess.run(
+        resil_run("--local", "--nodes", "2", "--spares", "0", "--min-replicas", "3", "--", "true"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2
+    assert "Error: --min-replicas 3 is more than the job has: 2 active node(s) x 1 rank(s) = 2 replicas" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_a_sharded_job_under_min_replicas_stops_at_start_in_one_line(tmp_path: Path) -> None:
+    """Only data-parallel jobs shrink: an FSDP2 job asking for it is told so before step 0."""
+    r = start_job(
+        tmp_path, "--min-replicas", "1", spares=0, nproc=2, nodes=1, script=REPO / "examples" / "train_fsdp.py"
+    ).finish(timeout_s=150)
+    assert r.rc != 0
+    assert "--min-replicas 1: this job cannot shrink: it builds a device mesh" in r.stderr, r.stderr[-2000:]
