@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,8 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.1, total_iters=args.steps)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     job.attach(model, opt, scheduler=sched, scaler=scaler)  # resild: state to protect and replay
+    # resild (--min-replicas): told when the job shrinks or grows; DDP follows on its own
+    job.on_resize(lambda old, new: print(f"rank {job.rank}: {old} -> {new} ranks", file=sys.stderr))
 
     for step in job.steps(args.steps):  # resild: resumes at the committed step
         opt.zero_grad()

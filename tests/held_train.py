@@ -1,6 +1,8 @@
 """examples/train.py held at some steps until the test releases them.
 
-    held_train.py RELEASE HOLD_STEP[,HOLD_STEP...] [train.py's arguments]
+    held_train.py RELEASE HOLD_STEP[,HOLD_STEP...] [SCRIPT.py] [its arguments]
+
+SCRIPT.py: examples/train.py unless named (any loop that calls launcher.init).
 
 A fault the test injects from outside (crash, freeze, a node lost) must land while
 the job runs; on a loaded machine a short job can finish first. Every rank waits
@@ -29,7 +31,9 @@ RELEASE_WAIT_S = 240.0
 
 def main() -> None:
     release, holds = sys.argv[1], {int(s) for s in sys.argv[2].split(",")}
-    sys.argv = [str(REPO / "examples" / "train.py"), *sys.argv[3:]]
+    rest = sys.argv[3:]
+    script = rest.pop(0) if rest and rest[0].endswith(".py") else str(REPO / "examples" / "train.py")
+    sys.argv = [script, *rest]
     init = launcher.init
 
     def held_init(*args, **kwargs):
