@@ -13,6 +13,8 @@ replica group, plus RNG, step, scheduler and the data loader's position.
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 import warnings
 
 import torch
@@ -72,6 +74,15 @@ def main() -> None:
     sampler = DistributedSampler(ds, num_replicas=job.world_size, rank=job.rank, shuffle=True, seed=args.seed)
     loader = ResumableLoader(StatefulDataLoader(ds, batch_size=16, sampler=sampler))
     job.attach(model, opt, scheduler=sched, extra=loader)  # resild: state to protect and replay
+
+    def follow(old: int, new: int) -> None:  # resild (--min-replicas): the job shrank or grew
+        # the sampler splits the data over the new width from the loader's next pass on
+        sampler.num_replicas, sampler.rank = job.world_size, job.rank
+        sampler.num_samples = math.ceil(len(ds) / job.world_size)
+        sampler.total_size = sampler.num_samples * job.world_size
+        print(f"rank {job.rank}: {old} -> {new} ranks, {job.replicas} replicas", file=sys.stderr)
+
+    job.on_resize(follow)
 
     for step in job.steps(args.steps):  # resild: resumes at the committed step
         x, y = next(loader)

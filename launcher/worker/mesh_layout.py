@@ -91,5 +91,28 @@ class MeshLayout:
         return ReplicaMap(tuple(seen[k] for k in sorted(seen)))
 
     @property
+    def replica_ranks(self) -> int:
+        """Ranks in one replica group (every coordinate but `replicate`): a node's unit of loss."""
+        return (
+            self.world_size // self.shape[self.names.index(REPLICATE)] if REPLICATE in self.names else self.world_size
+        )
+
+    def resize_refusal(self, per_node: int) -> str | None:
+        """Why a job on this mesh cannot shrink by whole nodes (None: it can). Dropping a node
+        must drop whole replica groups and leave every other rank's coordinates as they were."""
+        if REPLICATE not in self.names:
+            return "its mesh has no 'replicate' dimension (one copy of each shard: plain FSDP2, TP)"
+        if self.names[0] != REPLICATE:
+            return "its 'replicate' dimension is not the outermost (a replica group must be consecutive ranks)"
+        if per_node % self.replica_ranks:
+            return f"a replica group ({self.replica_ranks} ranks) does not fit whole on a node ({per_node} ranks)"
+        return None
+
+    def resized(self, world_size: int) -> MeshLayout:
+        """The same mesh over `world_size` ranks: the `replicate` dimension takes the change."""
+        shape = [-1 if n == REPLICATE else s for s, n in zip(self.shape, self.names)]
+        return MeshLayout.build(world_size, shape, self.names)
+
+    @property
     def has_replicas(self) -> bool:
         return REPLICATE in self.names and self.shape[self.names.index(REPLICATE)] > 1

@@ -68,7 +68,9 @@ from launcher.worker.torch_private import (
     gloo_batched_reads,
     hash_store,
     prewarm_lazy_imports,
+    refresh_fsdp_meshes,
     replace_default_group,
+    reshape_device_mesh,
 )
 from launcher.worker.train_state import TrainState
 from launcher.worker.transport.landing_pool import LandingPool
@@ -234,8 +236,9 @@ class Job:
     # ---- shrink and grow -----------------------------------------------------------------
     @property
     def replicas(self) -> int:
-        """Replicas of the training state in this epoch: every rank of a data-parallel job."""
-        return self.world_size
+        """Replicas of the training state in this epoch: every rank of a data-parallel job,
+        the size of the `replicate` dimension of a mesh."""
+        return self.world_size // self._replica_ranks()
 
     def on_resize(self, callback: Callable[[int, int], None]) -> None:
         """`callback(old_world_size, new_world_size)` runs on every rank that lived through a
@@ -257,12 +260,16 @@ class Job:
         return self.world_size / self.full_world_size
 
     def _cannot_resize(self) -> str | None:
-        """Why this job cannot change width (None: it can). Every rank must be a replica."""
-        if self._mesh is not None:
-            return "it builds a device mesh (FSDP2, HSDP, TP); only data-parallel jobs (plain or DDP) shrink"
+        """Why this job cannot change width by whole nodes (None: it can): a node must hold
+        whole replica groups (data parallel: every rank is one; HSDP: a replicate group)."""
         if self._replicas is not None:
-            return "it gives its own replica map; only data-parallel jobs (every rank a replica) shrink"
+            return "it gives its own replica map (shrinking needs job.mesh()'s or plain data parallelism)"
+        if self._layout is not None:
+            return self._layout.resize_refusal(self._per_node)
         return None
+
+    def _replica_ranks(self) -> int:
+        return self._layout.replica_ranks if self._layout is not None else 1
 
     def _resize(self, rank: int, m: Membership) -> None:
         """A new width (after `retire`): new world and host groups for it, formed with the
@@ -280,6 +287,15 @@ class Job:
         world.allow = True
         self.group = self.rec.groups["world"] = world
         replace_default_group(world, world.label, self._store)
+        if self._layout is not None and self._mesh is not None:
+            # the same mesh object, reshaped: DTensors, FSDP and the loop keep what they hold
+            layout = self._layout.resized(self.world_size)
+            groups, _ = self._mesh_groups(layout)  # formed with the epoch's
+            for g in groups:
+                g.allow = True
+            self._set_layout(layout)
+            reshape_device_mesh(self._mesh, self._device_mesh(layout, groups, self._mesh.device_type))
+            refresh_fsdp_meshes(self.state.model)
         ddp = find_ddp(self.state.model)
         if ddp is not None:
             ddp.process_group = world  # its reducer is rebuilt on this group as the recovery ends
@@ -309,13 +325,20 @@ class Job:
         groups, fresh = self._mesh_groups(layout)
         if fresh:
             self._form_until_stable(only=fresh)
-        self._layout = layout
-        self._mesh_replicas = lambda w: layout.replicas()
-        mesh_ranks = torch.arange(layout.world_size).view(*layout.shape)
-        mesh = device_mesh_from_groups(groups, device_type or self.device.type, mesh_ranks, layout.names)
+        self._set_layout(layout)
+        mesh = self._device_mesh(layout, groups, device_type or self.device.type)
         # A spare that warmed up for this mesh hands out the mesh object its warm-up used.
         self._mesh = self._warmup.adopt(mesh) if self._warmup is not None else mesh
         return self._mesh
+
+    def _set_layout(self, layout: MeshLayout) -> None:
+        self._layout = layout
+        self._mesh_replicas = lambda w: layout.replicas()
+
+    @staticmethod
+    def _device_mesh(layout: MeshLayout, groups: list[StableGroup], device_type: str) -> Any:
+        mesh_ranks = torch.arange(layout.world_size).view(*layout.shape)
+        return device_mesh_from_groups(groups, device_type, mesh_ranks, layout.names)
 
     def _mesh_groups(self, layout: MeshLayout) -> tuple[list[StableGroup], list[StableGroup]]:
         """-> (this rank's group along each dimension of `layout`, those of them made now,
@@ -326,7 +349,8 @@ class Job:
             label, ranks = layout.group(dim, self.rank)
             g = self.rec.groups.get(label)
             if g is None:
-                g = self.rec.groups[label] = StableGroup(label, ranks, self.rank, self.intr)
+                name = f"{label}~{self._widths}" if self._widths else label  # c10d names: unique here
+                g = self.rec.groups[label] = StableGroup(name, ranks, self.rank, self.intr, label)
                 g.allow = self.group.allow
                 register(g, self._store)
                 fresh.append(g)
@@ -372,8 +396,13 @@ class Job:
             g.allow = True
         min_replicas = self.redundancy_cfg.min_replicas
         why = self._cannot_resize() if min_replicas > 0 else None
-        if why is not None and not self.solo:
-            self._fatal(f"--min-replicas {min_replicas}: this job cannot shrink: {why}; run it without --min-replicas")
+        if why is not None and not self.solo:  # the user's setting: one line, no traceback
+            refusal = f"--min-replicas {min_replicas}: this job cannot shrink: {why}; run it without --min-replicas"
+            try:
+                self._fatal(refusal)
+            except ResilienceError:
+                sys.stderr.write(f"resild: {refusal}\n")
+                raise SystemExit(2) from None
         if not self.solo:
             self._setup_redundancy()
             try:
@@ -382,6 +411,8 @@ class Job:
                 self._recover()
             if self.rank == 0 and not self._took_over:  # a spare that took rank 0 over finds it there
                 self._publish_warmup_recipe()
+            if self.rank == 0 and min_replicas > 0:  # the controller counts replicas in these units
+                self._event(EventName.REPLICA_LAYOUT, unit=self._replica_ranks(), replicas=self.replicas)
         return self
 
     def _publish_warmup_recipe(self) -> None:

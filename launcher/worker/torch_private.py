@@ -60,7 +60,9 @@ __all__ = [
     "prewarm_lazy_imports",
     "private_device_mesh",
     "register_group",
+    "refresh_fsdp_meshes",
     "replace_default_group",
+    "reshape_device_mesh",
     "scaler_found_inf",
     "scaler_reset_stages",
     "scaler_unscaled",
@@ -342,6 +344,41 @@ def private_device_mesh(
     for g in groups:
         dm._pg_registry[g.group_name] = g
     return dm
+
+
+def reshape_device_mesh(mesh: Any, new: Any) -> None:
+    """Make `mesh` (the job's DeviceMesh: every DTensor spec, FSDP and the loop hold this
+    object) the mesh `new` is, in place: a job that shrank or grew keeps its objects.
+    torch 2.13: a DeviceMesh is its instance fields (layout, rank map, group names and
+    registry, rank, coordinate, cached hash); DTensor's sharding cache (per thread, keyed by
+    specs that hash the mesh) is cleared. If the fields change, a resized job's first
+    sharded collective fails loudly (tests/launcher/run/test_resize.py)."""
+    from torch.distributed.tensor import DTensor
+
+    mesh.__dict__.update(new.__dict__)
+    mesh._hash = None
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # type: ignore[no-untyped-call]
+
+
+def refresh_fsdp_meshes(model: torch.nn.Module) -> int:
+    """FSDP2 reads its mesh's groups and sizes once (`FSDPMeshInfo.__post_init__`): after the
+    mesh was reshaped, read them again. -> how many mesh infos were refreshed. torch 2.13:
+    `_get_module_fsdp_state`, a state's `_fsdp_param_groups`, their and their params'
+    `mesh_info` / `post_forward_mesh_info`."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+
+    infos: dict[int, Any] = {}
+    for module in model.modules():
+        state = _get_module_fsdp_state(module)
+        for group in state._fsdp_param_groups if state is not None else ():
+            owners: list[Any] = [group, *group.fsdp_params]
+            for o in owners:
+                for info in (o.mesh_info, o.post_forward_mesh_info):
+                    if info is not None:
+                        infos[id(info)] = info
+    for info in infos.values():
+        info.__post_init__()
+    return len(infos)
 
 
 def retarget_device_mesh(mesh: Any, real: Any) -> Any:

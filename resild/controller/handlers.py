@@ -329,7 +329,12 @@ class Handlers:
                 s.events.emit(EventName.FULL_STRENGTH_STEP, epoch=epoch, step=step, rank=rank)
 
     def _on_event(self, ident: bytes, node: NodeView, b: Event, now: float) -> None:
-        self.s.events.emit(b.name or "worker_event", node=node.node_id, **(b.fields or {}))
+        fields = b.fields or {}
+        m = self.s.view.membership
+        if b.name == EventName.REPLICA_LAYOUT and m is not None and m.node_of(0) == node.node_id:
+            # the unit a shrink drops (policy.shrink_to): said by rank 0's node only
+            self.s.view.replica_ranks = int(fields["unit"])
+        self.s.events.emit(b.name or "worker_event", node=node.node_id, **fields)
 
     def _on_failed(self, ident: bytes, node: NodeView, b: Failed, now: float) -> None:
         error = b.error if b.error is not None else "an exception"

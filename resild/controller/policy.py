@@ -162,9 +162,10 @@ def _on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str,
     if spare is None:
         smaller = shrink_to(view, node_id)
         if smaller is not None:
+            left = smaller.world_size // view.replica_ranks
             return Decision(
                 Action.SHRINK,
-                f"{node_id} failed ({cause}); no spare left: {smaller.world_size} replicas train on",
+                f"{node_id} failed ({cause}); no spare left: {left} replicas train on",
                 node=node_id,
                 membership=smaller,
                 detector=detector,
@@ -181,13 +182,17 @@ def _on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str,
 
 
 def shrink_to(view: ClusterView, node_id: str) -> Membership | None:
-    """The epoch without `node_id` if the job may shrink (--min-replicas) and keeps at least
-    that many replicas without it; else None (the job stops or requeues, as without a spare).
-    Every rank is a replica here (the workers refuse --min-replicas for any other job)."""
-    m = view.membership
-    if m is None or view.min_replicas <= 0 or node_id not in m.node_ranks:
+    """The epoch without `node_id` if the job may shrink (--min-replicas), the node holds whole
+    replica groups (`view.replica_ranks`, said by rank 0; the workers refuse --min-replicas
+    for a job where it cannot), and at least --min-replicas replicas are left; else None (the
+    job stops or requeues, as without a spare)."""
+    m, unit = view.membership, view.replica_ranks
+    if m is None or view.min_replicas <= 0 or unit <= 0 or node_id not in m.node_ranks:
         return None
-    left = m.world_size - len(m.node_ranks[node_id])
+    lost = len(m.node_ranks[node_id])
+    if lost % unit or m.world_size % unit:
+        return None
+    left = (m.world_size - lost) // unit
     return m.shrink(node_id) if left >= view.min_replicas and left > 0 else None
 
 
@@ -196,15 +201,16 @@ def check_grow(view: ClusterView, busy: bool) -> Decision:
     its full width, once its last recovery is over (`busy`: an epoch not yet at full strength).
     The new epoch abandons the step in flight (nothing committed is lost); the newcomer gets
     the state by replay like any spare."""
-    m = view.membership
-    if busy or m is None or view.min_replicas <= 0 or m.world_size >= view.full_world:
+    m, unit = view.membership, view.replica_ranks
+    if busy or m is None or view.min_replicas <= 0 or unit <= 0 or m.world_size >= view.full_world:
         return NOTHING
     for n in view.spares():
-        if n.registered and n.workers_ready >= n.nproc and m.world_size + n.nproc <= view.full_world:
+        fits = n.nproc % unit == 0 and m.world_size + n.nproc <= view.full_world
+        if n.registered and n.workers_ready >= n.nproc and fits:
             bigger = m.grow(n.node_id, n.nproc)
             return Decision(
                 Action.GROW,
-                f"{n.node_id} joins: {bigger.world_size} of {view.full_world} replicas",
+                f"{n.node_id} joins: {bigger.world_size // unit} of {view.full_world // unit} replicas",
                 spare=n.node_id,
                 membership=bigger,
             )

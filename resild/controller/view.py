@@ -71,6 +71,9 @@ class ClusterView:
     # job that may shrink is a replica of the state (the workers refuse any other at attach).
     full_world: int = 0
     min_replicas: int = 0
+    # Ranks per replica group, as rank 0 said at attach (1: data parallel; HSDP: the ranks of
+    # one replicate coordinate). 0: not said (yet, or lost with a leader): no shrink.
+    replica_ranks: int = 0
     # Nodes fenced on suspicion (policy.drain_verdict): when, and why. Not journaled: a new
     # leader forgives them (a missed drain costs a retry elsewhere, a wrong one a node).
     strikes: dict[str, list[float]] = field(default_factory=dict)

@@ -24,12 +24,18 @@ def _resized(events: list[dict]) -> list[tuple[str, int, int]]:
     return [(e["how"], e["was"], e["world_size"]) for e in events if e["event"] == "job_resized"]
 
 
-def _run(tmp_path: Path, *train_args: str) -> tuple[RunResult, list[subprocess.Popen]]:
+def _run(tmp_path: Path, *train_args: str, nproc: int = 1) -> tuple[RunResult, list[subprocess.Popen]]:
+    """3 nodes x `nproc` ranks, no spare: lose node 1 (shrink), then a spare joins (grow)."""
+    full = 3 * nproc
     holds = ",".join(map(str, HOLDS))
     held = f"{REPO}/tests/held_train.py {tmp_path}/release {holds} {' '.join(train_args)}"
     # a held rank is, to the controller, a hung one: --hang-timeout beyond the hold
     job = start_job(
-        tmp_path, "--min-replicas", "2", "--fingerprint-every", "1", "--hang-timeout", "270", spares=0, script=held
+        tmp_path,
+        *("--min-replicas", "2", "--fingerprint-every", "1", "--hang-timeout", "270"),
+        spares=0,
+        nproc=nproc,
+        script=held,
     )
     joiners: list[subprocess.Popen] = []
     try:
@@ -54,8 +60,8 @@ def _run(tmp_path: Path, *train_args: str) -> tuple[RunResult, list[subprocess.P
                 j.kill()
                 j.communicate()
     assert r.rc == 0, r.stderr[-3000:]
-    assert grown["ranks"] == [2] and grown["world_size"] == 3
-    assert _resized(r.events) == [("shrink", 3, 2), ("grow", 2, 3)]
+    assert grown["ranks"] == list(range(full - nproc, full)) and grown["world_size"] == full
+    assert _resized(r.events) == [("shrink", full, full - nproc), ("grow", full - nproc, full)]
     return r, joiners
 
 
@@ -65,6 +71,19 @@ def test_a_data_parallel_job_with_no_spare_shrinks_trains_on_and_grows_back_when
 ) -> None:
     """Plain data parallelism (job.sync's all-reduce) and DDP (its reducer on the job's group)."""
     r, joiners = _run(tmp_path, str(REPO / "examples" / loop))
+    _check(r, joiners, full=3)
+
+
+def test_an_hsdp_job_with_no_spare_drops_a_replica_group_and_grows_back_when_a_spare_joins(tmp_path: Path) -> None:
+    """FSDP2 HSDP, 3 replica groups of 2 ranks, one per node: the same DeviceMesh object is
+    reshaped to 2 groups and back to 3; FSDP2 all-reduces over the new replicate groups, and
+    the newcomer gets its shards from the other replica groups."""
+    r, joiners = _run(tmp_path, str(REPO / "examples" / "train_hsdp.py"), "--shard-size", "2", nproc=2)
+    _check(r, joiners, full=6)
+    assert "rank 0: 6 -> 4 ranks, 2 replicas" in r.stderr and "rank 3: 4 -> 6 ranks, 3 replicas" in r.stderr
+
+
+def _check(r: RunResult, joiners: list[subprocess.Popen], full: int) -> None:
     assert r.final is not None and r.final["step"] == STEPS
     # the replicas compared fingerprints after every commit, the joined rank's too: identical
     assert not [e for e in r.events if e["event"] == "replica_diverged"]
@@ -73,9 +92,11 @@ def test_a_data_parallel_job_with_no_spare_shrinks_trains_on_and_grows_back_when
     resumed = [e["step"] for e in r.events if e["event"] == "resumed"]
     assert resumed == sorted(resumed) and len(resumed) == 2, resumed
     # the loop saw both resizes through job.on_resize, on every rank that lived through them
-    assert "rank 0: 3 -> 2 ranks" in r.stderr and "rank 1: 3 -> 2 ranks" in r.stderr
-    assert "rank 0: 2 -> 3 ranks" in r.stderr and "rank 2: 2 -> 3 ranks" not in r.stderr  # the newcomer: not told
-    assert "resild: the job shrank from 3 to 2 ranks" in r.stderr
+    shrunk = full - full // 3
+    assert f"rank 0: {full} -> {shrunk} ranks" in r.stderr and f"rank {shrunk - 1}: {full} -> {shrunk}" in r.stderr
+    assert f"rank 0: {shrunk} -> {full} ranks" in r.stderr
+    assert f"rank {full - 1}: {shrunk} -> {full}" not in r.stderr  # the newcomer: not told
+    assert f"resild: the job shrank from {full} to {shrunk} ranks" in r.stderr
     assert [j.returncode for j in joiners] == [0]
 
 
@@ -95,12 +116,13 @@ def test_min_replicas_larger_than_the_job_is_refused_in_one_line(tmp_path: Path)
 
 
 def test_a_sharded_job_under_min_replicas_stops_at_start_in_one_line(tmp_path: Path) -> None:
-    """Only data-parallel jobs shrink: an FSDP2 job asking for it is told so before step 0."""
+    """Only jobs with replicas shrink: a plain FSDP2 job asking for it is told so before step 0."""
     r = start_job(
         tmp_path, "--min-replicas", "1", spares=0, nproc=2, nodes=1, script=REPO / "examples" / "train_fsdp.py"
     ).finish(timeout_s=150)
     assert r.rc != 0
-    assert "--min-replicas 1: this job cannot shrink: it builds a device mesh" in r.stderr, r.stderr[-2000:]
+    why = "--min-replicas 1: this job cannot shrink: its mesh has no 'replicate' dimension"
+    assert f"resild: {why}" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 def _max_diff(a: dict, b: dict) -> float:

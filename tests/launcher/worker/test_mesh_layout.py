@@ -133,3 +133,17 @@ def test_the_groups_along_each_dimension_partition_the_ranks(m: MeshLayout) -> N
         assert sorted(r for g in groups.values() for r in g) == list(range(m.world_size))
         assert len(groups) == m.world_size // m.shape[dim]
     m.replicas().validate(m.world_size)
+
+
+def test_a_mesh_shrinks_by_whole_replica_groups_held_on_one_node() -> None:
+    hsdp = MeshLayout.build(6, (-1, 2), ("replicate", "shard"))
+    assert hsdp.replica_ranks == 2
+    assert hsdp.resize_refusal(per_node=2) is None and hsdp.resize_refusal(per_node=4) is None
+    assert "does not fit whole on a node" in (hsdp.resize_refusal(per_node=1) or "")
+    assert hsdp.resized(4) == MeshLayout((2, 2), ("replicate", "shard"))
+    assert hsdp.resized(4).replicas().groups == ((0, 2), (1, 3))
+    three_d = MeshLayout.build(8, (2, 2, 2), ("replicate", "shard", "tp"))
+    assert three_d.replica_ranks == 4 and three_d.resized(12).shape == (3, 2, 2)
+    assert "no 'replicate' dimension" in (MeshLayout.build(4, (4,), ("shard",)).resize_refusal(4) or "")
+    inner = MeshLayout.build(4, (2, 2), ("shard", "replicate"))
+    assert "not the outermost" in (inner.resize_refusal(4) or "")
