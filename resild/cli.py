@@ -314,6 +314,20 @@ def check(
 # -- cluster -----------------------------------------------------------------------
 
 
+def _width_and_pool(b: dict[str, Any]) -> str:
+    """', 4 of 6 ranks (shrunk), spares: 1 hot, 1 starting, 2 queued (target 2)' from a STATUS
+    reply; '' for a controller that says neither."""
+    out = ""
+    w, full = b.get("world_size"), b.get("full_world")
+    if isinstance(w, int) and isinstance(full, int) and full:
+        out += f", {w} of {full} ranks" + (" (shrunk)" if w < full else "")
+    pool = b.get("pool")
+    if isinstance(pool, dict):
+        out += f", spares: {pool.get('hot', 0)} hot, {pool.get('starting', 0)} starting, {pool.get('queued', 0)} queued"
+        out += f" (target {pool['target']})" if pool.get("target") else ""
+    return out
+
+
 @cli.command()
 @click.option("--controller", required=True, help="Controller endpoint, e.g. tcp://head:5555.")
 @click.option(
@@ -362,7 +376,7 @@ def cluster(controller: str, keys_dir: str | None, timeout_s: float, as_json: bo
     if as_json:
         click.echo(json.dumps(b, indent=2))
         return
-    click.echo(f"epoch {b.get('epoch')}, committed step {b.get('max_step')}")
+    click.echo(f"epoch {b.get('epoch')}, committed step {b.get('max_step')}{_width_and_pool(b)}")
     rows = [("NODE", "ROLE", "HEALTH", "RANKS", "HEARTBEAT AGE", "REASON")]
     for n in b.get("nodes", []):
         age = n.get("heartbeat_age_s")

@@ -109,6 +109,8 @@ class StatusLine:
         self.rate: float | None = None
         self.spares: int | None = None
         self.spares0: int | None = None
+        self.queued = 0  # cold spares asked of the queue (--spare-target), not joined yet
+        self.ranks: tuple[int, int] | None = None  # (width, full width) while the job is shrunk
         self.nodes: list[str] = []
         self.last_failure: str | None = None
         self.recovering_since: float | None = None
@@ -178,8 +180,12 @@ class StatusLine:
                 t,
                 permanent=True,
             )
+        elif name == EventName.SPARES_REQUESTED:
+            self.queued += int(e.get("count", 0))
         elif name == EventName.JOB_RESIZED:
             self.spares = int(e.get("spares_left", self.spares or 0))
+            w, full = int(e.get("world_size", 0)), int(e.get("full", 0))
+            self.ranks = (w, full) if 0 < w < full else None
             if e.get("how") == "shrink":
                 self.awaiting_epoch = int(e["epoch"])
                 what = f"no spare left: the job shrinks to {e.get('world_size')} ranks (epoch {e['epoch']})"
@@ -188,6 +194,8 @@ class StatusLine:
             self._line(what, t, permanent=True)
         elif name in (EventName.NODE_ADMITTED, EventName.NODE_READMITTED):
             self.spares = int(e.get("spares", (self.spares or 0) + 1))
+            if str(e.get("source", "")).startswith("slurm:"):  # a cold spare from the queue arrived
+                self.queued = max(0, self.queued - 1)
             how = "joined" if name == EventName.NODE_ADMITTED else "is back"
             self._line(f"{e.get('node')} {how} as a hot spare, {self.spares} spare(s) now", t, permanent=True)
         elif name == EventName.REFORM:
@@ -235,6 +243,10 @@ class StatusLine:
         rate = "-" if self.rate is None else f"{self.rate:.1f}"
         spares = "-" if self.spares is None else f"{self.spares}/{self.spares0}"
         s = f"step {self.step} ({rate} steps/s), epoch {self.epoch}, spares {spares}"
+        if self.queued:
+            s += f" (+{self.queued} queued)"
+        if self.ranks is not None:
+            s += f", shrunk to {self.ranks[0]}/{self.ranks[1]} ranks"
         if self.recovering_since is not None:
             s += f", recovering from {self.last_failure}"
         elif self.last_failure:

@@ -89,7 +89,7 @@ class Handlers:
         node_id = typed.node or "" if typed is not None else str(msg.body.get("node", ""))
         node = s.view.nodes.get(node_id)
         if msg.type in (MsgType.STATUS,):
-            s.ch.send(MsgType.STATUS_REPLY, answer(s), to=ident)
+            s.ch.send(MsgType.STATUS_REPLY, answer(s, self.cfg.spare_target), to=ident)
             return
         if msg.type is MsgType.JOIN:
             self._on_join(ident, msg, now)

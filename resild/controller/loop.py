@@ -464,4 +464,4 @@ class Controller:
             self.journal.close()
 
     def status(self) -> dict[str, Any]:
-        return answer(self.state)
+        return answer(self.state, self.cfg.spare_target)

@@ -1,5 +1,6 @@
-"""The controller's answer to STATUS (`resild cluster`): the epoch, the committed step
-and each node's role, health, ranks and heartbeat age. Read-only."""
+"""The controller's answer to STATUS (`resild cluster`): the epoch, the committed step, the
+job's width, the spare pool (hot, starting, queued, target) and each node's role, health,
+ranks and heartbeat age. Read-only."""
 
 from __future__ import annotations
 
@@ -11,11 +12,23 @@ from resild.controller.state import ControllerState
 from resild.controller.view import ClusterView
 
 
-def status(view: ClusterView, max_step: int, drained: Container[str], now: float) -> dict[str, Any]:
+def status(
+    view: ClusterView, max_step: int, drained: Container[str], now: float, queued: int = 0, target: int = 0
+) -> dict[str, Any]:
+    """`queued`: cold spares asked of the queue and not joined yet; `target`: --spare-target."""
     m = view.membership
+    spares = view.spares()
     return {
         "epoch": m.epoch if m else 0,
         "max_step": max_step,
+        "world_size": m.world_size if m else view.full_world,
+        "full_world": view.full_world,  # below it: shrunk (--min-replicas), growing back as spares come
+        "pool": {
+            "hot": sum(1 for n in spares if n.registered),
+            "starting": sum(1 for n in spares if not n.registered),  # joined or re-admitted, qualifying
+            "queued": queued,
+            "target": target,
+        },
         "nodes": [
             {
                 "node": n.node_id,
@@ -31,6 +44,7 @@ def status(view: ClusterView, max_step: int, drained: Container[str], now: float
     }
 
 
-def answer(s: ControllerState) -> dict[str, Any]:
+def answer(s: ControllerState, spare_target: int = 0) -> dict[str, Any]:
     """The STATUS reply from the controller's shared state, now."""
-    return status(s.view, s.max_step, getattr(s.backend, "drained", {}), time.monotonic())
+    queued = s.backend.spares_on_the_way(frozenset(s.joined_sources))
+    return status(s.view, s.max_step, getattr(s.backend, "drained", {}), time.monotonic(), queued, spare_target)

@@ -115,6 +115,8 @@ class Breakdown:
     failures: list[FailureBreakdown]
     step_line: list[tuple[float, int]]  # (seconds since start, committed step)
     spares_line: list[tuple[float, int]]  # (seconds since start, spares left)
+    # (seconds since start, cold spares asked of the queue and not joined yet: --spare-target)
+    queued_line: list[tuple[float, int]] = field(default_factory=list)
     jobs_in_file: int = 1
     job_index: int = 1
     checkpoints: dict[str, Any] | None = None  # resild.report.checkpoints, when the job wrote any
@@ -136,6 +138,7 @@ class Breakdown:
                 del f[k]
         d["step_line"] = [[round(t, 4), s] for t, s in self.step_line]
         d["spares_line"] = [[round(t, 4), s] for t, s in self.spares_line]
+        d["queued_line"] = [[round(t, 4), s] for t, s in self.queued_line]
         return d
 
 
@@ -334,6 +337,17 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
             continue
         if len(left) != spares_line[-1][1]:
             spares_line.append((rel(_t(e)), len(left)))
+    # -- cold spares queued over time: asked (spares_requested), then each one that joined --
+    queued_line: list[tuple[float, int]] = []
+    queued = 0
+    for e in ev:
+        if e["event"] == EventName.SPARES_REQUESTED and isinstance(e.get("count"), int):
+            queued += e["count"]
+        elif e["event"] == EventName.NODE_ADMITTED and str(e.get("source", "")).startswith("slurm:"):
+            queued = max(0, queued - 1)
+        else:
+            continue
+        queued_line.append((rel(_t(e)), queued))
 
     # -- the partition of wall time ---------------------------------------------------
     wall = max(0.0, t_end - t0)
@@ -381,6 +395,7 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
         failures=failures,
         step_line=line,
         spares_line=spares_line,
+        queued_line=queued_line,
         checkpoints=ck.to_dict() if (ck := checkpoint_counts(ev)) is not None else None,
     )
 
@@ -431,6 +446,20 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v * 100:.1f}%"
 
 
+def _pool_over_time(b: Breakdown, most: int = 12) -> str:
+    """'hot spares over time: 2 at 0.0s, 1 at 12.3s, ...; queued: 1 at 12.4s, ...' when the
+    pool changed during the job ('' when it never did)."""
+    if len(b.spares_line) <= 1 and not b.queued_line:
+        return ""
+
+    def points(line: list[tuple[float, int]]) -> str:
+        shown = ", ".join(f"{n} at {t:.1f}s" for t, n in line[:most])
+        return shown + (f", ... ({len(line) - most} more)" if len(line) > most else "")
+
+    text = f"hot spares over time: {points(b.spares_line)}"
+    return text + (f"; cold spares queued: {points(b.queued_line)}" if b.queued_line else "")
+
+
 def format_breakdown(b: Breakdown) -> str:
     lines = []
     if b.jobs_in_file > 1:
@@ -458,6 +487,9 @@ def format_breakdown(b: Breakdown) -> str:
         f"(first -> last committed step); {_pct(b.gpu_goodput)} of all allocated "
         f"GPU time, counting the idle hot spares"
     )
+    pool = _pool_over_time(b)
+    if pool:
+        lines.append(pool)
     if b.failures:
         lines.append("")
         hdr = (

@@ -117,8 +117,12 @@ def _timeline(ax: Any, b: Breakdown) -> None:
     if b.spares_line:
         ts, sp = zip(*(b.spares_line + [(b.wall_s, b.spares_line[-1][1])]))
         ax2.step(ts, sp, where="post", color="#17becf", lw=1.5, ls="-.", label="hot spares left")
+    if b.queued_line:
+        ts, q = zip(*([(0.0, 0)] + b.queued_line + [(b.wall_s, b.queued_line[-1][1])]))
+        ax2.step(ts, q, where="post", color="#bcbd22", lw=1.2, ls=":", label="cold spares queued")
     ax2.set_ylabel("hot spares left", color="#17becf")
-    ax2.set_ylim(-0.2, max(1, b.initial_spares) + 0.5)
+    top = max([1, b.initial_spares] + [n for _, n in b.spares_line + b.queued_line])
+    ax2.set_ylim(-0.2, top + 0.5)
     ax2.yaxis.get_major_locator().set_params(integer=True)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()

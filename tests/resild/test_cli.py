@@ -165,12 +165,17 @@ def test_cluster_against_real_controller(tmp_path: Path) -> None:
     try:
         p = run("cluster", "--controller", ctrl.endpoint, "--keys", str(keys.path))
         assert p.returncode == 0, p.stderr
-        assert p.stdout.splitlines()[0] == "epoch 0, committed step 0"
+        # the job's width and the pool: n3 is a spare that has not registered yet (starting)
+        assert (
+            p.stdout.splitlines()[0] == "epoch 0, committed step 0, 4 of 4 ranks, spares: 0 hot, 1 starting, 0 queued"
+        )
         assert "NODE" in p.stdout and "spare" in p.stdout
         p = run("cluster", "--controller", ctrl.endpoint, "--keys", str(keys.path), "--json")
         body = json.loads(p.stdout)
         assert [n["node"] for n in body["nodes"]] == ["n1", "n2", "n3"]
         assert {n["role"] for n in body["nodes"]} == {"active", "spare"}
+        assert body["pool"] == {"hot": 0, "starting": 1, "queued": 0, "target": 0}
+        assert (body["world_size"], body["full_world"]) == (4, 4)
         # Without keys a CURVE controller never answers: one line, exit 3.
         p = run("cluster", "--controller", ctrl.endpoint, "--timeout", "0.5")
         assert p.returncode == 3 and p.stderr.count("\n") == 1 and "no controller answered" in p.stderr
