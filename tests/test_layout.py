@@ -106,7 +106,6 @@ WITHOUT_MIRRORED_TESTS = {
     "launcher/run/cli.py",
     "launcher/run/job.py",
     "launcher/run/local.py",
-    "launcher/run/slurm_backend.py",
     "launcher/run/slurm_mode.py",
     "launcher/run/standby.py",
     "launcher/worker/data.py",

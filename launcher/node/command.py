@@ -23,11 +23,12 @@ def node_command(
     node: str | None = None,
     keys: Path | str | None = None,
     qualify: bool = False,
+    replace_stale: bool = False,
     nvml_control: Path | None = None,
     python: str = sys.executable,
 ) -> list[str]:
     """``python -m launcher.node [--node N] --controller C [--keys DIR] --nproc P --settings JSON
-    [--qualify] [--nvml-control FILE] -- CMD...``. ``settings``: the job's JobSettings as a
+    [--qualify] [--replace-stale] [--nvml-control FILE] -- CMD...``. ``settings``: the job's JobSettings as a
     dict; ``node=None``: the node is $SLURMD_NODENAME (one srun step runs the same command on
     every node); ``keys``: the node's key directory (under Slurm, the job's: each node picks
     its own, launcher/run/slurm_backend.per_node_keys)."""
@@ -40,6 +41,8 @@ def node_command(
     argv += ["--nproc", str(nproc), "--settings", json.dumps(settings)]
     if qualify:
         argv.append("--qualify")
+    if replace_stale:
+        argv.append("--replace-stale")
     if nvml_control is not None:
         argv += ["--nvml-control", str(nvml_control)]
     return [*argv, "--", *cmd]

@@ -38,6 +38,7 @@ import launcher.node.lease as lease
 import resild.wire.env as resild_env
 from launcher.node.node_store import NodeStore
 from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer, leader_heartbeat_due
+from launcher.node.stale import sweep
 from resild.events.schema import Detector
 from resild.procutil import die_with_parent, say
 from resild.wire.exits import CONTROLLER_LOST_EXIT, FENCED_EXIT
@@ -491,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--qualify", action="store_true", help="run `resild check --qualify` before registering (a node that joined)"
     )
+    p.add_argument(
+        "--replace-stale",
+        action="store_true",
+        help="first kill what is left of this node's earlier node process in the same Slurm job (a re-admission)",
+    )
     p.add_argument("cmd", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
@@ -500,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("no worker command given after --")
     logging.basicConfig(level=logging.INFO, format=f"[{a.node}] %(message)s")
     die_with_parent()
+    if a.replace_stale:
+        sweep(a.node)
     keys = KeyDir(Path(a.keys)) if a.keys else None
     return NodeProcess(
         a.node,

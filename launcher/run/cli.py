@@ -246,8 +246,9 @@ def _copies(v: str | int) -> int:
 @click.option(
     "--readmit",
     is_flag=True,
-    help="--local: a node fenced without evidence against its hardware (a worker's exception, a hang) "
-    "comes back as a spare once its old processes are gone and it qualifies (resild check --qualify); "
+    help="A node fenced without evidence against its hardware (a worker's exception, a hang) comes back "
+    "as a spare (under Slurm: a new step on it, which first kills what is left of its old processes) once "
+    "its old incarnation is silent and it qualifies (resild check --qualify); "
     "a second failure within an hour drains it. Nodes fenced with evidence (Xid, ECC, lost) never come back.",
 )
 @click.option(
@@ -318,8 +319,8 @@ def main(
         raise click.UsageError("missing the training command: resil-run [OPTIONS] -- python train.py ...")
     if spare_target and controllers > 1:
         raise click.UsageError("--spare-target runs with one controller for now (not with --controllers N)")
-    if readmit and (not local or controllers > 1):
-        raise click.UsageError("--readmit runs with --local and one controller for now (Slurm: not built yet)")
+    if readmit and controllers > 1:
+        raise click.UsageError("--readmit runs with one controller for now (not with --controllers N)")
     if events is not None:
         try:
             events.open("a").close()
@@ -382,6 +383,7 @@ def main(
                 consensus=consensus,
                 etcd=etcd,
                 spare_target=spare_target,
+                readmit=readmit,
             )
         )
     if spare_target:

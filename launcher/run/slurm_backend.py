@@ -34,6 +34,31 @@ _PICK_KEYS = (
 )
 
 
+def node_command_with(node_cmd: list[str], *flags: str) -> list[str]:
+    """The node process's command line with `flags` added to its own (before "--")."""
+    i = node_cmd.index("--") if "--" in node_cmd else len(node_cmd)
+    return [*node_cmd[:i], *(f for f in flags if f not in node_cmd[:i]), *node_cmd[i:]]
+
+
+def _stop(p: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Wait for a step's srun, then stop it (SIGTERM is forwarded to its tasks), then kill it."""
+    try:
+        p.wait(timeout_s)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def per_node_keys(node_cmd: list[str], nodes: list[str], mint: bool = True) -> list[str]:
     """Give every node its own key pair (made now, before any node starts) and make each
     node process use only its own: the controller identifies nodes by key (ZAP User-Id).
@@ -155,6 +180,9 @@ class SlurmBackend(SlurmDrain):
         self.proc: subprocess.Popen[bytes] | None = None
         self.fenced: set[str] = set()
         self._srun_reported = False
+        # Nodes re-admitted (--readmit): each runs its node process in a step of its own.
+        self.readmitted: dict[str, subprocess.Popen[bytes]] = {}
+        self._readmit_reported: set[str] = set()
 
     def start(self) -> None:
         argv = slurm.srun_node_launcher_cmd(self.alloc, self.nodes, per_node_keys(self.node_cmd, self.nodes))
@@ -168,6 +196,23 @@ class SlurmBackend(SlurmDrain):
     def fence(self, node: str, reason: str) -> None:
         self.fenced.add(node)
 
+    def restartable(self) -> frozenset[str]:
+        """Fenced nodes of this allocation. Nothing here can see whether a fenced node's old
+        node process is gone; the new one sweeps what is left of it first (--replace-stale),
+        and the controller waits for the old incarnation's silence (readmission.py)."""
+        return frozenset(n for n in self.fenced if n in self.alloc.nodes)
+
+    def readmit(self, node: str) -> None:
+        """The node back as a spare: a new step on it (`srun --overlap -w NODE`) whose node
+        process kills what is left of the old one, qualifies, then registers with the key the
+        controller just minted."""
+        self.fenced.discard(node)
+        self._readmit_reported.discard(node)
+        cmd = node_command_with(self.node_cmd, "--qualify", "--replace-stale")
+        argv = slurm.srun_node_launcher_cmd(self.alloc, [node], per_node_keys(cmd, [node], mint=False))
+        log.warning("re-admitting %s: %s", node, " ".join(argv))
+        self.readmitted[node] = subprocess.Popen(argv, env=self.env, start_new_session=True)
+
     def request_spares(self, count: int) -> None:
         if self.cold is not None:
             self.cold.request(count)
@@ -178,10 +223,17 @@ class SlurmBackend(SlurmDrain):
     def exited_nodes(self) -> list[tuple[str, int]]:
         """srun is one step for all nodes: if it ends while the job runs (a launch
         failure, or every node gone), every node not yet fenced has failed."""
+        out = []
+        for node, p in self.readmitted.items():  # a re-admitted node's own step ended
+            if p.poll() is not None and node not in self.fenced and node not in self._readmit_reported:
+                self._readmit_reported.add(node)
+                out.append((node, p.returncode))
         if self.proc is None or self.proc.poll() is None or self._srun_reported:
-            return []
+            return out
         self._srun_reported = True
-        return [(n, self.proc.returncode) for n in self.nodes if n not in self.fenced]
+        return out + [
+            (n, self.proc.returncode) for n in self.nodes if n not in self.fenced and n not in self.readmitted
+        ]
 
     def shutdown(self, timeout_s: float) -> None:
         if self.cold is not None and (cancelled := self.cold.cancel_all(joined_too=False)):
@@ -194,6 +246,8 @@ class SlurmBackend(SlurmDrain):
 
     def _shutdown(self, timeout_s: float) -> None:
         self.join_drains()
+        for p in self.readmitted.values():
+            _stop(p, min(timeout_s, 5.0) if self.fenced else timeout_s)
         if self.proc is None:
             return
         # srun waits for a dead node's task until slurmctld marks the node down

@@ -222,6 +222,7 @@ def run_slurm(
     consensus: str = "auto",
     etcd: EtcdTarget | None = None,
     spare_target: int = 0,
+    readmit: bool = False,
 ) -> int:
     try:
         alloc = slurm.allocation_from_env(os.environ)
@@ -288,6 +289,7 @@ def run_slurm(
         bind_host=host,
         bind_any=True,
         spare_target=spare_target,
+        readmit=readmit,
     )
     if controllers > 1:
         from launcher.run.standby import run_replicated

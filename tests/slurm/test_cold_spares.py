@@ -1,6 +1,7 @@
 """Cold spares from the Slurm queue: `sbatch --wrap "resil-run --join RUN_DIR"` joins a running
 job on the lab cluster, qualifies, and takes a crashed node's ranks; no cold-spare job outlives
-the job it joined (it finished, or it was cancelled).
+the job it joined (it finished, or it was cancelled). And nodes that come back: a suspect node
+re-admitted in a new step (--readmit).
 
 The lab's nodes have no GPU: the cold spare's qualification reads the NVML stand-in (one
 healthy GPU) and runs its self-test on the CPU.
@@ -8,6 +9,8 @@ healthy GPU) and runs its self-test on the CPU.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -118,3 +121,38 @@ def test_the_job_asks_the_queue_for_a_spare_when_its_pool_is_spent(
     assert all((v == final["model"][k]).all() for k, v in reference["model"].items())
     assert len([e for e in job.events() if e["event"] == "spares_requested"]) == 1  # one gap, one request
     assert _gone(lab, cold_jid, 60), lab.run(["squeue"]).stdout  # no cold spare outlives the job
+
+
+def test_a_suspect_node_comes_back_in_a_new_step_and_takes_ranks_again(
+    lab: SlurmLab,  # noqa: F811
+    tmp_path: Path,
+    reference: dict,  # noqa: F811
+) -> None:
+    """--readmit under Slurm: a node fenced on suspicion (its worker was killed: no evidence
+    against the node) is still in the allocation; a new step on it sweeps what is left of its
+    old node process, qualifies, and the node takes a crashed node's ranks later."""
+    job = Job(lab, tmp_path, nodes=3, spares=1, extra="--readmit", held=True, setup=_stand_in(tmp_path))
+    host = job.wait_event(lambda e: e["event"] == "job_started")["controller_host"]
+    suspect = job.victim()
+    job.wait_event(lambda e: e["event"] == "full_strength_step")
+    pid = [e["pid"] for e in job.events() if e["event"] == "worker_registered" and e["node"] == suspect][-1]
+    os.kill(pid, signal.SIGKILL)  # the worker, not the node: no evidence against the node
+    job.wait_event(lambda e: e["event"] == "spare_assigned" and e["failed"] == suspect)
+    assert job.wait_event(lambda e: e["event"] == "node_suspect" and e["node"] == suspect)["strikes"] == 1
+    back = job.wait_event(lambda e: e["event"] == "node_readmitted" and e["node"] == suspect, timeout_s=60)
+    job.wait_event(
+        lambda e: e["event"] == "worker_registered" and e["node"] == suspect and e["t_mono"] > back["t_mono"],
+        timeout_s=120,
+    )  # qualified in its new step, warm
+    m = [e for e in job.events() if e["event"] == "membership"][-1]
+    target = next(n for n in m["layout"] if n not in (host, suspect))
+    lab.crash(target)
+    took = job.wait_event(lambda e: e["event"] == "spare_assigned" and e["failed"] == target)
+    assert took["spare"] == suspect, took
+    job.release()
+    assert job.wait() == 0, (tmp_path / "slurm.out").read_text()[-3000:]
+    final = job.final()
+    assert final["step"] == reference["step"] and all(
+        (v == final["model"][k]).all() for k, v in reference["model"].items()
+    )
+    assert "re-admitting" in (tmp_path / "slurm.out").read_text()

@@ -66,11 +66,13 @@ def test_a_suspect_node_comes_back_and_takes_ranks_and_one_with_an_xid_never_doe
     assert "local-node0 is back as a hot spare" in r.stderr
 
 
-def test_readmit_needs_the_local_cluster(tmp_path: Path) -> None:
+def test_readmit_needs_one_controller(tmp_path: Path) -> None:
+    """Slurm is fine now (a new step on the node: tests/slurm); standby controllers are not."""
     p = subprocess.run(
-        resil_run("--readmit", local=False, worker=["python", "x.py"]),
+        resil_run("--readmit", "--controllers", "3", worker=["python", "x.py"]),
         cwd=REPO,
         capture_output=True,
         text=True,
+        timeout=60,
     )
-    assert p.returncode == 2 and "--readmit runs with --local" in p.stderr and "Traceback" not in p.stderr
+    assert p.returncode == 2 and "--readmit runs with one controller" in p.stderr and "Traceback" not in p.stderr
