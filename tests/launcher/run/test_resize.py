@@ -24,15 +24,19 @@ def _resized(events: list[dict]) -> list[tuple[str, int, int]]:
     return [(e["how"], e["was"], e["world_size"]) for e in events if e["event"] == "job_resized"]
 
 
-def _run(tmp_path: Path, *train_args: str, nproc: int = 1) -> tuple[RunResult, list[subprocess.Popen]]:
-    """3 nodes x `nproc` ranks, no spare: lose node 1 (shrink), then a spare joins (grow)."""
-    full = 3 * nproc
+def _run(
+    tmp_path: Path, *train_args: str, nodes: int = 3, nproc: int = 1, min_replicas: int = 2
+) -> tuple[RunResult, list[subprocess.Popen]]:
+    """`nodes` x `nproc` ranks, no spare: lose node 1 (shrink: `min_replicas` is what is left),
+    then a spare joins (grow)."""
+    full = nodes * nproc
     holds = ",".join(map(str, HOLDS))
     held = f"{REPO}/tests/held_train.py {tmp_path}/release {holds} {' '.join(train_args)}"
     # a held rank is, to the controller, a hung one: --hang-timeout beyond the hold
     job = start_job(
         tmp_path,
-        *("--min-replicas", "2", "--fingerprint-every", "1", "--hang-timeout", "270"),
+        *("--min-replicas", str(min_replicas), "--fingerprint-every", "1", "--hang-timeout", "270"),
+        nodes=nodes,
         spares=0,
         nproc=nproc,
         script=held,
@@ -40,7 +44,7 @@ def _run(tmp_path: Path, *train_args: str, nproc: int = 1) -> tuple[RunResult, l
     joiners: list[subprocess.Popen] = []
     try:
         _wait(job, lambda e: e["event"] == "full_strength_step", "the first step")
-        _lose(job, "local-node1")  # no spare: the job shrinks to 2 ranks
+        _lose(job, "local-node1")  # no spare: the job shrinks
         _wait(job, lambda e: e["event"] == "job_resized" and e["how"] == "shrink", "the shrink")
         Path(f"{tmp_path}/release-{HOLDS[0]}").touch()
         joiners.append(_join(tmp_path / "run", job.env, "--nodes", "1"))
@@ -71,19 +75,21 @@ def test_a_data_parallel_job_with_no_spare_shrinks_trains_on_and_grows_back_when
 ) -> None:
     """Plain data parallelism (job.sync's all-reduce) and DDP (its reducer on the job's group)."""
     r, joiners = _run(tmp_path, str(REPO / "examples" / loop))
-    _check(r, joiners, full=3)
+    _check(r, joiners, full=3, lost=1)
 
 
 def test_an_hsdp_job_with_no_spare_drops_a_replica_group_and_grows_back_when_a_spare_joins(tmp_path: Path) -> None:
-    """FSDP2 HSDP, 3 replica groups of 2 ranks, one per node: the same DeviceMesh object is
-    reshaped to 2 groups and back to 3; FSDP2 all-reduces over the new replicate groups, and
-    the newcomer gets its shards from the other replica groups."""
-    r, joiners = _run(tmp_path, str(REPO / "examples" / "train_hsdp.py"), "--shard-size", "2", nproc=2)
-    _check(r, joiners, full=6)
-    assert "rank 0: 6 -> 4 ranks, 2 replicas" in r.stderr and "rank 3: 4 -> 6 ranks, 3 replicas" in r.stderr
+    """FSDP2 HSDP, 2 replica groups of 2 ranks, one per node, no spare, --min-replicas 1: a node
+    lost, the same DeviceMesh object is reshaped to one replica group (FSDP2 all-reduces over
+    groups of one) and trains on; a spare joins, the mesh is reshaped back to 2 groups, and the
+    newcomer gets its shards from the surviving group. Fingerprints compared every commit."""
+    hsdp = (str(REPO / "examples" / "train_hsdp.py"), "--shard-size", "2")
+    r, joiners = _run(tmp_path, *hsdp, nodes=2, nproc=2, min_replicas=1)
+    _check(r, joiners, full=4, lost=2)
+    assert "rank 0: 4 -> 2 ranks, 1 replicas" in r.stderr and "rank 1: 2 -> 4 ranks, 2 replicas" in r.stderr
 
 
-def _check(r: RunResult, joiners: list[subprocess.Popen], full: int) -> None:
+def _check(r: RunResult, joiners: list[subprocess.Popen], full: int, lost: int) -> None:
     assert r.final is not None and r.final["step"] == STEPS
     # the replicas compared fingerprints after every commit, the joined rank's too: identical
     assert not [e for e in r.events if e["event"] == "replica_diverged"]
@@ -92,7 +98,7 @@ def _check(r: RunResult, joiners: list[subprocess.Popen], full: int) -> None:
     resumed = [e["step"] for e in r.events if e["event"] == "resumed"]
     assert resumed == sorted(resumed) and len(resumed) == 2, resumed
     # the loop saw both resizes through job.on_resize, on every rank that lived through them
-    shrunk = full - full // 3
+    shrunk = full - lost
     assert f"rank 0: {full} -> {shrunk} ranks" in r.stderr and f"rank {shrunk - 1}: {full} -> {shrunk}" in r.stderr
     assert f"rank 0: {shrunk} -> {full} ranks" in r.stderr
     assert f"rank {full - 1}: {shrunk} -> {full}" not in r.stderr  # the newcomer: not told
