@@ -87,7 +87,7 @@ class Inputs:
     # the pool refilling (issue 35)
     cold_spare_wait_s: float = 600.0
     join_s: float = 15.0
-    shrink_group_nodes: int = 8
+    shrink_group_nodes: int = 1
     # checkpoint-restart
     ckpt_detect_s: float = 11.0
     ckpt_write_s: float = 30.0
@@ -124,8 +124,9 @@ SOURCES = {
     "needed (site-dependent: idle nodes start it at once, a full cluster waits)",
     "join_s": "measured on the 2-core CPU lab (tests/launcher/run/test_join.py): admission -> the spare's workers "
     "warm, qualification included, 9-15 s under load; a GPU node adds CUDA init and the self-test",
-    "shrink_group_nodes": "assumption: nodes in one replica group dropped by a shrink (HSDP: a shard group of "
-    "64 GPUs); DP drops one node",
+    "shrink_group_nodes": "what the code does (resil-run --min-replicas): a shrink drops one node, which holds "
+    "whole replica groups (DP, DDP, HSDP with its shard groups inside a node); the job runs at (nodes - dropped) "
+    "/ nodes of its samples per step (the per-rank batch kept), at the same step time (bench/shrink.py)",
     "fallback_ckpt_interval_h": "resild users' fallback disk checkpoint interval (assumption); "
     "used when the spare pool is exhausted",
     "ckpt_detect_s": "measured: bench/slurm_recovery.py, plain srun job, crash -> srun returns 10.4-11.6 s "
