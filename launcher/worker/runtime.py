@@ -398,10 +398,10 @@ class Job:
         why = self._cannot_resize() if min_replicas > 0 else None
         if why is not None and not self.solo:  # the user's setting: one line, no traceback
             refusal = f"--min-replicas {min_replicas}: this job cannot shrink: {why}; run it without --min-replicas"
+            sys.stderr.write(f"resild: {refusal}\n")  # before the job is stopped around it
             try:
                 self._fatal(refusal)
             except ResilienceError:
-                sys.stderr.write(f"resild: {refusal}\n")
                 raise SystemExit(2) from None
         if not self.solo:
             self._setup_redundancy()

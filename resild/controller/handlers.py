@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from resild.controller.policy import (
     on_node_failure,
     on_worker_exception,
 )
+from resild.controller.records import ReplicaUnit
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
 from resild.controller.status import answer
 from resild.controller.view import NodeView, RankProgress
@@ -332,8 +334,11 @@ class Handlers:
         fields = b.fields or {}
         m = self.s.view.membership
         if b.name == EventName.REPLICA_LAYOUT and m is not None and m.node_of(0) == node.node_id:
-            # the unit a shrink drops (policy.shrink_to): said by rank 0's node only
-            self.s.view.replica_ranks = int(fields["unit"])
+            # the unit a shrink drops (policy.shrink_to): said by rank 0's node only; journaled,
+            # so a standby that takes over shrinks too
+            unit = int(fields["unit"])
+            if unit != self.s.view.replica_ranks and self.effects.journaled(ReplicaUnit(unit, time.time()), "unit"):
+                self.s.view.replica_ranks = unit
         self.s.events.emit(b.name or "worker_event", node=node.node_id, **fields)
 
     def _on_failed(self, ident: bytes, node: NodeView, b: Failed, now: float) -> None:

@@ -14,6 +14,7 @@ record from a test, or an older writer) and keeps a record of an action it does 
     fail_job        a decision: the job's verdict, failed
     finish          a decision: the job's verdict, finished
     fault_fired     an injected fault fired (once, ever)
+    replica_unit    rank 0 said the ranks of one replica group (--min-replicas: a shrink's unit)
     admit           nodes joined the running job as spares (`resil-run --join`)
     readmit         a node fenced on suspicion is back as a spare (readmission.py)
     controller_error  the controller's own error (loop.py): where, what; restore ignores it
@@ -161,6 +162,22 @@ class FaultFired:
 
 
 @dataclass(frozen=True)
+class ReplicaUnit:
+    """Rank 0 said how many ranks one replica group holds (the unit a shrink drops)."""
+
+    ACTION: ClassVar[str] = "replica_unit"
+    ranks: int
+    t_wall: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"t_wall": self.t_wall, "action": self.ACTION, "ranks": self.ranks}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ReplicaUnit:
+        return cls(int(d.get("ranks") or 0), float(d.get("t_wall") or 0.0))
+
+
+@dataclass(frozen=True)
 class Admit:
     ACTION: ClassVar[str] = "admit"
     nodes: tuple[str, ...]
@@ -272,6 +289,7 @@ Record = (
     | FailJob
     | Finish
     | FaultFired
+    | ReplicaUnit
     | Admit
     | Readmit
     | ControllerError
@@ -292,6 +310,7 @@ _BY_ACTION: dict[str, Any] = {
         FailJob,
         Finish,
         FaultFired,
+        ReplicaUnit,
         Admit,
         Readmit,
         ControllerError,

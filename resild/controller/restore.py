@@ -28,6 +28,7 @@ from resild.controller.records import (
     Record,
     Reform,
     ReplaceNode,
+    ReplicaUnit,
     Shrink,
     Start,
 )
@@ -53,6 +54,7 @@ class Restored:
     # one and sending it, so a new leader fires them again (a fault that did hit finds its
     # worker dead or stopped already, or its node fenced: firing twice changes nothing).
     unsettled: frozenset[str] = frozenset()
+    replica_ranks: int = 0  # ranks per replica group, as rank 0 said (0: not said)
 
 
 def _set(s: Restored, node: str, role: NodeRole, reason: str = "") -> Restored:
@@ -65,6 +67,8 @@ def apply(s: Restored, rec: Record) -> Restored:
     """The state after one more record; records of other kinds (leader, unknown) change nothing."""
     if isinstance(rec, FaultFired):
         return replace(s, fired=s.fired | {rec.spec}, unsettled=s.unsettled | {rec.spec})
+    if isinstance(rec, ReplicaUnit):
+        return replace(s, replica_ranks=rec.ranks)
     if isinstance(rec, Start):
         return replace(s, membership=rec.membership, unsettled=frozenset())
     if isinstance(rec, Readmit):  # a suspect node back as a spare
@@ -114,6 +118,7 @@ def initial(s: ControllerState) -> Restored:
         s.view.membership,
         s.max_step,
         s.result,
+        replica_ranks=s.view.replica_ranks,
     )
 
 
@@ -162,6 +167,7 @@ def take_over(s: ControllerState, r: Restored, now: float) -> None:
         nodes[node_id].reason = r.reasons[node_id]
     s.initial, s.view.membership = r.initial, r.membership
     s.max_step, s.result = r.max_step, r.result
+    s.view.replica_ranks = r.replica_ranks
     m = s.view.membership
     for n in s.view.nodes.values():
         if n.role in (NodeRole.ACTIVE, NodeRole.SPARE):
