@@ -231,3 +231,35 @@ def test_live_status_line_shows_a_reform_while_it_recovers() -> None:
     events = transient_reform()
     line, _ = live(events[: [e["event"] for e in events].index("reform") + 1])
     assert line.status().endswith("recovering from re-form")
+
+
+def shrunk_then_grown() -> list[dict[str, Any]]:
+    """No spare: n1 lost, the job shrinks to 2 ranks in epoch 2 and asks the queue for a cold
+    spare; it joins (n9, slurm:77) and the job grows back in epoch 3."""
+    return (
+        [
+            ev("job_started", 100.0, nodes=["n0", "n1"]),
+            ev("membership", 101.0, epoch=1, layout={"n0": [0, 1], "n1": [2, 3]}),
+            ev("full_strength_step", 110.0, epoch=1, step=1, rank=0),
+            ev("progress", 112.0, step=20, epoch=1),
+        ]
+        + [e for e in replaced(114.0, "n1", "-", 2, 40, 40) if e["event"] not in ("spare_assigned", "state_replayed")]
+        + [
+            ev("job_resized", 114.16, how="shrink", node="n1", epoch=2, world_size=2, was=4, full=4, spares_left=0),
+            ev("spares_requested", 114.2, count=1, reason="the pool is below --spare-target 1"),
+            ev("node_admitted", 118.0, node="n9", via="join", source="slurm:77", spares=1),
+            ev("job_resized", 120.0, how="grow", node="n9", epoch=3, world_size=4, was=2, full=4, spares_left=0),
+            ev("full_strength_step", 120.5, epoch=3, step=60, rank=0),
+        ]
+        + finish(125.5)
+    )
+
+
+def test_live_status_line_follows_a_shrink_the_queue_and_a_grow() -> None:
+    events = shrunk_then_grown()
+    line, lines = live(events[: [e["event"] for e in events].index("spares_requested") + 1])
+    assert any("no spare left: the job shrinks to 2 ranks (epoch 2)" in s for s in lines), lines
+    assert ", spares 0/0 (+1 queued), shrunk to 2/4 ranks" in line.status()
+    line, lines = live(events)
+    assert any("n9 joins: the job grows to 4 ranks (epoch 3)" in s for s in lines), lines
+    assert "queued" not in line.status() and "shrunk" not in line.status()

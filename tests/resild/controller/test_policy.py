@@ -12,6 +12,7 @@ from resild.controller.policy import (
     PolicyConfig,
     abuse_verdict,
     check_done,
+    check_grow,
     check_timeouts,
     on_abuse,
     on_node_failure,
@@ -353,3 +354,70 @@ def beat_active(v: ClusterView, now: float) -> float:
                 v.progress[r] = RankProgress(step=p.step + 1, epoch=p.epoch, state="commit", t_s=now)
     v.last_commit_s = now
     return now
+
+
+# ---- shrink and grow (--min-replicas) -------------------------------------------------------
+
+
+def shrinkable(spares: int = 0, min_replicas: int = 2, unit: int = 1) -> ClusterView:
+    """Two active nodes of 2 ranks; `unit` ranks per replica group, as rank 0 said."""
+    v = view(spares=spares)
+    v.full_world, v.min_replicas, v.replica_ranks = 4, min_replicas, unit
+    return v
+
+
+def test_no_spare_and_no_min_replicas_still_stops_the_job() -> None:
+    assert on_node_failure(shrinkable(min_replicas=0), "a", "Xid 79", "gpu-probe").action == Action.FAIL_JOB
+
+
+def test_no_spare_shrinks_the_job_renumbering_the_survivors() -> None:
+    d = on_node_failure(shrinkable(), "a", "exited", "process-exit", worker_fault=True)
+    assert d.action == Action.SHRINK and d.node == "a" and d.spare is None
+    assert d.membership == Membership(2, 2, {"b": (0, 1)})
+    assert d.reason == "a failed (exited); no spare left: 2 replicas train on"
+    assert d.evidence is False  # a worker's fault: suspect, as with a spare
+
+
+def test_a_shrink_counts_replicas_in_the_unit_rank_0_said() -> None:
+    # HSDP with replica groups of 2 ranks: losing a 2-rank node leaves one group
+    assert on_node_failure(shrinkable(min_replicas=1, unit=2), "b", "x", "heartbeat").action == Action.SHRINK
+    assert on_node_failure(shrinkable(min_replicas=2, unit=2), "b", "x", "heartbeat").action == Action.FAIL_JOB
+    # a node holding part of a replica group (groups of 4 ranks over two 2-rank nodes): never
+    assert on_node_failure(shrinkable(min_replicas=1, unit=4), "b", "x", "heartbeat").action == Action.FAIL_JOB
+    # the unit not said (yet): never
+    assert on_node_failure(shrinkable(unit=0), "b", "x", "heartbeat").action == Action.FAIL_JOB
+
+
+def test_below_the_floor_the_job_stops() -> None:
+    assert on_node_failure(shrinkable(min_replicas=3), "a", "x", "heartbeat").action == Action.FAIL_JOB
+
+
+def test_a_spare_is_used_before_any_shrink() -> None:
+    assert on_node_failure(shrinkable(spares=1), "a", "x", "heartbeat").action == Action.REPLACE_NODE
+
+
+def _shrunk(spare_ready: bool = True, nproc: int = 2) -> ClusterView:
+    v = shrinkable()
+    v.nodes["a"].set_role(NodeRole.FENCED)
+    v.membership = Membership.initial(["a", "b"], 2).shrink("a")
+    ready = nproc if spare_ready else 0
+    v.nodes["j"] = NodeView("j", NodeRole.SPARE, nproc, registered=spare_ready, workers_ready=ready)
+    return v
+
+
+def test_a_shrunk_job_grows_back_with_a_warm_spare_once_its_recovery_is_over() -> None:
+    d = check_grow(_shrunk(), busy=False)
+    assert d.action == Action.GROW and d.spare == "j"
+    assert d.membership == Membership(3, 4, {"b": (0, 1), "j": (2, 3)})
+    assert d.reason == "j joins: 4 of 4 replicas"
+    assert check_grow(_shrunk(), busy=True).action == Action.NONE  # a recovery still under way
+
+
+def test_no_grow_without_a_ready_spare_that_fits_or_at_full_width() -> None:
+    assert check_grow(_shrunk(spare_ready=False), busy=False).action == Action.NONE
+    assert check_grow(_shrunk(nproc=4), busy=False).action == Action.NONE  # beyond the full width
+    full = shrinkable(spares=1)
+    assert check_grow(full, busy=False).action == Action.NONE  # not shrunk
+    off = _shrunk()
+    off.min_replicas = 0
+    assert check_grow(off, busy=False).action == Action.NONE

@@ -9,6 +9,7 @@ import zmq
 
 from resild.controller.faults import parse_fault
 from resild.controller.loop import Controller, ControllerConfig
+from resild.controller.records import ReplicaUnit, parse_record
 from resild.events.log import EventLog
 from resild.membership import Membership, NodeRole
 from resild.wire.channel import Channel, connect, peer_name
@@ -304,5 +305,31 @@ def test_a_failed_spare_settles_the_fault_that_hit_it() -> None:
         assert not ctl.injector.unsettled(100.3)
         ctl.effects.fire_faults(100.3)
         assert ctl.injector.pending == []
+    finally:
+        ctl.server.close()
+
+
+def test_a_new_leader_keeps_a_shrink_a_grow_and_the_replica_unit() -> None:
+    m1 = Membership.initial(["a", "b"], 2)
+    shrunk = m1.shrink("b")
+    grown = shrunk.grow("s0", 2)
+    records = [
+        {"action": "start", "membership": m1.to_dict()},
+        {"action": "replica_unit", "ranks": 2},
+        {"action": "shrink", "node": "b", "membership": shrunk.to_dict(), "committed_step": 7, "reason": "b failed"},
+        {"action": "grow", "spare": "s0", "membership": grown.to_dict(), "committed_step": 9, "reason": "s0 joins"},
+    ]
+    # every record the journal writes reads back as itself
+    assert [parse_record(r).to_dict()["action"] for r in records] == ["start", "replica_unit", "shrink", "grow"]
+    assert parse_record(records[1]) == ReplicaUnit(2)
+    ctl = _controller()
+    try:
+        ctl.restore(records[:3], now=10.0)
+        assert ctl.view.membership == shrunk.with_committed(7)
+        assert ctl.view.nodes["b"].role == NodeRole.FENCED and ctl.view.replica_ranks == 2
+        ctl.restore(records, now=11.0)
+        assert ctl.view.membership == grown.with_committed(9)
+        roles = {n: x.role for n, x in ctl.view.nodes.items()}
+        assert roles == {"a": NodeRole.ACTIVE, "b": NodeRole.FENCED, "s0": NodeRole.ACTIVE, "s1": NodeRole.SPARE}
     finally:
         ctl.server.close()

@@ -230,3 +230,15 @@ def test_the_spares_line_rises_when_a_spare_joins_or_comes_back():
     ]
     b = analyze(events)
     assert b.spares_line == [(0.0, 1), (pytest.approx(14.16), 0), (pytest.approx(16.0), 1), (pytest.approx(18.0), 2)]
+
+
+def test_the_pool_over_time_hot_and_queued_through_a_shrink_and_a_grow():
+    from tests.launcher.run.test_status import shrunk_then_grown
+
+    b = analyze(shrunk_then_grown())
+    # no hot spare at the start; n9 joins from the queue (1), the grow takes it (0)
+    assert b.spares_line == [(0.0, 0), (pytest.approx(18.0), 1), (pytest.approx(20.0), 0)]
+    assert b.queued_line == [(pytest.approx(14.2), 1), (pytest.approx(18.0), 0)]
+    text = format_breakdown(b)
+    assert "hot spares over time: 0 at 0.0s, 1 at 18.0s, 0 at 20.0s; cold spares queued: 1 at 14.2s, 0 at 18.0s" in text
+    assert b.to_dict()["queued_line"] == [[14.2, 1], [18.0, 0]]

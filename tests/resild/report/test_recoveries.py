@@ -23,6 +23,7 @@ from tests.launcher.run.test_status import (
     fault_during_recovery,
     one_failure,
     replaced_before_start,
+    shrunk_then_grown,
     spare_lost_and_no_spare_left,
     transient_reform,
 )
@@ -110,3 +111,10 @@ def test_two_faults_on_one_node_match_in_order() -> None:
     evs.insert(4, ev("fault_injected", 113.0, kind="hang", node="n1", step=30, spec="hang:n1@30"))
     (r,) = recoveries(evs)
     assert r.fault == "kill:n1@40"  # the latest injection before the detection
+
+
+def test_a_shrink_is_the_recovery_of_a_failure_with_no_spare() -> None:
+    (r,) = recoveries(shrunk_then_grown())  # the grow is no failure
+    assert (r.kind, r.node, r.epoch, r.outcome, r.spares_left) == (NODE_FAILURE, "n1", 2, RECOVERED, 0)
+    assert r.t_decided == pytest.approx(114.16) and r.resumed_step == 40 and r.steps_redone == 0
+    assert r.recovery_s == pytest.approx(0.6)
