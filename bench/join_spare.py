@@ -30,6 +30,7 @@ is as good as a start-up one. Nothing here asserts on timings: it prints what it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -38,9 +39,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 if __package__ in (None, ""):  # run by path: the repository root on sys.path for `bench`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -85,6 +87,41 @@ def _stop(p: subprocess.Popen[str]) -> None:
             p.communicate()
 
 
+@dataclass
+class Running:
+    """A resil-run in the background (`running`) and the joiners it was given."""
+
+    job: subprocess.Popen[str]
+    log: TextIO
+    env: dict[str, str]
+    joiners: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    def join(self, run_dir: Path) -> None:
+        """`resil-run --join RUN_DIR --local --nodes 1`, logging where the job logs."""
+        argv = resil_run("--join", str(run_dir), nodes=1)
+        self.joiners.append(
+            subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        )
+
+
+@contextlib.contextmanager
+def running(path: str, cmd: list[str], tmp: Path) -> Iterator[Running]:
+    """resil-run `cmd` in the background, logged to tmp/resil-run.log; stopped with its joiners
+    at the end. A RuntimeError inside is raised again with `path` and the log's tail."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log = (tmp / "resil-run.log").open("w")  # read when a run fails
+    r = Running(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True), log, env)
+    try:
+        yield r
+    except RuntimeError as e:
+        raise RuntimeError(f"{path}: {e}; its log: {(tmp / 'resil-run.log').read_text()[-2000:]}") from None
+    finally:
+        _stop(r.job)
+        for j in r.joiners:
+            _stop(j)
+        log.close()
+
+
 def one_run(path: str, nodes: int, nproc: int, tmp: Path) -> dict[str, Any]:
     """One job on `path` ("startup" or "joined"): lose a node once a spare waits; -> timings."""
     tmp.mkdir(parents=True, exist_ok=True)
@@ -101,23 +138,13 @@ def one_run(path: str, nodes: int, nproc: int, tmp: Path) -> dict[str, Any]:
         nproc_per_node=nproc,
         worker=train(1_000_000),  # stopped by the bench once it measured the recovery
     )
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    log = (tmp / "resil-run.log").open("w")  # read when a run fails
-    job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    joiner: subprocess.Popen[str] | None = None
     out: dict[str, Any] = {"path": path}
-    try:
+    with running(path, cmd, tmp) as r:
+        job = r.job
         _wait(events, lambda e: e["event"] == "full_strength_step", "the first step", job)
         if path == "joined":
             t0 = time.monotonic()
-            joiner = subprocess.Popen(
-                resil_run("--join", str(run_dir), nodes=1),
-                cwd=REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+            r.join(run_dir)
             admitted = _wait(events, lambda e: e["event"] == "node_admitted", "an admission", job)
             node = admitted["node"]
             out["admit_s"] = round(admitted["t_mono"] - t0, 3)
@@ -146,13 +173,6 @@ def one_run(path: str, nodes: int, nproc: int, tmp: Path) -> dict[str, Any]:
         out["recovery_s"] = round(full["t_mono"] - t_kill, 4)
         taken = [e for e in _events(events) if e["event"] == "spare_assigned"]
         out["spare"] = taken[-1]["spare"] if taken else None
-    except RuntimeError as e:
-        raise RuntimeError(f"{path}: {e}; its log: {(tmp / 'resil-run.log').read_text()[-2000:]}") from None
-    finally:
-        _stop(job)
-        if joiner is not None:
-            _stop(joiner)
-        log.close()
     return out
 
 
@@ -165,19 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.runs < 1 or a.nodes < 2 or a.nproc_per_node < 1:
         p.error("--runs >= 1, --nodes >= 2 (a survivor holds the lost node's replica), --nproc-per-node >= 1")
-    order = [("startup", "joined") if i % 2 == 0 else ("joined", "startup") for i in range(a.runs)]
-    runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="resild-join-bench-") as d:
-        for i, pair in enumerate(order):
-            for path in pair:
-                r = one_run(path, a.nodes, a.nproc_per_node, Path(d) / f"{i}-{path}")
-                runs.append(r)
-                if not a.json:
-                    print(f"run {i + 1}/{a.runs} {path:8} " + " ".join(f"{k}={v}" for k, v in r.items() if k != "path"))
+    runs = alternate(
+        ("startup", "joined"), a.runs, lambda path, tmp: one_run(path, a.nodes, a.nproc_per_node, tmp), a.json
+    )
 
     def med(path: str, key: str) -> float | None:
-        xs = [float(r[key]) for r in runs if r["path"] == path and r.get(key) is not None]
-        return round(statistics.median(xs), 4) if xs else None
+        return median_of(runs, path, key)
 
     summary: dict[str, Any] = {
         "startup_recovery_s": med("startup", "recovery_s"),
@@ -187,11 +200,37 @@ def main(argv: list[str] | None = None) -> int:
     }
     s, j = summary["startup_recovery_s"], summary["joined_recovery_s"]
     summary["ratio"] = round(j / s, 3) if s and j else None
-    if a.json:
+    report(runs, summary, a.json)
+    return 0
+
+
+def alternate(
+    pair: tuple[str, str], n: int, one: Callable[[str, Path], dict[str, Any]], quiet: bool
+) -> list[dict[str, Any]]:
+    """`n` runs of each of two paths, alternating (a, b, b, a, ...) so that neither always
+    runs on a warmer machine; `one(path, tmp)` -> its measurements (with "path")."""
+    a, b = pair
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="resild-bench-") as d:
+        for i in range(n):
+            for path in (a, b) if i % 2 == 0 else (b, a):
+                r = one(path, Path(d) / f"{i}-{path}")
+                runs.append(r)
+                if not quiet:
+                    print(f"run {i + 1}/{n} {path:8} " + " ".join(f"{k}={v}" for k, v in r.items() if k != "path"))
+    return runs
+
+
+def median_of(runs: list[dict[str, Any]], path: str, key: str) -> float | None:
+    xs = [float(r[key]) for r in runs if r["path"] == path and r.get(key) is not None]
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def report(runs: list[dict[str, Any]], summary: dict[str, Any], as_json: bool) -> None:
+    if as_json:
         print(json.dumps({"runs": runs, "summary": summary}))
     else:
         print(" ".join(f"{k}={v}" for k, v in summary.items()))
-    return 0
 
 
 if __name__ == "__main__":

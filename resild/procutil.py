@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+import subprocess
 import sys
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 
@@ -16,6 +19,24 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except OSError:
         pass
+
+
+def stop_group(p: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    """Signal the process group `p` leads (started with start_new_session), wait up to
+    `timeout_s` for it, then SIGKILL the group and reap it."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+    try:
+        p.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
 
 
 def say(line: str) -> None:

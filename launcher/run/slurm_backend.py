@@ -21,6 +21,7 @@ from pathlib import Path
 
 from resild import slurm
 from resild.controller.backend import SlurmDrain
+from resild.procutil import stop_group
 from resild.wire.keys import KeyDir, add_node_key
 
 log = logging.getLogger("resild.slurm")
@@ -44,19 +45,8 @@ def _stop(p: subprocess.Popen[bytes], timeout_s: float) -> None:
     """Wait for a step's srun, then stop it (SIGTERM is forwarded to its tasks), then kill it."""
     try:
         p.wait(timeout_s)
-        return
     except subprocess.TimeoutExpired:
-        pass
-    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
-        try:
-            os.killpg(p.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            p.wait(wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        stop_group(p, signal.SIGTERM, 10.0)
 
 
 def per_node_keys(node_cmd: list[str], nodes: list[str], mint: bool = True) -> list[str]:

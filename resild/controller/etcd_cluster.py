@@ -38,7 +38,7 @@ from pathlib import Path
 from resild.controller.etcd_client import Etcd, EtcdError
 from resild.controller.etcd_target import EtcdTarget
 from resild.controller.etcd_tls import EtcdCerts, make_certs, member_cert_for
-from resild.procutil import die_with_parent, say
+from resild.procutil import die_with_parent, say, stop_group
 from resild.wire import env as resild_env
 from resild.wire.store import listen_address
 
@@ -240,18 +240,8 @@ class LocalEtcd:
 
     def stop_member(self, i: int, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         p = self.procs.pop(i, None)
-        if p is None:
-            return
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
-        try:
-            p.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        if p is not None:
+            stop_group(p, sig, timeout_s)
 
     def stop(self) -> None:
         for i in list(self.procs):

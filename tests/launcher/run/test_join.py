@@ -65,6 +65,21 @@ def _lose(job: Started, node: str) -> None:
     os.killpg(pid, signal.SIGKILL)
 
 
+def _release_and_reap(job: Started, gates: list[Path], joiners: list[subprocess.Popen]) -> None:
+    """Whatever happened: every hold released, the job killed if it still runs, the joiners
+    reaped (a test's own assertions come after)."""
+    for gate in gates:
+        gate.touch()
+    if job.p.poll() is None:
+        job.p.kill()
+    for j in joiners:
+        try:
+            j.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            j.kill()
+            j.communicate()
+
+
 def _refused(run_dir: Path, env: dict[str, str], *extra: str) -> str:
     p = _join(run_dir, env, *extra)
     out, err = p.communicate(timeout=60)
@@ -114,16 +129,7 @@ def test_a_job_with_one_spare_survives_four_losses_as_spares_join_between_them(
             Path(f"{tmp_path}/release-{hold}").touch()
         r = job.finish(timeout_s=180)
     finally:
-        for hold in HOLDS:
-            Path(f"{tmp_path}/release-{hold}").touch()
-        if job.p.poll() is None:
-            job.p.kill()
-        for j in joiners:
-            try:
-                j.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                j.kill()
-                j.communicate()
+        _release_and_reap(job, [tmp_path / f"release-{hold}" for hold in HOLDS], joiners)
     assert r.rc == 0, r.stderr[-3000:]
     assert_bitwise_equal(reference.final, r.final)
     assigned = [(e["failed"], e["spare"]) for e in r.events if e["event"] == "spare_assigned"]
@@ -178,15 +184,7 @@ def test_a_joining_spare_that_fails_qualification_is_dropped_drained_and_never_g
         Path(f"{tmp_path}/release-10").touch()
         r = job.finish(timeout_s=180)
     finally:
-        Path(f"{tmp_path}/release-10").touch()
-        if job.p.poll() is None:
-            job.p.kill()
-        for j in joiners:
-            try:
-                j.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                j.kill()
-                j.communicate()
+        _release_and_reap(job, [tmp_path / "release-10"], joiners)
     assert r.rc == 0, r.stderr[-3000:]
     assert_bitwise_equal(reference.final, r.final)
     assert [(e["failed"], e["spare"]) for e in r.events if e["event"] == "spare_assigned"] == [("local-node0", good)]

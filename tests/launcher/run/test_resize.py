@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.launcher.run.conftest import REPO, STEPS, RunResult, run_job, start_job
-from tests.launcher.run.test_join import _events, _join, _lose, _wait
+from tests.launcher.run.test_join import _events, _join, _lose, _release_and_reap, _wait
 
 pytestmark = pytest.mark.timeout(300)
 HOLDS = (10, 25)
@@ -53,16 +53,7 @@ def _run(
         Path(f"{tmp_path}/release-{HOLDS[1]}").touch()
         r = job.finish(timeout_s=180)
     finally:
-        for hold in HOLDS:
-            Path(f"{tmp_path}/release-{hold}").touch()
-        if job.p.poll() is None:
-            job.p.kill()
-        for j in joiners:
-            try:
-                j.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                j.kill()
-                j.communicate()
+        _release_and_reap(job, [tmp_path / f"release-{hold}" for hold in HOLDS], joiners)
     assert r.rc == 0, r.stderr[-3000:]
     assert grown["ranks"] == list(range(full - nproc, full)) and grown["world_size"] == full
     assert _resized(r.events) == [("shrink", full, full - nproc), ("grow", full - nproc, full)]
