@@ -425,4 +425,4 @@ def on_abuse(view: ClusterView, node_id: str, reason: str) -> Decision:
     the job (no spare left): the job does not pay for one node's flood; the node stays in,
     its messages over budget dropped (what keeps the controller whole), named again later."""
     d = on_node_failure(view, node_id, reason, "abuse")
-    return NOTHING if d.action == Action.FAIL_JOB else d
+    return NOTHING if d.action in (Action.FAIL_JOB, Action.SHRINK) else d  # nor does it shrink for it

@@ -178,9 +178,13 @@ def recoveries(events: Iterable[Mapping[str, Any]]) -> list[Recovery]:
             kind, ep, cause, detector = REFORM, e.epoch, e.reason, Detector.PROBE.value
             t_fence, t_decided = t_det, t_det
         else:
-            assigned = _first(ev, SpareAssigned, after=t_det, failed=node)
+            # This failure's decision comes before the same node's next failure (a spare lost,
+            # re-admitted, lost again: the second loss's epoch is not the first's).
+            again = next((x.t for x in _of(ev, FailureDetected) if x.t > t_det and x.node == node), float("inf"))
+            mine = [x for x in ev if x.t < again]
+            assigned = _first(mine, SpareAssigned, after=t_det, failed=node)
             # no spare left: the job may have shrunk instead (--min-replicas), into its own epoch
-            shrunk = _first(ev, JobResized, after=t_det, node=node, how="shrink") if assigned is None else None
+            shrunk = _first(mine, JobResized, after=t_det, node=node, how="shrink") if assigned is None else None
             if assigned is not None and assigned.before_start:
                 kind = BEFORE_START
             else:

@@ -263,3 +263,93 @@ def test_live_status_line_follows_a_shrink_the_queue_and_a_grow() -> None:
     line, lines = live(events)
     assert any("n9 joins: the job grows to 4 ranks (epoch 3)" in s for s in lines), lines
     assert "queued" not in line.status() and "shrunk" not in line.status()
+
+
+def shrunk_twice_then_grown_twice() -> list[dict[str, Any]]:
+    """Three nodes, no spare: n1 then n2 lost (6 -> 4 -> 2 ranks), then j0 and j1 join from the
+    queue one at a time and grow the job back (2 -> 4 -> 6 ranks)."""
+
+    def lost(t: float, node: str, epoch: int, world: int, layout: dict[str, list[int]], step: int) -> list:
+        return [
+            ev("failure_detected", t, node=node, cause="worker died", detector="process-exit", committed_step=step),
+            ev("node_fenced", t + 0.05, node=node, reason="worker died"),
+            ev(
+                "job_resized",
+                t + 0.06,
+                how="shrink",
+                node=node,
+                epoch=epoch,
+                world_size=world,
+                was=world + 2,
+                full=6,
+                spares_left=0,
+            ),
+            ev("membership", t + 0.07, epoch=epoch, layout=layout),
+            wev("resumed", t + 0.3, node="n0", rank=0, epoch=epoch, step=step, seconds=0.2),
+            ev("full_strength_step", t + 0.5, epoch=epoch, step=step + 1, rank=0),
+        ]
+
+    def joins(t: float, node: str, epoch: int, world: int, layout: dict[str, list[int]]) -> list:
+        return [
+            ev("node_admitted", t, node=node, via="join", source="slurm:77", spares=1),
+            ev(
+                "job_resized",
+                t + 1.0,
+                how="grow",
+                node=node,
+                epoch=epoch,
+                world_size=world,
+                was=world - 2,
+                full=6,
+                spares_left=0,
+            ),
+            ev("membership", t + 1.01, epoch=epoch, layout=layout),
+            ev("full_strength_step", t + 1.5, epoch=epoch, step=10 * epoch, rank=0),
+        ]
+
+    return (
+        [
+            ev("job_started", 100.0, nodes=["n0", "n1", "n2"]),
+            ev("membership", 101.0, epoch=1, layout={"n0": [0, 1], "n1": [2, 3], "n2": [4, 5]}),
+            ev("full_strength_step", 110.0, epoch=1, step=1, rank=0),
+        ]
+        + lost(114.0, "n1", 2, 4, {"n0": [0, 1], "n2": [2, 3]}, 40)
+        + lost(115.0, "n2", 3, 2, {"n0": [0, 1]}, 45)
+        + [ev("spares_requested", 115.2, count=2, reason="the pool is below --spare-target 1")]
+        + joins(118.0, "j0", 4, 4, {"n0": [0, 1], "j0": [2, 3]})
+        + joins(121.0, "j1", 5, 6, {"n0": [0, 1], "j0": [2, 3], "j1": [4, 5]})
+    )
+
+
+def test_live_status_line_says_every_resize_and_the_width_between() -> None:
+    events = shrunk_twice_then_grown_twice()
+    names = [e["event"] for e in events]
+    _, lines = live(events)
+    assert [s for s in lines if " shrinks to " in s or " grows to " in s] == [
+        "resil-run: [   14.1s] no spare left: the job shrinks to 4 ranks (epoch 2)",
+        "resil-run: [   15.1s] no spare left: the job shrinks to 2 ranks (epoch 3)",
+        "resil-run: [   19.0s] j0 joins: the job grows to 4 ranks (epoch 4)",
+        "resil-run: [   22.0s] j1 joins: the job grows to 6 ranks (epoch 5)",
+    ]
+    # a shrink is a recovery: back at full strength (of its width) at the shrink's first step
+    assert "resil-run: [   14.5s] back at full strength at step 41, 0.50s after the fault" in lines
+    line, _ = live(events[: names.index("full_strength_step", names.index("node_admitted"))])
+    assert line.status() == (
+        "step 46 (- steps/s), epoch 4, spares 0/0 (+1 queued), shrunk to 4/6 ranks, "
+        "last failure: n2 (process-exit) recovered in 0.50s"
+    )
+    line, _ = live(events)  # full width: no longer shrunk, nothing queued
+    assert line.status().endswith(", epoch 5, spares 0/0, last failure: n2 (process-exit) recovered in 0.50s")
+
+
+def test_live_status_line_takes_the_spares_left_from_a_resize() -> None:
+    line, _ = live(start() + [ev("job_resized", 114.16, how="shrink", node="n1", epoch=2, world_size=2, full=4)])
+    assert "spares 2/2" in line.status()  # no spares_left: the count stays
+    line, _ = live(
+        start() + [ev("job_resized", 114.16, how="shrink", node="n1", epoch=2, world_size=2, full=4, spares_left=1)]
+    )
+    assert "spares 1/2" in line.status() and "shrunk to 2/4 ranks" in line.status()
+    line, _ = live(
+        start() + [ev("job_resized", 120.0, how="grow", node="n9", epoch=3, world_size=4, full=4, spares_left=0)]
+    )
+    assert "spares 0/2" in line.status() and "shrunk" not in line.status()

@@ -421,3 +421,118 @@ def test_no_grow_without_a_ready_spare_that_fits_or_at_full_width() -> None:
     off = _shrunk()
     off.min_replicas = 0
     assert check_grow(off, busy=False).action == Action.NONE
+
+
+def three_nodes(min_replicas: int = 2, committed: int = 0) -> ClusterView:
+    """Three active nodes of 2 ranks (a: 0-1, b: 2-3, c: 4-5), no spare, data parallel."""
+    v = view(spares=0)
+    v.nodes["c"] = NodeView("c", NodeRole.ACTIVE, 2, registered=True, last_heartbeat_s=100.0, workers_ready=2)
+    v.membership = Membership.initial(["a", "b", "c"], 2).with_committed(committed)
+    v.full_world, v.min_replicas, v.replica_ranks = 6, min_replicas, 1
+    return v
+
+
+def test_a_shrink_closes_the_gap_keeping_the_survivors_order_and_the_floor() -> None:
+    d = on_node_failure(three_nodes(committed=30), "b", "Xid 79", "gpu-probe")
+    assert d.action == Action.SHRINK and (d.node, d.spare, d.detector) == ("b", None, "gpu-probe")
+    # c's ranks 4-5 become 2-3; a keeps 0-1; the epoch moves on and keeps the committed floor
+    assert d.membership == Membership(2, 4, {"a": (0, 1), "c": (2, 3)}, committed=30)
+    assert d.reason == "b failed (Xid 79); no spare left: 4 replicas train on"
+    assert d.evidence is True  # the node's own failure: drained, as with a spare
+
+
+def test_the_floor_is_inclusive_and_counted_in_replicas_left() -> None:
+    # 6 ranks, a 2-rank node lost: 4 replicas left
+    assert on_node_failure(three_nodes(min_replicas=4), "a", "x", "heartbeat").action == Action.SHRINK
+    d = on_node_failure(three_nodes(min_replicas=5), "a", "x", "heartbeat")
+    assert d.action == Action.FAIL_JOB and d.membership is None
+    assert d.reason == "no spare left: a failed (x)"
+
+
+def test_a_hang_or_a_heartbeat_loss_shrinks_through_the_timeout_checks() -> None:
+    v = shrinkable()
+    v.beat("b", 100.5)
+    d = check_timeouts(102.2, v, CFG)  # a silent 2.2 s
+    assert (d.action, d.node, d.detector, d.evidence) == (Action.SHRINK, "a", "heartbeat", True)
+    assert d.membership == Membership(2, 2, {"b": (0, 1)})
+    hung = shrinkable()
+    for r in (0, 1, 3):
+        hung.progress[r].state = "wait"
+    d = check_timeouts(106.0, beat(hung, 106.0), CFG)
+    assert (d.action, d.node, d.detector, d.evidence) == (Action.SHRINK, "b", "hang", False)
+    assert d.membership == Membership(2, 2, {"a": (0, 1)})
+
+
+def test_a_node_lost_before_the_first_epoch_never_shrinks_the_job() -> None:
+    v = shrinkable(min_replicas=1)
+    v.membership = None
+    d = on_node_failure(v, "a", "no heartbeat", "heartbeat")
+    assert d.action == Action.FAIL_JOB and d.membership is None
+
+
+def test_a_registered_cold_spare_replaces_and_only_an_unregistered_one_lets_the_job_shrink() -> None:
+    cold = shrinkable(spares=1)
+    cold.nodes["s0"].workers_ready = 0  # registered, workers still warming up: it can take the ranks
+    d = on_node_failure(cold, "a", "x", "heartbeat")
+    assert (d.action, d.spare) == (Action.REPLACE_NODE, "s0")
+    assert d.membership == Membership(2, 4, {"s0": (0, 1), "b": (2, 3)})
+    starting = shrinkable(spares=1)
+    starting.nodes["s0"].registered = False  # admitted, still qualifying: no ranks for it yet
+    assert on_node_failure(starting, "a", "x", "heartbeat").action == Action.SHRINK
+
+
+def test_grow_needs_a_registered_spare_with_every_worker_ready() -> None:
+    half_ready = _shrunk()
+    half_ready.nodes["j"].workers_ready = 1
+    assert check_grow(half_ready, busy=False).action == Action.NONE
+    silent = _shrunk()
+    silent.nodes["j"].registered = False  # its workers ready, its node process never registered
+    assert check_grow(silent, busy=False).action == Action.NONE
+    no_unit = _shrunk()
+    no_unit.replica_ranks = 0  # a new leader before rank 0 said it
+    assert check_grow(no_unit, busy=False).action == Action.NONE
+    not_started = _shrunk()
+    not_started.membership = None
+    assert check_grow(not_started, busy=False).action == Action.NONE
+
+
+def test_grow_takes_the_first_spare_that_fits_whole_replica_groups() -> None:
+    v = _shrunk(nproc=4)  # "j": 4 ranks would make 6 of 4
+    v.nodes["k"] = NodeView("k", NodeRole.SPARE, 2, registered=True, workers_ready=2)
+    d = check_grow(v, busy=False)
+    assert (d.action, d.spare, d.node) == (Action.GROW, "k", None)
+    assert d.membership == Membership(3, 4, {"b": (0, 1), "k": (2, 3)})
+    hsdp = _shrunk(nproc=1)  # a 1-rank spare: half a replica group of 2
+    hsdp.replica_ranks, hsdp.min_replicas = 2, 1
+    assert check_grow(hsdp, busy=False).action == Action.NONE
+    hsdp.nodes["k"] = NodeView("k", NodeRole.SPARE, 2, registered=True, workers_ready=2)
+    d = check_grow(hsdp, busy=False)
+    assert d.spare == "k" and d.reason == "k joins: 2 of 2 replicas"
+
+
+def test_a_partial_grow_keeps_the_floor_and_grows_again_later() -> None:
+    v = three_nodes(min_replicas=1, committed=0)
+    for lost in ("a", "b"):
+        v.nodes[lost].set_role(NodeRole.FENCED)
+    assert v.membership is not None
+    v.membership = v.membership.shrink("a").shrink("b").with_committed(55)  # epoch 3: c alone
+    v.nodes["j"] = NodeView("j", NodeRole.SPARE, 2, registered=True, workers_ready=2)
+    v.nodes["k"] = NodeView("k", NodeRole.SPARE, 2, registered=True, workers_ready=2)
+    d = check_grow(v, busy=False)
+    assert d.action == Action.GROW and d.spare == "j" and d.reason == "j joins: 4 of 6 replicas"
+    assert d.membership == Membership(4, 4, {"c": (0, 1), "j": (2, 3)}, committed=55)
+    # the controller applies it; still 2 ranks short: k next, to the full width, then nothing
+    v.nodes["j"].set_role(NodeRole.ACTIVE)
+    v.membership = d.membership
+    d = check_grow(v, busy=False)
+    assert d.spare == "k" and d.membership == Membership(5, 6, {"c": (0, 1), "j": (2, 3), "k": (4, 5)}, committed=55)
+    v.nodes["k"].set_role(NodeRole.ACTIVE)
+    v.membership = d.membership
+    v.nodes["l"] = NodeView("l", NodeRole.SPARE, 2, registered=True, workers_ready=2)
+    assert check_grow(v, busy=False).action == Action.NONE  # at full width: l stays a spare
+
+
+def test_an_abusive_node_with_no_spare_left_stays_in_and_never_shrinks_the_job() -> None:
+    """The job does not pay for one node's flood: no stop, and no shrink either."""
+    assert on_abuse(shrinkable(), "b", "over its message budget").action == Action.NONE
+    assert on_abuse(shrinkable(spares=1), "b", "over its message budget").action == Action.REPLACE_NODE

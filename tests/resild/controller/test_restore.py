@@ -3,13 +3,16 @@ rebuilds, and how peers follow a new leader."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import zmq
 
 from resild.controller.faults import parse_fault
 from resild.controller.loop import Controller, ControllerConfig
-from resild.controller.records import ReplicaUnit, parse_record
+from resild.controller.policy import Action, Decision
+from resild.controller.records import Admit, Grow, ReplicaUnit, Shrink, Start, decided, parse_record
+from resild.controller.restore import Restored, apply, fold
 from resild.events.log import EventLog
 from resild.membership import Membership, NodeRole
 from resild.wire.channel import Channel, connect, peer_name
@@ -333,3 +336,62 @@ def test_a_new_leader_keeps_a_shrink_a_grow_and_the_replica_unit() -> None:
         assert roles == {"a": NodeRole.ACTIVE, "b": NodeRole.FENCED, "s0": NodeRole.ACTIVE, "s1": NodeRole.SPARE}
     finally:
         ctl.server.close()
+
+
+# ---- the fold itself (restore.apply), on records alone: shrink and grow ----------------------
+def _restored() -> Restored:
+    """Epoch 1 of a, b (2 ranks each) with spare s0 and a node j0 the job admitted later."""
+    m1 = Membership.initial(["a", "b"], 2)
+    roles = {"a": NodeRole.ACTIVE, "b": NodeRole.ACTIVE, "s0": NodeRole.SPARE}
+    s = fold([Start(m1), Admit(("j0",), "joined")], Restored(roles, dict.fromkeys(roles, ""), m1))
+    assert s.roles["j0"] == NodeRole.SPARE and s.membership == m1
+    return s
+
+
+def test_folding_a_shrink_fences_the_node_and_takes_the_shrunk_epoch_with_its_floor() -> None:
+    before = _restored()
+    shrunk = Membership.initial(["a", "b"], 2).shrink("a")  # b renumbered 0-1
+    s = apply(before, Shrink("a failed (Xid 79); no spare left: 2 replicas train on", "a", None, shrunk, 17, 5.0))
+    assert s.membership == Membership(2, 2, {"b": (0, 1)}, committed=17)
+    assert s.roles == {"a": NodeRole.FENCED, "b": NodeRole.ACTIVE, "s0": NodeRole.SPARE, "j0": NodeRole.SPARE}
+    assert s.reasons["a"] == "a failed (Xid 79); no spare left: 2 replicas train on" and s.reasons["b"] == ""
+    assert s.max_step == 17 and s.result is None
+    assert s.initial == before.initial  # the first epoch as it was
+    # a floor the epoch already carried, higher than the record's step, is kept
+    assert apply(before, Shrink("x", "a", None, shrunk.with_committed(20), 17)).membership == shrunk.with_committed(20)
+
+
+def test_folding_a_grow_makes_the_spare_active_and_takes_the_grown_epoch() -> None:
+    m1 = Membership.initial(["a", "b"], 2)
+    shrunk, grown = m1.shrink("a"), m1.shrink("a").grow("j0", 2)
+    s = fold(
+        [Shrink("a failed", "a", None, shrunk, 17), Grow("j0 joins: 2 of 2 replicas", None, "j0", grown, 25)],
+        _restored(),
+    )
+    assert s.membership == Membership(3, 4, {"b": (0, 1), "j0": (2, 3)}, committed=25)
+    assert s.roles == {"a": NodeRole.FENCED, "b": NodeRole.ACTIVE, "s0": NodeRole.SPARE, "j0": NodeRole.ACTIVE}
+    assert s.reasons["j0"] == "" and s.reasons["a"] == "a failed"  # a grow fences nobody
+    assert s.max_step == 25 and s.result is None and s.unsettled == frozenset()
+
+
+def test_shrink_and_grow_records_read_back_as_themselves() -> None:
+    m1 = Membership.initial(["a", "b"], 2)
+    shrunk = m1.shrink("a").with_committed(17)
+    grown = shrunk.grow("j0", 2)
+    shrink = decided(Decision(Action.SHRINK, "a failed", node="a", membership=shrunk, detector="heartbeat"), 17, 5.0)
+    grow = decided(Decision(Action.GROW, "j0 joins", spare="j0", membership=grown), 25, 6.0)
+    assert shrink == Shrink("a failed", "a", None, shrunk, 17, 5.0)
+    assert grow == Grow("j0 joins", None, "j0", grown, 25, 6.0)
+    assert shrink.to_dict() == {
+        "t_wall": 5.0,
+        "action": "shrink",
+        "reason": "a failed",
+        "node": "a",
+        "spare": None,
+        "membership": {"epoch": 2, "world_size": 2, "node_ranks": {"b": [0, 1]}, "committed": 17},
+        "committed_step": 17,
+    }
+    assert grow.to_dict()["action"] == "grow" and grow.to_dict()["spare"] == "j0"
+    for rec in (shrink, grow):
+        back = parse_record(json.loads(json.dumps(rec.to_dict())))
+        assert back == rec and type(back) is type(rec)

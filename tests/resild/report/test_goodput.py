@@ -242,3 +242,48 @@ def test_the_pool_over_time_hot_and_queued_through_a_shrink_and_a_grow():
     text = format_breakdown(b)
     assert "hot spares over time: 0 at 0.0s, 1 at 18.0s, 0 at 20.0s; cold spares queued: 1 at 14.2s, 0 at 18.0s" in text
     assert b.to_dict()["queued_line"] == [[14.2, 1], [18.0, 0]]
+
+
+def shrunk_while_joined_spares_start() -> list[dict]:
+    """j0 and j1 join but are still starting (no ranks for them yet) when n1 dies: the job
+    shrinks with both in the pool; j0 then grows it back to full width, j1 stays a spare."""
+    return [
+        ev("job_started", 100.0, nodes=["n0", "n1"]),
+        ev("membership", 101.0, epoch=1, layout={"n0": [0, 1], "n1": [2, 3]}),
+        ev("full_strength_step", 110.0, epoch=1, step=1, rank=0),
+        ev("progress", 112.0, step=20, epoch=1),
+        ev("node_admitted", 113.0, node="j0", via="join", source="local", spares=1),
+        ev("node_admitted", 113.5, node="j1", via="join", source="local", spares=2),
+        ev("failure_detected", 114.1, node="n1", cause="worker died", detector="process-exit", committed_step=40),
+        ev("node_fenced", 114.15, node="n1", reason="worker died"),
+        ev("job_resized", 114.16, how="shrink", node="n1", epoch=2, world_size=2, was=4, full=4, spares_left=2),
+        ev("membership", 114.17, epoch=2, layout={"n0": [0, 1]}),
+        wev("resumed", 114.5, node="n0", rank=0, epoch=2, step=40, seconds=0.2),
+        ev("full_strength_step", 114.6, epoch=2, step=41, rank=0),
+        ev("job_resized", 116.0, how="grow", node="j0", epoch=3, world_size=4, was=2, full=4, spares_left=1),
+        ev("membership", 116.01, epoch=3, layout={"n0": [0, 1], "j0": [2, 3]}),
+        ev("full_strength_step", 116.5, epoch=3, step=60, rank=0),
+        ev("job_finished", 125.5, reason="all 4 ranks finished", step=199, final_step=200, train_s=15.0, step_s=0.07),
+    ]
+
+
+def test_a_grow_takes_its_node_out_of_the_pool_and_a_shrink_none():
+    b = analyze(shrunk_while_joined_spares_start())
+    # 0 at the start; j0 and j1 join (1, 2); the shrink spends no spare; the grow takes j0 (1)
+    assert b.spares_line == [(0.0, 0), (pytest.approx(13.0), 1), (pytest.approx(13.5), 2), (pytest.approx(16.0), 1)]
+    assert "hot spares over time: 0 at 0.0s, 1 at 13.0s, 2 at 13.5s, 1 at 16.0s" in format_breakdown(b)
+    (f,) = b.failures  # the grow is no failure
+    assert (f.kind, f.node, f.spares_left, f.steps_redone) == ("node failure", "n1", 2, 0)
+    assert f.recovery_s == pytest.approx(0.5)
+
+
+def test_a_start_up_spare_that_grows_the_job_leaves_the_pool():
+    # n2, a start-up spare, had not registered when n1 died: the job shrank, n2 grew it back
+    events = [e for e in shrunk_while_joined_spares_start() if e["event"] != "node_admitted"]
+    events[0] = ev("job_started", 100.0, nodes=["n0", "n1", "n2"])
+    for e in events:
+        if e["event"] == "job_resized" and e["how"] == "grow":
+            e["node"] = "n2"
+    b = analyze(events)
+    assert b.initial_spares == 1
+    assert b.spares_line == [(0.0, 1), (pytest.approx(16.0), 0)]
