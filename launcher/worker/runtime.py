@@ -327,8 +327,7 @@ class Job:
             self._form_until_stable(only=fresh)
         self._set_layout(layout)
         mesh = self._device_mesh(layout, groups, device_type or self.device.type)
-        # A spare that warmed up for this mesh hands out the mesh object its warm-up used.
-        self._mesh = self._warmup.adopt(mesh) if self._warmup is not None else mesh
+        self._mesh = mesh
         return self._mesh
 
     def _set_layout(self, layout: MeshLayout) -> None:

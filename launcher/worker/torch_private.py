@@ -68,10 +68,9 @@ __all__ = [
     "scaler_unscaled",
     "fake_default_group",
     "fake_group",
-    "retarget_device_mesh",
-    "retarget_submesh",
     "strided_shard_type",
     "submesh_dims",
+    "WarmShardings",
     "tcp_store",
 ]
 
@@ -381,24 +380,6 @@ def refresh_fsdp_meshes(model: torch.nn.Module) -> int:
     return len(infos)
 
 
-def retarget_device_mesh(mesh: Any, real: Any) -> Any:
-    """Make `mesh` (a spare's warm-up mesh, equal to `real`: same rank map, shape, names and
-    device type) communicate as `real` does, and return it. DTensor's sharding cache hands
-    out output layouts that hold the mesh object they were computed on, so the object the
-    warm-up filled the cache with must be the one the job uses. torch 2.13: a DeviceMesh's
-    groups, rank and coordinate are the instance fields below; equality and hash read none
-    of them. If the fields change, the groups stay the warm-up's (gone): the spare's first
-    sharded collective fails loudly, and spare/test_warmup.py fails first."""
-    if mesh != real:
-        raise ValueError("retarget_device_mesh: the meshes differ")
-    mesh._dim_group_names = list(real._dim_group_names)
-    mesh._pg_registry = dict(real._pg_registry)
-    mesh._rank = real._rank
-    mesh._coordinate_on_dim = real._coordinate_on_dim
-    mesh._flatten_mapping = {}
-    return mesh
-
-
 def strided_shard_type() -> Any:
     """torch's _StridedShard: FSDP2's shard of a dimension tensor parallelism already split."""
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -419,17 +400,6 @@ def submesh_dims(mesh: Any, root: Any) -> tuple[int, ...] | None:
     dims = tuple(root_names.index(n) for n in names)
     cut = root if dims == tuple(range(root.ndim)) else root[tuple(names)]
     return dims if cut == mesh else None
-
-
-def retarget_submesh(sub: Any, root: Any) -> Any:
-    """A slice of a warm mesh, after `retarget_device_mesh(root, ...)`: its groups are the
-    root's for its dimensions (a slice copies the group names when it is cut), its rank
-    and coordinate this process's. torch 2.13 fields, as retarget_device_mesh."""
-    names = root.mesh_dim_names
-    sub._dim_group_names = [root._dim_group_names[names.index(n)] for n in sub.mesh_dim_names]
-    sub._rank = root._rank
-    sub._coordinate_on_dim = sub._compute_coordinate_on_dim()
-    return sub
 
 
 _FAKE_BACKEND = "resildfake"
@@ -573,3 +543,95 @@ def dtensor_like(t: Any, local: torch.Tensor) -> torch.Tensor:
 
     out: torch.Tensor = DTensor(local, t._spec, requires_grad=False)  # type: ignore[no-untyped-call]
     return out
+
+
+# ---- DTensor's sharding cache, warmed by a spare ----------------------------------------
+def _specs(x: Any) -> Iterator[Any]:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    if isinstance(x, DTensorSpec):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _specs(y)
+
+
+class WarmShardings:
+    """The sharding propagations a spare's warm-up computed on its own meshes, served to
+    the job's first queries bound to the querying mesh objects, as a fresh process binds them.
+
+    torch 2.13: DTensor caches each op's OutputSharding in C++ (keyed by the op and its
+    argument specs, meshes compared by value), and the cached specs hold the mesh object
+    they were computed on: a fresh process binds every entry to the mesh object of its
+    first query (FSDP2 + TP makes one mesh object per parameter; a loop may key on them).
+    A miss calls the propagator's `propagate_op_sharding_non_cached`, looked up on the
+    instance: `record()` keeps what the warm-up computed there; `serve()` empties both
+    caches (C++ and the per-thread Python one) and answers each later miss that has a
+    record with it, every warm mesh in it replaced by the query's equal mesh. Results
+    computed afresh are bound too (a cached strategy may hold a warm mesh). If the hook
+    goes, misses compute as in a cold process (slower, never wrong): the propagation
+    count in spare/test_warmup.py fails first."""
+
+    def __init__(self, group_prefix: str) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self._sp = DTensor._op_dispatcher.sharding_propagator
+        self._prefix = group_prefix  # the warm-up's own groups' names begin so
+        self._records: dict[Any, Any] = {}
+        self._recording = False
+        self.served = 0
+
+    def _is_warm(self, mesh: Any) -> bool:
+        """A mesh on the warm-up's own (fake) groups: never one the job may hold."""
+        names: list[str] = getattr(mesh, "_dim_group_names", None) or []
+        return bool(names) and all(n.startswith(self._prefix) for n in names)
+
+    def _compute(self, op_schema: Any) -> Any:
+        return type(self._sp).propagate_op_sharding_non_cached(self._sp, op_schema)
+
+    def _propagate(self, op_schema: Any) -> Any:
+        if self._recording:
+            out = self._compute(op_schema)
+            with contextlib.suppress(TypeError):  # unhashable (symbolic shapes): not kept
+                self._records.setdefault(op_schema, out)
+            return out
+        try:
+            out = self._records.pop(op_schema, None)
+        except TypeError:
+            out = None
+        if out is None:
+            out = self._compute(op_schema)
+        else:
+            self.served += 1
+        self._bind(out, op_schema)
+        return out
+
+    def _bind(self, out: Any, op_schema: Any) -> None:
+        real = [s.mesh for s in _specs([*op_schema.args_schema, *op_schema.kwargs_schema.values()])]
+        held = list(_specs(out.output_spec))
+        if out.redistribute_schema is not None:
+            rs = out.redistribute_schema
+            held += _specs([*rs.args_schema, *rs.kwargs_schema.values()])
+        for spec in held:
+            if self._is_warm(spec.mesh):
+                to = next((m for m in real if m == spec.mesh and not self._is_warm(m)), None)
+                if to is not None:
+                    spec.mesh = to
+
+    @contextlib.contextmanager
+    def record(self) -> Iterator[None]:
+        """Keep what is propagated inside (the warm-up's steps)."""
+        self._sp.propagate_op_sharding_non_cached = self._propagate  # type: ignore[method-assign]
+        self._recording = True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+    def serve(self) -> int:
+        """From now on, answer misses from the records (-> how many there are)."""
+        self._recording = False
+        self._sp.propagate_op_sharding_non_cached = self._propagate  # type: ignore[method-assign]
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        self._sp.propagate_op_sharding.cache_clear()  # type: ignore[no-untyped-call]
+        return len(self._records)

@@ -13,7 +13,7 @@ optimizer step and a clipping on stand-ins of the same layout
 
 Only parameters on the mesh `job.mesh()` built, or on a slice of it (FSDP2 + tensor
 parallelism: `mesh["shard"]` for the FSDP-only parameters, the whole mesh for the
-TP-split ones), qualify (the spare adopts that mesh object and the slices it made, see
+TP-split ones), qualify (the spare cuts the same slices of its warm mesh, see
 spare.warmup), and only optimizers of `torch.optim`; anything else gives no recipe,
 and a spare simply does not warm up. The recipe is read from the
 store, which any worker can write: it is parsed as JSON and validated, it never

@@ -1,4 +1,4 @@
-"""A waiting spare warms up for the job's sharded state, then adopts what it built.
+"""A waiting spare warms up for the job's sharded state, then serves what it computed.
 
 While it waits for ranks, a spare reads the job's warm-up recipe from the store
 (`launcher.worker.spare.recipe`: the mesh's shape and names, every optimizer
@@ -12,12 +12,16 @@ cache with exactly the entries the spare's first real step looks up: the slow pa
 (fake-tensor dispatch and strategy expansion, 0.1-0.3 s here) runs now, not after
 the spare has taken over. Nothing depends on which ranks it will get.
 
-The cache's entries hold the mesh object they were computed on, so when the spare's
-`job.mesh()` builds the real mesh, this warm mesh is adopted instead: re-targeted at
-the real groups and rank (`torch_private.retarget_device_mesh`) and returned to the
-user's code. Only the shard contents move afterwards (the replay), and on a host the
-optimizer state the step created stays, touched, for the replay to receive the moments
-into (`launcher.worker.transport.landing_pool`).
+The cache's entries hold the mesh object they were computed on, and a fresh process
+binds each entry to the mesh object of its first query (FSDP2 + TP makes one per
+parameter: a loop may group gradients by `id(grad.device_mesh)`). So the warm mesh is
+never handed to the job: what the warm-up propagated is recorded, both caches are
+emptied, and each of the job's first queries is answered from the record, bound to the
+querying mesh (`torch_private.WarmShardings`). The spare's objects are then those of a
+fresh process (tests/launcher/worker/spare/test_warmup.py compares them). Only the shard
+contents move afterwards (the replay), and on a host the optimizer state the step
+created stays, touched, for the replay to receive the moments into
+(`launcher.worker.transport.landing_pool`).
 
 Isolation: the global RNG state is restored (the small model's initialisation draws
 from it; the spare's random stream must not shift); the fake default group and its
@@ -41,13 +45,12 @@ import torch
 from launcher.worker.mesh_layout import MeshLayout
 from launcher.worker.spare.recipe import RECIPE_KEY, Recipe, parse
 from launcher.worker.torch_private import (
+    WarmShardings,
     fake_default_group,
     fake_group,
     hash_store,
     private_device_mesh,
     register_group,
-    retarget_device_mesh,
-    retarget_submesh,
     strided_shard_type,
 )
 from launcher.worker.transport.landing_pool import LandingPool
@@ -56,6 +59,7 @@ log = logging.getLogger("resild.warmup")
 
 Cancelled = Callable[[], bool]
 FETCH_SLICE_S = 300.0
+WARM_PREFIX = "resild-warmup"  # the warm-up's fake groups' names begin so
 
 
 class _Stop(Exception):
@@ -91,15 +95,12 @@ def _placement(kind: str, dim: int, split: int) -> Any:
     return Shard(dim) if kind == "S" else strided_shard_type()(dim, split_factor=split)
 
 
-def stand_ins(
-    recipe: Recipe, mesh: Any, device: torch.device, slices: dict[tuple[int, ...], Any] | None = None
-) -> list[torch.nn.Parameter]:
+def stand_ins(recipe: Recipe, mesh: Any, device: torch.device) -> list[torch.nn.Parameter]:
     """One DTensor parameter per recipe entry, with a zero gradient of the same layout, on
-    the warm mesh or the slice of it the recipe names (cut once per set of dimensions,
-    kept in `slices`: the cache's entries hold them, so they are re-targeted too)."""
+    the warm mesh or the slice of it the recipe names (cut once per set of dimensions)."""
     from torch.distributed.tensor import DTensor
 
-    slices = {} if slices is None else slices
+    slices: dict[tuple[int, ...], Any] = {}
     whole = tuple(range(len(recipe.mesh_shape)))
     out = []
     for spec in recipe.params:
@@ -206,7 +207,7 @@ def fsdp_steps(recipe: Recipe, device: torch.device, cancelled: Cancelled) -> No
 
     names = tuple(f"resild-warmup-{n}" for n in recipe.mesh_names)
     ranks = torch.tensor(recipe.mesh_ranks, dtype=torch.int64).view(*recipe.mesh_shape)
-    mesh = private_device_mesh(_fake_groups(recipe, "resild-warmup-fsdp"), device.type, ranks, names, 0)
+    mesh = private_device_mesh(_fake_groups(recipe, f"{WARM_PREFIX}-fsdp"), device.type, ranks, names, 0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).to(device)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -220,25 +221,26 @@ def fsdp_steps(recipe: Recipe, device: torch.device, cancelled: Cancelled) -> No
 def warm_up(
     recipe: Recipe,
     device: torch.device,
-    keep: Callable[[Any, dict[tuple[int, ...], Any]], None],
+    shardings: WarmShardings,
     cancelled: Cancelled = lambda: False,
     landing: LandingPool | None = None,
 ) -> None:
-    """Run the warm-up. `keep` receives the warm mesh and its slices (filled as they are
-    cut) as soon as it exists: they must be adopted even if what follows fails or stops,
-    since cache entries may hold them. `landing` (host only) keeps the optimizer state
-    the step created, for the replay."""
+    """Run the warm-up. `shardings` records what the steps propagate on the warm mesh and
+    serves it afterwards, even if what follows fails or stops. `landing` (host only) keeps
+    the optimizer state the step created, for the replay."""
     if recipe.device_type != device.type:
         raise ValueError(f"recipe for {recipe.device_type}, this spare runs on {device.type}")
-    with _rng_kept(device.type), fake_default_group(recipe.world_size):
-        mesh = warm_mesh(recipe, _fake_groups(recipe, "resild-warmup"))
-        slices: dict[tuple[int, ...], Any] = {}
-        keep(mesh, slices)
-        try:
-            run_steps(recipe, stand_ins(recipe, mesh, device, slices), cancelled, landing)
-            fsdp_steps(recipe, device, cancelled)
-        except _Stop:
-            log.info("spare warm-up stopped: ranks arrived")
+    try:
+        with _rng_kept(device.type), fake_default_group(recipe.world_size):
+            mesh = warm_mesh(recipe, _fake_groups(recipe, WARM_PREFIX))
+            try:
+                with shardings.record():
+                    run_steps(recipe, stand_ins(recipe, mesh, device), cancelled, landing)
+                fsdp_steps(recipe, device, cancelled)
+            except _Stop:
+                log.info("spare warm-up stopped: ranks arrived")
+    finally:
+        shardings.serve()
 
 
 class SpareWarmup:
@@ -255,8 +257,7 @@ class SpareWarmup:
         self.started = False
         self._stopped = False
         self._done = False
-        self.mesh: Any = None  # the warm mesh, adopted by job.mesh() if equal
-        self.slices: dict[tuple[int, ...], Any] = {}  # slices of it the stand-ins live on
+        self.shardings: WarmShardings | None = None  # what the warm-up propagated, served to the job
         self.seconds: float | None = None
         self.error: str | None = None
         self.landing = LandingPool()  # the moments the warm-up's step touched, for the replay (host only)
@@ -298,7 +299,8 @@ class SpareWarmup:
         t0 = time.monotonic()
         try:
             self._recipe = parse(self._text)
-            warm_up(self._recipe, self.device, self._keep, cancelled, self.landing)
+            self.shardings = WarmShardings(WARM_PREFIX)
+            warm_up(self._recipe, self.device, self.shardings, cancelled, self.landing)
         except Exception as e:  # an optimisation only: the first step pays what this did not
             self.error = f"{type(e).__name__}: {e}"
             log.info("spare warm-up skipped: %s", self.error)
@@ -317,19 +319,3 @@ class SpareWarmup:
         except (ValueError, KeyError, TypeError):  # MeshError is a ValueError
             return None
         return layout if r.mesh_ranks == tuple(range(world_size)) else None
-
-    def _keep(self, mesh: Any, slices: dict[tuple[int, ...], Any]) -> None:
-        self.mesh, self.slices = mesh, slices
-
-    def adopt(self, real: Any) -> Any:
-        """The mesh the job should hand out: the warm mesh re-targeted at `real`'s groups
-        if the two are equal (then the warm-up's cache entries are the job's), else `real`.
-        Its slices follow: the job's own slices are equal to them, so the cache hands them out."""
-        warm, self.mesh = self.mesh, None
-        slices, self.slices = self.slices, {}
-        if warm is None or warm != real:
-            return real
-        retarget_device_mesh(warm, real)
-        for sub in slices.values():
-            retarget_submesh(sub, warm)
-        return warm

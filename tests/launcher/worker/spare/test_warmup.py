@@ -1,10 +1,13 @@
 """A waiting spare's warm-up (launcher/worker/spare/warmup.py, warmup_recipe.py).
 
 The recipe is validated like any input from the store; the warm-up leaves nothing
-behind (no default group, no registered group, the RNG as it was); the mesh the job
-hands out after a warm-up is the warm mesh, re-targeted; and the first real step
-after a warm-up runs no sharding propagation of its own and ends bitwise where a
-cold process ends (real processes: a solo job on a 1 x 1 HSDP mesh)."""
+behind (no default group, no registered group, the RNG as it was); everything the
+script can reach after a warm-up has the structure it has in a cold process (meshes
+and their identity over parameters, gradients and optimizer state, groups, placements,
+process settings: tests/launcher/structure.py); and the first real step after a
+warm-up runs no sharding propagation of its own and ends bitwise where a cold process
+ends (real processes: a solo job on a 1 x 1 HSDP, a 1-rank FSDP2 and a 1 x 1 FSDP2 + TP
+mesh)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from launcher.worker.runtime import FETCH_RECIPE_AFTER_S, wait_for_ranks, warmup
 from launcher.worker.spare import recipe as wr
 from launcher.worker.spare.warmup import SpareWarmup, dim_ranks
 from resild.membership import Membership
+from tests.launcher.structure import differences
 
 pytestmark = pytest.mark.timeout(240)  # real processes on 2 loaded cores
 
@@ -167,14 +171,13 @@ if mode != "cold":
     out["initialized_after"] = dist.is_initialized()
     from torch.distributed.distributed_c10d import _world
     out["groups_left"] = len(_world.pg_names)
-    warm_mesh = w.mesh
     host = torch.device("cpu")
     kept = [w.landing.take(torch.float32, s, host) for s in ((512, 128), (512, 512), (128, 512)) for _ in (0, 1)]
     out["landing"] = [None if t is None else [list(t.shape), bool(t.eq(0).all())] for t in kept]
     out["landing_left"] = len(w.landing)
 job = launcher.init()  # solo: installs its own default group (refused if the warm-up left one)
 job._warmup = w
-if kind == "tp":  # examples/train_fsdp_tp.py's model: FSDP2 on "shard", tensor parallel on "tp"
+if kind.startswith("tp"):  # examples/train_fsdp_tp.py's model: FSDP2 on "shard", tensor parallel on "tp"
     sys.path.insert(0, "examples")
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from train_fsdp_tp import Model, clip_grad_norm
@@ -185,6 +188,23 @@ if kind == "tp":  # examples/train_fsdp_tp.py's model: FSDP2 on "shard", tensor 
         fully_shard(b, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
     clip = lambda: clip_grad_norm(list(model.parameters()), 1.0)
+    if kind == "tp-id":  # the same, clipping per mesh object as a script may (id(), not equality)
+        def clip():
+            by = {}
+            for p in model.parameters():
+                by.setdefault(id(p.grad.device_mesh), []).append(p.grad)
+            out["clip_groups"] = len(by)
+            for grads in by.values():
+                torch.nn.utils.clip_grads_with_norm_(grads, 1.0, torch.nn.utils.get_total_norm(grads))
+elif kind == "fsdp":  # plain FSDP2 on a 1-D mesh
+    mesh = job.mesh((-1,), ("shard",))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 else:
     mesh = job.hsdp_mesh(shard_size=1)
     torch.manual_seed(0)
@@ -195,7 +215,6 @@ else:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-out["adopted"] = w is not None and mesh is warm_mesh
 out["groups"] = list(mesh._dim_group_names)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 from launcher.worker.spare.recipe import describe
@@ -219,6 +238,9 @@ for step in job.steps(3):
     job.commit()
     if step == 0:
         out["first_commit_misses"] = list(misses)
+out["served"] = w.shardings.served if w is not None and w.shardings is not None else 0
+from tests.launcher.structure import structure
+out["structure"] = structure(model, opt)
 out["params"] = [p.to_local().detach().tolist() for p in model.parameters()]
 out["state"] = [v.to_local().detach().tolist() for st in opt.state.values() for k, v in sorted(st.items())
                 if k != "step"]
@@ -250,34 +272,48 @@ def cold(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _child(tmp_path_factory.mktemp("cold"), "cold", recipe_json())
 
 
+def assert_like_cold(warm: dict[str, Any], cold: dict[str, Any]) -> None:
+    """Everything the script reaches has the cold process's structure, and the same values."""
+    assert not differences(cold["structure"], warm["structure"]), differences(cold["structure"], warm["structure"])
+    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+
+
 def test_after_a_warm_up_the_first_step_propagates_nothing_and_ends_bitwise_as_cold(
     tmp_path: Path, cold: dict[str, Any]
 ) -> None:
     warm = _child(tmp_path, "warm", recipe_json())
     assert warm["error"] is None
     assert warm["rng_kept"] and not warm["initialized_after"] and warm["groups_left"] == 0
-    assert warm["adopted"] and warm["groups"] == cold["groups"] == ["resild-replicate-0", "resild-shard-0"]
+    assert warm["groups"] == cold["groups"] == ["resild-replicate-0", "resild-shard-0"]
     assert cold["first_commit_misses"], "a cold process's first optimizer step propagates shardings"
     assert warm["first_commit_misses"] == [], warm["first_commit_misses"]
-    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+    assert warm["served"] > 0 and cold["served"] == 0
+    assert_like_cold(warm, cold)
     # The warm-up's AdamW step left both moments of each weight (of the job's shard shapes)
     # touched for the replay (launcher/worker/transport/landing_pool.py); the biases' are too small to keep.
     assert warm["landing"] == [[[512, 128], True]] * 2 + [[[512, 512], True]] * 2 + [[[128, 512], True]] * 2
     assert warm["landing_left"] == 0
 
 
-def test_fsdp2_with_tensor_parallelism_warms_up_on_the_mesh_and_its_slices(tmp_path: Path) -> None:
-    # The FSDP-only parameters live on mesh["shard"], the TP-split ones on the whole mesh:
-    # the recipe names each one's dimensions, the spare cuts the same slices, and adopts them.
-    cold = _child(tmp_path / "cold", "cold", recipe_json(), "tp")
+@pytest.mark.parametrize("kind", ["tp", "tp-id", "fsdp"])
+def test_a_warmed_spare_is_a_cold_process_to_the_script(tmp_path: Path, kind: str) -> None:
+    """FSDP2 + TP: the FSDP-only parameters live on mesh["shard"], the TP-split ones on the
+    whole mesh, and FSDP2 makes one mesh object per TP-split parameter. A cold process's
+    gradients hang off those objects; a warmed one's must too (the warm-up once handed its
+    own mesh out, and a loop grouping gradients by id(mesh) then issued fewer collectives
+    than its peers). "tp-id" is that loop; "fsdp" plain FSDP2 on a 1-D mesh."""
+    cold = _child(tmp_path / "cold", "cold", recipe_json(), kind)
     recipe = cold["recipe"]
-    assert recipe is not None, "FSDP2 + TP gives a recipe"
-    assert {tuple(p["dims"]) for p in json.loads(recipe)["params"]} == {(0,), (0, 1)}
+    assert recipe is not None, "gives a recipe"
+    if kind.startswith("tp"):
+        assert {tuple(p["dims"]) for p in json.loads(recipe)["params"]} == {(0,), (0, 1)}
+        assert len(cold["structure"]["meshes"]) > 2  # torch's own objects, more than the job's mesh and slice
     assert cold["first_commit_misses"]
-    warm = _child(tmp_path / "warm", "warm", recipe, "tp")
-    assert warm["error"] is None and warm["adopted"]
+    warm = _child(tmp_path / "warm", "warm", recipe, kind)
+    assert warm["error"] is None and warm["served"] > 0
     assert warm["first_commit_misses"] == [], warm["first_commit_misses"]
-    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+    assert warm.get("clip_groups") == cold.get("clip_groups")
+    assert_like_cold(warm, cold)
 
 
 def tp_recipe_2x2() -> str:
@@ -305,24 +341,24 @@ def test_a_tensor_parallel_recipe_parses_with_strided_shards_and_slices() -> Non
 
 def test_a_tensor_parallel_warm_up_on_a_2x2_mesh_runs_and_leaves_nothing(tmp_path: Path, cold: dict[str, Any]) -> None:
     warm = _child(tmp_path, "warm", tp_recipe_2x2())
-    assert warm["error"] is None and not warm["adopted"]  # the job's mesh is 1 x 1
+    assert warm["error"] is None and warm["served"] == 0  # the job's mesh is 1 x 1
     assert warm["rng_kept"] and not warm["initialized_after"] and warm["groups_left"] == 0
-    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+    assert_like_cold(warm, cold)
 
 
-def test_a_warm_up_for_another_mesh_is_not_adopted_and_changes_nothing(tmp_path: Path, cold: dict[str, Any]) -> None:
+def test_a_warm_up_for_another_mesh_serves_nothing_and_changes_nothing(tmp_path: Path, cold: dict[str, Any]) -> None:
     # 2 x 2: the warm-up's clipping runs DTensor collectives (on its fake groups)
     warm = _child(tmp_path, "warm", recipe_json([2, 2]))
-    assert warm["error"] is None and not warm["adopted"]
-    assert warm["first_commit_misses"]  # its cache entries are for a mesh the job does not use
-    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+    assert warm["error"] is None and warm["served"] == 0
+    assert warm["first_commit_misses"]  # its records are for a mesh the job does not use
+    assert_like_cold(warm, cold)
 
 
-def test_a_warm_up_stopped_by_ranks_arriving_still_hands_its_mesh_over(tmp_path: Path, cold: dict[str, Any]) -> None:
+def test_a_warm_up_stopped_by_ranks_arriving_leaves_a_cold_process(tmp_path: Path, cold: dict[str, Any]) -> None:
     warm = _child(tmp_path, "cancelled", recipe_json())
-    assert warm["error"] is None and warm["adopted"] and not warm["initialized_after"]
+    assert warm["error"] is None and not warm["initialized_after"] and warm["groups_left"] == 0
     assert warm["landing"] == [None] * 6  # stopped before its optimizer step
-    assert warm["params"] == cold["params"] and warm["state"] == cold["state"]
+    assert_like_cold(warm, cold)
 
 
 # ---- the spare's wait -------------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""A spare that takes a failed node's ranks is, to the training script, a process that ran
+the job from the start: under real resil-run, node processes and gloo, a loop keyed on
+object identity (tests/launcher/run/train_identity.py: FSDP2 + TP, one norm collective per
+gradient mesh object) recovers a node loss bitwise, and every rank's reachable structure
+(meshes and their identity over parameters, gradients and optimizer state, groups,
+placements, process settings) equals that rank's in a failure-free run. The warmed spare
+once issued one collective fewer than its peers here, and gloo aborted a survivor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.structure import differences
+
+from .conftest import REPO, RunResult, run_job
+from .test_sharded import assert_same
+
+SCRIPT = REPO / "tests" / "launcher" / "run" / "train_identity.py"
+STEPS = 14
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def job(tmp: Path, *args: str, nodes: int, spares: int) -> RunResult:
+    return run_job(
+        tmp,
+        "--heartbeat-timeout",
+        "4",
+        "--hang-timeout",
+        "3",
+        *args,
+        nodes=nodes,
+        spares=spares,
+        nproc=2,
+        steps=STEPS,
+        script=SCRIPT,
+        timeout_s=240,
+    )
+
+
+def structures(tmp: Path) -> dict[int, dict]:
+    return {
+        int(p.name.rsplit("rank", 1)[1].removesuffix(".json")): json.loads(p.read_text())
+        for p in tmp.glob("final.pt.structure-rank*.json")
+    }
+
+
+def test_a_loop_keyed_on_mesh_identity_recovers_bitwise_on_a_warmed_spare(tmp_path: Path) -> None:
+    ref = job(tmp_path / "ref", nodes=2, spares=0)
+    assert ref.rc == 0, ref.stderr[-3000:]
+    r = job(tmp_path / "run", "--inject", "nodeloss:node0@7", nodes=3, spares=1)
+    assert r.rc == 0, r.stderr[-3000:]
+    assert r.summary is not None and len(r.summary["failures"]) == 1, r.summary
+    warmed = [e for e in r.events if e["event"] == "spare_warmed"]
+    assert warmed and all(e.get("error") is None for e in warmed), warmed  # the spare did warm up
+    assert r.final is not None and ref.final is not None
+    assert_same(ref.final, r.final, "final")
+    want, got = structures(tmp_path / "ref"), structures(tmp_path / "run")
+    assert sorted(want) == sorted(got) == [0, 1, 2, 3]
+    for rank in want:
+        assert not differences(want[rank], got[rank]), (rank, differences(want[rank], got[rank])[:10])

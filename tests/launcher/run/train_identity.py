@@ -1,0 +1,84 @@
+"""examples/train_fsdp_tp.py with the clipping a script may write by hand: gradients grouped
+by mesh *object* (`id(grad.device_mesh)`), one norm collective per group. FSDP2 makes one
+mesh object per tensor-parallel parameter, so the loop issues as many collectives as the
+process has such objects: a spare whose objects differ from a fresh process's issues a
+different number, and its peers' collectives no longer match. At the end every rank writes
+what it can reach (tests/launcher/structure.py) next to --save, for the test to compare
+with a failure-free run's, rank by rank."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+REPO = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(REPO), str(REPO / "examples")]
+from train_fsdp_tp import Model, dataset  # noqa: E402
+
+import launcher  # noqa: E402
+from tests.launcher.structure import structure  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*set_vital.*")
+warnings.filterwarnings("ignore", message=".*sequential all_reduce.*")
+
+
+def clip_by_object(params: list[torch.nn.Parameter], max_norm: float) -> None:
+    by_object: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_object.setdefault(id(p.grad.device_mesh), []).append(p.grad)
+    norms = []
+    for grads in by_object.values():
+        n = torch.nn.utils.get_total_norm(grads)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)  # a collective per object
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for grads in by_object.values():
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--save")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    job = launcher.init()
+    mesh = job.mesh((-1, 2), ("shard", "tp"))
+    model = Model(0, 0.1)
+    for b in model.blocks:
+        parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}, src_data_rank=None)
+        fully_shard(b, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    ds = dataset(0)
+    job.attach(model, opt)
+    dp = mesh["shard"]
+    for step in job.steps(args.steps):
+        i = (step * dp.size() + dp.get_local_rank()) * 16 % len(ds)
+        x, y = ds[i : i + 16]
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        clip_by_object(list(model.parameters()), 1.0)
+        job.commit()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    msd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if args.save:
+        out = Path(f"{args.save}.structure-rank{job.rank}.json")
+        out.write_text(json.dumps(structure(model, opt)))
+        if job.rank == 0:
+            torch.save({"model": msd, "step": job.step}, args.save)
+    job.close()
+
+
+if __name__ == "__main__":
+    main()
