@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from launcher.worker.collective_check import CollectiveCheck
 from launcher.worker.recovery import Agreement
 from launcher.worker.stable_group import Interrupts, StableGroup
 from launcher.worker.step_state import StepState
@@ -55,8 +56,10 @@ class CommitProtocol:
         group: StableGroup,
         intr: Interrupts,
         abandoned: Callable[[], bool],
+        checks: CollectiveCheck | None = None,
     ) -> None:
         self.steps, self.train, self.group, self.intr = steps, train, group, intr
+        self.checks = checks  # the step's collectives, compared in the vote
         self.abandoned = abandoned  # the epoch failed or a newer one was announced: the step is lost
         self.hooks: list[CommitHook] = []  # launcher.worker.redundancy.coordinator registers them
 
@@ -80,15 +83,20 @@ class CommitProtocol:
             return False
         self.steps.prepare(self.train.capture_aux(), found)
         # [ranks that saw inf/NaN, then each hook's flag: for example ranks whose snapshot
-        #  exchange is still running, ranks whose disk checkpoint is still being written]
+        #  exchange is still running, ranks whose disk checkpoint is still being written,
+        #  then the digest of the step's collectives (collective_check.vote_terms)]
         flags = [found] + [h.vote_flag() for h in self.hooks]
-        vote = torch.tensor(flags, dtype=torch.int64, device=self.train.device)
+        terms = self.checks.vote_terms() if self.checks is not None else []
+        vote = torch.tensor(flags + terms, dtype=torch.int64, device=self.train.device)
         self.group.allreduce([vote]).wait()
-        found_sum, *sums = (int(x) for x in vote.tolist())
+        found_sum, *sums = (int(x) for x in vote.tolist()[: len(flags)])
+        term_sums = [int(x) for x in vote.tolist()[len(flags) :]]
         # Checked after the read: on NCCL wait() only orders streams and the read is what
         # blocks; an abort releases it with garbage, and the error is latched before the abort.
         if self.intr.error is not None:
             return False
+        if self.checks is not None:
+            self.checks.voted(term_sums)
         # The vote completed, so every rank synced this step: commit.
         verdict = int(found_sum > 0)
         self.before_write()

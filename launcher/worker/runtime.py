@@ -44,6 +44,7 @@ from typing import Any, NoReturn
 import torch
 
 import resild.wire.env as resild_env
+from launcher.worker.collective_check import CollectiveCheck
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.ddp import find_ddp
 from launcher.worker.links.agent import AgentLink, agent_endpoint
@@ -61,7 +62,14 @@ from launcher.worker.sources.context import SourceContext
 from launcher.worker.spare.recipe import RECIPE_KEY
 from launcher.worker.spare.recipe import describe as describe_recipe
 from launcher.worker.spare.warmup import SpareWarmup
-from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup, install_default, register
+from launcher.worker.stable_group import (
+    GroupFactory,
+    Interrupts,
+    StableGroup,
+    exchange_rows,
+    install_default,
+    register,
+)
 from launcher.worker.step_state import StepState
 from launcher.worker.torch_private import (
     device_mesh_from_groups,
@@ -115,7 +123,17 @@ class Job:
         self._layout: MeshLayout | None = None
         self._warmup: SpareWarmup | None = None  # a spare's warm-up for the job's sharded state
         self._took_over = False  # a spare given a failed node's ranks (not in the job's first epoch)
+        self._stopping = False  # this rank asked the controller to stop the job (FATAL)
         self.intr = Interrupts()
+        # What the job's groups issue, compared between ranks at every vote, checked one by one
+        # after a recovery (launcher.worker.collective_check)
+        self.checks = CollectiveCheck(
+            1,
+            False,
+            lambda: self.steps_state.step,
+            self._fatal,
+            os.environ.get(resild_env.CHECK_COLLECTIVES.name, resild_env.CHECK_COLLECTIVES.default) == "1",
+        )
         # Shrink and grow (--min-replicas): the job's full width, the callbacks told of a
         # resize, and how many times this process re-made its groups at another width.
         self.full_world_size = 1
@@ -217,11 +235,21 @@ class Job:
         full = self.cfg.get("full_world")
         self.full_world_size = full if isinstance(full, int) and full >= self.world_size else self.world_size
         self._per_node = len(m.node_ranks.get(self.node, ())) or 1
-        self._took_over = self.epoch > 1
+        self._took_over = self.checks.fresh = self.epoch > 1
         if self._took_over:  # a spare taking over: building the model may take a while, and that is no hang
             self._progress("join")
         self._make_world(self._store)
         self._form_until_stable(only=[self.group, *self._recipe_groups()])
+
+    def _checked(self, g: StableGroup) -> StableGroup:
+        """One of the job's groups: its collectives are described to the check. The world
+        group also carries the check's own exchange."""
+        g.check = self.checks
+        self.checks.name_group(g.label)
+        if g.store_key == "world":
+            self.checks.world_size = len(g.ranks)
+            self.checks.exchange = exchange_rows(g, self.device)
+        return g
 
     def _node_ranks(self) -> frozenset[int]:
         """This node's ranks in the epoch taken last (the one being formed)."""
@@ -229,7 +257,9 @@ class Job:
         return frozenset(m.node_ranks.get(self.node, ())) if m is not None else frozenset()
 
     def _make_world(self, store: Any) -> None:
-        self.group: StableGroup = StableGroup("world", list(range(self.world_size)), self.rank, self.intr)
+        self.group: StableGroup = self._checked(
+            StableGroup("world", list(range(self.world_size)), self.rank, self.intr)
+        )
         self.rec.groups["world"] = self.group
         install_default(self.group, store)
 
@@ -285,6 +315,7 @@ class Job:
         self.rec.groups.clear()  # the old width's groups: retired, never formed again
         world = StableGroup(f"world~{self._widths}", list(range(self.world_size)), rank, self.intr, "world")
         world.allow = True
+        self._checked(world)
         self.group = self.rec.groups["world"] = world
         replace_default_group(world, world.label, self._store)
         if self._layout is not None and self._mesh is not None:
@@ -299,7 +330,7 @@ class Job:
         ddp = find_ddp(self.state.model)
         if ddp is not None:
             ddp.process_group = world  # its reducer is rebuilt on this group as the recovery ends
-        self._protocol = CommitProtocol(self.steps_state, self.state, world, self.intr, self._abandoned)
+        self._protocol = CommitProtocol(self.steps_state, self.state, world, self.intr, self._abandoned, self.checks)
         self._defer_forming = True
         try:
             self._setup_redundancy()
@@ -349,7 +380,7 @@ class Job:
             g = self.rec.groups.get(label)
             if g is None:
                 name = f"{label}~{self._widths}" if self._widths else label  # c10d names: unique here
-                g = self.rec.groups[label] = StableGroup(name, ranks, self.rank, self.intr, label)
+                g = self.rec.groups[label] = self._checked(StableGroup(name, ranks, self.rank, self.intr, label))
                 g.allow = self.group.allow
                 register(g, self._store)
                 fresh.append(g)
@@ -387,7 +418,9 @@ class Job:
         if self.state is not None:
             raise ResilienceError("job.attach() was already called")
         self.state = TrainState(model, optimizer, scheduler, scaler, extra, self.device)
-        self._protocol = CommitProtocol(self.steps_state, self.state, self.group, self.intr, self._abandoned)
+        self._protocol = CommitProtocol(
+            self.steps_state, self.state, self.group, self.intr, self._abandoned, self.checks
+        )
         if replicas is not None:
             self._replicas = replicas
         self.steps_state.committed_aux = self.state.capture_aux()
@@ -485,7 +518,9 @@ class Job:
         # Interpreter teardown with torch loaded takes ~1-2 s; report the failure first.
         prev = sys.excepthook
 
-        def hook(tp: type, value: BaseException, tb: Any) -> None:
+        def hook(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+            if self._stopping:  # this rank stopped the job (FATAL) with a line the controller says, once;
+                return  # what is raised on the way out (through torch's C++ callers: any type) adds nothing
             try:
                 if self.link is not None:
                     self.link.send(
@@ -498,7 +533,10 @@ class Job:
             except Exception:
                 pass  # best effort; the exit is seen by the node process anyway
             finally:
-                prev(tp, value, tb)
+                if issubclass(tp, ResilienceError):  # resild's own error: one line, no traceback
+                    sys.stderr.write(f"resild: rank {self.rank}: {value}\n")
+                else:
+                    prev(tp, value, tb)
 
         sys.excepthook = hook
 
@@ -642,6 +680,7 @@ class Job:
             )
         if self.epoch > 1:
             self._progress("joined")
+            self.checks.arm("the first step after a recovery")
         if self.rank == 0 and self.epoch > 1:
             self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4), source=source.value)
 
@@ -658,6 +697,7 @@ class Job:
 
     def _fatal(self, why: str) -> NoReturn:
         """Every rank computes the same plan, so every rank lands here: stop the job."""
+        self._stopping = True
         if self.link is not None:
             self.link.send(MsgType.FATAL, error=why)
             self.link.close(flush_s=1.0)

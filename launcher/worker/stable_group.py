@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from launcher.worker.torch_private import (
     PrefixStore,
     PyProcessGroup,
     PyWork,
+    allgather_into,
     backend_group,
     gloo_reduce_scatter,
     register_group,
@@ -427,6 +428,12 @@ class NotJoined(RuntimeError):
     pass
 
 
+class CollectiveObserver(Protocol):
+    """Told of every collective a checked group is about to issue (launcher.worker.collective_check)."""
+
+    def before(self, op: str, ins: Any, label: str) -> None: ...
+
+
 class StableGroup(PyProcessGroup):
     """One rank's view of a group whose backend is replaced at every epoch."""
 
@@ -443,6 +450,7 @@ class StableGroup(PyProcessGroup):
         self.allow = False  # collectives allowed (joined and attached)
         self.backend: str | None = None  # None: the job's backend; "gloo" for host-memory traffic on a GPU job
         self.timeout_s: float | None = None  # None: the job's collective timeout
+        self.check: CollectiveObserver | None = None  # the job's groups (not resild's host groups)
 
     @property
     def pg(self) -> Any:
@@ -467,14 +475,24 @@ class StableGroup(PyProcessGroup):
         self._inner = inner
         self.kind = None if inner is None else str(inner.name())
 
-    def _run(self, result: Any, op: Callable[[Any], Any], untimed: bool = False) -> dist.Work:
+    def _run(
+        self, result: Any, op: Callable[[Any], Any], untimed: bool = False, name: str = "", ins: Any = None
+    ) -> dist.Work:
         """Issue one collective on this epoch's backend (`op(backend)`), managed."""
-        return self._start(result, lambda g: (op(g), None), untimed)
+        return self._start(result, lambda g: (op(g), None), untimed, name, ins)
 
     def _start(
-        self, result: Any, op: Callable[[Any], tuple[Any, Callable[[], None] | None]], untimed: bool
+        self,
+        result: Any,
+        op: Callable[[Any], tuple[Any, Callable[[], None] | None]],
+        untimed: bool,
+        name: str = "",
+        ins: Any = None,
     ) -> dist.Work:
-        """`op(backend)` -> (the backend's Work, a step to run once it has succeeded)."""
+        """`op(backend)` -> (the backend's Work, a step to run once it has succeeded).
+        `name`: the collective (none for point-to-point), told to `check` first."""
+        if self.check is not None and name and self.allow:
+            self.check.before(name, ins, self.label)
         if not self.allow:
             raise NotJoined(
                 f"resild: a collective on group {self.label!r} before job.attach(): under resild a spare joins a "
@@ -497,14 +515,30 @@ class StableGroup(PyProcessGroup):
         return ManagedWork(work, result, self._intr, wait_mode(self.kind, untimed), post)
 
     def _reduce_scatter_tensors(
-        self, result: Any, outs: list[Any], ins: list[Any], opts: Any, native: Callable[[Any], Any]
+        self, result: Any, outs: list[Any], ins: list[Any], opts: Any, native: Callable[[Any], Any], name: str
     ) -> dist.Work:
         """On gloo, one tensor's reduce-scatter is issued as the all-reduce gloo runs for it
         (`gloo_reduce_scatter`), so it is waited on in slices (SLICED) rather than in a
         helper thread: ~0.9 ms less per collective on 2 busy cores (bench/collective_cost.py)."""
         if self.kind != "gloo" or len(outs) != 1:
-            return super()._reduce_scatter_tensors(result, outs, ins, opts, native)
-        return self._start(result, lambda g: gloo_reduce_scatter(g, outs[0], ins[0], opts), False)
+            return super()._reduce_scatter_tensors(result, outs, ins, opts, native, name)
+        return self._start(result, lambda g: gloo_reduce_scatter(g, outs[0], ins[0], opts), False, name, ins)
+
+
+def exchange_rows(world: StableGroup, device: torch.device) -> Callable[[list[int]], list[list[int]] | None]:
+    """All-gather one row of integers from every rank of `world` (unchecked, managed):
+    None if the epoch failed meanwhile."""
+
+    def exchange(row: list[int]) -> list[list[int]] | None:
+        dev = device if world.kind == "nccl" else torch.device("cpu")
+        inp = torch.tensor(row, dtype=torch.int64, device=dev)
+        out = torch.zeros(world.size() * len(row), dtype=torch.int64, device=dev)
+        world._start(out, lambda g: (allgather_into(g, out, inp), None), False).wait()
+        if world.intr.error is not None:
+            return None
+        return [list(r) for r in out.view(world.size(), len(row)).tolist()]
+
+    return exchange
 
 
 def register(pg: StableGroup, store: Any) -> None:

@@ -49,6 +49,7 @@ __all__ = [
     "PrefixStore",
     "PyProcessGroup",
     "PyWork",
+    "allgather_into",
     "backend_group",
     "ddp_bucket_cap_bytes",
     "ddp_logging_data",
@@ -123,34 +124,47 @@ class PyProcessGroup(dist.ProcessGroup):
     def __init__(self, rank: int, size: int) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # stub lacks the Python-subclass overload
 
-    def _run(self, result: Any, op: Callable[[Any], Any], untimed: bool = False) -> dist.Work:
+    def _run(
+        self, result: Any, op: Callable[[Any], Any], untimed: bool = False, name: str = "", ins: Any = None
+    ) -> dist.Work:
         """Issue `op(backend)` and return a Work that completes with `result`. `untimed`:
-        gloo's timed wait cannot be used on this op's Work (see `WaitMode.THREAD`)."""
+        gloo's timed wait cannot be used on this op's Work (see `WaitMode.THREAD`). `name`
+        and `ins`: the collective and this rank's input tensors (none for point-to-point)."""
         raise NotImplementedError
 
     def _reduce_scatter_tensors(
-        self, result: Any, outs: list[Any], ins: list[Any], opts: Any, native: Callable[[Any], Any]
+        self, result: Any, outs: list[Any], ins: list[Any], opts: Any, native: Callable[[Any], Any], name: str
     ) -> dist.Work:
         """A reduce-scatter of whole tensors (`outs[i]` = this rank's chunk of the reduced
         `ins[i]`) whose Work completes with `result`; `native(backend)` issues the
         backend's own. A subclass may issue it otherwise (StableGroup on gloo:
         `gloo_reduce_scatter`)."""
-        return self._run(result, native, untimed=True)
+        return self._run(result, native, untimed=True, name=name, ins=ins)
 
     # Every collective torch issues, from Python c10d or (through the pybind
     # trampoline) from C++ callers such as DDP's reducer and functional collectives.
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._run(tensors, lambda g: g.allreduce(tensors, opts or dist.AllreduceOptions()))
+        return self._run(
+            tensors, lambda g: g.allreduce(tensors, opts or dist.AllreduceOptions()), name="allreduce", ins=tensors
+        )
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
-        return self._run(tensors, lambda g: g.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions()))
+        return self._run(
+            tensors,
+            lambda g: g.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions()),
+            name="allreduce_coalesced",
+            ins=tensors,
+        )
 
     def allgather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        return self._run(outs, lambda g: g.allgather(outs, ins, opts or AllgatherOptions()))
+        return self._run(outs, lambda g: g.allgather(outs, ins, opts or AllgatherOptions()), name="allgather", ins=ins)
 
     def all_gather_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
         return self._run(
-            out, lambda g: _op(g, "all_gather_single", "_allgather_base")(out, inp, opts or AllgatherOptions())
+            out,
+            lambda g: _op(g, "all_gather_single", "_allgather_base")(out, inp, opts or AllgatherOptions()),
+            name="all_gather_single",
+            ins=inp,
         )
 
     _allgather_base = all_gather_single  # type: ignore[assignment]  # stub: other names
@@ -161,17 +175,30 @@ class PyProcessGroup(dist.ProcessGroup):
             lambda g: _op(g, "all_gather_single_coalesced", "allgather_into_tensor_coalesced")(
                 outs, ins, opts or AllgatherOptions()
             ),
+            name="all_gather_single_coalesced",
+            ins=ins,
         )
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # stub: other names
 
     def reduce_scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._run(outs, lambda g: g.reduce_scatter(outs, ins, opts or dist.ReduceScatterOptions()), untimed=True)
+        return self._run(
+            outs,
+            lambda g: g.reduce_scatter(outs, ins, opts or dist.ReduceScatterOptions()),
+            untimed=True,
+            name="reduce_scatter",
+            ins=ins,
+        )
 
     def reduce_scatter_single(self, out: Any, inp: Any, opts: Any = None) -> dist.Work:
         opts = opts or dist.ReduceScatterOptions()
         return self._reduce_scatter_tensors(
-            out, [out], [inp], opts, lambda g: _op(g, "reduce_scatter_single", "_reduce_scatter_base")(out, inp, opts)
+            out,
+            [out],
+            [inp],
+            opts,
+            lambda g: _op(g, "reduce_scatter_single", "_reduce_scatter_base")(out, inp, opts),
+            "reduce_scatter_single",
         )
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # stub: other names
@@ -184,15 +211,18 @@ class PyProcessGroup(dist.ProcessGroup):
             list(ins),
             opts,
             lambda g: _op(g, "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")(outs, ins, opts),
+            "reduce_scatter_single_coalesced",
         )
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # stub: other names
 
     def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._run(tensors, lambda g: g.broadcast(tensors, opts or dist.BroadcastOptions()))
+        return self._run(
+            tensors, lambda g: g.broadcast(tensors, opts or dist.BroadcastOptions()), name="broadcast", ins=tensors
+        )
 
     def reduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._run(tensors, lambda g: g.reduce(tensors, opts or dist.ReduceOptions()))
+        return self._run(tensors, lambda g: g.reduce(tensors, opts or dist.ReduceOptions()), name="reduce", ins=tensors)
 
     def all_to_all_single(self, out: Any, inp: Any, out_splits: Any, in_splits: Any, opts: Any = None) -> dist.Work:
         return self._run(
@@ -200,27 +230,36 @@ class PyProcessGroup(dist.ProcessGroup):
             lambda g: _op(g, "all_to_all_single", "alltoall_base")(
                 out, inp, out_splits, in_splits, opts or dist.AllToAllOptions()
             ),
+            name="all_to_all_single",
+            ins=inp,
         )
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # stub: other names
 
     def alltoall(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:
-        return self._run(outs, lambda g: g.alltoall(outs, ins, opts or dist.AllToAllOptions()))
+        return self._run(
+            outs, lambda g: g.alltoall(outs, ins, opts or dist.AllToAllOptions()), name="alltoall", ins=ins
+        )
 
     def gather(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._run(outs, lambda g: g.gather(outs, ins, opts or dist.GatherOptions()))
+        return self._run(outs, lambda g: g.gather(outs, ins, opts or dist.GatherOptions()), name="gather", ins=ins)
 
     def scatter(self, outs: Any, ins: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
-        return self._run(outs, lambda g: g.scatter(outs, ins, opts or dist.ScatterOptions()))
+        return self._run(outs, lambda g: g.scatter(outs, ins, opts or dist.ScatterOptions()), name="scatter", ins=ins)
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        return self._run([], lambda g: g.barrier(opts or dist.BarrierOptions()))
+        return self._run([], lambda g: g.barrier(opts or dist.BarrierOptions()), name="barrier", ins=[])
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> dist.Work:
         return self._run(tensors, lambda g: g.send(tensors, dst, tag), untimed=True)
 
     def recv(self, tensors: Any, src: int, tag: int = 0) -> dist.Work:
         return self._run(tensors, lambda g: g.recv(tensors, src, tag), untimed=True)
+
+
+def allgather_into(g: Any, out: torch.Tensor, inp: torch.Tensor) -> Any:
+    """The backend group's all-gather of one tensor into one (torch 2.13 name, or 2.11's)."""
+    return _op(g, "all_gather_single", "_allgather_base")(out, inp, AllgatherOptions())
 
 
 def register_group(pg: dist.ProcessGroup, name: str, ranks: list[int], store: Store) -> None:

@@ -40,6 +40,13 @@ SPARE_WARMUP = EnvVar(
     "1",
     "0: a waiting spare does not warm up for the job's sharded state (comparisons, bench/sharded.py)",
 )
+CHECK_COLLECTIVES = EnvVar(
+    "RESILD_CHECK_COLLECTIVES",
+    "worker",
+    "0",
+    "1: before every collective, ranks compare what they issue, and the first difference stops the job in "
+    "one line (debug mode; launcher/worker/collective_check.py)",
+)
 CHECKPOINT_FAULTS = EnvVar(
     "RESILD_CHECKPOINT_FAULTS",
     "worker",
@@ -103,6 +110,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     BACKEND,
     GLOO_HOST,
     SPARE_WARMUP,
+    CHECK_COLLECTIVES,
     CHECKPOINT_FAULTS,
     LOCAL_NVML,
     AGENT_SOCKET,

@@ -119,7 +119,7 @@ def run_job(
     nproc: int = 1,
     steps: int = STEPS,
     timeout_s: float = 150.0,
-    script: Path = TRAIN,
+    script: Path | str = TRAIN,
     env: dict[str, str] | None = None,
 ) -> RunResult:
     """Run resil-run, then assert that it left no process behind. `env`: added to the job's."""

@@ -24,7 +24,7 @@ STEPS = 14
 pytestmark = pytest.mark.timeout(300)
 
 
-def job(tmp: Path, *args: str, nodes: int, spares: int) -> RunResult:
+def job(tmp: Path, *args: str, nodes: int, spares: int, script: Path | str = SCRIPT) -> RunResult:
     return run_job(
         tmp,
         "--heartbeat-timeout",
@@ -36,7 +36,7 @@ def job(tmp: Path, *args: str, nodes: int, spares: int) -> RunResult:
         spares=spares,
         nproc=2,
         steps=STEPS,
-        script=SCRIPT,
+        script=script,
         timeout_s=240,
     )
 
@@ -62,3 +62,21 @@ def test_a_loop_keyed_on_mesh_identity_recovers_bitwise_on_a_warmed_spare(tmp_pa
     assert sorted(want) == sorted(got) == [0, 1, 2, 3]
     for rank in want:
         assert not differences(want[rank], got[rank]), (rank, differences(want[rank], got[rank])[:10])
+
+
+def test_a_spare_that_issues_other_collectives_stops_the_job_in_one_line(tmp_path: Path) -> None:
+    """A program error: the script skips a collective on a process that joined late. The
+    first step after the recovery checks every collective (launcher/worker/collective_check.py),
+    so the job stops naming it instead of gloo aborting a survivor and the job burning
+    spares on healthy nodes."""
+    r = job(tmp_path, "--inject", "nodeloss:node0@7", nodes=4, spares=2, script=f"{SCRIPT} --diverge-on-spare")
+    assert r.rc != 0
+    lines = [ln for ln in r.stderr.splitlines() if "collective mismatch" in ln]
+    assert lines, r.stderr[-3000:]
+    line = lines[0]
+    assert "rank 0-1 (a process that joined after the job began) issued allreduce(int64" in line, line
+    assert "the world group while rank 2-3 issued allreduce(float32, 1 element) on the" in line, line
+    assert "program error" in line
+    assert "signal 6" not in r.stderr and "EnforceNotMet" not in r.stderr, r.stderr[-3000:]
+    assert r.summary is not None and "collective mismatch" in r.summary["reason"], r.summary
+    assert len(r.summary["failures"]) == 1, r.summary["failures"]  # the injected loss only: no spare burnt

@@ -31,13 +31,14 @@ warnings.filterwarnings("ignore", message=".*set_vital.*")
 warnings.filterwarnings("ignore", message=".*sequential all_reduce.*")
 
 
-def clip_by_object(params: list[torch.nn.Parameter], max_norm: float) -> None:
+def clip_by_object(params: list[torch.nn.Parameter], max_norm: float, skip_last: bool = False) -> None:
     by_object: dict[int, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
             by_object.setdefault(id(p.grad.device_mesh), []).append(p.grad)
     norms = []
-    for grads in by_object.values():
+    groups = list(by_object.values())
+    for grads in groups[:-1] if skip_last else groups:
         n = torch.nn.utils.get_total_norm(grads)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)  # a collective per object
     total = torch.linalg.vector_norm(torch.stack(norms))
@@ -49,9 +50,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--save")
+    p.add_argument(
+        "--diverge-on-spare",
+        action="store_true",
+        help="a program error: a process that joined late skips its last norm collective",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     job = launcher.init()
+    late = job.epoch > 1  # a spare given ranks
     mesh = job.mesh((-1, 2), ("shard", "tp"))
     model = Model(0, 0.1)
     for b in model.blocks:
@@ -67,7 +74,7 @@ def main() -> None:
         x, y = ds[i : i + 16]
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
-        clip_by_object(list(model.parameters()), 1.0)
+        clip_by_object(list(model.parameters()), 1.0, skip_last=args.diverge_on_spare and late)
         job.commit()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
