@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,18 @@ def build_model(seed: int, dropout: float) -> torch.nn.Module:
     )
 
 
+def shard(model: torch.nn.Sequential, mesh: Any, compile: bool) -> torch.nn.Sequential:
+    """FSDP2 over every Linear and the whole; `compile`: each Linear under torch.compile first
+    (compiled code computes on the gathered parameters, FSDP2's hooks stay eager)."""
+    for i, layer in enumerate(model):
+        if isinstance(layer, torch.nn.Linear):
+            if compile:
+                model[i] = layer = torch.compile(layer)  # type: ignore[assignment]
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def dataset(seed: int, n: int = 4096) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 128, generator=g)
@@ -55,17 +68,19 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--save", help="rank 0 writes the full, unsharded model and optimizer state here")
+    p.add_argument("--compile", action="store_true", help="torch.compile each Linear (a spare compiles while it waits)")
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    job = launcher.init()  # resild: a spare waits here
+    def prepare(mesh: Any) -> None:  # resild: a waiting spare compiles the model before it is needed
+        model = shard(build_model(args.seed, args.dropout), mesh, compile=True)
+        x = torch.zeros(16, 128)
+        F.mse_loss(model(x), x).backward()
+
+    job = launcher.init(prepare=prepare if args.compile else None)  # resild: a spare waits here
     mesh = job.mesh((job.world_size,), ("shard",))  # resild: DeviceMesh over resild's groups
 
-    model = build_model(args.seed, args.dropout)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = shard(build_model(args.seed, args.dropout), mesh, args.compile)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     ds = dataset(args.seed)

@@ -112,8 +112,11 @@ class Job:
         replicas: Replicas | None = None,
         *,
         scaler: Any = None,
+        prepare: Callable[[Any], None] | None = None,
     ) -> None:
         self.rank, self.world_size, self.epoch = 0, 1, 0
+        self._prepare = prepare  # a spare runs it while it waits (launcher.worker.spare.warmup.run_prepare)
+        self._graphs_at_takeover: int | None = None  # torch.compile graphs this process had when it took over
         self.steps_state = StepState()  # the step and its phase in the commit protocol
         self.state: TrainState | None = None
         self._protocol: CommitProtocol | None = None  # from attach on
@@ -223,6 +226,8 @@ class Job:
         warm, fetch_after_s = warmup_plan(self.cfg.get("role"), os.environ)
         if warm:
             self._warmup = SpareWarmup(self._store, self.device, self._report_warmup)
+            if os.environ.get(resild_env.SPARE_PREPARE.name, resild_env.SPARE_PREPARE.default) != "0":
+                self._warmup.prepare = self._prepare
         m, self.rank = wait_for_ranks(
             link,
             self.node,
@@ -237,6 +242,7 @@ class Job:
         self._per_node = len(m.node_ranks.get(self.node, ())) or 1
         self._took_over = self.checks.fresh = self.epoch > 1
         if self._took_over:  # a spare taking over: building the model may take a while, and that is no hang
+            self._graphs_at_takeover = compiled_graphs()
             self._progress("join")
         self._make_world(self._store)
         self._form_until_stable(only=[self.group, *self._recipe_groups()])
@@ -467,7 +473,25 @@ class Job:
             fields["landing_bytes"] = landing.nbytes  # kept for the replay (launcher.worker.transport.landing_pool)
         if error is not None:
             fields["error"] = error[:300]
+        if self._prepare is not None and self._warmup is not None:
+            fields["prepared"] = self._warmup.prepare is not None and self._warmup.prepare_error is None
+            if self._warmup.prepare_error is not None:
+                fields["prepare_error"] = self._warmup.prepare_error[:300]
+                sys.stderr.write(
+                    f"resild: a spare's launcher.init(prepare=...) failed ({self._warmup.prepare_error[:300]}): "
+                    "it will compile after the takeover\n"
+                )
         self._event(EventName.SPARE_WARMED, **fields)
+
+    def _report_compiled(self, before: int) -> None:
+        """A spare's first step after taking over has committed: how many torch.compile
+        graphs it had to compile in it (0: its preparation, or no compiling, covered them)."""
+        self._graphs_at_takeover = None
+        graphs = compiled_graphs() - before
+        if graphs > 0 and self.local_rank == 0:
+            why = "no launcher.init(prepare=...)" if self._prepare is None else "its preparation did not cover them"
+            sys.stderr.write(f"resild: rank {self.rank} compiled {graphs} graph(s) after taking over ({why})\n")
+        self._event(EventName.SPARE_COMPILED, graphs=graphs, prepared=self._prepare is not None)
 
     def _setup_redundancy(self) -> None:
         assert self.state is not None and self._protocol is not None
@@ -798,6 +822,8 @@ class Job:
             red.nudge()
         if protocol.vote():  # the after-commit hooks ran in it (snapshots, fingerprints, checkpoints)
             self._progress("commit")
+            if self._graphs_at_takeover is not None:
+                self._report_compiled(self._graphs_at_takeover)
             return True
         self._recover()
         return False
@@ -807,6 +833,15 @@ class Job:
             if self._agent is not None:
                 self._agent.stop()
             self.link.close()
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process (dynamo's counters; 0 if it never ran)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def warmup_plan(role: Any, env: Mapping[str, str]) -> tuple[bool, float]:
@@ -870,12 +905,20 @@ def init(
     extra: Any = None,
     replicas: Replicas | None = None,
     scaler: Any = None,
+    prepare: Callable[[Any], None] | None = None,
 ) -> Job:
     """Join the job (or, run without resil-run, train alone). A spare blocks here,
     warm, until the controller gives it a failed node's ranks. With a model and
-    optimizer the job is attached at once (plain data parallelism)."""
+    optimizer the job is attached at once (plain data parallelism).
+
+    `prepare(mesh)`: run by a spare while it waits (once the job has described its
+    sharded state), on a DeviceMesh equal to the job's over stand-in groups: build,
+    torch.compile and run the model once there (forward and backward on any batch), so
+    that after the takeover the real model (another instance of the same classes)
+    finds its graphs compiled. Its RNG use and default dtype are undone; an error in it
+    is logged in one line and the spare compiles after the takeover."""
     try:
-        return Job(model, optimizer, scheduler, extra, replicas, scaler=scaler)
+        return Job(model, optimizer, scheduler, extra, replicas, scaler=scaler, prepare=prepare)
     except ResilienceError as e:
         sys.stderr.write(f"resild: {e}\n")  # one write: every rank may say this at once, on one pipe
         raise SystemExit(2) from None

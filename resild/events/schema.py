@@ -99,6 +99,7 @@ class EventName(str, Enum):
     CHECKPOINT_FAILED = "checkpoint_failed"  # rank 0: a save failed, was abandoned by a recovery, or never ended
     CHECKPOINT_DEFERRED = "checkpoint_deferred"  # rank 0: a due save waits for a writer still busy (said once)
     SPARE_WARMED = "spare_warmed"  # a waiting spare's warm-up for the job's sharded state ended (or its error)
+    SPARE_COMPILED = "spare_compiled"  # a spare's first step after taking over: the graphs it still had to compile
     REPLICA_LAYOUT = "replica_layout"  # rank 0, under --min-replicas: ranks per replica group (a shrink's unit)
     # -- peers: the node daemon's process watch ("process_" + ProcState) -------------------
     PROCESS_RUNNING = "process_running"

@@ -40,6 +40,12 @@ SPARE_WARMUP = EnvVar(
     "1",
     "0: a waiting spare does not warm up for the job's sharded state (comparisons, bench/sharded.py)",
 )
+SPARE_PREPARE = EnvVar(
+    "RESILD_SPARE_PREPARE",
+    "worker",
+    "1",
+    "0: a waiting spare does not run the script's `launcher.init(prepare=...)` (comparisons, bench/compiled_spare.py)",
+)
 CHECK_COLLECTIVES = EnvVar(
     "RESILD_CHECK_COLLECTIVES",
     "worker",
@@ -110,6 +116,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     BACKEND,
     GLOO_HOST,
     SPARE_WARMUP,
+    SPARE_PREPARE,
     CHECK_COLLECTIVES,
     CHECKPOINT_FAULTS,
     LOCAL_NVML,

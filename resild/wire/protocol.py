@@ -285,6 +285,7 @@ PEER_EVENTS: dict[str, dict[str, Any]] = {
     EventName.CHECKPOINT_FAILED: {"step": _f("int").metadata, "seconds": _f("float", hi=1e9).metadata},
     EventName.CHECKPOINT_DEFERRED: {"step": _f("int", required=True).metadata},
     EventName.SPARE_WARMED: {"seconds": _f("float", hi=1e9).metadata},
+    EventName.SPARE_COMPILED: {"graphs": _f("int", required=True).metadata},
     EventName.REPLICA_LAYOUT: {
         "unit": _f("int", lo=1, hi=RANK, required=True).metadata,
         "replicas": _f("int", lo=1, hi=RANK).metadata,

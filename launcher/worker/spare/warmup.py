@@ -218,16 +218,38 @@ def fsdp_steps(recipe: Recipe, device: torch.device, cancelled: Cancelled) -> No
     model(torch.zeros(4, 16, device=device)).sum().backward()
 
 
+Prepare = Callable[[Any], None]
+
+
+def run_prepare(recipe: Recipe, device: torch.device, prepare: Prepare) -> None:
+    """The script's own preparation (`launcher.init(prepare=fn)`): `fn(mesh)` builds, compiles
+    and runs its model on a mesh equal to the job's over stand-in groups, so that torch.compile's
+    in-process caches (dynamo's code cache, keyed by code object and guards, not by module
+    instance) hold the graphs the spare's real model will run after the takeover."""
+    names = recipe.mesh_names
+    ranks = torch.tensor(recipe.mesh_ranks, dtype=torch.int64).view(*recipe.mesh_shape)
+    mesh = private_device_mesh(_fake_groups(recipe, f"{WARM_PREFIX}-prepare"), device.type, ranks, names, 0)
+    dtype = torch.get_default_dtype()
+    try:
+        prepare(mesh)
+    finally:
+        torch.set_default_dtype(dtype)
+
+
 def warm_up(
     recipe: Recipe,
     device: torch.device,
     shardings: WarmShardings,
     cancelled: Cancelled = lambda: False,
     landing: LandingPool | None = None,
-) -> None:
+    prepare: Prepare | None = None,
+) -> str | None:
     """Run the warm-up. `shardings` records what the steps propagate on the warm mesh and
     serves it afterwards, even if what follows fails or stops. `landing` (host only) keeps
-    the optimizer state the step created, for the replay."""
+    the optimizer state the step created, for the replay. `prepare`: the script's own
+    preparation, run last (never stopped: it is the script's code) -> its error, if any:
+    the spare then compiles after the takeover."""
+    failed: str | None = None
     if recipe.device_type != device.type:
         raise ValueError(f"recipe for {recipe.device_type}, this spare runs on {device.type}")
     try:
@@ -239,8 +261,14 @@ def warm_up(
                 fsdp_steps(recipe, device, cancelled)
             except _Stop:
                 log.info("spare warm-up stopped: ranks arrived")
+            if prepare is not None and not cancelled():  # given ranks: the real step compiles, as costly
+                try:
+                    run_prepare(recipe, device, prepare)
+                except Exception as e:  # the script's code: whatever it raises, the spare compiles later
+                    failed = f"{type(e).__name__}: {e}"
     finally:
         shardings.serve()
+    return failed
 
 
 class SpareWarmup:
@@ -261,6 +289,8 @@ class SpareWarmup:
         self.seconds: float | None = None
         self.error: str | None = None
         self.landing = LandingPool()  # the moments the warm-up's step touched, for the replay (host only)
+        self.prepare: Prepare | None = None  # the script's launcher.init(prepare=fn)
+        self.prepare_error: str | None = None
 
     def start(self) -> None:
         """Fetch the recipe (once; later calls do nothing)."""
@@ -300,7 +330,9 @@ class SpareWarmup:
         try:
             self._recipe = parse(self._text)
             self.shardings = WarmShardings(WARM_PREFIX)
-            warm_up(self._recipe, self.device, self.shardings, cancelled, self.landing)
+            self.prepare_error = warm_up(
+                self._recipe, self.device, self.shardings, cancelled, self.landing, self.prepare
+            )
         except Exception as e:  # an optimisation only: the first step pays what this did not
             self.error = f"{type(e).__name__}: {e}"
             log.info("spare warm-up skipped: %s", self.error)

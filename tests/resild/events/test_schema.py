@@ -34,7 +34,7 @@ job_finished job_failed controller_restored controller_leader controller_stalled
 state_replayed resumed process_running process_exited process_zombie process_hung node_suspect
 rolled_back snapshot_corrupt snapshots replica_diverged checkpoint_loaded spare_warmed peer_refused node_abusive
 controller_error checkpoint_saved checkpoint_failed checkpoint_deferred node_admitted join_refused
-node_readmitted spares_requested replica_layout""".split()
+node_readmitted spares_requested replica_layout spare_compiled""".split()
 
 
 def test_names_are_todays_strings() -> None:
