@@ -44,7 +44,7 @@ def build_model(seed: int, dropout: float) -> torch.nn.Module:
     )
 
 
-def shard(model: torch.nn.Sequential, mesh: Any, compile: bool) -> torch.nn.Sequential:
+def shard_model(model: torch.nn.Sequential, mesh: Any, compile: bool) -> torch.nn.Sequential:
     """FSDP2 over every Linear and the whole; `compile`: each Linear under torch.compile first
     (compiled code computes on the gathered parameters, FSDP2's hooks stay eager)."""
     for i, layer in enumerate(model):
@@ -73,14 +73,14 @@ def main() -> None:
     torch.set_num_threads(1)
 
     def prepare(mesh: Any) -> None:  # resild: a waiting spare compiles the model before it is needed
-        model = shard(build_model(args.seed, args.dropout), mesh, compile=True)
+        model = shard_model(build_model(args.seed, args.dropout), mesh, compile=True)
         x = torch.zeros(16, 128)
         F.mse_loss(model(x), x).backward()
 
     job = launcher.init(prepare=prepare if args.compile else None)  # resild: a spare waits here
     mesh = job.mesh((job.world_size,), ("shard",))  # resild: DeviceMesh over resild's groups
 
-    model = shard(build_model(args.seed, args.dropout), mesh, args.compile)
+    model = shard_model(build_model(args.seed, args.dropout), mesh, args.compile)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
     ds = dataset(args.seed)

@@ -17,12 +17,21 @@ from .conftest import REPO, RunResult, run_job
 from .test_sharded import assert_same
 
 FSDP = REPO / "examples" / "train_fsdp.py"
+HSDP = REPO / "examples" / "train_hsdp.py"
 STEPS = 14
 
 pytestmark = pytest.mark.timeout(400)
 
 
-def job(tmp: Path, *args: str, nodes: int, spares: int, env: dict[str, str] | None = None) -> RunResult:
+def job(
+    tmp: Path,
+    *args: str,
+    nodes: int,
+    spares: int,
+    env: dict[str, str] | None = None,
+    script: Path = FSDP,
+    nproc: int = 1,
+) -> RunResult:
     return run_job(
         tmp,
         "--heartbeat-timeout",
@@ -32,9 +41,9 @@ def job(tmp: Path, *args: str, nodes: int, spares: int, env: dict[str, str] | No
         *args,
         nodes=nodes,
         spares=spares,
-        nproc=1,
+        nproc=nproc,
         steps=STEPS,
-        script=f"{FSDP} --compile",
+        script=f"{script} --compile",
         timeout_s=300,
         env=env,
     )
@@ -74,3 +83,17 @@ def test_without_the_preparation_the_spare_compiles_after_taking_over_and_says_s
     assert "compiled" in r.stderr and "graph(s) after taking over" in r.stderr
     assert r.final is not None and compiled_ref.final is not None
     assert_same(compiled_ref.final, r.final, "final")
+
+
+def test_a_prepared_hsdp_spare_compiles_nothing_and_receives_its_state_from_a_replica(tmp_path: Path) -> None:
+    """examples/train_hsdp.py --compile, 2 x 2 (replicate x shard): the same preparation, and
+    the state comes from the replica (no rollback)."""
+    ref = job(tmp_path / "ref", nodes=2, spares=0, script=HSDP, nproc=2)
+    assert ref.rc == 0, ref.stderr[-3000:]
+    r = job(tmp_path / "run", "--inject", "kill:node0@8", nodes=3, spares=1, script=HSDP, nproc=2)
+    assert r.rc == 0, r.stderr[-3000:]
+    assert [e["graphs"] for e in spare_events(r, "spare_compiled")] == [0, 0]  # the spare's two ranks
+    replays = spare_events(r, "state_replayed")
+    assert replays and all(e["source"] == "replica" for e in replays), replays
+    assert r.final is not None and ref.final is not None
+    assert_same(ref.final, r.final, "final")
