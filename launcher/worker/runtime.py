@@ -38,7 +38,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import torch
@@ -61,6 +61,7 @@ from launcher.worker.sources.chain import restore as restore_state
 from launcher.worker.sources.context import SourceContext
 from launcher.worker.spare.recipe import RECIPE_KEY
 from launcher.worker.spare.recipe import describe as describe_recipe
+from launcher.worker.spare.waiting import compiled_graphs, wait_for_ranks, warmup_plan
 from launcher.worker.spare.warmup import SpareWarmup
 from launcher.worker.stable_group import (
     GroupFactory,
@@ -84,14 +85,13 @@ from launcher.worker.train_state import TrainState
 from launcher.worker.transport.landing_pool import LandingPool
 from launcher.worker.transport.state_transport import describe
 from resild.events.schema import EventName
-from resild.membership import Membership, NodeRole
+from resild.membership import Membership
 from resild.wire.exits import FENCED_EXIT
 from resild.wire.protocol import MsgType
 from resild.wire.settings import WorkerRedundancy, WorkerTimeouts
 
 log = logging.getLogger("resild.runtime")
 
-FETCH_RECIPE_AFTER_S = 2.0  # told no role (an older controller), a worker without ranks this long is taken for a spare
 
 Replicas = Callable[[int], ReplicaMap]
 
@@ -833,68 +833,6 @@ class Job:
             if self._agent is not None:
                 self._agent.stop()
             self.link.close()
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has compiled in this process (dynamo's counters; 0 if it never ran)."""
-    if "torch._dynamo" not in sys.modules:
-        return 0
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-def warmup_plan(role: Any, env: Mapping[str, str]) -> tuple[bool, float]:
-    """-> (warm up while waiting for ranks, after how long without them), from the role the
-    controller's WELCOME gave this worker's node when it registered: a spare's worker at
-    once, an active one never; told nothing (a controller before stop 30), a worker still
-    without ranks after FETCH_RECIPE_AFTER_S. RESILD_SPARE_WARMUP=0: never. Pure."""
-    if role == NodeRole.ACTIVE.value or env.get(resild_env.SPARE_WARMUP.name, resild_env.SPARE_WARMUP.default) == "0":
-        return False, FETCH_RECIPE_AFTER_S
-    return True, 0.0 if role == NodeRole.SPARE.value else FETCH_RECIPE_AFTER_S
-
-
-def wait_for_ranks(
-    link: ControlLink,
-    node: str,
-    local_rank: int,
-    check_shutdown: Callable[[], None],
-    warmup: SpareWarmup | None = None,
-    fetch_after_s: float = FETCH_RECIPE_AFTER_S,
-) -> tuple[Membership, int]:
-    """A spare waits for a membership that gives it a rank; epochs that leave it out
-    are taken and passed over. The rank is read from the membership taken: a newer
-    one may replace the pending one between a look and the take. A worker still
-    without ranks after `fetch_after_s` (0 for a worker the controller's welcome called
-    a spare's) fetches the job's warm-up recipe and warms up here, stopping as soon as a
-    membership or the end of the job arrives. An active worker is given no warm-up."""
-    t0 = time.monotonic()
-
-    def news() -> bool:
-        return link.pending is not None or link.shutdown is not None
-
-    def warm_ready() -> bool:
-        return warmup is not None and warmup.ready()
-
-    while True:
-        wait_s = 3600.0
-        if warmup is not None and not warmup.started:
-            wait_s = max(0.0, t0 + fetch_after_s - time.monotonic())
-        link.wait(lambda: news() or warm_ready(), wait_s)
-        if warmup is not None and not warmup.started and not news() and time.monotonic() - t0 >= fetch_after_s:
-            warmup.start()
-        if warmup is not None and warmup.ready() and not news():
-            warmup.run(news)
-            continue
-        check_shutdown()
-        m = link.take()
-        if m is None:
-            continue
-        rank = m.rank_of(node, local_rank)
-        if rank is not None:
-            if warmup is not None:
-                warmup.stop()
-            return m, rank
 
 
 def init(

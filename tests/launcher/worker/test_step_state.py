@@ -11,7 +11,7 @@ import pytest
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.recovery import agree
 from launcher.worker.replica_map import ReplicaMap, Transfer, plan_replay
-from launcher.worker.runtime import wait_for_ranks
+from launcher.worker.spare.waiting import wait_for_ranks
 from launcher.worker.stable_group import Interrupts, StableGroup
 from launcher.worker.step_state import NONE, TRANSITIONS, Phase, ProtocolError, StepState
 from resild.membership import Membership
