@@ -39,6 +39,7 @@ import resild.wire.env as resild_env
 from launcher.node.node_store import NodeStore
 from launcher.node.relay import RELAY_ENV, CommitAggregator, LayoutTracker, RelayServer, leader_heartbeat_due
 from launcher.node.stale import sweep
+from launcher.node.worker_output import OutputTail, mismatch_line
 from resild.events.schema import Detector
 from resild.procutil import die_with_parent, say
 from resild.wire.exits import CONTROLLER_LOST_EXIT, FENCED_EXIT
@@ -58,6 +59,7 @@ class Worker:
     local_rank: int
     proc: subprocess.Popen[bytes]
     pidfd: int
+    out: OutputTail | None = None  # its stderr, passed through (launcher/node/worker_output.py)
 
 
 class NodeProcess:
@@ -133,8 +135,12 @@ class NodeProcess:
     # ---- workers ---------------------------------------------------------
     def _spawn(self, lr: int) -> None:
         worker_env = {**self.env, resild_env.LOCAL_RANK.name: str(lr), "LOCAL_RANK": str(lr)}
-        proc = subprocess.Popen(self.cmd, env=worker_env, preexec_fn=die_with_parent)
-        self.workers[lr] = Worker(lr, proc, os.pidfd_open(proc.pid))
+        proc = subprocess.Popen(self.cmd, env=worker_env, preexec_fn=die_with_parent, stderr=subprocess.PIPE)
+        assert proc.stderr is not None
+        src = os.dup(proc.stderr.fileno())  # the tail's own descriptor: Popen's file object goes
+        proc.stderr.close()
+        proc.stderr = None
+        self.workers[lr] = Worker(lr, proc, os.pidfd_open(proc.pid), OutputTail(src))
 
     def _kill_workers(self, sig: int = signal.SIGKILL) -> None:
         for w in self.workers.values():
@@ -457,6 +463,17 @@ class NodeProcess:
             elif msg.type == MsgType.ERROR:
                 log.error("%s: controller says %s", self.node, msg.body)
 
+    @staticmethod
+    def _mismatch(w: Worker, rc: int) -> str | None:
+        """What the worker's last output says of a collective mismatch. A backend's abort
+        (SIGABRT) may still have its last words in the pipe: then wait for them, briefly."""
+        if w.out is None or rc == 0:
+            return None
+        line = mismatch_line(w.out.text())
+        if line is None and rc == -signal.SIGABRT:
+            line = mismatch_line(w.out.text(wait_s=0.5))
+        return line
+
     def _reap(self, fd: int, poller: zmq.Poller) -> None:
         for w in self.workers.values():
             if w.pidfd == fd:
@@ -465,7 +482,15 @@ class NodeProcess:
                 os.close(fd)
                 if self.relay is not None:
                     self.relay.forget(w.local_rank)
-                body = {"node": self.node, "local_rank": w.local_rank, "pid": w.proc.pid, "returncode": rc}
+                body: dict[str, Any] = {
+                    "node": self.node,
+                    "local_rank": w.local_rank,
+                    "pid": w.proc.pid,
+                    "returncode": rc,
+                }
+                line = self._mismatch(w, rc)
+                if line is not None:  # killed from inside the backend: its last words say why
+                    body["collective_mismatch"] = line
                 self.exited.append(body)
                 self.ch.send(MsgType.WORKER_EXIT, body)
                 return

@@ -22,6 +22,7 @@ from resild.controller.policy import (
     Decision,
     abuse_verdict,
     check_done,
+    on_collective_abort,
     on_node_failure,
     on_worker_exception,
 )
@@ -221,6 +222,10 @@ class Handlers:
             return
         how = f"signal {-rc}" if rc is not None and rc < 0 else f"code {rc}"
         cause = f"worker {b.local_rank} (pid {b.pid}) exited with {how}"
+        if b.collective_mismatch:
+            cause += f" ({b.collective_mismatch})"
+            self.effects.decide(on_collective_abort(self.s.view, node.node_id, b.collective_mismatch, cause), now)
+            return
         self.effects.decide(
             on_node_failure(self.s.view, node.node_id, cause, Detector.PROCESS_EXIT.value, worker_fault=True), now
         )

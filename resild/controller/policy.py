@@ -217,6 +217,29 @@ def check_grow(view: ClusterView, busy: bool) -> Decision:
     return NOTHING
 
 
+AFTER_RECOVERY_STEPS = 3  # steps after an epoch's floor within which a mismatch is the newcomer's
+
+
+def on_collective_abort(view: ClusterView, node_id: str, line: str, cause: str) -> Decision:
+    """A worker was killed from inside its backend for a collective mismatch (its last
+    output says so: launcher/node/worker_output.py). Right after a recovery (within
+    AFTER_RECOVERY_STEPS of the epoch's committed floor) it is a program error that
+    differs on a fresh process: stop the job with the line instead of replacing a healthy
+    node (and spending a spare on it). Otherwise, a node failure like any worker exit."""
+    m = view.membership
+    newest = max((p.step for p in view.progress.values()), default=0)
+    if m is not None and m.epoch > 1 and newest <= m.committed + AFTER_RECOVERY_STEPS:
+        return Decision(
+            Action.FAIL_JOB,
+            f"collective mismatch right after a recovery (epoch {m.epoch}, step {newest}): {cause}. The ranks "
+            "issued different collectives: a program error, not a fault, so the job stops instead of replacing "
+            "healthy nodes (RESILD_CHECK_COLLECTIVES=1 names the first differing collective)",
+            node=node_id,
+            detector=Detector.PROCESS_EXIT.value,
+        )
+    return on_node_failure(view, node_id, cause, Detector.PROCESS_EXIT.value, worker_fault=True)
+
+
 def on_worker_exception(view: ClusterView, node_id: str, error: str, cause: str) -> Decision:
     """A worker raised. The first time it is treated like a node fault (a bad GPU
     often surfaces as an exception); the same error again, on another node, is a

@@ -230,6 +230,8 @@ class WorkerExit(Body):
     local_rank: int | None = _f("int", hi=1 << 16)
     pid: int | None = _f("int", lo=1, hi=PID)
     returncode: int | None = _f("int", lo=-255, hi=255)
+    # The worker's last output said its collectives were mismatched (launcher/node/worker_output.py)
+    collective_mismatch: str | None = _f("str", max_len=TEXT)
 
 
 @dataclass(frozen=True)

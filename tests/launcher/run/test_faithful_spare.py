@@ -80,3 +80,17 @@ def test_a_spare_that_issues_other_collectives_stops_the_job_in_one_line(tmp_pat
     assert "signal 6" not in r.stderr and "EnforceNotMet" not in r.stderr, r.stderr[-3000:]
     assert r.summary is not None and "collective mismatch" in r.summary["reason"], r.summary
     assert len(r.summary["failures"]) == 1, r.summary["failures"]  # the injected loss only: no spare burnt
+
+
+def test_a_backend_abort_for_a_mismatch_right_after_a_recovery_stops_the_job_in_one_line(tmp_path: Path) -> None:
+    """The same program error one step later, where nothing checks each collective: gloo
+    kills a rank (SIGABRT) with its own message. The node process reads it in the rank's
+    last output (launcher/node/worker_output.py), and the controller stops the job with it
+    instead of replacing a healthy node."""
+    r = job(tmp_path, "--inject", "nodeloss:node0@7", nodes=4, spares=2, script=f"{SCRIPT} --abort-on-spare")
+    assert r.rc != 0
+    failed = [ln for ln in r.stderr.splitlines() if ln.startswith("resil-run: job failed:")]
+    assert len(failed) == 1, r.stderr[-3000:]
+    assert "collective mismatch right after a recovery" in failed[0], failed[0]
+    assert "signal 6" in failed[0] and "program error" in failed[0], failed[0]
+    assert r.stderr.count("takes over") == 1, r.stderr[-3000:]  # one takeover: the second spare is never spent

@@ -55,6 +55,12 @@ def main() -> None:
         action="store_true",
         help="a program error: a process that joined late skips its last norm collective",
     )
+    p.add_argument(
+        "--abort-on-spare",
+        action="store_true",
+        help="every step ends with a world all-gather of 2 elements; a process that joined late sends 3 from its "
+        "second step on (gloo aborts a peer: the first step after a recovery is checked, the next is not)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     job = launcher.init()
@@ -69,12 +75,17 @@ def main() -> None:
     ds = dataset(0)
     job.attach(model, opt)
     dp = mesh["shard"]
+    taken_over_steps = 0
     for step in job.steps(args.steps):
         i = (step * dp.size() + dp.get_local_rank()) * 16 % len(ds)
         x, y = ds[i : i + 16]
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
         clip_by_object(list(model.parameters()), 1.0, skip_last=args.diverge_on_spare and late)
+        if args.abort_on_spare:
+            n = 3 if late and taken_over_steps >= 1 else 2
+            torch.distributed.all_gather_into_tensor(torch.zeros(n * job.world_size), torch.zeros(n))
+            taken_over_steps += 1
         job.commit()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

@@ -15,6 +15,7 @@ from resild.controller.policy import (
     check_grow,
     check_timeouts,
     on_abuse,
+    on_collective_abort,
     on_node_failure,
     on_worker_exception,
     pick_spare,
@@ -157,6 +158,26 @@ def test_first_exception_is_treated_as_a_fault_a_repeat_as_a_bug() -> None:
     d = on_worker_exception(v, "b", "ValueError: bad shape", "worker 0 raised ValueError: bad shape")
     assert d.action == Action.FAIL_JOB and "bug in the training script" in d.reason
     assert on_worker_exception(v, "b", "RuntimeError: CUDA error", "...").action == Action.REPLACE_NODE
+
+
+def test_a_collective_mismatch_abort_right_after_a_recovery_stops_the_job_not_a_node() -> None:
+    v = view(spares=2)
+    line = "what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 12 vs 8."
+    cause = f"worker 1 (pid 7) exited with signal 6 ({line})"
+    # the job's first epoch: no newcomer to blame, a node failure as any worker exit
+    assert on_collective_abort(v, "a", line, cause).action == Action.REPLACE_NODE
+    v.membership = Membership(3, 4, {"a": (0, 1), "b": (2, 3)}, committed=10)
+    for step, want in ((10, Action.FAIL_JOB), (13, Action.FAIL_JOB), (14, Action.REPLACE_NODE)):
+        for p in v.progress.values():
+            p.step = step
+        d = on_collective_abort(v, "a", line, cause)
+        assert d.action == want, (step, d)
+    for p in v.progress.values():
+        p.step = 12
+    d = on_collective_abort(v, "a", line, cause)
+    assert d.reason.startswith("collective mismatch right after a recovery (epoch 3, step 12): worker 1")
+    assert "12 vs 8" in d.reason and "program error" in d.reason and "\n" not in d.reason
+    assert d.detector == "process-exit"
 
 
 def test_a_rank_that_hangs_after_others_finished_is_blamed() -> None:
