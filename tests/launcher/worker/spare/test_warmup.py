@@ -161,7 +161,16 @@ if mode != "cold":
     w = SpareWarmup(None, torch.device("cpu"))
     w._text = open(recipe_path).read()
     rng = torch.get_rng_state()
+    if mode == "prepare-fails":  # the script's launcher.init(prepare=...) raises after drawing random numbers
+        def prepare(mesh):
+            out["prepare_mesh"] = [list(mesh.mesh.shape), list(mesh.mesh_dim_names)]
+            torch.randn(3)
+            torch.set_default_dtype(torch.float64)
+            raise ValueError("no such layer")
+        w.prepare = prepare
     w.run(lambda: mode == "cancelled")
+    out["prepare_error"] = w.prepare_error
+    out["default_dtype"] = str(torch.get_default_dtype())
     out["error"] = w.error
     out["rng_kept"] = bool(torch.equal(rng, torch.get_rng_state()))
     out["initialized_after"] = dist.is_initialized()
@@ -354,4 +363,12 @@ def test_a_warm_up_stopped_by_ranks_arriving_leaves_a_cold_process(tmp_path: Pat
     warm = _child(tmp_path, "cancelled", recipe_json())
     assert warm["error"] is None and not warm["initialized_after"] and warm["groups_left"] == 0
     assert warm["landing"] == [None] * 6  # stopped before its optimizer step
+    assert_like_cold(warm, cold)
+
+
+def test_a_preparation_that_raises_is_reported_and_leaves_a_cold_process(tmp_path: Path, cold: dict[str, Any]) -> None:
+    warm = _child(tmp_path, "prepare-fails", recipe_json())
+    assert warm["error"] is None and warm["prepare_error"] == "ValueError: no such layer"
+    assert warm["prepare_mesh"] == [[1, 1], ["replicate", "shard"]]  # the job's mesh, over stand-in groups
+    assert warm["rng_kept"] and warm["default_dtype"] == "torch.float32" and warm["groups_left"] == 0
     assert_like_cold(warm, cold)
