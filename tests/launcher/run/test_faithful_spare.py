@@ -15,30 +15,17 @@ import pytest
 
 from tests.launcher.structure import differences
 
-from .conftest import REPO, RunResult, run_job
+from .conftest import REPO, RunResult
 from .test_sharded import assert_same
+from .test_snapshots import job as snapshot_job
 
 SCRIPT = REPO / "tests" / "launcher" / "run" / "train_identity.py"
-STEPS = 14
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def job(tmp: Path, *args: str, nodes: int, spares: int, script: Path | str = SCRIPT) -> RunResult:
-    return run_job(
-        tmp,
-        "--heartbeat-timeout",
-        "4",
-        "--hang-timeout",
-        "3",
-        *args,
-        nodes=nodes,
-        spares=spares,
-        nproc=2,
-        steps=STEPS,
-        script=script,
-        timeout_s=240,
-    )
+    return snapshot_job(tmp, script, *args, nodes=nodes, spares=spares)  # 14 steps, 2 ranks a node
 
 
 def structures(tmp: Path) -> dict[int, dict]:

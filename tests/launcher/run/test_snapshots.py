@@ -20,7 +20,7 @@ STEPS = 14
 pytestmark = pytest.mark.timeout(300)
 
 
-def job(tmp: Path, script: Path, *args: str, nodes: int, spares: int, nproc: int = 2) -> RunResult:
+def job(tmp: Path, script: Path | str, *args: str, nodes: int, spares: int, nproc: int = 2) -> RunResult:
     # Up to 10 processes on 2 cores: a starved node process must not be declared lost (see test_sharded).
     return run_job(
         tmp,
