@@ -33,14 +33,20 @@ log = logging.getLogger("resild.controller")
 ABUSE_RENAME_S = 60.0  # an abusive node that could not be fenced is named again this often
 
 
+MIN_STEP_PAIRS = 3  # fewer consecutive-step pairs than this are chance, not a step time
+
+
 def median_step_s(commit_times: list[tuple[int, float, str | None]]) -> float | None:
     """The median step time from (step, t, node) points, one per advance of the job's step.
     Only one node's consecutive steps count: step s from one node's report and s+1 from
     another's a few ms later is reporting skew, not a step (seen: 4.5 ms for 16 ms steps).
     Commits are reported at most every 0.1 s (node processes and workers coalesce them), so
-    steps much shorter than that leave no such pair: None, and the report uses its own rate."""
+    steps much shorter than that leave no such pair, or one by chance (a worker's event
+    sends its pending commit at once, the next report comes 0.1 s later: seen after a
+    spare's first step, 0.1 s for 10 ms steps): with fewer than MIN_STEP_PAIRS, None, and
+    the report uses its own rate."""
     times = [t2 - t1 for (s1, t1, n1), (s2, t2, n2) in zip(commit_times, commit_times[1:]) if s2 == s1 + 1 and n1 == n2]
-    return median(times) if times else None
+    return median(times) if len(times) >= MIN_STEP_PAIRS else None
 
 
 class Effects:

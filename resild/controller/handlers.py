@@ -366,6 +366,8 @@ class Handlers:
         m = s.view.membership
         if m is None or b.epoch != m.epoch or b.rank is None:
             return  # sent before a re-form: the rank reports again in the new epoch
+        if b.step is not None:  # its last commits may still sit in its node's next commit report
+            self._rank_progress(b.rank, b.epoch, b.step, "commit", m, now)
         s.view.done_ranks.add(b.rank)
         if s.view.first_done_s is None:
             s.view.first_done_s = now

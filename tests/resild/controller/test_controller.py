@@ -19,6 +19,8 @@ def test_median_step_counts_one_nodes_consecutive_steps_only() -> None:
     assert median_step_s(pts) == pytest.approx(0.016)
     assert median_step_s([(1, 0.0, "a"), (2, 0.004, "b")]) is None  # no same-node pair: unknown
     assert median_step_s([]) is None
+    # one or two pairs by chance (a flushed commit, then a coalesced report 0.1 s later) say nothing
+    assert median_step_s([(39, 0.0, "a"), (40, 0.1, "a"), (48, 0.2, "a"), (49, 0.3, "a")]) is None
 
 
 def test_what_the_job_size_stretches_is_said(caplog: pytest.LogCaptureFixture) -> None:
