@@ -15,8 +15,10 @@ import pytest
 
 from tests.launcher.structure import differences
 
-from .conftest import REPO, RunResult
+from .conftest import REPO, RunResult, start_job
+from .test_join import _lose, _wait
 from .test_sharded import assert_same
+from .test_snapshots import STEPS as SHARDED_STEPS
 from .test_snapshots import job as snapshot_job
 
 SCRIPT = REPO / "tests" / "launcher" / "run" / "train_identity.py"
@@ -26,6 +28,37 @@ pytestmark = pytest.mark.timeout(300)
 
 def job(tmp: Path, *args: str, nodes: int, spares: int, script: Path | str = SCRIPT) -> RunResult:
     return snapshot_job(tmp, script, *args, nodes=nodes, spares=spares)  # 14 steps, 2 ranks a node
+
+
+def lost_after_warmup(tmp: Path, script: str) -> RunResult:
+    """3 nodes x 2 ranks, one a spare; every rank holds at step 7 until the spare has warmed
+    up, then node0 (its node process and workers) is lost: the spare that takes over is a
+    warmed one whatever the machine's load."""
+    gate = tmp / "release"
+    job = start_job(
+        tmp,
+        "--heartbeat-timeout",
+        "4",
+        "--hang-timeout",
+        "60",  # a held rank is not hung
+        nodes=3,
+        spares=1,
+        nproc=2,
+        steps=SHARDED_STEPS,
+        script=f"{script} --hold-at 7 --gate {gate}",
+    )
+    try:
+        warmed = _wait(job, lambda e: e["event"] == "spare_warmed", "the spare's warm-up", timeout_s=180)
+        assert warmed.get("error") is None, warmed
+        _lose(job, "local-node0")
+        _wait(job, lambda e: e["event"] == "spare_assigned", "the takeover")
+        gate.touch()
+        return job.finish(timeout_s=240)
+    finally:
+        gate.touch()
+        if job.p.poll() is None:
+            job.p.kill()
+            job.p.communicate()
 
 
 def structures(tmp: Path) -> dict[int, dict]:
@@ -38,11 +71,28 @@ def structures(tmp: Path) -> dict[int, dict]:
 def test_a_loop_keyed_on_mesh_identity_recovers_bitwise_on_a_warmed_spare(tmp_path: Path) -> None:
     ref = job(tmp_path / "ref", nodes=2, spares=0)
     assert ref.rc == 0, ref.stderr[-3000:]
-    r = job(tmp_path / "run", "--inject", "nodeloss:node0@7", nodes=3, spares=1)
+    r = lost_after_warmup(tmp_path / "run", str(SCRIPT))
     assert r.rc == 0, r.stderr[-3000:]
     assert r.summary is not None and len(r.summary["failures"]) == 1, r.summary
-    warmed = [e for e in r.events if e["event"] == "spare_warmed"]
-    assert warmed and all(e.get("error") is None for e in warmed), warmed  # the spare did warm up
+    assert r.final is not None and ref.final is not None
+    assert_same(ref.final, r.final, "final")
+    want, got = structures(tmp_path / "ref"), structures(tmp_path / "run")
+    assert sorted(want) == sorted(got) == [0, 1, 2, 3]
+    for rank in want:
+        assert not differences(want[rank], got[rank]), (rank, differences(want[rank], got[rank])[:10])
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
+def test_a_spare_after_takeover_is_each_ranks_fresh_self_for_hsdp_and_plain_fsdp2(tmp_path: Path, kind: str) -> None:
+    """The same comparison for HSDP (the spare receives its state from a replica) and plain
+    FSDP2 (a rollback to peer-memory snapshots)."""
+    script = f"{SCRIPT} --kind {kind}"
+    ref = job(tmp_path / "ref", nodes=2, spares=0, script=script)
+    assert ref.rc == 0, ref.stderr[-3000:]
+    r = lost_after_warmup(tmp_path / "run", script)
+    assert r.rc == 0, r.stderr[-3000:]
+    replays = [e["source"] for e in r.events if e["event"] == "state_replayed"]
+    assert replays and set(replays) == {"replica" if kind == "hsdp" else "snapshot"}, replays
     assert r.final is not None and ref.final is not None
     assert_same(ref.final, r.final, "final")
     want, got = structures(tmp_path / "ref"), structures(tmp_path / "run")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(REPO), str(REPO / "examples")]
+from train_fsdp import build_model, shard_model  # noqa: E402
 from train_fsdp_tp import Model, dataset  # noqa: E402
 
 import launcher  # noqa: E402
@@ -51,6 +54,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--save")
     p.add_argument(
+        "--kind",
+        choices=("tp", "hsdp", "fsdp"),
+        default="tp",
+        help="tp: FSDP2 x TP on ('shard', 'tp'); hsdp: examples/train_hsdp.py's model on job.hsdp_mesh; "
+        "fsdp: examples/train_fsdp.py's on ('shard',)",
+    )
+    p.add_argument(
         "--diverge-on-spare",
         action="store_true",
         help="a program error: a process that joined late skips its last norm collective",
@@ -61,23 +71,34 @@ def main() -> None:
         help="every step ends with a world all-gather of 2 elements; a process that joined late sends 3 from its "
         "second step on (gloo aborts a peer: the first step after a recovery is checked, the next is not)",
     )
+    p.add_argument("--hold-at", type=int, help="every rank waits at the top of this step until --gate exists")
+    p.add_argument("--gate", help="the file --hold-at waits for (the test creates it)")
     args = p.parse_args()
     torch.set_num_threads(1)
     job = launcher.init()
     late = job.epoch > 1  # a spare given ranks
-    mesh = job.mesh((-1, 2), ("shard", "tp"))
-    model = Model(0, 0.1)
-    for b in model.blocks:
-        parallelize_module(b, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}, src_data_rank=None)
-        fully_shard(b, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
+    model: torch.nn.Module
+    if args.kind == "tp":
+        mesh = job.mesh((-1, 2), ("shard", "tp"))
+        model = Model(0, 0.1)
+        for b in model.blocks:
+            tp_plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            parallelize_module(b, mesh["tp"], tp_plan, src_data_rank=None)
+            fully_shard(b, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        data = (mesh["shard"].get_local_rank(), mesh["shard"].size())  # a TP group reads one batch
+    else:
+        mesh = job.hsdp_mesh(job.world_size // 2) if args.kind == "hsdp" else job.mesh((-1,), ("shard",))
+        model = shard_model(build_model(0, 0.1), mesh, compile=False)  # type: ignore[arg-type]
+        data = (job.rank, job.world_size)  # every rank its own batch
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     ds = dataset(0)
     job.attach(model, opt)
-    dp = mesh["shard"]
     taken_over_steps = 0
     for step in job.steps(args.steps):
-        i = (step * dp.size() + dp.get_local_rank()) * 16 % len(ds)
+        while step == args.hold_at and args.gate and not os.path.exists(args.gate):
+            time.sleep(0.05)  # held by the test (it loses a node meanwhile)
+        i = (step * data[1] + data[0]) * 16 % len(ds)
         x, y = ds[i : i + 16]
         opt.zero_grad()
         F.mse_loss(model(x), y).backward()
