@@ -68,18 +68,23 @@ def structures(tmp: Path) -> dict[int, dict]:
     }
 
 
+def assert_like_reference(ref: RunResult, r: RunResult, tmp: Path) -> None:
+    """Bitwise the failure-free run's final state, and every rank's structure that rank's there."""
+    assert r.final is not None and ref.final is not None
+    assert_same(ref.final, r.final, "final")
+    want, got = structures(tmp / "ref"), structures(tmp / "run")
+    assert sorted(want) == sorted(got) == [0, 1, 2, 3]
+    for rank in want:
+        assert not differences(want[rank], got[rank]), (rank, differences(want[rank], got[rank])[:10])
+
+
 def test_a_loop_keyed_on_mesh_identity_recovers_bitwise_on_a_warmed_spare(tmp_path: Path) -> None:
     ref = job(tmp_path / "ref", nodes=2, spares=0)
     assert ref.rc == 0, ref.stderr[-3000:]
     r = lost_after_warmup(tmp_path / "run", str(SCRIPT))
     assert r.rc == 0, r.stderr[-3000:]
     assert r.summary is not None and len(r.summary["failures"]) == 1, r.summary
-    assert r.final is not None and ref.final is not None
-    assert_same(ref.final, r.final, "final")
-    want, got = structures(tmp_path / "ref"), structures(tmp_path / "run")
-    assert sorted(want) == sorted(got) == [0, 1, 2, 3]
-    for rank in want:
-        assert not differences(want[rank], got[rank]), (rank, differences(want[rank], got[rank])[:10])
+    assert_like_reference(ref, r, tmp_path)
 
 
 @pytest.mark.parametrize("kind", ["hsdp", "fsdp"])
@@ -93,12 +98,7 @@ def test_a_spare_after_takeover_is_each_ranks_fresh_self_for_hsdp_and_plain_fsdp
     assert r.rc == 0, r.stderr[-3000:]
     replays = [e["source"] for e in r.events if e["event"] == "state_replayed"]
     assert replays and set(replays) == {"replica" if kind == "hsdp" else "snapshot"}, replays
-    assert r.final is not None and ref.final is not None
-    assert_same(ref.final, r.final, "final")
-    want, got = structures(tmp_path / "ref"), structures(tmp_path / "run")
-    assert sorted(want) == sorted(got) == [0, 1, 2, 3]
-    for rank in want:
-        assert not differences(want[rank], got[rank]), (rank, differences(want[rank], got[rank])[:10])
+    assert_like_reference(ref, r, tmp_path)
 
 
 def test_a_spare_that_issues_other_collectives_stops_the_job_in_one_line(tmp_path: Path) -> None:
