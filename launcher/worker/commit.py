@@ -89,8 +89,9 @@ class CommitProtocol:
         terms = self.checks.vote_terms() if self.checks is not None else []
         vote = torch.tensor(flags + terms, dtype=torch.int64, device=self.train.device)
         self.group.allreduce([vote]).wait()
-        found_sum, *sums = (int(x) for x in vote.tolist()[: len(flags)])
-        term_sums = [int(x) for x in vote.tolist()[len(flags) :]]
+        voted = [int(x) for x in vote.tolist()]  # one read: on NCCL each read is a device sync
+        found_sum, *sums = voted[: len(flags)]
+        term_sums = voted[len(flags) :]
         # Checked after the read: on NCCL wait() only orders streams and the read is what
         # blocks; an abort releases it with garbage, and the error is latched before the abort.
         if self.intr.error is not None:
