@@ -114,6 +114,9 @@ class Controller:
         settle_s = 2 * cfg.settings.hang_timeout_s + self.derived.heartbeat_timeout_s + 5.0
         self.injector = Injector(faults or [], settle_s)
         self.ctx = ctx or zmq.Context.instance()
+        # A server handed in is the caller's (a replica keeps one across leaderships: closing
+        # and binding again races libzmq's asynchronous close, 'Address already in use').
+        self._owns_server = server is None
         self.server = server or Server(self.ctx, cfg.bind, keys)
         # A standby replica's view of whether it still leads: checked every tick; a deposed
         # leader stops at once and says nothing more to anyone (the new leader speaks).
@@ -460,7 +463,10 @@ class Controller:
             else:
                 log.error("stopping without a verdict: the nodes are not told to shut down (they keep training)")
         finally:
-            self.server.close()
+            if self._owns_server:
+                self.server.close()
+            else:
+                self.ch.on_refused = None  # the caller's server outlives this controller
             self.journal.close()
 
     def status(self) -> dict[str, Any]:

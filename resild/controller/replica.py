@@ -414,6 +414,7 @@ def serve(spec: dict[str, Any], index: int) -> int:
         return 0
     taken = TakeOver(spec, index, endpoint, term, t_elected, raft.records)
     ctl, result = lead(taken, keys, ctx, server, RaftJournal(raft), raft._isLeader)
+    server.close()
     if ctl.deposed:
         return 1
     say_verdict(taken, result)
@@ -476,7 +477,6 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
     etcd = Etcd(target)
     follower = Follower(etcd, target.prefix, run_dir / f"journal-{index}.jsonl")
     election = Election(etcd, target.prefix, index, os.getpid(), ttl_s=int(spec.get("lease_ttl_s", 1)))
-    bind = server.endpoint  # the address bound (a wildcard under Slurm): bound again after a deposition
     log.info("replica %d: standing by (%s, etcd %s)", index, endpoint, ",".join(target.endpoints))
     while True:
         if stand_by(server, follower, election, index) is Standing.CLOSED:
@@ -504,11 +504,11 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
             follower.close()
 
         ctl, result = lead(taken, keys, ctx, server, journal, election.holds, resuming=resuming, failed=failed)
-        if ctl.deposed:  # another replica leads now: stand by again, on the same endpoint
+        if ctl.deposed:  # another replica leads now: stand by again, on the same socket
             election.resign()
             say(f"resild controller replica (pid {os.getpid()}): deposed at t_mono {time.monotonic():.3f}; standing by")
-            server = Server(ctx, bind, keys)
             continue
+        server.close()
         say_verdict(taken, result)
         # Tell the standbys the job is over, or they elect one of themselves the moment we go
         # (which would say the verdict again, late). Not committed: they take over, which is

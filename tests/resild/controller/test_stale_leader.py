@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,8 @@ from resild.controller.policy import STALL_S, PolicyConfig, check_heartbeats, co
 from resild.controller.view import ClusterView, NodeView
 from resild.events.log import EventLog
 from resild.membership import NodeRole
+from resild.wire.channel import Server, connect
+from resild.wire.keys import generate_keys
 from resild.wire.protocol import PROTOCOL_VERSION, Message, MsgType
 
 
@@ -129,3 +132,44 @@ def test_a_failure_reported_while_the_replicas_refused_is_handled_once_they_comm
     assert fenced == ["n0"] and m2 is not None and m2.epoch == 2 and "n2" in m2.node_ranks
     ctl._tick(now + 0.3)  # handled once
     assert fenced == ["n0"] and ctl.view.membership is m2
+
+
+def test_a_deposed_leader_keeps_the_replicas_socket_and_serves_on_it(tmp_path: Path) -> None:
+    """A replica's ROUTER (and its ZAP authenticator) outlives each leadership: closing and
+    binding them again raced libzmq's asynchronous close ('Address already in use' on
+    inproc://zeromq.zap.01: a deposed replica died instead of standing by, seen in a gate)."""
+    keys = generate_keys(tmp_path / "keys", nodes=["n0"])
+    ctx = zmq.Context()
+    server = Server(ctx, "tcp://127.0.0.1:0", keys)
+    client = connect(ctx, server.endpoint, keys.node("n0"), "n0/node")
+    leads = [True]
+    try:
+        for _ in range(2):  # leads, is deposed, stands by, leads again: the same socket
+            ctl = Controller(
+                ControllerConfig(),
+                ["n0"],
+                [],
+                1,
+                keys,
+                EventLog(None),
+                RefusingJournal(),
+                ctx=ctx,
+                server=server,
+                leadership=lambda: leads[0],
+            )
+            leads[0] = False
+            result = ctl.run()
+            assert ctl.deposed and result.exit_code == 1
+            assert ctl.ch.on_refused is None  # the dead controller hears nothing more
+            client.send(MsgType.HEARTBEAT, {"node": "n0"})
+            got = server.channel.recv(5.0)  # standing by: still bound, still authenticating
+            assert got is not None and got[1].sender == "n0/node"
+            leads[0] = True
+    finally:
+        client.close()
+        server.close()
+        ctx.destroy(linger=0)
+    own = Controller(ControllerConfig(), ["n0"], [], 1, None, EventLog(None), RefusingJournal(), ctx=zmq.Context())
+    own.finish()
+    assert own.server.channel.sock.closed  # a controller's own socket goes with it
+    own.ctx.destroy(linger=0)
