@@ -10,7 +10,7 @@ from typing import Any, TextIO
 from resild.events.schema import RECOVERY_EVENTS, EventName, JobFinished, event_time
 from resild.procutil import say
 from resild.report.checkpoints import CheckpointCounts, checkpoint_counts
-from resild.report.goodput import FailureBreakdown, failure_breakdowns, step_time
+from resild.report.goodput import FailureBreakdown, failure_breakdowns, step_time, unvouched, unvouched_line
 from resild.report.recoveries import Recovery, recoveries
 
 
@@ -36,6 +36,9 @@ def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureBreakdown], dic
     ck = checkpoint_counts(events)
     if ck is not None:
         job["checkpoints"] = ck.to_dict()
+    why = unvouched(events)
+    if why is not None:
+        job["unvouched"] = why
     return out, job
 
 
@@ -61,6 +64,8 @@ def format_table(failures: list[FailureBreakdown], job: dict[str, Any]) -> str:
         lines.append("no failures")
     if job.get("checkpoints"):
         lines.append(CheckpointCounts(**job["checkpoints"]).line())
+    if job.get("unvouched"):
+        lines.append(unvouched_line(job["unvouched"]))
     if job.get("steps") is not None:
         gp = job.get("goodput")
         lines.append(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,10 +39,11 @@ class Agreement:
     rollers: list[int]  # ranks one step behind that hold this step's synced gradients
     found_inf: int  # the committed step's GradScaler verdict, for the rollers
     steps: list[int]  # every rank's step once the rollers have rolled forward
+    rows: list[list[int]] = field(default_factory=list)  # every rank's row, as agreed on
 
 
 def agree(rows: list[list[int]], floor: int = 0) -> Agreement:
-    """rows[r] = (step, prepared, found_inf): found_inf is the GradScaler verdict of
+    """rows[r] = (step, prepared, found_inf, ...): found_inf is the GradScaler verdict of
     r's last commit, or, for a prepared rank, its local verdict on the step it voted
     for (-1 unknown). `floor`: the newest step the controller saw committed. Pure.
 
@@ -57,7 +58,7 @@ def agree(rows: list[list[int]], floor: int = 0) -> Agreement:
     committed = [r[2] for r in rows if r[0] == target and r[1] == 0 and r[2] >= 0]
     found = committed[0] if committed else int(any(rows[i][2] > 0 for i in rollers))
     steps = [target if i in rollers else r[0] for i, r in enumerate(rows)]
-    return Agreement(target, rollers, found, steps)
+    return Agreement(target, rollers, found, steps, rows)
 
 
 class RecoverySequence:
@@ -159,8 +160,8 @@ class RecoverySequence:
         return time.monotonic() - t0
 
     # ---- agreeing and replaying -------------------------------------------------
-    def agree(self, rank: int, world: int, row: tuple[int, int, int], floor: int = 0) -> Agreement:
-        rows = torch.zeros(world, 3, dtype=torch.int64, device=self.device)
+    def agree(self, rank: int, world: int, row: tuple[int, ...], floor: int = 0) -> Agreement:
+        rows = torch.zeros(world, len(row), dtype=torch.int64, device=self.device)
         rows[rank] = torch.tensor(row, dtype=torch.int64)
         self.wait(self.groups["world"].pg.allreduce([rows]))
         return agree(self.read(rows), floor)

@@ -676,6 +676,10 @@ class Job:
         ag = self.rec.agree(self.rank, self.world_size, self.steps_state.agreement_row(), floor)
         protocol.before_write()  # rolling forward or restoring writes the live state
         protocol.settle(ag, self.rank)  # roll forward or abandon; the agreed step is computed afresh
+        back = self.redundancy.after_divergence(ag.rows) if self.redundancy is not None else None
+        if back is not None:  # replicas diverged: every rank returned to their last agreed step
+            floor = back  # the steps the controller saw committed since then are redone
+            ag = self.rec.agree(self.rank, self.world_size, self.steps_state.agreement_row(), floor)
         landing = self._landing()
         try:
             done = restore_state(self._sources, Need(ag.target, floor, ag.steps, landing))

@@ -54,6 +54,8 @@ class StepState:
     voted_found_inf: int = 0  # PREPARED: this rank's local verdict on the step it voted for
     committed_aux: dict[str, Any] = field(default_factory=dict)  # RNG/extra as of the last commit
     prepared_aux: dict[str, Any] | None = None  # PREPARED: RNG/extra after this step, kept if it commits
+    diverged_at: int = 0  # the step whose fingerprint compare found replicas diverged (0: none since the last join)
+    agreed: int = NONE  # the step of this rank's copy of its last agreed state (agreed_state.AgreedCopy)
     # commit-once-per-step bookkeeping of `job.steps()`: the step yielded (None outside the loop)
     yielded: int | None = None
     commits_in_step: int = 0
@@ -100,14 +102,16 @@ class StepState:
         self._to(Phase.IDLE)
 
     # ---- recovery ---------------------------------------------------------------------
-    def agreement_row(self) -> tuple[int, int, int]:
-        """(step, prepared, found_inf) for the recovery's agreement (recovery.agree); NONE
-        for a rank whose live state a cut-off replay left half written."""
+    def agreement_row(self) -> tuple[int, int, int, int, int]:
+        """(step, prepared, found_inf, diverged_at, agreed) for the recovery's agreement
+        (recovery.agree, agreed_state.plan); NONE for a rank whose live state a cut-off
+        replay left half written."""
+        tail = (self.diverged_at, self.agreed)
         if not self.holding:
-            return (NONE, 0, -1)
+            return (NONE, 0, -1, *tail)
         if self.prepared:
-            return (self.step, 1, self.voted_found_inf)
-        return (self.step, 0, self.last_found_inf)
+            return (self.step, 1, self.voted_found_inf, *tail)
+        return (self.step, 0, self.last_found_inf, *tail)
 
     def discard(self) -> None:
         """The live state is about to be overwritten in place by a replay: until one

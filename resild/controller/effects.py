@@ -147,6 +147,7 @@ class Effects:
                 final_step=s.max_step,
                 train_s=train_s,
                 step_s=median_step_s(ct),
+                unvouched=s.unvouched,
             )
             s.result = JobResult(0, d.reason)
 

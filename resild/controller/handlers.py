@@ -344,6 +344,8 @@ class Handlers:
             unit = int(fields["unit"])
             if unit != self.s.view.replica_ranks and self.effects.journaled(ReplicaUnit(unit, time.time()), "unit"):
                 self.s.view.replica_ranks = unit
+        if b.name == EventName.STATE_UNVOUCHED and self.s.unvouched is None:
+            self.s.unvouched = str(fields.get("reason") or "a divergence was not rolled back")  # job_finished says it
         self.s.events.emit(b.name or "worker_event", node=node.node_id, **fields)
 
     def _on_failed(self, ident: bytes, node: NodeView, b: Failed, now: float) -> None:

@@ -81,6 +81,7 @@ class ControllerState:
     abusive: dict[str, float] = field(default_factory=dict)  # node -> when it was last named abusive
     keys: KeyDir | None = None  # the job's key directory: a joining node's key is minted here
     joined_sources: set[str] = field(default_factory=set)  # where admitted nodes came from ("slurm:<id>")
+    unvouched: str | None = None  # why the job's state cannot be vouched for (a worker said: state_unvouched)
 
     @property
     def dropped(self) -> dict[str, int]:

@@ -42,6 +42,8 @@ SUMMARY_EVENTS = RECOVERY_EVENTS | {
     EventName.JOURNAL_ERROR,
     EventName.ROLLED_BACK,
     EventName.SNAPSHOT_CORRUPT,
+    EventName.REPLICA_DIVERGED,
+    EventName.STATE_UNVOUCHED,
 }
 
 

@@ -90,10 +90,11 @@ class EventName(str, Enum):
     GROUP_REFORMED = "group_reformed"
     STATE_REPLAYED = "state_replayed"
     RESUMED = "resumed"
-    ROLLED_BACK = "rolled_back"  # no replica left: every rank went back to the newest complete snapshot
+    ROLLED_BACK = "rolled_back"  # every rank went back: to the newest complete snapshot, or past a divergence
     SNAPSHOT_CORRUPT = "snapshot_corrupt"  # a held snapshot copy failed its checksum and was dropped
     SNAPSHOTS = "snapshots"  # a rank's snapshot costs (taken, skipped, capture seconds, memory), before DONE
     REPLICA_DIVERGED = "replica_diverged"  # replicas' state fingerprints differ (odd ranks, or no majority)
+    STATE_UNVOUCHED = "state_unvouched"  # rank 0: the state carries a divergence nothing rolled back (why)
     CHECKPOINT_LOADED = "checkpoint_loaded"  # every in-memory copy lost: resild's disk checkpoint loaded
     CHECKPOINT_SAVED = "checkpoint_saved"  # rank 0: a disk checkpoint is COMPLETE on every rank
     CHECKPOINT_FAILED = "checkpoint_failed"  # rank 0: a save failed, was abandoned by a recovery, or never ended
@@ -422,6 +423,37 @@ class Resumed(Record):
 
 
 @dataclass
+class RolledBack(Record):
+    """Every rank went back to `step` from `newest` (no replica left: a snapshot; or
+    `reason` "divergence": the replicas' last agreed state)."""
+
+    NAME = EventName.ROLLED_BACK
+    epoch: int | None = None
+    step: int | None = None
+    newest: int | None = None
+    reason: str | None = None
+
+    @classmethod
+    def _fields(cls, t: float, rec: Mapping[str, Any]) -> RolledBack:
+        return cls(
+            t, as_int(rec.get("epoch")), as_int(rec.get("step")), as_int(rec.get("newest")), as_str(rec.get("reason"))
+        )
+
+
+@dataclass
+class StateUnvouched(Record):
+    """The state carries a divergence nothing rolled back: `reason` says why."""
+
+    NAME = EventName.STATE_UNVOUCHED
+    step: int | None = None
+    reason: str = ""
+
+    @classmethod
+    def _fields(cls, t: float, rec: Mapping[str, Any]) -> StateUnvouched:
+        return cls(t, as_int(rec.get("step")), as_str(rec.get("reason")) or "")
+
+
+@dataclass
 class JobFinished(Record):
     NAME = EventName.JOB_FINISHED
     reason: str = ""
@@ -429,6 +461,7 @@ class JobFinished(Record):
     final_step: int | None = None
     train_s: float | None = None
     step_s: float | None = None
+    unvouched: str | None = None  # why resild cannot vouch for the final state; None: it can
 
     @classmethod
     def _fields(cls, t: float, rec: Mapping[str, Any]) -> JobFinished:
@@ -439,6 +472,7 @@ class JobFinished(Record):
             as_int(rec.get("final_step")),
             as_float(rec.get("train_s")),
             as_float(rec.get("step_s")),
+            as_str(rec.get("unvouched")),
         )
 
 
@@ -470,6 +504,8 @@ RECORDS: dict[EventName, type[Record]] = {
         GroupReformed,
         StateReplayed,
         Resumed,
+        RolledBack,
+        StateUnvouched,
         JobFinished,
         JobFailed,
     )

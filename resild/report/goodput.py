@@ -120,6 +120,7 @@ class Breakdown:
     jobs_in_file: int = 1
     job_index: int = 1
     checkpoints: dict[str, Any] | None = None  # resild.report.checkpoints, when the job wrote any
+    unvouched: str | None = None  # why resild cannot vouch for the job's state (unvouched()); None: it can
 
     def parts(self) -> list[tuple[str, float]]:
         return [
@@ -258,6 +259,24 @@ def step_time(events: list[dict[str, Any]], fin: dict[str, Any] | None) -> float
     return min(cands) if cands else None
 
 
+def unvouched(events: list[dict[str, Any]]) -> str | None:
+    """Why resild cannot vouch for the job's state (a divergence nothing rolled back), as
+    job_finished says it, or a worker's state_unvouched event where the leader that ended
+    the job did not hear it; None: nothing says so."""
+    def first(name: str) -> dict[str, Any] | None:  # tolerant: resil-run's summary reads malformed events too
+        return next((e for e in events if isinstance(e, dict) and e.get("event") == name), None)
+
+    fin = first(EventName.JOB_FINISHED)
+    if fin is not None and fin.get("unvouched"):
+        return str(fin["unvouched"])
+    said = first(EventName.STATE_UNVOUCHED)
+    return str(said.get("reason") or "a divergence was not rolled back") if said is not None else None
+
+
+def unvouched_line(reason: str) -> str:
+    return f"WARNING: resild cannot vouch for this job's final state: {reason}"
+
+
 def analyze(events: list[dict[str, Any]], job: int | None = None) -> Breakdown:
     """The breakdown of one job of the file (1-based `job`; default the last one)."""
     jobs = split_jobs(events)
@@ -393,6 +412,7 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
         training_goodput=training_goodput,
         gpu_goodput=productive * n_act / (wall * n_all) if wall > 0 else None,
         failures=failures,
+        unvouched=unvouched(ev),
         step_line=line,
         spares_line=spares_line,
         queued_line=queued_line,
@@ -466,6 +486,8 @@ def format_breakdown(b: Breakdown) -> str:
         lines.append(f"(the file holds {b.jobs_in_file} jobs; this is job {b.job_index}: --job N picks another)")
     step = "-" if b.step_s is None else f"{b.step_s * 1000:.1f} ms"
     lines.append(f"job {b.outcome}: {b.reason}")
+    if b.unvouched:
+        lines.append(unvouched_line(b.unvouched))
     lines.append(
         f"{b.nodes} nodes ({b.active_nodes} training, {b.initial_spares} hot spares), "
         f"{b.steps} steps, median step {step}, wall {b.wall_s:.2f} s"

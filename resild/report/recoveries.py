@@ -51,6 +51,7 @@ from resild.events.schema import (
     Record,
     Reform,
     Resumed,
+    RolledBack,
     SpareAssigned,
     StateReplayed,
     parse,
@@ -249,7 +250,11 @@ def recoveries(events: Iterable[Mapping[str, Any]]) -> list[Recovery]:
                     r.resumed_step = resumed.step
                     r.recovered_from = resumed.source
                     if r.committed_step is not None:
-                        r.steps_redone = max(0, r.committed_step - resumed.step)
+                        # a rollback redoes from the newest step any rank held, which the
+                        # controller may not have heard of yet (commits are reported in batches)
+                        back = _first(later, RolledBack, epoch=ep)
+                        newest = max(r.committed_step, back.newest if back and back.newest is not None else 0)
+                        r.steps_redone = max(0, newest - resumed.step)
             else:
                 bounds += [t_fence] * 3  # never back to full strength: the rest is the job stopping
         else:

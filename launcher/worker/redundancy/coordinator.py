@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
@@ -24,7 +25,8 @@ import torch
 import resild.wire.env as resild_env
 from launcher.worker.commit import CommitProtocol
 from launcher.worker.recovery import RecoverySequence
-from launcher.worker.redundancy import checkpoint_faults
+from launcher.worker.redundancy import agreed_state, checkpoint_faults
+from launcher.worker.redundancy.agreed_state import AgreedCopy
 from launcher.worker.redundancy.checkpoint_cadence import CheckpointCadence
 from launcher.worker.redundancy.device_stager import DeviceStager
 from launcher.worker.redundancy.disk_checkpoint import DiskCheckpointer
@@ -34,8 +36,9 @@ from launcher.worker.redundancy.snapshot_exchange import Exchanger
 from launcher.worker.redundancy.snapshot_store import PlacementError, SnapshotStore, check_placement
 from launcher.worker.replica_map import ReplicaMap
 from launcher.worker.stable_group import StableGroup
-from launcher.worker.step_state import StepState
+from launcher.worker.step_state import NONE, StepState
 from launcher.worker.train_state import TrainState
+from launcher.worker.transport.state_transport import Received
 from resild.events.schema import EventName
 from resild.wire.settings import WorkerRedundancy
 
@@ -73,6 +76,7 @@ class Redundancy:
         self._protocol: CommitProtocol | None = None
         self.state: TrainState | None = None
         self.steps: StepState | None = None
+        self.agreed: AgreedCopy | None = None  # the last state the replicas' fingerprints agreed on
 
     # ---- set-up ----------------------------------------------------------------------
     def setup(
@@ -92,10 +96,13 @@ class Redundancy:
         if self.snap is not None:
             protocol.hooks.append(self.snap)
         if self.settings.fingerprint_every:
+            self.agreed = AgreedCopy(self.rank, self.device)
             protocol.hooks.append(
                 FingerprintHook(
                     self.settings.fingerprint_every,
                     state,
+                    steps,
+                    self.agreed,
                     replicas,
                     world,
                     self.rank,
@@ -206,6 +213,48 @@ class Redundancy:
             self.ckpt_group.intr.clear()
         if self.cadence is not None:
             self.cadence.after_recovery()
+
+    def after_divergence(self, rows: list[list[int]]) -> int | None:
+        """At a recovery's agreement (`rows`: every rank's row): if some rank saw replicas
+        diverge, every rank holding the last agreed step returns to it (agreed_state.plan);
+        -> that step, which the recovery then completes (a spare, or a rank whose copy failed
+        its check, receives it from a replica). None: nothing to roll back."""
+        steps, protocol = self.steps, self._protocol
+        assert steps is not None and protocol is not None
+        back = agreed_state.plan(rows)
+        steps.diverged_at = 0
+        if back is None:
+            return None
+        if back.step is None:
+            if self.rank == 0:
+                self.emit(EventName.STATE_UNVOUCHED, step=back.diverged_at, reason=back.unvouched)
+            return None
+        if self.snap is not None:
+            self.snap.store.drop_after(back.step)  # snapshots since the agreed step hold the divergence
+        copy = self.agreed
+        checked: bool | None = None
+        if copy is not None and copy.step == back.step and steps.holding:
+            t0 = time.monotonic()
+            state, aux, written = copy.restore_into(protocol.receive_into())
+            protocol.resume(Received(state, aux, 0, [self.rank], time.monotonic() - t0, in_place=written))
+            checked = copy.matches(self.state.state_view(back.step)) if self.state is not None else False
+            if not checked:  # damaged in host memory: this rank receives the step from a replica
+                copy.drop()
+                steps.agreed = NONE
+        if checked is not True and steps.holding:
+            protocol.receive_into()  # holds no step now: the replay that follows fills it
+        if self.rank == 0:
+            self.emit(
+                EventName.ROLLED_BACK,
+                step=back.step,
+                newest=back.diverged_at,
+                steps_redone=back.redone,
+                fetches=0,
+                reason="divergence",
+            )
+        if checked is False:
+            self.emit(EventName.SNAPSHOT_CORRUPT, src=self.rank, step=back.step, holder=self.rank, found="agreed copy")
+        return back.step
 
     def after_join(self, target: int) -> None:
         if self.snap is not None:

@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from launcher.worker.redundancy.agreed_state import AgreedCopy
 from launcher.worker.redundancy.checkpoint_cadence import Action, CheckpointCadence, flag
 from launcher.worker.redundancy.disk_checkpoint import DiskCheckpointer
 from launcher.worker.redundancy.fingerprint import fingerprint, judge
@@ -21,13 +22,17 @@ from resild.events.schema import EventName
 
 
 class FingerprintHook:
-    """Every `every` steps, every rank's state fingerprint in one all-reduce; a rank its
-    replicas outvote leaves (its node is replaced and the state replayed from them)."""
+    """Every `every` steps, every rank's state fingerprint in one all-reduce. Agreeing
+    replicas keep a copy of their state (`agreed`); a rank its replicas outvote leaves (its
+    node is replaced), and at that recovery every rank returns to the agreed copy
+    (agreed_state): the outvoted rank's gradients since then are in every replica."""
 
     def __init__(
         self,
         every: int,
         state: TrainState,
+        steps: StepState,
+        agreed: AgreedCopy | None,
         replicas: Callable[[], ReplicaMap],
         group: StableGroup,
         rank: int,
@@ -35,7 +40,8 @@ class FingerprintHook:
         emit: Callable[..., Any],
         fatal: Callable[[str], NoReturn],
     ) -> None:
-        self.every, self.state, self.replicas, self.group = every, state, replicas, group
+        self.every, self.state, self.steps, self.agreed = every, state, steps, agreed
+        self.replicas, self.group = replicas, group
         self.rank, self.world_size, self.emit, self.fatal = rank, world_size, emit, fatal
 
     def vote_flag(self) -> int:
@@ -48,15 +54,20 @@ class FingerprintHook:
         """-> the replicas agree (or the step was not compared)."""
         if step % self.every:
             return True
+        mine = fingerprint(self.state.state_view(step))
         vals = torch.zeros(self.world_size, dtype=torch.int64, device=self.state.device)
-        vals[self.rank] = fingerprint(self.state.state_view(step))
+        vals[self.rank] = mine
         self.group.allreduce([vals]).wait()
         values = vals.cpu().tolist()  # on NCCL the read is what waits: the error is checked after it
         if self.group.intr.error is not None:
             return True  # the epoch is failing: the next vote finds out
         verdict = judge(values, self.replicas().groups)
         if verdict.clean:
+            if self.agreed is not None:
+                self.agreed.keep(step, mine, self.state.state_view(step), self.steps.committed_aux)
+                self.steps.agreed = step
             return True
+        self.steps.diverged_at = step  # the recovery that follows returns to the agreed copy
         # One rank says so: the lowest odd rank, which always gets here (it leaves next, and its
         # link flushes before its failure is reported); rank 0 may not, when the odd rank's
         # failure has already latched the epoch's error by the time it checks (a loaded host).
@@ -67,6 +78,7 @@ class FingerprintHook:
                 step=step,
                 odd=list(verdict.odd),
                 undecided=[list(g) for g in verdict.undecided],
+                agreed=self.steps.agreed if self.agreed is not None else None,
             )
         if verdict.undecided:
             self.fatal(

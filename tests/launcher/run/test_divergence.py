@@ -5,6 +5,8 @@ bitwise identical to a failure-free run."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,49 @@ def test_a_rank_outvoted_by_its_replicas_is_replaced_and_the_job_ends_bitwise_id
     assert r.summary is not None and len(r.summary["failures"]) == 1
     assert r.final is not None and r.final["step"] == STEPS
     assert_same(ref.final, r.final, "final")
+
+
+def test_a_divergence_caught_late_rolls_every_rank_back_to_the_last_agreed_step(tmp_path: Path) -> None:
+    # Compared every 5 steps: the odd rank's gradients of the steps before the compare reach
+    # every replica. Every rank keeps its state at the last agreeing compare and returns to
+    # it at the recovery that replaces the odd rank: the steps since are redone, bitwise.
+    ref = run_job(tmp_path / "ref", nodes=3, spares=0, steps=STEPS)
+    assert ref.rc == 0, ref.stderr[-2000:]
+    r = run_job(
+        tmp_path / "hurt", "--fingerprint-every", "5", "--inject", "diverge:node1@20", nodes=4, spares=1, steps=STEPS
+    )
+    assert r.rc == 0, r.stderr[-3000:]
+    (caught,) = [e for e in r.events if e["event"] == "replica_diverged"]
+    assert caught["odd"] == [1] and caught["step"] % 5 == 0 and caught["agreed"] == caught["step"] - 5, caught
+    (back,) = [e for e in r.events if e["event"] == "rolled_back"]
+    assert back["reason"] == "divergence" and back["step"] == caught["agreed"] and back["steps_redone"] == 5, back
+    assert not [e for e in r.events if e["event"] == "state_unvouched"]
+    assert r.summary is not None and len(r.summary["failures"]) == 1
+    assert r.summary["failures"][0]["steps_redone"] == 5, r.summary["failures"]
+    assert r.summary["job"].get("unvouched") is None, r.summary["job"]
+    assert r.final is not None and r.final["step"] == STEPS
+    assert_same(ref.final, r.final, "final")
+
+
+def test_a_divergence_with_no_agreed_state_to_return_to_is_said_in_the_summary(tmp_path: Path) -> None:
+    # Found at the first compare (step 80; the nudge lands within a few steps of 1): there is no
+    # agreed state to return to. The job goes on from the majority's state, and says, in the
+    # summary and in job_finished, that it cannot vouch for it.
+    r = run_job(tmp_path, "--fingerprint-every", "80", "--inject", "diverge:node1@1", nodes=4, spares=1, steps=100)
+    assert r.rc == 0, r.stderr[-3000:]
+    (caught,) = [e for e in r.events if e["event"] == "replica_diverged"]
+    assert caught["step"] == 80 and caught["agreed"] == -1, caught
+    assert not [e for e in r.events if e["event"] == "rolled_back"]
+    (said,) = [e for e in r.events if e["event"] == "state_unvouched"]
+    (fin,) = [e for e in r.events if e["event"] == "job_finished"]
+    assert fin["unvouched"] == said["reason"] and "diverged at step 80" in said["reason"], (fin, said)
+    assert r.summary is not None and r.summary["job"]["unvouched"] == said["reason"]
+    report = subprocess.run(
+        [sys.executable, "-m", "resild.cli", "report", str(tmp_path / "events.jsonl")], capture_output=True, text=True
+    )
+    assert report.returncode == 0, report.stderr
+    (line,) = [ln for ln in report.stdout.splitlines() if "cannot vouch" in ln]
+    assert said["reason"] in line
 
 
 def test_two_replicas_that_disagree_stop_the_job_in_one_line(tmp_path: Path) -> None:
