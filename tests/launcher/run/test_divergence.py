@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import RunResult, run_job
+from .conftest import REPO, RunResult, run_job
 from .test_sharded import assert_same
 
 # The fault fires once the controller hears of its step (tenths of a second later); the steps
 # after it must outlast that on a loaded machine (20 steps of this model, ~0.5 s, did not).
 STEPS = 60
+
+HSDP = REPO / "examples" / "train_hsdp.py"
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -58,6 +60,37 @@ def test_a_divergence_caught_late_rolls_every_rank_back_to_the_last_agreed_step(
     assert r.summary["failures"][0]["steps_redone"] == 5, r.summary["failures"]
     assert r.summary["job"].get("unvouched") is None, r.summary["job"]
     assert r.final is not None and r.final["step"] == STEPS
+    assert_same(ref.final, r.final, "final")
+
+
+def test_hsdp_three_replica_groups_divergence_caught_late_ends_bitwise_identical(tmp_path: Path) -> None:
+    # The issue's layout: 3 replica groups of 2 shards (one node each), compared every 5 steps.
+    # Each rank returns to its own copy; the spare receives the agreed step from a replica.
+    hsdp = f"{HSDP} --shard-size 2"
+    common = ("--heartbeat-timeout", "4")
+    ref = run_job(tmp_path / "ref", *common, nodes=3, spares=0, nproc=2, steps=40, script=hsdp, timeout_s=240)
+    assert ref.rc == 0, ref.stderr[-2000:]
+    r = run_job(
+        tmp_path / "hurt",
+        *common,
+        "--fingerprint-every",
+        "5",
+        "--inject",
+        "diverge:node1@20",
+        nodes=4,
+        spares=1,
+        nproc=2,
+        steps=40,
+        script=hsdp,
+        timeout_s=240,
+    )
+    assert r.rc == 0, r.stderr[-3000:]
+    (caught,) = [e for e in r.events if e["event"] == "replica_diverged"]
+    assert caught["odd"] and all(rank in (2, 3) for rank in caught["odd"]), caught  # node1's ranks
+    (back,) = [e for e in r.events if e["event"] == "rolled_back"]
+    assert back["step"] == caught["step"] - 5 and back["steps_redone"] == 5, back
+    assert r.summary is not None and r.summary["failures"][0]["steps_redone"] == 5, r.summary["failures"]
+    assert r.final is not None and r.final["step"] == 40
     assert_same(ref.final, r.final, "final")
 
 
