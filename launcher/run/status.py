@@ -64,14 +64,14 @@ def format_table(failures: list[FailureBreakdown], job: dict[str, Any]) -> str:
         lines.append("no failures")
     if job.get("checkpoints"):
         lines.append(CheckpointCounts(**job["checkpoints"]).line())
-    if job.get("unvouched"):
-        lines.append(unvouched_line(job["unvouched"]))
     if job.get("steps") is not None:
         gp = job.get("goodput")
         lines.append(
             f"steps {job['steps']}, median step {job['step_s'] * 1000:.1f}ms, training wall {job['train_s']:.2f}s, "
             f"goodput {'-' if gp is None else f'{gp * 100:.1f}%'}"
         )
+    if job.get("unvouched"):  # last: the line a person must not miss
+        lines.append(unvouched_line(job["unvouched"]))
     return "\n".join(lines)
 
 

@@ -53,6 +53,13 @@ CHECK_COLLECTIVES = EnvVar(
     "1: before every collective, ranks compare what they issue, and the first difference stops the job in "
     "one line (debug mode; launcher/worker/collective_check.py)",
 )
+DIVERGENCE_ROLLBACK = EnvVar(
+    "RESILD_DIVERGENCE_ROLLBACK",
+    "worker",
+    "1",
+    "0: with --fingerprint-every, keep no host copy of the last agreed state (a rank's state in size); a "
+    "divergence found after it spread then leaves state resild cannot vouch for (said in the summary)",
+)
 CHECKPOINT_FAULTS = EnvVar(
     "RESILD_CHECKPOINT_FAULTS",
     "worker",
@@ -118,6 +125,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     SPARE_WARMUP,
     SPARE_PREPARE,
     CHECK_COLLECTIVES,
+    DIVERGENCE_ROLLBACK,
     CHECKPOINT_FAULTS,
     LOCAL_NVML,
     AGENT_SOCKET,

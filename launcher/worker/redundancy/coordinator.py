@@ -96,7 +96,8 @@ class Redundancy:
         if self.snap is not None:
             protocol.hooks.append(self.snap)
         if self.settings.fingerprint_every:
-            self.agreed = AgreedCopy(self.rank, self.device)
+            rollback = os.environ.get(resild_env.DIVERGENCE_ROLLBACK.name, resild_env.DIVERGENCE_ROLLBACK.default)
+            self.agreed = AgreedCopy(self.rank, self.device) if rollback != "0" else None
             protocol.hooks.append(
                 FingerprintHook(
                     self.settings.fingerprint_every,
@@ -226,8 +227,15 @@ class Redundancy:
         if back is None:
             return None
         if back.step is None:
+            why = back.unvouched
+            if self.agreed is None:  # the same setting on every rank
+                why = (
+                    f"replicas diverged at step {back.diverged_at} and no agreed state was kept "
+                    f"({resild_env.DIVERGENCE_ROLLBACK.name}=0): the faulty rank's gradients since the last compare "
+                    "are in every replica"
+                )
             if self.rank == 0:
-                self.emit(EventName.STATE_UNVOUCHED, step=back.diverged_at, reason=back.unvouched)
+                self.emit(EventName.STATE_UNVOUCHED, step=back.diverged_at, reason=why)
             return None
         if self.snap is not None:
             self.snap.store.drop_after(back.step)  # snapshots since the agreed step hold the divergence

@@ -115,6 +115,23 @@ def test_a_divergence_with_no_agreed_state_to_return_to_is_said_in_the_summary(t
     assert said["reason"] in line
 
 
+def test_with_rollback_off_a_late_divergence_is_said_not_vouched_for(tmp_path: Path) -> None:
+    r = run_job(
+        tmp_path,
+        "--fingerprint-every",
+        "5",
+        "--inject",
+        "diverge:node1@20",
+        nodes=4,
+        spares=1,
+        steps=STEPS,
+        env={"RESILD_DIVERGENCE_ROLLBACK": "0"},
+    )
+    assert r.rc == 0, r.stderr[-3000:]
+    assert not [e for e in r.events if e["event"] == "rolled_back"]
+    assert r.summary is not None and "RESILD_DIVERGENCE_ROLLBACK=0" in r.summary["job"]["unvouched"], r.summary
+
+
 def test_two_replicas_that_disagree_stop_the_job_in_one_line(tmp_path: Path) -> None:
     r = run_job(tmp_path, "--fingerprint-every", "2", "--inject", "diverge:node1@5", nodes=2, spares=0, steps=STEPS)
     assert r.rc != 0

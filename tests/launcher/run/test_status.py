@@ -189,6 +189,22 @@ def test_table_text_for_one_failure() -> None:
     assert "kill:n1@40" in format_breakdown(analyze(one_failure()))
 
 
+def test_state_resild_cannot_vouch_for_is_one_line_of_the_table_and_the_report() -> None:
+    why = "replicas diverged at step 80 before any fingerprint compare had agreed"
+    said = ev("state_unvouched", 10.0, step=80, reason=why)
+    for evs in (
+        [*one_failure(), said],
+        [{**e, "unvouched": why} if e["event"] == "job_finished" else e for e in one_failure()],
+    ):
+        failures, job = summarize(evs)
+        assert job["unvouched"] == why
+        line = f"WARNING: resild cannot vouch for this job's final state: {why}"
+        assert format_table(failures, job).splitlines()[-1] == line
+        assert line in format_breakdown(analyze(evs)).splitlines()
+    assert "unvouched" not in summarize(one_failure())[1]
+    assert "cannot vouch" not in format_breakdown(analyze(one_failure()))
+
+
 def test_summarize_tolerates_malformed_events() -> None:
     evs: list[dict[str, Any]] = [
         {},
