@@ -290,6 +290,9 @@ class Redundancy:
                 exchange_s=round(s.exchanger.last_s, 4),
                 held_bytes=s.store.nbytes,
             )
+        if self.agreed is not None:  # bench/divergence_rollback.py reads it
+            a = self.agreed
+            self.emit(EventName.AGREED_STATE, kept=a.kept, capture_s=round(a.capture_s, 4), held_bytes=a.nbytes)
         if self.ckpt is None:
             return None
         # A save a recovery abandoned can never complete: not waited for.
