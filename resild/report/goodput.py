@@ -263,6 +263,7 @@ def unvouched(events: list[dict[str, Any]]) -> str | None:
     """Why resild cannot vouch for the job's state (a divergence nothing rolled back), as
     job_finished says it, or a worker's state_unvouched event where the leader that ended
     the job did not hear it; None: nothing says so."""
+
     def first(name: str) -> dict[str, Any] | None:  # tolerant: resil-run's summary reads malformed events too
         return next((e for e in events if isinstance(e, dict) and e.get("event") == name), None)
 
