@@ -193,6 +193,18 @@ def _copies(v: str | int) -> int:
     "two replicas that disagree stop the job. 0: never.",
 )
 @click.option(
+    "--verify-every",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    metavar="K",
+    help="Every K steps each rank computes its step twice (the same data and RNG: job.steps() yields the "
+    "step again) and compares its gradients before they are averaged: a rank whose two results differ (a GPU "
+    "computing wrong numbers, which replicas' fingerprints cannot see) is replaced like a failed node and the "
+    "step is not committed. Needs a step that reproduces: data from the step number or a loader passed as "
+    "extra=, deterministic kernels; gradients resild averages (a plain model, not DDP or FSDP2). 0: never.",
+)
+@click.option(
     "--checkpoint-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="resild writes asynchronous torch.distributed.checkpoint checkpoints of the attached state here "
@@ -298,6 +310,7 @@ def main(
     snapshot_copies: int,
     snapshot_every: int,
     fingerprint_every: int,
+    verify_every: int,
     checkpoint_dir: Path | None,
     checkpoint_every: int,
     run_dir: Path | None,
@@ -360,6 +373,7 @@ def main(
             checkpoint_dir=str(checkpoint_dir or ""),
             checkpoint_every=checkpoint_every if checkpoint_dir is not None else 0,
             min_replicas=min_replicas,
+            verify_every=verify_every,
         )
     except SettingsError as e:
         raise click.UsageError(str(e)) from None

@@ -46,6 +46,16 @@ class CommitHook(Protocol):
         ...
 
 
+class Veto(Protocol):
+    """A number in the commit vote that, summed over every rank, may reject the step."""
+
+    def vote_flag(self) -> int: ...
+
+    def rejected(self, step: int, total: int) -> None:
+        """Every rank's flags summed to `total` > 0: nobody commits `step` (may raise)."""
+        ...
+
+
 class CommitProtocol:
     """One rank's commit protocol over the job's world group."""
 
@@ -62,6 +72,7 @@ class CommitProtocol:
         self.checks = checks  # the step's collectives, compared in the vote
         self.abandoned = abandoned  # the epoch failed or a newer one was announced: the step is lost
         self.hooks: list[CommitHook] = []  # launcher.worker.redundancy.coordinator registers them
+        self.veto: Veto | None = None  # a vote that may reject the step (--verify-every)
 
     # ---- one step ------------------------------------------------------------------
     def sync(self) -> None:
@@ -85,12 +96,13 @@ class CommitProtocol:
         # [ranks that saw inf/NaN, then each hook's flag: for example ranks whose snapshot
         #  exchange is still running, ranks whose disk checkpoint is still being written,
         #  then the digest of the step's collectives (collective_check.vote_terms)]
-        flags = [found] + [h.vote_flag() for h in self.hooks]
+        flags = [found] + [h.vote_flag() for h in self.hooks] + ([self.veto.vote_flag()] if self.veto else [])
         terms = self.checks.vote_terms() if self.checks is not None else []
         vote = torch.tensor(flags + terms, dtype=torch.int64, device=self.train.device)
         self.group.allreduce([vote]).wait()
         voted = [int(x) for x in vote.tolist()]  # one read: on NCCL each read is a device sync
         found_sum, *sums = voted[: len(flags)]
+        vetoed = sums.pop() if self.veto is not None else 0
         term_sums = voted[len(flags) :]
         # Checked after the read: on NCCL wait() only orders streams and the read is what
         # blocks; an abort releases it with garbage, and the error is latched before the abort.
@@ -98,6 +110,11 @@ class CommitProtocol:
             return False
         if self.checks is not None:
             self.checks.voted(term_sums)
+        if self.veto is not None and vetoed:  # nobody commits this step: it is computed again after a recovery
+            self.steps.abort()
+            self.train.rewind_aux(self.steps.committed_aux)
+            self.veto.rejected(self.steps.step, vetoed)  # raises on the ranks it names
+            return False
         # The vote completed, so every rank synced this step: commit.
         verdict = int(found_sum > 0)
         self.before_write()

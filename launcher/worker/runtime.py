@@ -824,6 +824,11 @@ class Job:
         if red is not None and self.link.inject_diverge:
             self.link.inject_diverge = False
             red.nudge()
+        if red is not None and self.link.inject_badgrad:
+            self.link.inject_badgrad = False
+            red.bad_gradients(self.steps_state.step)
+        if red is not None and red.verify_again(self.steps_state.step):
+            return False  # --verify-every: job.steps() yields this step again, to be computed once more
         if protocol.vote():  # the after-commit hooks ran in it (snapshots, fingerprints, checkpoints)
             self._progress("commit")
             if self._graphs_at_takeover is not None:

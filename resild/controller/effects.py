@@ -323,7 +323,7 @@ class Effects:
                 continue
             if f.kind == "corrupt":  # every worker of the node holds snapshot copies
                 targets = [(wid, lr) for (node_id, lr), wid in list(s.worker_ident.items()) if node_id == f.node]
-            elif f.kind in ("exception", "diverge"):
+            elif f.kind in ("exception", "diverge", "badgrad"):
                 wid = s.worker_ident.get((f.node, f.local_rank))
                 targets = [] if wid is None else [(wid, f.local_rank)]
             else:

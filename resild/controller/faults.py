@@ -7,7 +7,8 @@ node's GPU probe reports Xid N through the fault-injecting NVML stand-in), corru
 (every peer-memory snapshot copy held on the node is damaged from then on, as bad
 memory would: recovery must detect it by checksum and use another copy), diverge
 (worker 0 of the node nudges one parameter, as a GPU computing wrong numbers would:
-the replicas' fingerprints must catch it).
+the replicas' fingerprints must catch it), badgrad (worker 0 of the node computes wrong
+gradients for one step, which every replica then averages in: --verify-every must catch it).
 A fault fires once the job's committed step reaches STEP (plus DELAY_S seconds).
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("kill", "exception", "hang", "nodeloss", "corrupt", "diverge")
+KINDS = ("kill", "exception", "hang", "nodeloss", "corrupt", "diverge", "badgrad")
 _SPEC = re.compile(
     r"(?P<kind>[a-z]{1,16}[0-9]{0,6}):(?P<node>[A-Za-z0-9_.-]{1,128})"
     r"@(?:(?P<step>[0-9]{1,15})|e(?P<epoch>[0-9]{1,15}))(?:\+(?P<delay>[0-9]{1,7}(?:\.[0-9]{1,6})?))?",

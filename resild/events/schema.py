@@ -95,6 +95,8 @@ class EventName(str, Enum):
     SNAPSHOTS = "snapshots"  # a rank's snapshot costs (taken, skipped, capture seconds, memory), before DONE
     REPLICA_DIVERGED = "replica_diverged"  # replicas' state fingerprints differ (odd ranks, or no majority)
     AGREED_STATE = "agreed_state"  # a rank: its last-agreed-state copies (kept, seconds, bytes), before DONE
+    STEPS_VERIFIED = "steps_verified"  # a rank: steps it computed twice alike (--verify-every), before DONE
+    GRADIENTS_DIFFERED = "gradients_differed"  # a rank computed a step twice and got two results (--verify-every)
     STATE_UNVOUCHED = "state_unvouched"  # rank 0: the state carries a divergence nothing rolled back (why)
     CHECKPOINT_LOADED = "checkpoint_loaded"  # every in-memory copy lost: resild's disk checkpoint loaded
     CHECKPOINT_SAVED = "checkpoint_saved"  # rank 0: a disk checkpoint is COMPLETE on every rank

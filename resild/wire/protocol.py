@@ -283,6 +283,8 @@ PEER_EVENTS: dict[str, dict[str, Any]] = {
     EventName.SNAPSHOTS: {"taken": _f("int").metadata, "held_bytes": _f("int").metadata},
     EventName.REPLICA_DIVERGED: {"step": _f("int", required=True).metadata},
     EventName.STATE_UNVOUCHED: {"step": _f("int", required=True).metadata},
+    EventName.STEPS_VERIFIED: {"verified": _f("int", required=True).metadata},
+    EventName.GRADIENTS_DIFFERED: {"step": _f("int", required=True).metadata, "ranks": _f("int", hi=RANK).metadata},
     EventName.AGREED_STATE: {"kept": _f("int").metadata, "held_bytes": _f("int").metadata},
     EventName.CHECKPOINT_LOADED: {"step": _f("int", required=True).metadata},
     EventName.CHECKPOINT_SAVED: {"step": _f("int", required=True).metadata, "seconds": _f("float", hi=1e9).metadata},

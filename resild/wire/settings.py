@@ -40,17 +40,19 @@ FLAGS = {
     "snapshot_copies": "--snapshot-copies",
     "snapshot_every": "--snapshot-every",
     "fingerprint_every": "--fingerprint-every",
+    "verify_every": "--verify-every",
     "checkpoint_every": "--checkpoint-every",
     "checkpoint_dir": "--checkpoint-dir",
     "min_replicas": "--min-replicas",
 }
-COUNTS = ("snapshot_copies", "snapshot_every", "fingerprint_every", "checkpoint_every", "min_replicas")  # whole
+COUNTS = ("snapshot_copies", "snapshot_every", "fingerprint_every", "checkpoint_every", "min_replicas", "verify_every")
 COUNT_MIN = {
     "snapshot_copies": -1,
     "snapshot_every": 1,
     "fingerprint_every": 0,
     "checkpoint_every": 0,
     "min_replicas": 0,
+    "verify_every": 0,
 }
 TEXTS = ("checkpoint_dir",)
 MAX_COPIES = 8
@@ -118,6 +120,7 @@ class WorkerRedundancy:
     # > 0: with no spare left the job drops a failed node's replicas and trains on while at
     # least this many remain (a data-parallel job's every rank is a replica); grows back.
     min_replicas: int = 0
+    verify_every: int = 0  # every K steps each rank computes its step twice and compares (0: never)
 
     def to_dict(self) -> dict[str, int | str]:
         return dataclasses.asdict(self)
@@ -135,6 +138,7 @@ class WorkerRedundancy:
             d if isinstance(d := body.get("checkpoint_dir"), str) else "",
             count("checkpoint_every", 0, 0),
             count("min_replicas", 0, 0),
+            count("verify_every", 0, 0),
         )
 
     def copies(self, has_replicas: bool, nodes: int) -> int:
@@ -170,6 +174,9 @@ class JobSettings:
     checkpoint_every: int = 0
     # Shrink instead of stop when no spare is left, down to this many replicas (0: never shrink).
     min_replicas: int = 0
+    # Every K steps each rank computes its step twice and compares its gradients (0: never):
+    # wrong gradients, which replicas' fingerprints cannot see, are caught before the commit.
+    verify_every: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.checkpoint_dir, str) or len(self.checkpoint_dir) > 4096:
@@ -237,6 +244,7 @@ class JobSettings:
             self.checkpoint_dir,
             self.checkpoint_every,
             self.min_replicas,
+            self.verify_every,
         )
 
     def for_nodes(self, n_nodes: int) -> Derived:

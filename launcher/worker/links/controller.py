@@ -71,6 +71,7 @@ class ControlLink:
         self.inject_exception = False
         self.inject_corrupt = False  # damage every snapshot copy this rank holds (tests the checksums)
         self.inject_diverge = False  # nudge one parameter (tests the replicas' fingerprints)
+        self.inject_badgrad = False  # wrong gradients for one step (tests --verify-every)
         self.shutdown: dict[str, Any] | None = None
         self.wait_report_s = WorkerTimeouts.from_welcome({}).wait_report_s
         # Told again to a new leader (standby takeover): who we are, and that we are done.
@@ -322,6 +323,8 @@ class ControlLink:
                 self.inject_corrupt = True
             elif t == MsgType.INJECT and msg.body.get("kind") == "diverge":
                 self.inject_diverge = True
+            elif t == MsgType.INJECT and msg.body.get("kind") == "badgrad":
+                self.inject_badgrad = True
             elif t == MsgType.SHUTDOWN:
                 self.shutdown = msg.body
             elif t == MsgType.ERROR:

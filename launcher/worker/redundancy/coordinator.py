@@ -23,7 +23,7 @@ from typing import NoReturn
 import torch
 
 import resild.wire.env as resild_env
-from launcher.worker.commit import CommitProtocol
+from launcher.worker.commit import CommitProtocol, hooks_sync
 from launcher.worker.recovery import RecoverySequence
 from launcher.worker.redundancy import agreed_state, checkpoint_faults
 from launcher.worker.redundancy.agreed_state import AgreedCopy
@@ -34,6 +34,7 @@ from launcher.worker.redundancy.hooks import CheckpointHook, FingerprintHook
 from launcher.worker.redundancy.snapshot_cadence import SnapshotManager
 from launcher.worker.redundancy.snapshot_exchange import Exchanger
 from launcher.worker.redundancy.snapshot_store import PlacementError, SnapshotStore, check_placement
+from launcher.worker.redundancy.verify import StepVerifier, grad_digest
 from launcher.worker.replica_map import ReplicaMap
 from launcher.worker.stable_group import StableGroup
 from launcher.worker.step_state import NONE, StepState
@@ -77,6 +78,8 @@ class Redundancy:
         self.state: TrainState | None = None
         self.steps: StepState | None = None
         self.agreed: AgreedCopy | None = None  # the last state the replicas' fingerprints agreed on
+        self.verifier: StepVerifier | None = None  # --verify-every: steps computed twice
+        self._unverified_said = False
 
     # ---- set-up ----------------------------------------------------------------------
     def setup(
@@ -115,6 +118,16 @@ class Redundancy:
         self._setup_checkpoints(new_group)
         if self.ckpt_hook is not None:
             protocol.hooks.append(self.ckpt_hook)
+        if self.settings.verify_every:
+            if hooks_sync(state.model):
+                raise RedundancyError(
+                    f"--verify-every {self.settings.verify_every} compares each rank's own gradients before they are "
+                    "averaged, and this model averages them in its backward (DDP or FSDP2): run it without "
+                    "--verify-every"
+                )
+            self.verifier = protocol.veto = StepVerifier(
+                self.settings.verify_every, self.rank, self.world_size, self.emit, self.fatal
+            )
 
     def _setup_snapshots(
         self, protocol: CommitProtocol, replicas: ReplicaMap, new_group: Callable[[str, float | None], StableGroup]
@@ -186,6 +199,46 @@ class Redundancy:
         p = next(iter(self.state.model.parameters()))
         with torch.no_grad():
             (p.to_local() if hasattr(p, "to_local") else p).view(-1)[0] += 1e-3
+
+    def bad_gradients(self, step: int) -> None:
+        """Fault injection: what a GPU computing wrong numbers for one step leaves behind, in
+        this rank's gradients before they are averaged. Said unvouched for where no
+        verification will compare the step."""
+        assert self.state is not None
+        g = next(p.grad for p in self.state.model.parameters() if p.grad is not None)
+        with torch.no_grad():
+            (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] += 1.0
+        if self.verifier is None or not self.verifier.due(step):
+            every = self.settings.verify_every
+            self.emit(
+                EventName.STATE_UNVOUCHED,
+                step=step,
+                reason=f"rank {self.rank}'s gradients of step {step} were wrong (badgrad) and no verification "
+                f"compared that step (--verify-every {every}): every replica averaged them in",
+            )
+
+    # ---- --verify-every ---------------------------------------------------------------------
+    def verify_again(self, step: int) -> bool:
+        """At commit: -> True when this step is to be computed a second time (its first pass
+        is recorded; RNG and data position rewound, gradients dropped)."""
+        v, steps, state = self.verifier, self.steps, self.state
+        if v is None or not v.due(step):
+            return False
+        assert steps is not None and state is not None
+        if steps.synced:  # the loop averaged its gradients itself (job.sync()): nothing local to compare
+            if self.rank == 0 and not self._unverified_said:
+                self._unverified_said = True
+                self.emit(
+                    EventName.STATE_UNVOUCHED,
+                    step=step,
+                    reason=f"step {step} was not verified (--verify-every): the loop called job.sync() before "
+                    "job.commit(), so no rank's own gradients were left to compare",
+                )
+            return False
+        if not v.again(step, grad_digest(state.model)):
+            return False
+        state.rewind_aux(steps.committed_aux)
+        return True
 
     # ---- recovery -----------------------------------------------------------------------
     def abandon(self) -> None:
@@ -265,6 +318,8 @@ class Redundancy:
         return back.step
 
     def after_join(self, target: int) -> None:
+        if self.verifier is not None:
+            self.verifier.reset()
         if self.snap is not None:
             self.snap.after_recovery(target)
             if target == 0:  # the start (or a fault before the first commit): protect the initial state
@@ -290,6 +345,8 @@ class Redundancy:
                 exchange_s=round(s.exchanger.last_s, 4),
                 held_bytes=s.store.nbytes,
             )
+        if self.verifier is not None:  # bench/verify_cost.py reads it
+            self.emit(EventName.STEPS_VERIFIED, verified=self.verifier.verified, every=self.verifier.every)
         if self.agreed is not None:  # bench/divergence_rollback.py reads it
             a = self.agreed
             self.emit(EventName.AGREED_STATE, kept=a.kept, capture_s=round(a.capture_s, 4), held_bytes=a.nbytes)

@@ -1,6 +1,7 @@
 """examples/train.py with dropout and a stateful data cursor: the abandoned step of a
 recovery consumes random numbers and advances the cursor, so a recovered run is only
-bitwise identical if the runtime rewinds both to the last commit and replays them."""
+bitwise identical if the runtime rewinds both to the last commit and replays them (and a
+step computed twice by --verify-every only reproduces if both are rewound)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--save")
+    p.add_argument("--untracked-cursor", action="store_true", help="the cursor is not handed to resild (extra=)")
     args = p.parse_args()
     torch.set_num_threads(1)
     model = torch.nn.Sequential(torch.nn.Dropout(0.2), build_model(0))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     cursor = Cursor()
-    job = launcher.init(model, opt, extra=cursor)
+    job = launcher.init(model, opt, extra=None if args.untracked_cursor else cursor)
     for _ in job.steps(args.steps):
         x, y = make_batch(0, cursor.pos, job.rank)
         cursor.pos += 1
