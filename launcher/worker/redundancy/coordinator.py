@@ -345,9 +345,9 @@ class Redundancy:
                 exchange_s=round(s.exchanger.last_s, 4),
                 held_bytes=s.store.nbytes,
             )
-        if self.verifier is not None:  # bench/verify_cost.py reads it
+        if self.verifier is not None:  # bench/corruption_checks.py reads it
             self.emit(EventName.STEPS_VERIFIED, verified=self.verifier.verified, every=self.verifier.every)
-        if self.agreed is not None:  # bench/divergence_rollback.py reads it
+        if self.agreed is not None:  # bench/corruption_checks.py reads it
             a = self.agreed
             self.emit(EventName.AGREED_STATE, kept=a.kept, capture_s=round(a.capture_s, 4), held_bytes=a.nbytes)
         if self.ckpt is None:

@@ -1,25 +1,29 @@
-"""What keeping the last agreed state costs (issue 40, item 1: "within noise at M >= 10").
+"""What resild's silent-corruption checks cost (issue 40): the last agreed state kept for a
+rollback ("within noise at M >= 10"), and steps computed twice (the cost per verified step).
 
-With ``--fingerprint-every M`` every rank keeps, in host memory, a copy of its state at the
-last compare whose fingerprints agreed, to return to after a divergence. Four variants of
-the same job, side by side in one invocation, their order rotated round by round so that
-none always runs on a warmer machine; every one ``resil-run --local --nodes 3 --spares 0``
-of ``examples/train.py`` (data parallel, 3 replicas):
+Six variants of the same job, side by side in one invocation, their order rotated round by
+round so that none always runs on a warmer machine; every one ``resil-run --local --nodes 3
+--spares 0`` of ``examples/train.py`` (data parallel, 3 replicas):
 
-- ``off``: no fingerprints: the yardstick.
+- ``off``: no checks: the yardstick.
 - ``m10-nocopy``: ``--fingerprint-every 10`` with ``RESILD_DIVERGENCE_ROLLBACK=0``: the
   compares alone.
 - ``m10``: ``--fingerprint-every 10``: the compares and the copy.
 - ``m1``: ``--fingerprint-every 1``: a compare and a copy at every step (the worst case).
+- ``v10``, ``v1``: ``--verify-every 10`` and ``1``: one step in 10, or every step, computed
+  twice and compared.
 
-Measured, per run: ``step_ms`` (the job's median step, resil-run's summary); from each
-rank's ``agreed_state`` event (written before DONE; median over ranks): ``capture_ms`` (the
-training thread's time per copy), ``held_kb`` (host bytes of the copy: one buffer, written
-again at every agreeing compare). ``ratio`` = median step_ms of a variant / that of ``off``;
-``copy_ratio`` = ``m10`` / ``m10-nocopy`` (the copy's own cost). Nothing asserts on
-timings: it prints what it measured.
+Measured, per run: ``step_ms`` (the job's median step, resil-run's summary: a verified
+step's two passes count as one step); from each rank's ``agreed_state`` event (written
+before DONE; median over ranks): ``capture_ms`` (the training thread's time per copy),
+``held_kb`` (host bytes of the copy: one buffer, written again at every agreeing compare);
+from ``steps_verified``: ``verified`` (steps computed twice alike). ``ratio`` = median
+step_ms of a variant / that of ``off``; ``copy_ratio`` = ``m10`` / ``m10-nocopy`` (the
+copy's own cost); ``per_verified_step`` = (step_ms(v1) / step_ms(off)) - 1, the extra
+cost of one verified step as a share of a step (v10's is a tenth of it per step, when
+the median step is not a verified one: see its ``ratio``). Nothing asserts on timings.
 
-    python bench/divergence_rollback.py [--runs 3] [--steps 600] [--json]
+    python bench/corruption_checks.py [--runs 3] [--steps 600] [--json]
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ VARIANTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "m10-nocopy": (["--fingerprint-every", "10"], {"RESILD_DIVERGENCE_ROLLBACK": "0"}),
     "m10": (["--fingerprint-every", "10"], {}),
     "m1": (["--fingerprint-every", "1"], {}),
+    "v10": (["--verify-every", "10"], {}),
+    "v1": (["--verify-every", "1"], {}),
 }
 
 
@@ -58,8 +64,12 @@ def one_run(name: str, steps: int, tmp: Path) -> dict[str, Any]:
     if p.returncode != 0:
         return {"variant": name, "error": p.stderr.strip().splitlines()[-1:] or [f"exit {p.returncode}"]}
     summary = json.loads(p.stdout)
-    copies = select(read_events(events), "agreed_state")
+    evs = read_events(events)
+    copies = select(evs, "agreed_state")
     out: dict[str, Any] = {"variant": name, "step_ms": round(summary["job"]["step_s"] * 1000, 3)}
+    verified = select(evs, "steps_verified")
+    if verified:
+        out["verified"] = statistics.median(v["verified"] for v in verified)
     if copies:
         out["copies"] = statistics.median(c["kept"] for c in copies)
         out["capture_ms"] = round(statistics.median(c["capture_s"] / max(1, c["kept"]) for c in copies) * 1000, 4)
@@ -83,8 +93,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "held_kb": med(name, "held_kb"),
             "runs": len([r for r in runs if r["variant"] == name and "step_ms" in r]),
         }
-    m10 = out["m10"]["step_ms"]
+    m10, v1 = out["m10"]["step_ms"], out["v1"]["step_ms"]
     out["m10"]["copy_ratio"] = round(m10 / nocopy, 3) if m10 and nocopy else None
+    out["v1"]["per_verified_step"] = round(v1 / base - 1, 3) if v1 and base else None
     return out
 
 
@@ -101,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(a.runs):
         order = names[i % len(names) :] + names[: i % len(names)]  # rotated: no variant always first
         for name in order:
-            with tempfile.TemporaryDirectory(prefix="resild-bench-rollback-") as d:
+            with tempfile.TemporaryDirectory(prefix="resild-bench-corruption-") as d:
                 r = one_run(name, a.steps, Path(d))
             runs.append(r)
             print(f"round {i + 1} {name}: {r}", file=sys.stderr, flush=True)
@@ -114,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             cells = [s["step_ms"], s["ratio"], s["capture_ms"], s["held_kb"], s["runs"]]
             print(f"{name:<12}" + "".join(f"{'-' if c is None else c:>{w}}" for c, w in zip(cells, (9, 8, 12, 9, 6))))
         print(f"copy_ratio (m10 / m10-nocopy): {summary['m10'].get('copy_ratio')}")
+        print(f"per_verified_step (v1 / off - 1): {summary['v1'].get('per_verified_step')}")
     return 0
 
 
