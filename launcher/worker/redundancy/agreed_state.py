@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from launcher.worker.redundancy.device_stager import DeviceStager
 from launcher.worker.redundancy.fingerprint import fingerprint
 from launcher.worker.redundancy.snapshot_store import Frozen, Layout
 from launcher.worker.step_state import NONE
@@ -70,10 +71,13 @@ def plan(rows: list[list[int]]) -> Rollback | None:
 
 class AgreedCopy:
     """This rank's state at the last step whose fingerprints agreed: one host buffer,
-    written again at every agreeing compare (pinned on CUDA: a plain copy there)."""
+    written again at every agreeing compare. A GPU rank's is staged like a snapshot
+    (device_stager: pinned, on a side stream while the next step's forward and backward
+    run; the next optimizer step waits for it in `before_write`)."""
 
     def __init__(self, rank: int, device: torch.device) -> None:
         self.rank, self.device = rank, device
+        self.stager = DeviceStager(device) if device.type == "cuda" else None
         self.frozen: Frozen | None = None
         self.value = 0  # the fingerprint the replicas agreed on: what a restored copy must show
         self.capture_s = 0.0  # time spent copying, for bench/
@@ -89,13 +93,18 @@ class AgreedCopy:
 
     def keep(self, step: int, value: int, state: dict[str, Any], aux: dict[str, Any]) -> None:
         t0 = time.monotonic()
+        if self.stager is not None:  # one pinned buffer, reused (busy: none, the old copy is superseded)
+            self.frozen, self.value = self.stager.capture(step, self.rank, state, aux, set()), value
+            self.capture_s += time.monotonic() - t0
+            self.kept += 1
+            return
         lay = Layout.of(state, aux)
         old = self.frozen.payload if self.frozen is not None else None
         if old is not None and old.numel() == lay.nbytes:
             payload = old
         else:
             self.frozen = None  # the old buffer goes before the new one is made: never two
-            payload = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+            payload = torch.empty(lay.nbytes, dtype=torch.uint8)
         off = lay.write_head(payload)
         for p in lay.body:
             payload[off : off + p.numel()].copy_(p)
@@ -103,6 +112,11 @@ class AgreedCopy:
         self.frozen, self.value = lay.frozen(step, self.rank, payload), value
         self.capture_s += time.monotonic() - t0
         self.kept += 1
+
+    def before_write(self) -> None:
+        """The live state is about to change: a staged copy must have read it first."""
+        if self.stager is not None:
+            self.stager.before_write()
 
     def restore_into(self, live: Any) -> tuple[dict[str, Any], dict[str, Any], int]:
         """Write the copy into `live` (the rank's state view) in place; -> (state, aux,

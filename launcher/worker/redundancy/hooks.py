@@ -48,7 +48,8 @@ class FingerprintHook:
         return 0
 
     def before_write(self) -> None:
-        pass
+        if self.agreed is not None:
+            self.agreed.before_write()
 
     def after_commit(self, step: int, vote_sum: int) -> bool:
         """-> the replicas agree (or the step was not compared)."""
