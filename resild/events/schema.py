@@ -97,6 +97,7 @@ class EventName(str, Enum):
     AGREED_STATE = "agreed_state"  # a rank: its last-agreed-state copies (kept, seconds, bytes), before DONE
     STEPS_VERIFIED = "steps_verified"  # a rank: steps it computed twice alike (--verify-every), before DONE
     GRADIENTS_DIFFERED = "gradients_differed"  # a rank computed a step twice and got two results (--verify-every)
+    REPLICA_ARBITRATED = "replica_arbitrated"  # a spare's recomputation named the faulty one of two replicas
     STATE_UNVOUCHED = "state_unvouched"  # rank 0: the state carries a divergence nothing rolled back (why)
     CHECKPOINT_LOADED = "checkpoint_loaded"  # every in-memory copy lost: resild's disk checkpoint loaded
     CHECKPOINT_SAVED = "checkpoint_saved"  # rank 0: a disk checkpoint is COMPLETE on every rank

@@ -283,6 +283,7 @@ PEER_EVENTS: dict[str, dict[str, Any]] = {
     EventName.SNAPSHOTS: {"taken": _f("int").metadata, "held_bytes": _f("int").metadata},
     EventName.REPLICA_DIVERGED: {"step": _f("int", required=True).metadata},
     EventName.STATE_UNVOUCHED: {"step": _f("int", required=True).metadata},
+    EventName.REPLICA_ARBITRATED: {"step": _f("int", required=True).metadata},
     EventName.STEPS_VERIFIED: {"verified": _f("int", required=True).metadata},
     EventName.GRADIENTS_DIFFERED: {"step": _f("int", required=True).metadata, "ranks": _f("int", hi=RANK).metadata},
     EventName.AGREED_STATE: {"kept": _f("int").metadata, "held_bytes": _f("int").metadata},

@@ -30,6 +30,7 @@ from launcher.worker.redundancy.agreed_state import AgreedCopy
 from launcher.worker.redundancy.checkpoint_cadence import CheckpointCadence
 from launcher.worker.redundancy.device_stager import DeviceStager
 from launcher.worker.redundancy.disk_checkpoint import DiskCheckpointer
+from launcher.worker.redundancy.fingerprint import fingerprint
 from launcher.worker.redundancy.hooks import CheckpointHook, FingerprintHook
 from launcher.worker.redundancy.snapshot_cadence import SnapshotManager
 from launcher.worker.redundancy.snapshot_exchange import Exchanger
@@ -79,6 +80,7 @@ class Redundancy:
         self.steps: StepState | None = None
         self.agreed: AgreedCopy | None = None  # the last state the replicas' fingerprints agreed on
         self.verifier: StepVerifier | None = None  # --verify-every: steps computed twice
+        self._rolled_back_to: int | None = None  # the step this recovery returned every rank to
         self._unverified_said = False
 
     # ---- set-up ----------------------------------------------------------------------
@@ -277,6 +279,7 @@ class Redundancy:
         assert steps is not None and protocol is not None
         back = agreed_state.plan(rows)
         steps.diverged_at = 0
+        self._rolled_back_to = None
         if back is None:
             return None
         if back.step is None:
@@ -315,11 +318,22 @@ class Redundancy:
             )
         if checked is False:
             self.emit(EventName.SNAPSHOT_CORRUPT, src=self.rank, step=back.step, holder=self.rank, found="agreed copy")
+        self._rolled_back_to = back.step
         return back.step
 
     def after_join(self, target: int) -> None:
         if self.verifier is not None:
             self.verifier.reset()
+        steps, state, copy = self.steps, self.state, self.agreed
+        if self._rolled_back_to == target and copy is not None and steps is not None and state is not None:
+            # Every rank holds the agreed step now, the ones that received it too (a spare, a rank
+            # whose copy failed): each keeps it, so a second divergence before the next compare
+            # (an arbitration that names the other replica) still has it to return to.
+            if steps.agreed != target:
+                view = state.state_view(target)
+                copy.keep(target, fingerprint(view), view, steps.committed_aux)
+                steps.agreed = target
+        self._rolled_back_to = None
         if self.snap is not None:
             self.snap.after_recovery(target)
             if target == 0:  # the start (or a fault before the first commit): protect the initial state

@@ -94,6 +94,40 @@ def test_hsdp_three_replica_groups_divergence_caught_late_ends_bitwise_identical
     assert_same(ref.final, r.final, "final")
 
 
+def test_hsdp_two_replica_groups_that_disagree_are_arbitrated_by_the_spare(tmp_path: Path) -> None:
+    # The common HSDP layout: 2 replica groups of 2 shards (one node each) and one spare. Each
+    # shard's pair disagrees with no majority: node1's ranks leave, every rank returns to the
+    # last agreed step, and the pairs agree again with the spare in node1's place.
+    hsdp = f"{HSDP} --shard-size 2"
+    common = ("--heartbeat-timeout", "4")
+    ref = run_job(tmp_path / "ref", *common, nodes=2, spares=0, nproc=2, steps=40, script=hsdp, timeout_s=240)
+    assert ref.rc == 0, ref.stderr[-2000:]
+    r = run_job(
+        tmp_path / "hurt",
+        *common,
+        "--fingerprint-every",
+        "5",
+        "--inject",
+        "diverge:node1@20",
+        nodes=3,
+        spares=1,
+        nproc=2,
+        steps=40,
+        script=hsdp,
+        timeout_s=240,
+    )
+    assert r.rc == 0, r.stderr[-3000:]
+    first = [e for e in r.events if e["event"] == "replica_diverged"][0]
+    assert first["arbitrate"] and all(rank in (2, 3) for rank in first["arbitrate"]), first
+    (arb,) = [e for e in r.events if e["event"] == "replica_arbitrated"]
+    assert arb["step"] == first["step"] and arb["leaving"] == [], arb
+    (back,) = [e for e in r.events if e["event"] == "rolled_back"]
+    assert back["step"] == first["step"] - 5, back
+    assert r.summary is not None and "unvouched" not in r.summary["job"]
+    assert r.final is not None and r.final["step"] == 40
+    assert_same(ref.final, r.final, "final")
+
+
 def test_a_divergence_with_no_agreed_state_to_return_to_is_said_in_the_summary(tmp_path: Path) -> None:
     # Found at the first compare (step 80; the nudge lands within a few steps of 1): there is no
     # agreed state to return to. The job goes on from the majority's state, and says, in the
@@ -130,6 +164,36 @@ def test_with_rollback_off_a_late_divergence_is_said_not_vouched_for(tmp_path: P
     assert r.rc == 0, r.stderr[-3000:]
     assert not [e for e in r.events if e["event"] == "rolled_back"]
     assert r.summary is not None and "RESILD_DIVERGENCE_ROLLBACK=0" in r.summary["job"]["unvouched"], r.summary
+
+
+# The suspect (the higher rank) leaves first, whichever node drifted: a transient drift reaches
+# the other replica through the averaged gradients, so the recomputation beside a fresh spare
+# matches neither first result; what settles it is that the pair now agrees.
+@pytest.mark.parametrize("hurt", ["node1", "node0"])
+def test_a_spare_arbitrates_between_two_replicas_that_disagree(tmp_path: Path, hurt: str) -> None:
+    ref = run_job(tmp_path / "ref", nodes=2, spares=0, steps=STEPS)
+    assert ref.rc == 0, ref.stderr[-2000:]
+    r = run_job(
+        tmp_path / "hurt",
+        "--fingerprint-every",
+        "5",
+        "--inject",
+        f"diverge:{hurt}@20",
+        nodes=4,
+        spares=2,
+        steps=STEPS,
+    )
+    assert r.rc == 0, r.stderr[-3000:]
+    first = [e for e in r.events if e["event"] == "replica_diverged"][0]
+    assert first["undecided"] == [[0, 1]] and first["arbitrate"] == [1], first
+    (arb,) = [e for e in r.events if e["event"] == "replica_arbitrated"]
+    assert arb["step"] == first["step"] and arb["leaving"] == [], arb
+    (sa,) = [e for e in r.events if e["event"] == "spare_assigned"]
+    assert sa["failed"] == "local-node1", sa
+    assert not [e for e in r.events if e["event"] == "state_unvouched"]
+    assert r.summary is not None and "unvouched" not in r.summary["job"]
+    assert r.final is not None and r.final["step"] == STEPS
+    assert_same(ref.final, r.final, "final")
 
 
 def test_two_replicas_that_disagree_stop_the_job_in_one_line(tmp_path: Path) -> None:

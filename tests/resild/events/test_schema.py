@@ -33,9 +33,9 @@ fault_injected failure_detected node_fenced spare_assigned job_resized reform fu
 job_finished job_failed controller_restored controller_leader controller_stalled journal_error group_reformed
 state_replayed resumed process_running process_exited process_zombie process_hung node_suspect
 rolled_back snapshot_corrupt snapshots replica_diverged agreed_state state_unvouched checkpoint_loaded spare_warmed
-gradients_differed steps_verified controller_error checkpoint_saved checkpoint_failed checkpoint_deferred
-node_admitted join_refused
-node_readmitted spares_requested replica_layout spare_compiled peer_refused node_abusive""".split()
+gradients_differed steps_verified replica_arbitrated controller_error checkpoint_saved checkpoint_failed
+checkpoint_deferred node_admitted join_refused node_readmitted spares_requested replica_layout spare_compiled
+peer_refused node_abusive""".split()
 
 
 def test_names_are_todays_strings() -> None:
