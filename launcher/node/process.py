@@ -362,7 +362,15 @@ class NodeProcess:
         state = b.get("state")
         if state == "commit":
             try:
-                self.commits.add(int(b["rank"]), int(b["epoch"]), int(b["step"]), now)
+                paced, of = b.get("paced_s"), b.get("of")
+                self.commits.add(
+                    int(b["rank"]),
+                    int(b["epoch"]),
+                    int(b["step"]),
+                    now,
+                    float(paced) if isinstance(paced, (int, float)) and not isinstance(paced, bool) else None,
+                    of if isinstance(of, int) and not isinstance(of, bool) and of > 0 else None,
+                )
             except (KeyError, TypeError, ValueError):
                 log.warning("%s: bad progress from a worker: %r", self.node, b)
             if self.commits.due(now):

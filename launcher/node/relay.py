@@ -100,8 +100,15 @@ class CommitAggregator:
     _first_s: float = 0.0
     _last_sent_s: float = -1e9
     _last_epoch: int = 0
+    # Paces (launcher.worker.pace): each rank's running total as last heard, and as of its last
+    # report; a report carries each rank's mean pace over the steps since (stragglers).
+    _paced: dict[int, tuple[int, float]] = field(default_factory=dict)  # rank -> (step, total seconds)
+    _reported: dict[int, tuple[int, float]] = field(default_factory=dict)
+    _of: int = 0  # the steps the loop was asked for (job.steps(total)), as the ranks say
 
-    def add(self, rank: int, epoch: int, step: int, now: float) -> None:
+    def add(
+        self, rank: int, epoch: int, step: int, now: float, paced_s: float | None = None, of: int | None = None
+    ) -> None:
         if epoch < self._epoch:
             return  # a late commit of an epoch already superseded
         if epoch > self._epoch:
@@ -110,6 +117,22 @@ class CommitAggregator:
         if not self._pending:
             self._first_s = now
         self._pending[rank] = step
+        if paced_s is not None:
+            self._paced[rank] = (step, paced_s)
+        if of is not None:
+            self._of = max(self._of, of)
+
+    def _paces(self) -> dict[str, float]:
+        """Each rank's mean pace over the steps since its last report (a rank that went back
+        (a rollback) or restarted (a spare's new process) starts counting again)."""
+        out: dict[str, float] = {}
+        for rank, (step, total_s) in self._paced.items():
+            prev = self._reported.get(rank)
+            if prev is not None and step > prev[0] and total_s >= prev[1]:
+                out[str(rank)] = round((total_s - prev[1]) / (step - prev[0]), 6)
+            if prev is None or step != prev[0]:
+                self._reported[rank] = (step, total_s)
+        return out
 
     def due(self, now: float) -> bool:
         if not self._pending or now - self._last_sent_s < self.interval_s:
@@ -133,7 +156,16 @@ class CommitAggregator:
         """The report body part {"epoch", "commits": {rank: step}} (ignores due()); None if empty."""
         if not self._pending:
             return None
-        body = {"epoch": self._epoch, "state": "commit", "commits": {str(r): s for r, s in self._pending.items()}}
+        body: dict[str, Any] = {
+            "epoch": self._epoch,
+            "state": "commit",
+            "commits": {str(r): s for r, s in self._pending.items()},
+        }
+        paces = self._paces()
+        if paces:
+            body["paces"] = paces
+        if self._of:
+            body["of"] = self._of
         self._pending = {}
         self._last_sent_s, self._last_epoch = now, self._epoch
         return body

@@ -22,6 +22,7 @@ fault specs may say node0 for local-node0.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -47,7 +48,7 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
         name = f.node if f.node in nodes else f"local-{f.node}"
         if name not in nodes:
             raise FaultSpecError(f"fault {spec!r} names node {f.node!r}; nodes are {', '.join(nodes)}")
-        out.append(Fault(f.kind, name, f.step, f.delay_s, epoch=f.epoch))
+        out.append(dataclasses.replace(f, node=name))
     return out
 
 
@@ -205,6 +206,34 @@ def _copies(v: str | int) -> int:
     "extra=, deterministic kernels; gradients resild averages (a plain model, not DDP or FSDP2). 0: never.",
 )
 @click.option(
+    "--stragglers",
+    type=click.Choice(["replace", "report", "off"]),
+    default="replace",
+    show_default=True,
+    help="A node persistently slower than the others (each rank's own compute per step, from the commit "
+    "reports): replace it with a spare when the time it costs the rest of the run exceeds what a recovery costs "
+    "this job (its own recoveries' median; 5 s before the first), else report it (a `straggler` event, the live "
+    "line, resild report); or only report; or do not watch.",
+)
+@click.option(
+    "--straggler-threshold",
+    type=float,
+    default=0.25,
+    show_default=True,
+    metavar="SHARE",
+    help="A node is a straggler when its median pace is more than this share above the other nodes' "
+    "(0.25: 25% slower), in (0, 10].",
+)
+@click.option(
+    "--straggler-window",
+    type=click.IntRange(min=2),
+    default=50,
+    show_default=True,
+    metavar="STEPS",
+    help="Over its latest this many steps (the first steps after the start and after every recovery are not "
+    "judged): one slow step moves no median.",
+)
+@click.option(
     "--checkpoint-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="resild writes asynchronous torch.distributed.checkpoint checkpoints of the attached state here "
@@ -311,6 +340,9 @@ def main(
     snapshot_every: int,
     fingerprint_every: int,
     verify_every: int,
+    stragglers: str,
+    straggler_threshold: float,
+    straggler_window: int,
     checkpoint_dir: Path | None,
     checkpoint_every: int,
     run_dir: Path | None,
@@ -374,6 +406,9 @@ def main(
             checkpoint_every=checkpoint_every if checkpoint_dir is not None else 0,
             min_replicas=min_replicas,
             verify_every=verify_every,
+            stragglers=stragglers,
+            straggler_threshold=straggler_threshold,
+            straggler_window=straggler_window,
         )
     except SettingsError as e:
         raise click.UsageError(str(e)) from None

@@ -10,7 +10,14 @@ from typing import Any, TextIO
 from resild.events.schema import RECOVERY_EVENTS, EventName, JobFinished, event_time
 from resild.procutil import say
 from resild.report.checkpoints import CheckpointCounts, checkpoint_counts
-from resild.report.goodput import FailureBreakdown, failure_breakdowns, step_time, unvouched, unvouched_line
+from resild.report.goodput import (
+    FailureBreakdown,
+    failure_breakdowns,
+    step_time,
+    stragglers,
+    unvouched,
+    unvouched_line,
+)
 from resild.report.recoveries import Recovery, recoveries
 
 
@@ -39,6 +46,9 @@ def summarize(events: list[dict[str, Any]]) -> tuple[list[FailureBreakdown], dic
     why = unvouched(events)
     if why is not None:
         job["unvouched"] = why
+    slow = stragglers(events)
+    if slow:
+        job["stragglers"] = slow
     return out, job
 
 
@@ -187,6 +197,8 @@ class StatusLine:
             )
         elif name == EventName.SPARES_REQUESTED:
             self.queued += int(e.get("count", 0))
+        elif name == EventName.STRAGGLER:  # replaced: the failure line follows; reported: this is all
+            self._line(f"straggler: {e.get('reason')}", t, permanent=True)
         elif name == EventName.JOB_RESIZED:
             self.spares = int(e.get("spares_left", self.spares or 0))
             w, full = int(e.get("world_size", 0)), int(e.get("full", 0))

@@ -51,6 +51,7 @@ from launcher.worker.links.agent import AgentLink, agent_endpoint
 from launcher.worker.links.controller import ControlLink, keys_from_env
 from launcher.worker.links.store import LinkStore
 from launcher.worker.mesh_layout import MeshError, MeshLayout
+from launcher.worker.pace import Pace
 from launcher.worker.recovery import RecoverySequence, Reformed
 from launcher.worker.redundancy.coordinator import Redundancy, RedundancyError
 from launcher.worker.replica_map import ReplicaMap
@@ -153,6 +154,8 @@ class Job:
         self._agent: AgentLink | None = None
         controller = os.environ.get(resild_env.CONTROLLER.name)
         self.solo = controller is None
+        self.pace = Pace()  # this rank's own compute per step, in its commit reports (stragglers)
+        self._total = 0  # the steps job.steps() was asked for
         self.node = os.environ.get(resild_env.NODE.name, resild_env.NODE.default)
         self.local_rank = int(os.environ.get(resild_env.LOCAL_RANK.name, resild_env.LOCAL_RANK.default))
         if controller is None:
@@ -753,8 +756,10 @@ class Job:
             raise ResilienceError("call job.attach(model, optimizer, ...) before job.steps()")
         st = self.steps_state
         while True:
+            self._total = total
             while st.step < total:
                 st.open_step()
+                self.pace.opened()
                 yield st.step
                 if st.close_step() == 0:
                     raise ResilienceError("call job.commit() once per step inside `for step in job.steps(...)`")
@@ -816,6 +821,8 @@ class Job:
             protocol.commit_alone()
             return True
         assert self.link is not None
+        self.pace.slow_pct = self.link.inject_slow_pct
+        self.pace.arrived()
         if self.link.inject_exception:
             raise RuntimeError("resild fault injection: exception raised in the training step")
         red = self.redundancy
@@ -830,7 +837,7 @@ class Job:
         if red is not None and red.verify_again(self.steps_state.step):
             return False  # --verify-every: job.steps() yields this step again, to be computed once more
         if protocol.vote():  # the after-commit hooks ran in it (snapshots, fingerprints, checkpoints)
-            self._progress("commit")
+            self._progress("commit", paced_s=round(self.pace.total_s, 6), of=self._total)
             if self._graphs_at_takeover is not None:
                 self._report_compiled(self._graphs_at_takeover)
             return True

@@ -297,6 +297,7 @@ class Effects:
 
     def announced(self, m: Membership, sent: Announced, now: float) -> None:
         """After the sends: the epoch's event (its whole layout, O(ranks)), the faults it arms."""
+        self.s.epoch_announced_s = now
         self.s.events.emit(
             EventName.MEMBERSHIP,
             epoch=m.epoch,
@@ -321,7 +322,7 @@ class Effects:
             if target is not None and target.role == NodeRole.FENCED:  # it can never hit: dropped
                 log.warning("fault %s dropped: %s is fenced", f, f.node)
                 continue
-            if f.kind == "corrupt":  # every worker of the node holds snapshot copies
+            if f.kind in ("corrupt", "slow"):  # every worker of the node (snapshot copies; its pace)
                 targets = [(wid, lr) for (node_id, lr), wid in list(s.worker_ident.items()) if node_id == f.node]
             elif f.kind in ("exception", "diverge", "badgrad"):
                 wid = s.worker_ident.get((f.node, f.local_rank))
@@ -338,7 +339,7 @@ class Effects:
             self.injector.fired(f, now)
             s.events.emit(EventName.FAULT_INJECTED, kind=f.kind, node=f.node, step=s.max_step, spec=str(f))
             for to, lr in targets:
-                s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": lr, "xid": f.xid}, to=to)
+                s.ch.send(MsgType.INJECT, {"kind": f.kind, "local_rank": lr, "xid": f.xid, "pct": f.pct}, to=to)
 
     def finish(self) -> None:
         """The end of the job, with its verdict (finished, failed, or cancelled: Ctrl-C):

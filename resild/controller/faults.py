@@ -8,7 +8,9 @@ node's GPU probe reports Xid N through the fault-injecting NVML stand-in), corru
 memory would: recovery must detect it by checksum and use another copy), diverge
 (worker 0 of the node nudges one parameter, as a GPU computing wrong numbers would:
 the replicas' fingerprints must catch it), badgrad (worker 0 of the node computes wrong
-gradients for one step, which every replica then averages in: --verify-every must catch it).
+gradients for one step, which every replica then averages in: --verify-every must catch it),
+slow (every worker of the node is slower by PCT% of its step from then on, `slow:NODE@STEP+PCT%`,
+50% by default, as a throttled GPU would: the straggler policy must find it).
 A fault fires once the job's committed step reaches STEP (plus DELAY_S seconds).
 """
 
@@ -17,10 +19,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("kill", "exception", "hang", "nodeloss", "corrupt", "diverge", "badgrad")
+KINDS = ("kill", "exception", "hang", "nodeloss", "corrupt", "diverge", "badgrad", "slow")
 _SPEC = re.compile(
     r"(?P<kind>[a-z]{1,16}[0-9]{0,6}):(?P<node>[A-Za-z0-9_.-]{1,128})"
-    r"@(?:(?P<step>[0-9]{1,15})|e(?P<epoch>[0-9]{1,15}))(?:\+(?P<delay>[0-9]{1,7}(?:\.[0-9]{1,6})?))?",
+    r"@(?:(?P<step>[0-9]{1,15})|e(?P<epoch>[0-9]{1,15}))"
+    r"(?:\+(?:(?P<pct>[0-9]{1,4})%|(?P<delay>[0-9]{1,7}(?:\.[0-9]{1,6})?)))?",
     re.ASCII,
 )
 
@@ -37,6 +40,7 @@ class Fault:
     delay_s: float = 0.0
     local_rank: int = 0
     epoch: int | None = None  # fire when this epoch is announced instead of at a step
+    pct: int = 0  # slow: how much slower each step becomes (% of the step; 0: the worker's 50%)
 
     @property
     def xid(self) -> int | None:
@@ -45,14 +49,16 @@ class Fault:
     def __str__(self) -> str:
         at = f"e{self.epoch}" if self.epoch is not None else str(self.step)
         delay = f"{self.delay_s:.6f}".rstrip("0").rstrip(".")  # parse_fault(str(f)) == f
-        return f"{self.kind}:{self.node}@{at}" + (f"+{delay}" if self.delay_s else "")
+        tail = f"+{self.pct}%" if self.pct else f"+{delay}" if self.delay_s else ""
+        return f"{self.kind}:{self.node}@{at}{tail}"
 
 
 def parse_fault(spec: str) -> Fault:
     m = _SPEC.fullmatch(spec.strip()) if isinstance(spec, str) and len(spec) <= 256 else None
     if not m:
         raise FaultSpecError(
-            f"bad fault spec {str(spec)[:80]!r}: expected KIND:NODE@STEP[+DELAY_S], e.g. kill:node1@40"
+            f"bad fault spec {str(spec)[:80]!r}: expected KIND:NODE@STEP[+DELAY_S], e.g. kill:node1@40 "
+            "(slow:NODE@STEP+PCT%: slower by PCT% of a step)"
         )
     kind = m["kind"]
     if kind not in KINDS and not re.fullmatch(r"xid[0-9]{1,6}", kind):
@@ -60,7 +66,10 @@ def parse_fault(spec: str) -> Fault:
             f"unknown fault kind {kind!r} in {spec!r}: one of {', '.join(KINDS)}, or xidN (e.g. xid79)"
         )
     epoch = int(m["epoch"]) if m["epoch"] is not None else None
-    return Fault(kind, m["node"], int(m["step"] or 0), float(m["delay"] or 0.0), epoch=epoch)
+    pct = int(m["pct"]) if m["pct"] is not None else 0
+    if (pct and kind != "slow") or not 0 <= pct <= 1000:
+        raise FaultSpecError(f"bad fault spec {spec!r}: +PCT% is a slow fault's slowdown, 1-1000%")
+    return Fault(kind, m["node"], int(m["step"] or 0), float(m["delay"] or 0.0), epoch=epoch, pct=pct)
 
 
 class Injector:
@@ -76,9 +85,9 @@ class Injector:
         self._unsettled_since: float | None = None
 
     def fired(self, f: Fault, now: float) -> None:
-        """`f` went out. A corrupt fault damages copies without failing anything: no
-        recovery will follow it, so it holds nothing back."""
-        if f.kind != "corrupt":
+        """`f` went out. A corrupt fault damages copies, a slow one slows a node, without
+        failing anything: no recovery need follow, so it holds nothing back."""
+        if f.kind not in ("corrupt", "slow"):
             self._unsettled_since = now
 
     def settled(self) -> None:

@@ -285,7 +285,9 @@ class Handlers:
                 # From the node process's own socket, already heard on: a heartbeat too (the
                 # node sends no other while its reports keep coming: relay.leader_heartbeat_due).
                 s.view.beat(node.node_id, now)
-            self._on_commits(node, b.commits, b.epoch, now)
+            self._on_commits(node, b.commits, b.epoch, now, b.paces)
+            if b.of:
+                s.steps_planned = max(s.steps_planned, b.of)
             return
         rank, epoch, step = b.rank, b.epoch, b.step
         if rank is None or epoch is None or step is None:
@@ -306,17 +308,33 @@ class Handlers:
             s.view.epoch_started_s = max(s.view.epoch_started_s, now)
         self._rank_progress(rank, epoch, step, b.state if b.state is not None else "compute", m, now)
 
-    def _on_commits(self, node: NodeView, commits: dict[int, int], epoch: int | None, now: float) -> None:
-        """A node process's aggregate of its ranks' commits: {"commits": {rank: step}, "epoch"}."""
+    def _on_commits(
+        self,
+        node: NodeView,
+        commits: dict[int, int],
+        epoch: int | None,
+        now: float,
+        paces: dict[int, float] | None = None,
+    ) -> None:
+        """A node process's aggregate of its ranks' commits: {"commits": {rank: step}, "epoch"},
+        with each rank's mean pace since its last report ("paces")."""
         if epoch is None:
             raise KeyError("epoch is required with commits")
         m = self.s.view.membership
         mine = m.node_ranks.get(node.node_id) if m is not None else None
         if m is None or mine is None:
             return  # stale sender
+        slowest: tuple[float, int, int] | None = None  # the node's pace is its slowest rank's
         for rank, step in commits.items():
-            if rank in mine:
-                self._rank_progress(rank, epoch, step, "commit", m, now)
+            if rank not in mine:
+                continue
+            prev = self.s.view.progress.get(rank)
+            if paces and rank in paces and prev is not None and prev.epoch == epoch and step > prev.step:
+                if slowest is None or paces[rank] > slowest[0]:
+                    slowest = (paces[rank], step, step - prev.step)
+            self._rank_progress(rank, epoch, step, "commit", m, now)
+        if slowest is not None and epoch == m.epoch:
+            self.s.paces.add(node.node_id, epoch, slowest[1], slowest[0], slowest[2])
 
     def _rank_progress(self, rank: int, epoch: int, step: int, state: str, m: Membership, now: float) -> None:
         s = self.s
@@ -333,6 +351,8 @@ class Handlers:
                 s.events.progress(step, epoch)  # throttled: step-vs-time line, live status
             if s.awaiting_full_strength == epoch and committed:
                 s.awaiting_full_strength = None
+                if s.epoch_announced_s and epoch > 1:  # this job's recovery cost (stragglers.pays)
+                    s.recoveries_s.append(now - s.epoch_announced_s)
                 s.events.emit(EventName.FULL_STRENGTH_STEP, epoch=epoch, step=step, rank=rank)
 
     def _on_event(self, ident: bytes, node: NodeView, b: Event, now: float) -> None:

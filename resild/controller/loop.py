@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,7 @@ from resild.controller.faults import Fault, Injector
 from resild.controller.handlers import Handlers
 from resild.controller.journal import Journal
 from resild.controller.policy import (
+    Action,
     PolicyConfig,
     check_grow,
     check_heartbeats,
@@ -41,6 +43,7 @@ from resild.controller.policy import (
     controller_stall_s,
     give_up_verdict,
     on_node_failure,
+    on_straggler,
     tick_interval_s,
 )
 from resild.controller.readmission import readmission
@@ -49,6 +52,8 @@ from resild.controller.refill import refill
 from resild.controller.restore import fold, initial, resume, take_over
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
 from resild.controller.status import answer
+from resild.controller.stragglers import PRIOR_RECOVERY_S, STRAGGLER_CHECK_S, Paces
+from resild.controller.stragglers import find as find_straggler
 from resild.controller.view import ClusterView, JobResult, NodeView
 from resild.events.log import EventLog
 from resild.events.schema import Detector, EventName
@@ -142,6 +147,8 @@ class Controller:
             budget=Budget({MsgType.EVENT.value: cfg.event_budget, MsgType.PROGRESS.value: cfg.progress_budget}),
         )
         self.state.keys = keys
+        self.state.paces = Paces(cfg.settings.straggler_window)
+        self._next_straggler_check_s = 0.0
         self.effects = Effects(self.state, cfg, self.injector)
         self.errors = InternalErrors(events, self.journal)  # our own bugs: reported, never the job's end
         self._tick_failed = False
@@ -314,6 +321,7 @@ class Controller:
         self._step("tick:grow", self._grow, now)
         started = self.view.membership is not None
         self._step("tick:checks", self._checks, now)
+        self._step("tick:stragglers", self._stragglers, now)
         if started:
             self._step("tick:faults", self.effects.fire_faults, now)
 
@@ -347,6 +355,42 @@ class Controller:
     def _grow(self, now: float) -> None:
         if self.view.min_replicas > 0 and self.state.result is None:
             self.effects.decide(check_grow(self.view, busy=self.state.awaiting_full_strength is not None), now)
+
+    def _stragglers(self, now: float) -> None:
+        """A node persistently slower than the others: said once an epoch, and replaced when
+        that pays (policy.on_straggler); never during a recovery or after the verdict."""
+        st, settings = self.state, self.cfg.settings
+        if settings.stragglers == "off" or st.result is not None or st.awaiting_full_strength is not None:
+            return
+        if self.view.membership is None or now < self._next_straggler_check_s:
+            return
+        self._next_straggler_check_s = now + STRAGGLER_CHECK_S  # O(nodes x window): not every tick
+        found = find_straggler(st.paces.view(), settings.straggler_window, settings.straggler_threshold)
+        if found is None:
+            return
+        steps_left = max(0, st.steps_planned - st.max_step)
+        recovery_s = statistics.median(st.recoveries_s) if st.recoveries_s else PRIOR_RECOVERY_S
+        d, cost_s = on_straggler(self.view, found, settings.stragglers == "replace", steps_left, recovery_s)
+        key = (st.paces.epoch, found.node)
+        if key in st.stragglers_said and d.action == Action.NONE:
+            return  # said already; looked at again as its window fills (it may come to pay)
+        st.stragglers_said.add(key)
+        self.events.emit(
+            EventName.STRAGGLER,
+            node=found.node,
+            slowdown=round(found.slowdown, 4),
+            pace_s=round(found.pace_s, 6),
+            others_s=round(found.others_s, 6),
+            window=found.steps,
+            steps_left=steps_left,
+            cost_s=round(cost_s, 3),
+            recovery_s=round(recovery_s, 3),
+            replaced=d.action == Action.REPLACE_NODE,
+            reason=d.reason,
+        )
+        if d.action == Action.REPLACE_NODE:
+            st.paces.forget(found.node)
+            self.effects.decide(d, now)
 
     def _readmit(self, now: float) -> None:
         if not self.cfg.readmit:

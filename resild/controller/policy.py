@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from resild.controller.budget import Overage
+from resild.controller.stragglers import Straggler, pays
 from resild.controller.view import ClusterView, NodeView
 from resild.events.schema import Detector
 from resild.membership import Membership, NodeRole
@@ -179,6 +180,35 @@ def _on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str,
         membership=view.membership.replace(node_id, spare.node_id),
         detector=detector,
     )
+
+
+def on_straggler(
+    view: ClusterView, s: Straggler, act: bool, steps_left: int, recovery_s: float
+) -> tuple[Decision, float]:
+    """A persistently slow node (stragglers.find): replaced by a spare when `act` (--stragglers
+    replace), a spare is free and it pays (stragglers.pays); else only reported. -> (the
+    decision, with the reason either way; the seconds it would cost the rest of the run).
+    Slowness alone is no evidence against the node: replaced, it is suspected, not drained."""
+    worth, cost_s = pays(s, steps_left, recovery_s)
+    why = (
+        f"{s.node} is {s.slowdown:.0%} slower than the others over its last {s.steps} steps "
+        f"({s.pace_s * 1000:.1f} ms a step against {s.others_s * 1000:.1f} ms)"
+    )
+    if not act:
+        return Decision(Action.NONE, f"{why}: reported only (--stragglers report)", node=s.node), cost_s
+    if pick_spare(view) is None:
+        return Decision(Action.NONE, f"{why}: reported; no spare is free to replace it", node=s.node), cost_s
+    if not worth:
+        return Decision(
+            Action.NONE,
+            f"{why}: reported; the {steps_left} steps left would lose {cost_s:.1f}s to it, less than a recovery "
+            f"costs this job ({recovery_s:.1f}s)",
+            node=s.node,
+        ), cost_s
+    cause = (
+        f"straggler: {why}; the {steps_left} steps left would lose {cost_s:.1f}s to it (a recovery: {recovery_s:.1f}s)"
+    )
+    return on_node_failure(view, s.node, cause, Detector.STRAGGLER.value, worker_fault=True), cost_s
 
 
 def shrink_to(view: ClusterView, node_id: str) -> Membership | None:

@@ -15,6 +15,7 @@ from resild.controller.broadcast import Broadcaster
 from resild.controller.budget import Budget, Limits
 from resild.controller.journal import Journal
 from resild.controller.policy import SUSPECT_WINDOW_S, AbuseLimits, Decision
+from resild.controller.stragglers import Paces
 from resild.controller.view import ClusterView, JobResult
 from resild.events.log import EventLog
 from resild.membership import Membership
@@ -82,6 +83,11 @@ class ControllerState:
     keys: KeyDir | None = None  # the job's key directory: a joining node's key is minted here
     joined_sources: set[str] = field(default_factory=set)  # where admitted nodes came from ("slurm:<id>")
     unvouched: str | None = None  # why the job's state cannot be vouched for (a worker said: state_unvouched)
+    paces: Paces = field(default_factory=lambda: Paces(50))  # per node, its latest steps' paces (stragglers)
+    steps_planned: int = 0  # the steps the training loop was asked for (job.steps(total)), as ranks say
+    stragglers_said: set[tuple[int, str]] = field(default_factory=set)  # (epoch, node): decided once an epoch
+    epoch_announced_s: float = 0.0  # when the current epoch was announced
+    recoveries_s: list[float] = field(default_factory=list)  # announced -> full strength, each recovery
 
     @property
     def dropped(self) -> dict[str, int]:

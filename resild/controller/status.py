@@ -47,4 +47,6 @@ def status(
 def answer(s: ControllerState, spare_target: int = 0) -> dict[str, Any]:
     """The STATUS reply from the controller's shared state, now."""
     queued = s.backend.spares_on_the_way(frozenset(s.joined_sources))
-    return status(s.view, s.max_step, getattr(s.backend, "drained", {}), time.monotonic(), queued, spare_target)
+    out = status(s.view, s.max_step, getattr(s.backend, "drained", {}), time.monotonic(), queued, spare_target)
+    out["stragglers"] = sorted(n for e, n in s.stragglers_said if e == s.paces.epoch)  # found this epoch
+    return out

@@ -38,6 +38,7 @@ class Detector(str, Enum):
     DAEMON = "daemon"  # the node process following the daemon (restarted, silent)
     PROBE_POLL = "probe-poll"  # the node process's own periodic probes (no daemon)
     QUALIFY = "qualify"  # a joining node's qualification failed
+    STRAGGLER = "straggler"  # the controller replaced a persistently slow node (resild.controller.stragglers)
     UNKNOWN = "unknown"  # no health source could tell
 
 
@@ -85,6 +86,7 @@ class EventName(str, Enum):
     NODE_ADMITTED = "node_admitted"  # a node joined the running job as a spare (resil-run --join)
     JOIN_REFUSED = "join_refused"  # a request to join was refused: the reason, nothing changed
     NODE_READMITTED = "node_readmitted"  # a node fenced on suspicion is back as a spare (qualified first)
+    STRAGGLER = "straggler"  # a node persistently slower than the others: replaced, or only reported (why)
     SPARES_REQUESTED = "spares_requested"  # the pool is below --spare-target: cold spares asked of the queue
     # -- peers (resild.wire.protocol.PEER_EVENTS): workers ----------------------------------
     GROUP_REFORMED = "group_reformed"

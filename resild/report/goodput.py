@@ -121,6 +121,7 @@ class Breakdown:
     job_index: int = 1
     checkpoints: dict[str, Any] | None = None  # resild.report.checkpoints, when the job wrote any
     unvouched: str | None = None  # why resild cannot vouch for the job's state (unvouched()); None: it can
+    stragglers: list[dict[str, Any]] = field(default_factory=list)  # stragglers(): found, replaced or reported
 
     def parts(self) -> list[tuple[str, float]]:
         return [
@@ -274,6 +275,14 @@ def unvouched(events: list[dict[str, Any]]) -> str | None:
     return str(said.get("reason") or "a divergence was not rolled back") if said is not None else None
 
 
+def stragglers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The controller's `straggler` events: node, slowdown, replaced, reason."""
+    keep = ("node", "slowdown", "replaced", "reason")
+    return [
+        {k: e.get(k) for k in keep} for e in events if isinstance(e, dict) and e.get("event") == EventName.STRAGGLER
+    ]
+
+
 def unvouched_line(reason: str) -> str:
     return f"WARNING: resild cannot vouch for this job's final state: {reason}"
 
@@ -414,6 +423,7 @@ def _analyze_one(ev: list[dict[str, Any]]) -> Breakdown:
         gpu_goodput=productive * n_act / (wall * n_all) if wall > 0 else None,
         failures=failures,
         unvouched=unvouched(ev),
+        stragglers=stragglers(ev),
         step_line=line,
         spares_line=spares_line,
         queued_line=queued_line,
@@ -489,6 +499,8 @@ def format_breakdown(b: Breakdown) -> str:
     lines.append(f"job {b.outcome}: {b.reason}")
     if b.unvouched:
         lines.append(unvouched_line(b.unvouched))
+    for st in b.stragglers:
+        lines.append(f"straggler {'replaced' if st['replaced'] else 'reported'}: {st['reason']}")
     lines.append(
         f"{b.nodes} nodes ({b.active_nodes} training, {b.initial_spares} hot spares), "
         f"{b.steps} steps, median step {step}, wall {b.wall_s:.2f} s"

@@ -94,7 +94,7 @@ def _f(
 ) -> Any:
     """A body field: `kind` is str | int | float | bool | strs (list of str) | ints (list of
     ints in [lo, hi]) | steps ({rank: step}, ranks as decimal strings, steps ints in [lo, hi];
-    typed as dict[int, int]) | obj (JSON object)."""
+    typed as dict[int, int]) | paces ({rank: seconds} in [0, hi]) | obj (JSON object)."""
     return field(
         default=None,
         metadata={"kind": kind, "lo": lo, "hi": hi, "max_len": max_len, "required": required, "choices": choices},
@@ -177,6 +177,8 @@ def _check_field(name: str, v: Any, m: Any) -> Any:
         v = list(v)
     elif kind == "steps":
         v = _steps(name, v, m["lo"], m["hi"])
+    elif kind == "paces":
+        v = _paces(name, v, m["hi"])
     elif kind == "obj":
         if not isinstance(v, dict):
             raise ProtocolError("bad_body", f"{name} must be a JSON object")
@@ -204,6 +206,23 @@ def _steps(name: str, v: Any, lo: float, hi: float) -> dict[int, int]:
             return out
     raise ProtocolError(
         "bad_body", f"{name} must map at most {MAX_ITEMS} ranks (decimal strings) to integers in [{lo}, {hi}]"
+    )
+
+
+def _paces(name: str, v: Any, hi: float) -> dict[int, float]:
+    """{rank: seconds} with ranks as decimal strings (a node's commit report: each rank's
+    mean pace since its last report)."""
+    out: dict[int, float] = {}
+    if isinstance(v, dict) and len(v) <= MAX_ITEMS:
+        for k, x in v.items():
+            ok = type(x) in (int, float) and math.isfinite(x) and 0 <= x <= hi
+            if not ok or not 0 < len(k) <= 10 or not k.isascii() or not k.isdigit() or int(k) > RANK:
+                break
+            out[int(k)] = float(x)
+        else:
+            return out
+    raise ProtocolError(
+        "bad_body", f"{name} must map at most {MAX_ITEMS} ranks (decimal strings) to seconds in [0, {hi:g}]"
     )
 
 
@@ -262,6 +281,10 @@ class Progress(Body):
     pid: int | None = _f("int", lo=1, hi=PID)
     # A node process's aggregate of its ranks' commits (with `epoch`): {rank: step}
     commits: dict[int, int] | None = _f("steps")
+    # ... with each rank's mean pace (seconds of its own compute per step) since its last
+    # report, and the steps the loop was asked for (stragglers: resild.controller.stragglers)
+    paces: dict[int, float] | None = _f("paces", hi=1e6)
+    of: int | None = _f("int")
 
 
 # Events peers may emit under their own name (the runtime's recovery milestones and the
@@ -408,6 +431,7 @@ class Inject(Body):
     kind: str | None = _f("str", max_len=32, required=True)
     local_rank: int | None = _f("int", hi=1 << 16)
     xid: int | None = _f("int", hi=1 << 16)
+    pct: int | None = _f("int", hi=1000)  # slow: % of a step added
 
 
 @dataclass(frozen=True)

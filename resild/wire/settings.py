@@ -41,11 +41,22 @@ FLAGS = {
     "snapshot_every": "--snapshot-every",
     "fingerprint_every": "--fingerprint-every",
     "verify_every": "--verify-every",
+    "straggler_threshold": "--straggler-threshold",
+    "straggler_window": "--straggler-window",
+    "stragglers": "--stragglers",
     "checkpoint_every": "--checkpoint-every",
     "checkpoint_dir": "--checkpoint-dir",
     "min_replicas": "--min-replicas",
 }
-COUNTS = ("snapshot_copies", "snapshot_every", "fingerprint_every", "checkpoint_every", "min_replicas", "verify_every")
+COUNTS = (
+    "snapshot_copies",
+    "snapshot_every",
+    "fingerprint_every",
+    "checkpoint_every",
+    "min_replicas",
+    "verify_every",
+    "straggler_window",
+)
 COUNT_MIN = {
     "snapshot_copies": -1,
     "snapshot_every": 1,
@@ -53,8 +64,11 @@ COUNT_MIN = {
     "checkpoint_every": 0,
     "min_replicas": 0,
     "verify_every": 0,
+    "straggler_window": 2,
 }
-TEXTS = ("checkpoint_dir",)
+TEXTS = ("checkpoint_dir", "stragglers")
+STRAGGLER_ACTIONS = ("replace", "report", "off")  # --stragglers
+MAX_STRAGGLER_THRESHOLD = 10.0  # 10 = 11x the others' pace: past that a node is hung, not slow
 MAX_COPIES = 8
 AUTO_COPIES = -1  # --snapshot-copies auto: 1 where no rank has a replica (FSDP2, TP), else 0
 MIN_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL collectives never time out sooner than this
@@ -177,6 +191,12 @@ class JobSettings:
     # Every K steps each rank computes its step twice and compares its gradients (0: never):
     # wrong gradients, which replicas' fingerprints cannot see, are caught before the commit.
     verify_every: int = 0
+    # Stragglers (resild.controller.stragglers): a node whose pace over its last N steps is
+    # more than this share above the others' is one; replaced by a spare when that pays,
+    # or only reported, or not watched.
+    straggler_threshold: float = 0.25
+    straggler_window: int = 50
+    stragglers: str = "replace"
 
     def __post_init__(self) -> None:
         if not isinstance(self.checkpoint_dir, str) or len(self.checkpoint_dir) > 4096:
@@ -189,8 +209,17 @@ class JobSettings:
                 raise SettingsError(f"{FLAGS[name]} must be a whole number >= {lo}, not {v!r}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise SettingsError("--checkpoint-every needs --checkpoint-dir (where resild writes its checkpoints)")
+        if self.stragglers not in STRAGGLER_ACTIONS:
+            raise SettingsError(f"--stragglers must be one of {', '.join(STRAGGLER_ACTIONS)}, not {self.stragglers!r}")
+        t = self.straggler_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= MAX_STRAGGLER_THRESHOLD:
+            raise SettingsError(
+                f"--straggler-threshold must be a share above the others' pace in (0, {MAX_STRAGGLER_THRESHOLD:g}] "
+                f"(0.25: 25% slower), not {t!r}"
+            )
+        object.__setattr__(self, "straggler_threshold", float(t))
         for f in dataclasses.fields(self):
-            if f.name in COUNTS or f.name in TEXTS:
+            if f.name in COUNTS or f.name in TEXTS or f.name == "straggler_threshold":
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):

@@ -72,6 +72,7 @@ class ControlLink:
         self.inject_corrupt = False  # damage every snapshot copy this rank holds (tests the checksums)
         self.inject_diverge = False  # nudge one parameter (tests the replicas' fingerprints)
         self.inject_badgrad = False  # wrong gradients for one step (tests --verify-every)
+        self.inject_slow_pct = 0  # every step this share slower from now on (tests stragglers)
         self.shutdown: dict[str, Any] | None = None
         self.wait_report_s = WorkerTimeouts.from_welcome({}).wait_report_s
         # Told again to a new leader (standby takeover): who we are, and that we are done.
@@ -325,6 +326,9 @@ class ControlLink:
                 self.inject_diverge = True
             elif t == MsgType.INJECT and msg.body.get("kind") == "badgrad":
                 self.inject_badgrad = True
+            elif t == MsgType.INJECT and msg.body.get("kind") == "slow":
+                pct = msg.body.get("pct")
+                self.inject_slow_pct = pct if isinstance(pct, int) and not isinstance(pct, bool) and pct > 0 else 50
             elif t == MsgType.SHUTDOWN:
                 self.shutdown = msg.body
             elif t == MsgType.ERROR:

@@ -73,6 +73,21 @@ def test_one_report_per_node_commit() -> None:
     assert a.take(10.002) is None and not a.due(10.5)
 
 
+def test_a_report_carries_each_ranks_mean_pace_since_its_last_one_and_the_steps_asked_for() -> None:
+    a = CommitAggregator(interval_s=0.1, expected=2, _last_epoch=1)
+    a.add(0, 1, 5, 10.0, paced_s=0.5, of=100)
+    a.add(1, 1, 5, 10.0, paced_s=0.6, of=100)
+    first = a.take(10.0)
+    assert first is not None and "paces" not in first and first["of"] == 100  # nothing to compare with yet
+    a.add(0, 1, 9, 10.2, paced_s=0.9)  # four steps, 0.4 s of its own compute
+    a.add(1, 1, 9, 10.2, paced_s=1.8)  # four steps, 1.2 s: the slow one
+    assert a.take(10.2)["paces"] == {"0": 0.1, "1": 0.3}  # type: ignore[index]
+    a.add(0, 2, 7, 10.4, paced_s=0.05)  # a spare's new process, or a rollback: counting starts again
+    assert "paces" not in a.take(10.4)  # type: ignore[operator]
+    a.add(0, 2, 8, 10.6, paced_s=0.15)
+    assert a.take(10.6)["paces"] == {"0": 0.1}  # type: ignore[index]
+
+
 def test_never_more_than_one_report_per_interval() -> None:
     a = CommitAggregator(interval_s=0.1, expected=1)
     a.add(0, 1, 1, now=0.0)

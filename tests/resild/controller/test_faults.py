@@ -78,3 +78,18 @@ def test_a_corrupt_fault_holds_nothing_back() -> None:
     (c,) = inj.due(11, now=0.0)
     inj.fired(c, now=0.0)
     assert [f.node for f in inj.due(11, now=0.1)] == ["b"]
+
+
+def test_a_slow_fault_carries_its_slowdown_and_only_a_slow_fault_may() -> None:
+    from resild.controller.faults import FaultSpecError, parse_fault
+
+    f = parse_fault("slow:node1@20+300%")
+    assert (f.kind, f.step, f.pct, f.delay_s) == ("slow", 20, 300, 0.0) and str(f) == "slow:node1@20+300%"
+    assert parse_fault("slow:node1@20").pct == 0  # the worker's default (50%)
+    for bad in ("kill:node1@20+30%", "slow:node1@20+1001%"):
+        try:
+            parse_fault(bad)
+        except FaultSpecError as e:
+            assert "slow fault" in str(e)
+        else:
+            raise AssertionError(bad)

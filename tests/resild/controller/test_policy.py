@@ -557,3 +557,20 @@ def test_an_abusive_node_with_no_spare_left_stays_in_and_never_shrinks_the_job()
     """The job does not pay for one node's flood: no stop, and no shrink either."""
     assert on_abuse(shrinkable(), "b", "over its message budget").action == Action.NONE
     assert on_abuse(shrinkable(spares=1), "b", "over its message budget").action == Action.REPLACE_NODE
+
+
+def test_a_straggler_is_replaced_only_when_asked_when_it_pays_and_when_a_spare_is_free() -> None:
+    from resild.controller.policy import on_straggler
+    from resild.controller.stragglers import Straggler
+
+    slow = Straggler("b", 0.5, 0.15, 0.10, 20)
+    d, cost_s = on_straggler(view(), slow, True, steps_left=1000, recovery_s=5.0)
+    assert d.action == Action.REPLACE_NODE and d.node == "b" and d.spare == "s0" and d.detector == "straggler"
+    assert not d.evidence and cost_s == pytest.approx(50.0)  # slowness alone: suspected, not drained
+    assert "50% slower" in d.reason
+    d, _ = on_straggler(view(), slow, False, steps_left=1000, recovery_s=5.0)
+    assert d.action == Action.NONE and "reported only" in d.reason
+    d, _ = on_straggler(view(), slow, True, steps_left=40, recovery_s=5.0)
+    assert d.action == Action.NONE and "less than a recovery" in d.reason
+    d, _ = on_straggler(view(spares=0), slow, True, steps_left=1000, recovery_s=5.0)
+    assert d.action == Action.NONE and "no spare" in d.reason
