@@ -190,8 +190,9 @@ def _copies(v: str | int) -> int:
     show_default=True,
     metavar="M",
     help="Every M commits, ranks that should hold identical state (replicas) compare fingerprints of "
-    "it: a rank outvoted by its replicas (a GPU computing wrong numbers) is replaced like a failed node; "
-    "two replicas that disagree stop the job. 0: never.",
+    "it: a rank outvoted by its replicas (a GPU computing wrong numbers) is replaced like a failed node and "
+    "every rank returns to the last compare that agreed (the steps since are redone); two replicas that "
+    "disagree are arbitrated by a spare recomputing those steps. 0: never.",
 )
 @click.option(
     "--verify-every",

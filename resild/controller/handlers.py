@@ -176,19 +176,23 @@ class Handlers:
         if m is not None and node.node_id in m.node_ranks:  # a (re)started node process
             s.bc.send_view(node, ident, now)
 
+    def _first_heard(self, ident: bytes, node: NodeView) -> None:
+        """A node process first heard on this socket (a takeover, a restarted node process):
+        the lease first, or whatever we send next (an INJECT, a FENCE) is dropped by a node
+        still following the old leader."""
+        s = self.s
+        if s.node_ident.get(node.node_id) != ident:
+            s.node_ident[node.node_id] = ident
+            if self.derived.lease_interval_s > 0:
+                s.bc.send_raw(ident, s.bc.lease_frame(*lease_terms(self.cfg, self.derived)))
+
     def _on_heartbeat(self, ident: bytes, node: NodeView, b: Heartbeat, now: float) -> None:
         s = self.s
         # The node daemon may heartbeat too, but the job's liveness is its node process:
         # only that one refreshes the clock and receives FENCE/INJECT/SHUTDOWN.
         if not peer_name(ident).endswith(b"/node"):
             return
-        if s.node_ident.get(node.node_id) != ident:
-            # First heard on this socket (a takeover, a restarted node process): the lease
-            # first, or whatever we send next (an INJECT, a FENCE) is dropped by a node
-            # still following the old leader.
-            s.node_ident[node.node_id] = ident
-            if self.derived.lease_interval_s > 0:
-                s.bc.send_raw(ident, s.bc.lease_frame(*lease_terms(self.cfg, self.derived)))
+        self._first_heard(ident, node)
         s.view.beat(node.node_id, now)
         node.registered = True
         if node.host_pid is None and b.pid is not None:
@@ -281,9 +285,12 @@ class Handlers:
     def _on_progress(self, ident: bytes, node: NodeView, b: Progress, now: float) -> None:
         s = self.s
         if b.commits is not None:
-            if s.node_ident.get(node.node_id) == ident:
-                # From the node process's own socket, already heard on: a heartbeat too (the
-                # node sends no other while its reports keep coming: relay.leader_heartbeat_due).
+            if peer_name(ident).endswith(b"/node"):
+                # From the node process's own socket: a heartbeat too (the node sends no other
+                # while its reports keep coming: relay.leader_heartbeat_due). A node that takes
+                # us for the leader it already followed (a replica that led before, deposed,
+                # and leads again on the same endpoint) sends nothing else: lease it now.
+                self._first_heard(ident, node)
                 s.view.beat(node.node_id, now)
             self._on_commits(node, b.commits, b.epoch, now, b.paces)
             if b.of:
