@@ -173,3 +173,24 @@ def test_a_deposed_leader_keeps_the_replicas_socket_and_serves_on_it(tmp_path: P
     own.finish()
     assert own.server.channel.sock.closed  # a controller's own socket goes with it
     own.ctx.destroy(linger=0)
+
+
+def test_a_node_reporting_to_us_as_its_old_leader_is_leased_by_its_first_commit_report(rig: Rig) -> None:
+    """A replica that led, was deposed and leads again: a node that never followed the leader
+    in between still takes it for its leader and sends it commit reports only (a leader gets
+    no periodic heartbeat while reports flow). Its first report must get it our lease, or it
+    leaves after --controller-timeout (found in a gate)."""
+    ctl, _, _, _ = rig
+    now = time.monotonic()
+    register(ctl, now)
+    m = ctl.view.membership
+    assert m is not None
+    sent: list[bytes] = []
+    ctl.bc.send_raw = lambda ident, frame: sent.append(ident)  # type: ignore[method-assign]
+    ctl.state.node_ident.pop("n0")  # this leader has not heard n0's socket yet
+    report = {"node": "n0", "epoch": m.epoch, "state": "commit", "commits": {"0": 11}}
+    ctl._handle(b"n0/node", _msg(MsgType.PROGRESS, report), now + 1.0)
+    assert ctl.state.node_ident["n0"] == b"n0/node" and sent == [b"n0/node"]  # leased at once
+    ctl._handle(b"n0/node", _msg(MsgType.PROGRESS, {**report, "commits": {"0": 12}}), now + 1.1)
+    assert sent == [b"n0/node"]  # once: it follows us now
+    assert ctl.view.nodes["n0"].last_heartbeat_s == pytest.approx(now + 1.1)  # a report is its heartbeat
