@@ -4,8 +4,8 @@ From the step's start (`job.steps()` yields it) to the rank's arrival at `job.co
 the forward, backward and optimizer work of the loop, not the wait for the others inside
 the vote. The commit report carries the running total (`paced_s`); the node process turns
 totals into each rank's mean pace over the steps since its last report
-(launcher.node.relay.CommitAggregator), and the controller finds stragglers from them
-(resild.controller.stragglers). For DDP and FSDP2 the backward's own collectives wait for
+(launcher.node.relay.CommitAggregator), and the control plane's straggler policy reads
+them. For DDP and FSDP2 the backward's own collectives wait for
 the slowest rank inside that span, so their paces come out alike: a straggler is then
 found only where it computes outside them (resild's own gradient sync, the optimizer).
 """

@@ -57,7 +57,8 @@ class FingerprintHook:
         """-> the replicas agree (or the step was not compared)."""
         if step % self.every:
             return True
-        mine = fingerprint(self.state.state_view(step))
+        view = self.state.state_view(step)  # new dicts around the live tensors: kept below too
+        mine = fingerprint(view)
         # [every rank's fingerprint | the arbitration under way, as rank 0 holds it: every rank's
         #  fingerprint at the compare that found it, and that step + 1 (0: none)]. Rank 0 never
         # leaves as a suspect, and a spare holds nothing: every rank decides from rank 0's copy.
@@ -91,7 +92,7 @@ class FingerprintHook:
             if self.rank == (min(out.leave) if out.leave else 0):
                 self.emit(EventName.REPLICA_ARBITRATED, step=step, faulty=list(out.faulty), leaving=list(out.leave))
         if verdict.clean:
-            self._keep(step, mine)
+            self._keep(step, mine, view)
             return True
         pairs = suspects_of(verdict.undecided)
         # The same on every rank (a setting and the verdict): whether agreed copies exist is the
@@ -101,7 +102,7 @@ class FingerprintHook:
         if rollback:
             self.steps.diverged_at = step  # the recovery that follows returns to the agreed copy
         else:  # the ones leaving did not reach the others: what they agree on is the job's state
-            self._keep(step, mine)
+            self._keep(step, mine, view)
         # One rank says so: the lowest leaving rank, which always gets here (it leaves next, and its
         # link flushes before its failure is reported); rank 0 may not, when a leaving rank's
         # failure has already latched the epoch's error by the time it checks (a loaded host).
@@ -134,9 +135,9 @@ class FingerprintHook:
             )
         return False  # the odd ranks leave; the rest wait for the recovery that follows
 
-    def _keep(self, step: int, value: int) -> None:
+    def _keep(self, step: int, value: int, view: dict[str, Any]) -> None:
         if self.agreed is not None:
-            self.agreed.keep(step, value, self.state.state_view(step), self.steps.committed_aux)
+            self.agreed.keep(step, value, view, self.steps.committed_aux)
             self.steps.agreed = step
 
 
