@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.launcher.run.conftest import REPO, STEPS, RunResult, run_job, start_job
 from tests.launcher.run.test_join import _events, _join, _lose, _release_and_reap, _wait
@@ -122,20 +123,25 @@ def test_a_sharded_job_under_min_replicas_stops_at_start_in_one_line(tmp_path: P
     assert f"resild: {why}" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    return max(float((a["model"][k] - b["model"][k]).abs().max()) for k in a["model"])
+def _l2_diff(a: dict, b: dict) -> float:
+    return float(torch.cat([(a["model"][k] - b["model"][k]).flatten() for k in a["model"]]).norm())
 
 
 def test_keep_global_batch_accumulates_the_missing_ranks_batches_while_shrunk(tmp_path: Path) -> None:
     """examples/train.py --keep-global-batch (job.data_shards, job.shard_weight): while the job
     has 2 of its 3 ranks, it computes all 3 ranks' batches, so its training matches a
-    failure-free run at full width up to summation order (measured: 4.5e-8 apart at most);
-    the per-rank default does not (0.048)."""
+    failure-free run at full width up to summation order; the per-rank default does not.
+
+    Compared by the L2 norm of the difference, not its largest element: under Adam a gradient
+    element that is zero up to rounding gets a full learning-rate step whose sign is the
+    rounding's, so summation order alone can move a weight by lr (measured: max 1e-3, L2 0.027
+    in 1 of 4 runs, when the node was lost at step 2; else 4e-6), while the per-rank
+    default's L2 distance is 3.5-4.8."""
     ref = run_job(tmp_path / "ref", nodes=3, spares=0)
     assert ref.rc == 0, ref.stderr[-2000:]
     kept, _ = _run(tmp_path / "kept", "--keep-global-batch")
     per_rank, _ = _run(tmp_path / "per-rank")
     assert ref.final is not None and kept.final is not None and per_rank.final is not None
-    near, far = _max_diff(ref.final, kept.final), _max_diff(ref.final, per_rank.final)
-    print(f"max |ref - kept| {near:.3g}, max |ref - per-rank| {far:.3g}")
-    assert near < 1e-4 and far > 100 * near, (near, far)
+    near, far = _l2_diff(ref.final, kept.final), _l2_diff(ref.final, per_rank.final)
+    print(f"L2 |ref - kept| {near:.3g}, L2 |ref - per-rank| {far:.3g}")
+    assert near < 0.02 * far, (near, far)
