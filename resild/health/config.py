@@ -49,6 +49,8 @@ class Config:
     probe_interval_s: float = 10.0
     probe_timeout_s: float = 10.0  # a probe slower than this counts as FAILED
     nvml_call_timeout_s: float = 2.0
+    # Hardware clock slowdowns degrade a GPU once they held this long (most of the polls).
+    clock_event_hold_s: float = 30.0
     # A watched process without progress this long is hung. (Not the job's --hang-timeout, which
     # the controller applies to a whole job; this was `hang_timeout_s` before 0.2.)
     stall_timeout_s: float = 300.0
@@ -79,6 +81,7 @@ _TYPES: dict[str, type] = {
     "probe_interval_s": float,
     "probe_timeout_s": float,
     "nvml_call_timeout_s": float,
+    "clock_event_hold_s": float,
     "stall_timeout_s": float,
     "metrics_port": int,
     "metrics_addr": str,
@@ -185,6 +188,11 @@ def _validate(source: str, cfg: Config) -> None:
     ):
         if getattr(cfg, key) <= 0:
             raise ConfigError(source, f"key '{key}' must be > 0, not {getattr(cfg, key)!r}")
+    if not 0 <= cfg.clock_event_hold_s <= MAX_STATUS_TIMEOUT_S:  # NaN fails too
+        raise ConfigError(
+            source,
+            f"key 'clock_event_hold_s' must be 0..{MAX_STATUS_TIMEOUT_S:g} seconds, not {cfg.clock_event_hold_s!r}",
+        )
     if cfg.status_timeout_s > MAX_STATUS_TIMEOUT_S:
         raise ConfigError(
             source, f"key 'status_timeout_s' must be at most {MAX_STATUS_TIMEOUT_S:g}, not {cfg.status_timeout_s:g}"

@@ -32,6 +32,8 @@
  *                                    0 = NVLink not supported
  *       nvlink <link> <0|1>          one link down/up (two values)
  *       pcie_replays <n> (0)
+ *       pcie_width <lanes> (16)      pcie_width_max <lanes> (16)   link width now / at most
+ *       pcie_gen <n> (5)             pcie_gen_max <n> (5)          link generation now / at most
  *       clocks_event <mask> (0)      clock event (throttle) reason bits
  *       recovery_action <n> (0)      field 230 NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
  *       supported_events <mask> (0xc00b = SBE|DBE|Xid|Unavailable|Recovery)
@@ -105,6 +107,7 @@ struct fake_device {
     int nvlinks;
     unsigned char link_up[MAX_LINKS];
     unsigned pcie_replays;
+    unsigned pcie_width, pcie_width_max, pcie_gen, pcie_gen_max;
     unsigned long long clocks_event;
     unsigned recovery_action;
     unsigned long long supported_events;
@@ -189,6 +192,8 @@ static void reset_defaults(void) {
         d->temp = 40;
         d->power_mw = 100000;
         d->nvlinks = 18;
+        d->pcie_width = d->pcie_width_max = 16;
+        d->pcie_gen = d->pcie_gen_max = 5;
         for (int l = 0; l < MAX_LINKS; l++) d->link_up[l] = 1;
         d->supported_events = DEFAULT_SUPPORTED_EVENTS;
         d->pci_bus = (unsigned)((i + 1) * 0x10);
@@ -225,6 +230,10 @@ static int apply_set(struct fake_device *d, const char *key, const char *v1, con
         d->link_up[v] = num(v2) ? 1 : 0;
     }
     else if (!strcmp(key, "pcie_replays")) d->pcie_replays = (unsigned)v;
+    else if (!strcmp(key, "pcie_width")) d->pcie_width = (unsigned)v;
+    else if (!strcmp(key, "pcie_width_max")) d->pcie_width_max = (unsigned)v;
+    else if (!strcmp(key, "pcie_gen")) d->pcie_gen = (unsigned)v;
+    else if (!strcmp(key, "pcie_gen_max")) d->pcie_gen_max = (unsigned)v;
     else if (!strcmp(key, "clocks_event")) d->clocks_event = v;
     else if (!strcmp(key, "recovery_action")) d->recovery_action = (unsigned)v;
     else if (!strcmp(key, "supported_events")) d->supported_events = v;
@@ -567,6 +576,34 @@ API nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned in
     DEV_BEGIN(device);
     if (!value) DEV_RETURN(NVML_ERROR_INVALID_ARGUMENT);
     *value = d->pcie_replays;
+    DEV_RETURN(NVML_SUCCESS);
+}
+
+API nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *value) {
+    DEV_BEGIN(device);
+    if (!value) DEV_RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    *value = d->pcie_width;
+    DEV_RETURN(NVML_SUCCESS);
+}
+
+API nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t device, unsigned int *value) {
+    DEV_BEGIN(device);
+    if (!value) DEV_RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    *value = d->pcie_width_max;
+    DEV_RETURN(NVML_SUCCESS);
+}
+
+API nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *value) {
+    DEV_BEGIN(device);
+    if (!value) DEV_RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    *value = d->pcie_gen;
+    DEV_RETURN(NVML_SUCCESS);
+}
+
+API nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *value) {
+    DEV_BEGIN(device);
+    if (!value) DEV_RETURN(NVML_ERROR_INVALID_ARGUMENT);
+    *value = d->pcie_gen_max;
     DEV_RETURN(NVML_SUCCESS);
 }
 

@@ -56,6 +56,10 @@ class GpuStatus:
     power_w: float | None = None
     recovery_action: int | None = None
     pcie_replays: int | None = None
+    pcie_width: int | None = None  # lanes now / at most (GPU and slot)
+    pcie_width_max: int | None = None
+    pcie_gen: int | None = None  # link generation now / at most
+    pcie_gen_max: int | None = None
     pci_bus_id: str | None = None
     name: str | None = None
 

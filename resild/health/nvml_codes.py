@@ -43,6 +43,11 @@ CLOCK_EVENT_NAMES = {
 # Slowdowns caused by the hardware or its cooling. In synchronous training one
 # slow GPU slows every rank, so these degrade the GPU; the others are normal.
 DEGRADING_CLOCK_EVENTS = 0x8 | 0x20 | 0x40 | 0x80
+GPU_IDLE = 0x1
+# A clock-event read is one instant: a GPU degrades when slowdowns held at least
+# CLOCK_EVENT_DUTY of its polls over CLOCK_EVENT_HOLD_S (a one-off brake is normal).
+CLOCK_EVENT_HOLD_S = 30.0
+CLOCK_EVENT_DUTY = 0.5
 
 # DCGM's threshold: more than 8 PCIe replays a minute deserves a warning.
 PCIE_REPLAY_WINDOW_S = 60.0

@@ -31,6 +31,8 @@ from resild.health.deadline import CallTimeout, DeadlineRunner
 from resild.health.kmsg import KmsgXid, pci_bus_key
 from resild.health.model import GpuStatus, HealthEvent, RemapStatus, Verdict, worst
 from resild.health.nvml_codes import (
+    CLOCK_EVENT_DUTY,
+    CLOCK_EVENT_HOLD_S,
     CLOCK_EVENT_NAMES,
     DEGRADING_CLOCK_EVENTS,
     EVENT_DOUBLE_BIT_ECC,
@@ -39,6 +41,7 @@ from resild.health.nvml_codes import (
     EVENT_XID,
     FIELD_GPU_RECOVERY_ACTION,
     FUNCTION_NOT_FOUND,
+    GPU_IDLE,
     INVALID_ARGUMENT,
     LOST_CODES,
     MEMORY_ERROR_UNCORRECTED,
@@ -110,6 +113,8 @@ class _Gpu:
     nvlinks: list[int] | None = None  # None: not scanned yet
     unsupported: set[str] = field(default_factory=set)
     pcie_samples: deque[tuple[float, int]] = field(default_factory=deque)
+    clock_samples: deque[tuple[float, int]] = field(default_factory=deque)  # (t, degrading bits) per poll
+    clock_t0: float | None = None  # the first clock-event read
 
     @property
     def lost(self) -> bool:
@@ -124,6 +129,8 @@ class NvmlProbe:
     ``on_event``: called from the probe's threads, at once, for every health
     event; it must not block for long (it may call ``poll()``).
     ``event_wait_s``: how long one event wait blocks (bounds ``stop()``).
+    ``clock_event_hold_s``: how long hardware clock slowdowns must hold (at least
+    CLOCK_EVENT_DUTY of the polls) before they degrade the GPU; 0: at the first read.
     """
 
     def __init__(
@@ -135,8 +142,10 @@ class NvmlProbe:
         *,
         event_wait_s: float = 0.5,
         init_timeout_s: float = 30.0,
+        clock_event_hold_s: float = CLOCK_EVENT_HOLD_S,
     ) -> None:
         self._nvml = nvml
+        self._clock_event_hold_s = clock_event_hold_s
         self._overrides = validate_overrides(xid_overrides)  # bad config fails here
         self._call_timeout_s = call_timeout_s
         self._on_event = on_event
@@ -324,26 +333,69 @@ class NvmlProbe:
             st.pcie_replays = int(v)
             if (f := self._pcie_rate(g, st.pcie_replays)) is not None:
                 found.append(f)
+        mask = None
         if (v := self._read_clock_events(g, found)) is not _SKIP:
             mask = int(v)
             st.throttle_reasons = [n for bit, n in CLOCK_EVENT_NAMES.items() if mask & bit]
-            if mask & DEGRADING_CLOCK_EVENTS:
-                names = [n for bit, n in CLOCK_EVENT_NAMES.items() if mask & bit & DEGRADING_CLOCK_EVENTS]
-                found.append(
-                    _Finding(
-                        "clock_event:" + ",".join(names),
-                        "clock_event",
-                        mask,
-                        Verdict.DEGRADED,
-                        "clocks slowed: " + ", ".join(names),
-                    )
-                )
+            if (f := self._clocks_held(g, mask)) is not None:
+                found.append(f)
+        self._read_pcie_link(g, st, found, idle=mask is not None and bool(mask & GPU_IDLE))
         action = self._read_recovery_action(g, found)
         if action is not None:
             st.recovery_action = action
             verdict, reason = classify_recovery_action(action)
             if verdict is not Verdict.HEALTHY:
                 found.append(_Finding(f"recovery_action:{action}", "recovery_action", action, verdict, reason))
+
+    def _clocks_held(self, g: _Gpu, mask: int) -> _Finding | None:
+        """Hardware slowdowns (thermal, power brake, HW slowdown) in at least
+        CLOCK_EVENT_DUTY of the polls over the last clock_event_hold_s, with that much
+        history: a one-off read is an instant, and a brief brake is normal."""
+        now, hold_s = time.monotonic(), self._clock_event_hold_s
+        samples = g.clock_samples
+        samples.append((now, mask & DEGRADING_CLOCK_EVENTS))
+        if g.clock_t0 is None:
+            g.clock_t0 = now
+        while len(samples) > 1 and now - samples[0][0] > hold_s:
+            samples.popleft()
+        slowed = [bits for _, bits in samples if bits]
+        if not slowed or now - g.clock_t0 < hold_s or len(slowed) < CLOCK_EVENT_DUTY * len(samples):
+            return None
+        seen = 0
+        for bits in slowed:
+            seen |= bits
+        names = [n for bit, n in CLOCK_EVENT_NAMES.items() if seen & bit]
+        # no share in the text: it would change the reasons (and re-report them) at every poll
+        held = f" for most of the last {hold_s:.0f} s" if hold_s > 0 else ""
+        return _Finding(
+            "clock_event:" + ",".join(names),
+            "clock_event",
+            seen,
+            Verdict.DEGRADED,
+            f"clocks slowed{held}: " + ", ".join(names),
+        )
+
+    def _read_pcie_link(self, g: _Gpu, st: GpuStatus, found: list[_Finding], idle: bool) -> None:
+        """The PCIe link against its maximum (GPU and slot): fewer lanes is a degraded
+        link (a bad riser or seating) at any time; a lower generation only while the GPU
+        is not idle (an idle GPU lowers it to save power, and raises it under load)."""
+        h = g.handle
+        if (v := self._read(g, found, "nvmlDeviceGetCurrPcieLinkWidth", h)) is not _SKIP:
+            st.pcie_width = int(v)
+        if (v := self._read(g, found, "nvmlDeviceGetMaxPcieLinkWidth", h)) is not _SKIP:
+            st.pcie_width_max = int(v)
+        if (v := self._read(g, found, "nvmlDeviceGetCurrPcieLinkGeneration", h)) is not _SKIP:
+            st.pcie_gen = int(v)
+        if (v := self._read(g, found, "nvmlDeviceGetMaxPcieLinkGeneration", h)) is not _SKIP:
+            st.pcie_gen_max = int(v)
+        short: list[str] = []
+        if st.pcie_width is not None and st.pcie_width_max and 0 < st.pcie_width < st.pcie_width_max:
+            short.append(f"x{st.pcie_width} of x{st.pcie_width_max} lanes")
+        if not idle and st.pcie_gen is not None and st.pcie_gen_max and 0 < st.pcie_gen < st.pcie_gen_max:
+            short.append(f"gen {st.pcie_gen} of {st.pcie_gen_max}")
+        if short:
+            why = "PCIe link degraded: " + ", ".join(short)
+            found.append(_Finding("pcie_link:" + ",".join(short), "pcie_link", None, Verdict.DEGRADED, why))
 
     def _read_clock_events(self, g: _Gpu, found: list[_Finding]) -> Any:
         # ...ClocksEventReasons is the R535+ name; older drivers only have ...ThrottleReasons.

@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 from resild.health.config import Config, ConfigError
 from resild.health.kmsg import KmsgFollower, KmsgXid, parse_xid_line, pci_bus_key
 from resild.health.model import GpuStatus, HealthEvent, Verdict, worst
+from resild.health.nvml_codes import CLOCK_EVENT_HOLD_S
 from resild.health.nvml_probe import NvmlProbe, NvmlUnavailable
 from resild.health.verdict import node_verdict
 from resild.health.xid import classify_xid
@@ -165,8 +166,10 @@ class GpuProbe:
         init_timeout_s: float = 10.0,
         on_event: EventSink | None = None,
         nvml: Any = None,
+        clock_event_hold_s: float = CLOCK_EVENT_HOLD_S,
     ) -> None:
         self._overrides = dict(xid_overrides or {})
+        self._clock_event_hold_s = clock_event_hold_s
         self._call_timeout_s = call_timeout_s
         self._init_timeout_s = init_timeout_s
         self._on_event = on_event
@@ -186,6 +189,7 @@ class GpuProbe:
                 call_timeout_s=self._call_timeout_s,
                 on_event=self._on_event,
                 init_timeout_s=self._init_timeout_s,
+                clock_event_hold_s=self._clock_event_hold_s,
             )
             try:
                 p.start()
@@ -397,7 +401,11 @@ def build_probes(cfg: Config, *, on_event: EventSink | None = None, follow: bool
         opts = dict(cfg.probe_options.get(name, {}))
         if name == "gpu":
             gpu = GpuProbe(
-                cfg.xid_overrides, cfg.nvml_call_timeout_s, init_timeout_s=cfg.probe_timeout_s, on_event=on_event
+                cfg.xid_overrides,
+                cfg.nvml_call_timeout_s,
+                init_timeout_s=cfg.probe_timeout_s,
+                on_event=on_event,
+                clock_event_hold_s=cfg.clock_event_hold_s,
             )
             probes.append(gpu)
         elif name == "kmsg":

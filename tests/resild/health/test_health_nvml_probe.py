@@ -254,7 +254,9 @@ def test_raising_and_unsupported_calls(run_scenario) -> None:
 
 def test_old_driver_missing_functions(run_scenario, old_fake_nvml_dir: Path) -> None:
     out = run_scenario(
-        ["gpus 2", "set 0 clocks_event 0x48", "set 1 clocks_event 0x1"], [start(), POLL], lib_dir=old_fake_nvml_dir
+        ["gpus 2", "set 0 clocks_event 0x48", "set 1 clocks_event 0x1"],
+        [start(clock_event_hold_s=0), POLL],
+        lib_dir=old_fake_nvml_dir,
     )
     gpus = by_gpu(out["results"][-1])
     for g in gpus.values():
@@ -270,7 +272,7 @@ def test_pcie_replays_and_clock_events(run_scenario) -> None:
     out = run_scenario(
         ["gpus 2", "set 0 pcie_replays 100"],
         [
-            start(),
+            start(clock_event_hold_s=0),
             append("set 0 pcie_replays 103", "set 1 pcie_replays 9", "set 1 clocks_event 0x80"),
             POLL,
         ],
@@ -280,6 +282,57 @@ def test_pcie_replays_and_clock_events(run_scenario) -> None:
     assert gpus[1]["verdict"] == "degraded"
     assert gpus[1]["throttle_reasons"] == ["hw_power_brake_slowdown"]
     assert any("9 PCIe replays" in r for r in gpus[1]["reasons"])
+
+
+def test_clock_slowdowns_degrade_a_gpu_only_once_held_over_time(run_scenario) -> None:
+    """GPU 0 brakes at every poll: degraded once `clock_event_hold_s` of history says so, not at
+    the first read. GPU 1 brakes at one poll of four: normal, never degraded."""
+    out = run_scenario(
+        ["gpus 2", "set 0 clocks_event 0x80", "set 1 clocks_event 0x80"],
+        [
+            start(clock_event_hold_s=1.0),
+            POLL,
+            append("set 1 clocks_event 0x0"),
+            {"op": "sleep", "s": 0.4},
+            POLL,
+            {"op": "sleep", "s": 0.4},
+            POLL,
+            {"op": "sleep", "s": 0.4},
+            POLL,
+        ],
+    )
+    first, last = by_gpu(out["results"][1]), by_gpu(out["results"][-1])
+    assert first[0]["verdict"] == "healthy" and first[0]["throttle_reasons"] == ["hw_power_brake_slowdown"]
+    assert last[0]["verdict"] == "degraded"
+    assert last[0]["reasons"] == ["clocks slowed for most of the last 1 s: hw_power_brake_slowdown"]
+    assert last[1]["verdict"] == "healthy", last[1]
+    assert [(e["gpu_index"], e["kind"]) for e in out["events"]] == [(0, "clock_event")]
+
+
+def test_a_pcie_link_below_its_maximum_is_degraded_and_a_lower_generation_only_under_load(run_scenario) -> None:
+    out = run_scenario(
+        [
+            "gpus 4",
+            "set 0 pcie_width 8",
+            "set 1 pcie_gen 3",
+            "set 2 pcie_gen 1",
+            "set 2 clocks_event 0x1",  # idle: a lower generation saves power
+            "set 3 pcie_width 8",
+            "set 3 pcie_width_max 8",  # an x8 slot: at its maximum
+        ],
+        [start(), POLL],
+    )
+    gpus = by_gpu(out["results"][-1])
+    assert (gpus[0]["pcie_width"], gpus[0]["pcie_width_max"], gpus[0]["pcie_gen"], gpus[0]["pcie_gen_max"]) == (
+        8,
+        16,
+        5,
+        5,
+    )
+    assert gpus[0]["verdict"] == "degraded" and gpus[0]["reasons"] == ["PCIe link degraded: x8 of x16 lanes"]
+    assert gpus[1]["verdict"] == "degraded" and gpus[1]["reasons"] == ["PCIe link degraded: gen 3 of 5"]
+    assert gpus[2]["verdict"] == "healthy" and gpus[2]["pcie_gen"] == 1
+    assert gpus[3]["verdict"] == "healthy"
 
 
 def test_kmsg_xid_ingest_and_dedup(run_scenario) -> None:
