@@ -199,6 +199,8 @@ class StatusLine:
             self.queued += int(e.get("count", 0))
         elif name == EventName.STRAGGLER:  # replaced: the failure line follows; reported: this is all
             self._line(f"straggler: {e.get('reason')}", t, permanent=True)
+        elif name == EventName.STRAGGLERS_UNWATCHED:
+            self._line(f"warning: {e.get('reason')}", t, permanent=True)
         elif name == EventName.JOB_RESIZED:
             self.spares = int(e.get("spares_left", self.spares or 0))
             w, full = int(e.get("world_size", 0)), int(e.get("full", 0))

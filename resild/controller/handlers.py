@@ -198,6 +198,8 @@ class Handlers:
         if node.host_pid is None and b.pid is not None:
             node.host_pid = b.pid  # a standby that took over never saw the registration
         if b.health is not None:
+            if b.health != node.health:
+                node.health_reasons = ()  # a verdict with no reasons: the next HEALTH message says why
             node.health = b.health
         self._node_state(node, b)
         m = s.view.membership
@@ -236,6 +238,7 @@ class Handlers:
 
     def _on_health(self, ident: bytes, node: NodeView, b: Health, now: float) -> None:
         node.health = b.verdict or "unknown"
+        node.health_reasons = tuple(b.reasons or ()) if node.health != "healthy" else ()
         if node.health == "failed":
             reasons = b.reasons or ["GPU failed"]
             self.effects.decide(

@@ -44,6 +44,7 @@ from resild.controller.policy import (
     give_up_verdict,
     on_node_failure,
     on_straggler,
+    straggler_evidence,
     tick_interval_s,
 )
 from resild.controller.readmission import readmission
@@ -52,7 +53,7 @@ from resild.controller.refill import refill
 from resild.controller.restore import fold, initial, resume, take_over
 from resild.controller.state import ControllerConfig, ControllerState, lease_terms
 from resild.controller.status import answer
-from resild.controller.stragglers import PRIOR_RECOVERY_S, STRAGGLER_CHECK_S, Paces
+from resild.controller.stragglers import PRIOR_RECOVERY_S, STRAGGLER_CHECK_S, Paces, window_too_long
 from resild.controller.stragglers import find as find_straggler
 from resild.controller.view import ClusterView, JobResult, NodeView
 from resild.events.log import EventLog
@@ -61,6 +62,9 @@ from resild.membership import Membership, NodeRole
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.protocol import Message, MsgType
+from resild.wire.settings import JobSettings
+
+_DEFAULT_WINDOW = JobSettings().straggler_window
 
 __all__ = ["Controller", "ControllerConfig", "ControllerFailed", "JobResult"]
 
@@ -365,6 +369,12 @@ class Controller:
         if self.view.membership is None or now < self._next_straggler_check_s:
             return
         self._next_straggler_check_s = now + STRAGGLER_CHECK_S  # O(nodes x window): not every tick
+        if not st.window_judged and st.steps_planned > 0:
+            st.window_judged = True
+            # said for a window the user chose: the default's on a short smoke test is nobody's mistake
+            chosen = settings.straggler_window != _DEFAULT_WINDOW
+            if chosen and (why := window_too_long(settings.straggler_window, st.steps_planned)) is not None:
+                self.events.emit(EventName.STRAGGLERS_UNWATCHED, window=settings.straggler_window, reason=why)
         found = find_straggler(st.paces.view(), settings.straggler_window, settings.straggler_threshold)
         if found is None:
             return
@@ -386,11 +396,16 @@ class Controller:
             cost_s=round(cost_s, 3),
             recovery_s=round(recovery_s, 3),
             replaced=d.action == Action.REPLACE_NODE,
+            evidence=straggler_evidence(self.view, found.node),
             reason=d.reason,
         )
         if d.action == Action.REPLACE_NODE:
             st.paces.forget(found.node)
             self.effects.decide(d, now)
+        elif straggler_evidence(self.view, found.node) and settings.stragglers == "replace":
+            # kept in this job (no spare, or it does not pay), but out of the scheduler's
+            # pool for the next: a drain lets the running job finish on it
+            self.effects.drain(found.node, d.reason)
 
     def _readmit(self, now: float) -> None:
         if not self.cfg.readmit:

@@ -182,18 +182,30 @@ def _on_node_failure(view: ClusterView, node_id: str, cause: str, detector: str,
     )
 
 
+def straggler_evidence(view: ClusterView, node_id: str) -> list[str]:
+    """Pure: hardware evidence for why a node is slow: its health reasons while its verdict is
+    degraded (its daemon's: clock slowdowns held over time, a PCIe link below its maximum,
+    PCIe replays, ECC). Empty: none, slowness alone."""
+    n = view.nodes.get(node_id)
+    return list(n.health_reasons) if n is not None and n.health == "degraded" else []
+
+
 def on_straggler(
     view: ClusterView, s: Straggler, act: bool, steps_left: int, recovery_s: float
 ) -> tuple[Decision, float]:
     """A persistently slow node (stragglers.find): replaced by a spare when `act` (--stragglers
     replace), a spare is free and it pays (stragglers.pays); else only reported. -> (the
     decision, with the reason either way; the seconds it would cost the rest of the run).
-    Slowness alone is no evidence against the node: replaced, it is suspected, not drained."""
+    Replaced with hardware evidence (straggler_evidence), it is drained with it; slowness
+    alone is no evidence against the node: replaced, it is suspected, not drained."""
     worth, cost_s = pays(s, steps_left, recovery_s)
+    evidence = straggler_evidence(view, s.node)
     why = (
         f"{s.node} is {s.slowdown:.0%} slower than the others over its last {s.steps} steps "
         f"({s.pace_s * 1000:.1f} ms a step against {s.others_s * 1000:.1f} ms)"
     )
+    if evidence:
+        why += f", with hardware evidence: {'; '.join(evidence)}"
     if not act:
         return Decision(Action.NONE, f"{why}: reported only (--stragglers report)", node=s.node), cost_s
     if pick_spare(view) is None:
@@ -208,7 +220,7 @@ def on_straggler(
     cause = (
         f"straggler: {why}; the {steps_left} steps left would lose {cost_s:.1f}s to it (a recovery: {recovery_s:.1f}s)"
     )
-    return on_node_failure(view, s.node, cause, Detector.STRAGGLER.value, worker_fault=True), cost_s
+    return on_node_failure(view, s.node, cause, Detector.STRAGGLER.value, worker_fault=not evidence), cost_s
 
 
 def shrink_to(view: ClusterView, node_id: str) -> Membership | None:

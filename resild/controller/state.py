@@ -86,6 +86,7 @@ class ControllerState:
     paces: Paces = field(default_factory=lambda: Paces(50))  # per node, its latest steps' paces (stragglers)
     steps_planned: int = 0  # the steps the training loop was asked for (job.steps(total)), as ranks say
     stragglers_said: set[tuple[int, str]] = field(default_factory=set)  # (epoch, node): decided once an epoch
+    window_judged: bool = False  # --straggler-window against the job's length: said (once) if too long
     epoch_announced_s: float = 0.0  # when the current epoch was announced
     recoveries_s: list[float] = field(default_factory=list)  # announced -> full strength, each recovery
 

@@ -54,6 +54,18 @@ def find(paces: Mapping[str, Sequence[float]], window: int, threshold: float) ->
     return worst
 
 
+def window_too_long(window: int, steps_planned: int) -> str | None:
+    """Pure: why no straggler can be found in a job of `steps_planned` steps (its loop's
+    total, as the ranks say; 0: not said yet), or None."""
+    need = WARMUP_STEPS + window
+    if steps_planned <= 0 or need <= steps_planned:
+        return None
+    return (
+        f"--straggler-window {window} needs {need} steps of an epoch ({WARMUP_STEPS} not judged after a start or "
+        f"a recovery) and this job has {steps_planned}: no straggler can be found; pass a shorter --straggler-window"
+    )
+
+
 def pays(s: Straggler, steps_left: int, recovery_s: float) -> tuple[bool, float]:
     """Pure: -> (replace it?, the seconds it would cost the rest of the run). Without it the
     job steps at about the others' pace."""

@@ -28,6 +28,7 @@ class NodeView:
     reason: str = ""
     host_pid: int | None = None
     health: str = "healthy"
+    health_reasons: tuple[str, ...] = ()  # why, from its last HEALTH message (a degraded GPU's: evidence)
     # Control-plane bookkeeping (the policy never reads these).
     relayed: frozenset[int] = frozenset()  # local ranks that get membership through the node's relay
     epoch_sent: int = 0  # last epoch sent to the node process (full or delta)

@@ -87,6 +87,7 @@ class EventName(str, Enum):
     JOIN_REFUSED = "join_refused"  # a request to join was refused: the reason, nothing changed
     NODE_READMITTED = "node_readmitted"  # a node fenced on suspicion is back as a spare (qualified first)
     STRAGGLER = "straggler"  # a node persistently slower than the others: replaced, or only reported (why)
+    STRAGGLERS_UNWATCHED = "stragglers_unwatched"  # --straggler-window is longer than the job: no one can be found
     SPARES_REQUESTED = "spares_requested"  # the pool is below --spare-target: cold spares asked of the queue
     # -- peers (resild.wire.protocol.PEER_EVENTS): workers ----------------------------------
     GROUP_REFORMED = "group_reformed"

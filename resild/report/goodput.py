@@ -276,8 +276,8 @@ def unvouched(events: list[dict[str, Any]]) -> str | None:
 
 
 def stragglers(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The controller's `straggler` events: node, slowdown, replaced, reason."""
-    keep = ("node", "slowdown", "replaced", "reason")
+    """The controller's `straggler` events: node, slowdown, replaced, hardware evidence, reason."""
+    keep = ("node", "slowdown", "replaced", "evidence", "reason")
     return [
         {k: e.get(k) for k in keep} for e in events if isinstance(e, dict) and e.get("event") == EventName.STRAGGLER
     ]

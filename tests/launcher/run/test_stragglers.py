@@ -4,11 +4,12 @@ replaced by a spare when that pays, or only reported; the job ends bitwise ident
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import RunResult, run_job
+from .conftest import RunResult, run_job, start_job
 from .test_sharded import assert_same
 
 STEPS = 400
@@ -45,6 +46,32 @@ def test_a_slow_node_is_found_and_replaced_by_the_spare(tmp_path: Path, referenc
     assert_same(reference.final, r.final, "final")
 
 
+def test_a_slow_node_with_hardware_evidence_is_replaced_and_drained_with_it(
+    tmp_path: Path, reference: RunResult
+) -> None:
+    """node1's GPU (the NVML stand-in) runs its PCIe link at x8 of x16 lanes: its health says
+    so (degraded), and the straggler it is carries that as evidence: replaced, and drained
+    with the reason, not only suspected."""
+    probe_fast = {"RESILD_CFG_PROBE_INTERVAL_S": "0.5"}
+    job = start_job(
+        tmp_path, *WINDOW, "--inject", "slow:node1@20+1000%", nodes=4, spares=1, steps=STEPS, env=probe_fast
+    )
+    ctl = tmp_path / "run" / "nvml-local-node1.ctl"
+    deadline = time.monotonic() + 60
+    while not ctl.exists() and time.monotonic() < deadline and job.p.poll() is None:
+        time.sleep(0.05)
+    with ctl.open("a") as f:
+        f.write("set 0 pcie_width 8\n")
+    r = job.finish(timeout_s=200)
+    assert r.rc == 0, r.stderr[-3000:]
+    s = [e for e in r.events if e["event"] == "straggler"][-1]
+    assert s["node"] == "local-node1" and s["replaced"], s
+    assert s["evidence"] == ["gpu0: PCIe link degraded: x8 of x16 lanes"], s
+    (fenced,) = [e for e in r.events if e["event"] == "node_fenced" and e["node"] == "local-node1"]
+    assert fenced["drained"] and "hardware evidence: gpu0: PCIe link degraded" in fenced["reason"], fenced
+    assert_same(reference.final, r.final, "final")
+
+
 @pytest.mark.parametrize("why,args,spares", [("no spare", (), 0), ("reported only", ("--stragglers", "report"), 1)])
 def test_a_slow_node_with_no_spare_or_report_only_is_reported_and_the_job_finishes(
     tmp_path: Path, reference: RunResult, why: str, args: tuple[str, ...], spares: int
@@ -77,3 +104,12 @@ def test_a_job_without_a_slow_node_flags_nobody(reference: RunResult) -> None:
 def test_bad_straggler_settings_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...], why: str) -> None:
     r = run_job(tmp_path, *args, nodes=2, spares=0, steps=5)
     assert r.rc == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_window_longer_than_the_job_is_said_in_one_line_and_the_job_runs(tmp_path: Path) -> None:
+    """The loop's length is known only once it runs (job.steps(total)): not refused at start, said."""
+    r = run_job(tmp_path, "--straggler-window", "30", nodes=2, spares=0, steps=20)
+    assert r.rc == 0, r.stderr[-2000:]
+    (e,) = [e for e in r.events if e["event"] == "stragglers_unwatched"]
+    assert "--straggler-window 30 needs 35 steps" in e["reason"] and "this job has 20" in e["reason"], e
+    assert "warning: --straggler-window 30 needs 35 steps" in r.stderr, r.stderr[-2000:]

@@ -574,3 +574,24 @@ def test_a_straggler_is_replaced_only_when_asked_when_it_pays_and_when_a_spare_i
     assert d.action == Action.NONE and "less than a recovery" in d.reason
     d, _ = on_straggler(view(spares=0), slow, True, steps_left=1000, recovery_s=5.0)
     assert d.action == Action.NONE and "no spare" in d.reason
+
+
+def test_a_straggler_with_hardware_evidence_is_replaced_and_drained_with_it() -> None:
+    """Its daemon's degraded reasons (clocks slowed, a PCIe link below its maximum) are the
+    evidence: replaced, it is drained (evidence=True) and the reason says why; a healthy or
+    merely failed-to-say node gives none."""
+    from resild.controller.policy import on_straggler, straggler_evidence
+    from resild.controller.stragglers import Straggler
+
+    v = view()
+    slow = Straggler("b", 0.5, 0.15, 0.10, 20)
+    assert straggler_evidence(v, "b") == []
+    v.nodes["b"].health, v.nodes["b"].health_reasons = "degraded", ("PCIe link degraded: x8 of x16 lanes",)
+    assert straggler_evidence(v, "b") == ["PCIe link degraded: x8 of x16 lanes"]
+    d, _ = on_straggler(v, slow, True, steps_left=1000, recovery_s=5.0)
+    assert d.action == Action.REPLACE_NODE and d.evidence
+    assert "with hardware evidence: PCIe link degraded: x8 of x16 lanes" in d.reason
+    d, _ = on_straggler(view(spares=0), slow, True, steps_left=1000, recovery_s=5.0)
+    assert "hardware evidence" not in d.reason  # another view: b healthy there
+    v.nodes["b"].health = "unknown"  # cannot tell: not evidence
+    assert straggler_evidence(v, "b") == []

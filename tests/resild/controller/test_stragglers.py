@@ -53,3 +53,13 @@ def test_the_window_skips_each_epochs_first_steps_and_starts_again_at_a_recovery
     p.add("b", 2, 50, 0.1)
     p.forget("b")
     assert "b" not in p.view()
+
+
+def test_a_window_longer_than_the_job_is_said_with_what_to_do() -> None:
+    from resild.controller.stragglers import WARMUP_STEPS, window_too_long
+
+    assert window_too_long(50, 0) is None  # the job's length not said yet
+    assert window_too_long(50, 50 + WARMUP_STEPS) is None
+    why = window_too_long(50, 30)
+    assert why is not None and "--straggler-window 50 needs 55 steps" in why and "this job has 30" in why
+    assert "pass a shorter --straggler-window" in why
