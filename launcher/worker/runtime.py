@@ -200,6 +200,7 @@ class Job:
         self.cfg = dict(link.welcome or {})
         self.timeouts = WorkerTimeouts.from_welcome(self.cfg)  # the job's, from the controller
         self.redundancy_cfg = WorkerRedundancy.from_welcome(self.cfg)
+        self.pace.enabled = self.redundancy_cfg.pace  # --stragglers off: no pace measured
         self.backend = os.environ.get(resild_env.BACKEND.name) or ("nccl" if torch.cuda.is_available() else "gloo")
         self.device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
@@ -837,7 +838,7 @@ class Job:
         if red is not None and red.verify_again(self.steps_state.step):
             return False  # --verify-every: job.steps() yields this step again, to be computed once more
         if protocol.vote():  # the after-commit hooks ran in it (snapshots, fingerprints, checkpoints)
-            self._progress("commit", paced_s=round(self.pace.total_s, 6), of=self._total)
+            self._progress("commit", **self.pace.report(), of=self._total)
             if self._graphs_at_takeover is not None:
                 self._report_compiled(self._graphs_at_takeover)
             return True

@@ -11,6 +11,8 @@ derived from it are computed here, once:
   leases go out and how long a node process waits for one. The controller sends the
   node processes these numbers (WELCOME, LEASE); they never derive them again.
 - `worker_timeouts()`: the workers' collective, report and notice timeouts (WELCOME).
+- `worker_redundancy()`: the workers' snapshot, checkpoint and verification settings, and
+  whether they time their own pace (`pace`: not under `--stragglers off`) (WELCOME).
 
 The nesting, checked at construction:
     heartbeat interval < --heartbeat-timeout < --controller-timeout < collective timeout
@@ -124,7 +126,8 @@ class WorkerTimeouts:
 
 @dataclass(frozen=True)
 class WorkerRedundancy:
-    """The workers' snapshot settings, sent in WELCOME beside the timeouts."""
+    """The workers' snapshot settings, sent in WELCOME beside the timeouts, and whether
+    they time their own pace for the straggler policy."""
 
     snapshot_copies: int = AUTO_COPIES
     snapshot_every: int = 1
@@ -135,8 +138,9 @@ class WorkerRedundancy:
     # least this many remain (a data-parallel job's every rank is a replica); grows back.
     min_replicas: int = 0
     verify_every: int = 0  # every K steps each rank computes its step twice and compares (0: never)
+    pace: bool = True  # each rank times its own steps (launcher.worker.pace); --stragglers off: not
 
-    def to_dict(self) -> dict[str, int | str]:
+    def to_dict(self) -> dict[str, int | str | bool]:
         return dataclasses.asdict(self)
 
     @classmethod
@@ -153,6 +157,7 @@ class WorkerRedundancy:
             count("checkpoint_every", 0, 0),
             count("min_replicas", 0, 0),
             count("verify_every", 0, 0),
+            p if isinstance(p := body.get("pace"), bool) else True,
         )
 
     def copies(self, has_replicas: bool, nodes: int) -> int:
@@ -274,6 +279,7 @@ class JobSettings:
             self.checkpoint_every,
             self.min_replicas,
             self.verify_every,
+            self.stragglers != "off",
         )
 
     def for_nodes(self, n_nodes: int) -> Derived:
