@@ -17,9 +17,9 @@ from typing import Any
 
 from resild.controller.admission import admission
 from resild.controller.effects import Effects
+from resild.controller.fatal import on_fatal
+from resild.controller.plausible import corroborated
 from resild.controller.policy import (
-    Action,
-    Decision,
     abuse_verdict,
     check_done,
     on_collective_abort,
@@ -355,10 +355,14 @@ class Handlers:
         p.step, p.epoch, p.state, p.t_s = step, epoch, state, now
         if state == "commit" and epoch == m.epoch:
             s.view.last_commit_s = now
-            if step > s.max_step:
-                s.max_step = step
-                s.commit_times.append((step, now, m.node_of(rank)))
-                s.events.progress(step, epoch)  # throttled: step-vs-time line, live status
+            node_id = m.node_of(rank)
+            if node_id is not None and step > s.node_steps.get(node_id, 0):
+                s.node_steps[node_id] = step
+            vouched = corroborated(s.node_steps, m.node_ranks)  # what two nodes say: one node alone raises nothing
+            if vouched > s.max_step:
+                s.max_step = vouched
+                s.commit_times.append((vouched, now, node_id))
+                s.events.progress(vouched, epoch)  # throttled: step-vs-time line, live status
             if s.awaiting_full_strength == epoch and committed:
                 s.awaiting_full_strength = None
                 if s.epoch_announced_s and epoch > 1:  # this job's recovery cost (stragglers.pays)
@@ -386,7 +390,10 @@ class Handlers:
 
     def _on_fatal(self, ident: bytes, node: NodeView, b: Fatal, now: float) -> None:
         error = b.error if b.error is not None else "no reason given"
-        self.effects.decide(Decision(Action.FAIL_JOB, f"unrecoverable: {error}", detector=Detector.RUNTIME.value), now)
+        d = on_fatal(self.s.view, node.node_id, error, self.s.fatals)  # one node's word alone ends nothing
+        if node.role == NodeRole.ACTIVE:  # a spare's or a fenced node's word is not the job's
+            self.s.fatals.setdefault(node.node_id, (now, error))
+        self.effects.decide(d, now)
 
     def _on_store(self, ident: bytes, node: NodeView, b: StoreRequest, now: float) -> None:
         s = self.s

@@ -31,6 +31,7 @@ from resild.controller.broadcast import Broadcaster
 from resild.controller.budget import Budget
 from resild.controller.effects import Effects
 from resild.controller.errors import InternalErrors
+from resild.controller.fatal import FATAL_ECHO_S, lone_fatals
 from resild.controller.faults import Fault, Injector
 from resild.controller.handlers import Handlers
 from resild.controller.journal import Journal
@@ -326,6 +327,7 @@ class Controller:
         started = self.view.membership is not None
         self._step("tick:checks", self._checks, now)
         self._step("tick:stragglers", self._stragglers, now)
+        self._step("tick:fatals", self._fatals, now)
         if started:
             self._step("tick:faults", self.effects.fire_faults, now)
 
@@ -359,6 +361,10 @@ class Controller:
     def _grow(self, now: float) -> None:
         if self.view.min_replicas > 0 and self.state.result is None:
             self.effects.decide(check_grow(self.view, busy=self.state.awaiting_full_strength is not None), now)
+
+    def _fatals(self, now: float) -> None:
+        if self.state.fatals:
+            self.effects.decide(lone_fatals(now, self.view, self.state.fatals, FATAL_ECHO_S), now)
 
     def _stragglers(self, now: float) -> None:
         """A node persistently slower than the others: said once an epoch, and replaced when

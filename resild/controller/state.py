@@ -71,6 +71,7 @@ class ControllerState:
     initial: Membership  # the first epoch's layout (start-up replacements applied)
     unregistered: int  # active workers yet to register: O(1) start check
     max_step: int = 0
+    node_steps: dict[str, int] = field(default_factory=dict)  # the newest step each node's reports claim
     result: JobResult | None = None
     awaiting_full_strength: int | None = None  # epoch whose first commit we wait for
     # (step, t, node) each time the job's step advanced
@@ -86,6 +87,7 @@ class ControllerState:
     paces: Paces = field(default_factory=lambda: Paces(50))  # per node, its latest steps' paces (stragglers)
     steps_planned: int = 0  # the steps the training loop was asked for (job.steps(total)), as ranks say
     stragglers_said: set[tuple[int, str]] = field(default_factory=set)  # (epoch, node): decided once an epoch
+    fatals: dict[str, tuple[float, str]] = field(default_factory=dict)  # node -> (when, what) it said FATAL
     window_judged: bool = False  # --straggler-window against the job's length: said (once) if too long
     epoch_announced_s: float = 0.0  # when the current epoch was announced
     recoveries_s: list[float] = field(default_factory=list)  # announced -> full strength, each recovery

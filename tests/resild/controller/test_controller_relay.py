@@ -43,7 +43,7 @@ def wait_event(events: EventLog, name: str, timeout_s: float = 10.0) -> dict:
             if e["event"] == name:
                 return e
         time.sleep(0.02)
-    raise AssertionError(f"no {name} event; got {[e['event'] for e in events.records]}")
+    raise AssertionError(f"no {name} event; got {[(e['event'], e.get('cause')) for e in events.records]}")
 
 
 @pytest.fixture
