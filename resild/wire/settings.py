@@ -68,6 +68,19 @@ COUNT_MIN = {
     "verify_every": 0,
     "straggler_window": 2,
 }
+# Upper bounds a user would accept: past them a value is a typo (1e14 s), and some overflow
+# where they are used (a step count in an int64 vote, a socket timeout in ms).
+COUNT_MAX = 10**6  # steps between snapshots, compares, checkpoints, verifications; a window; replicas
+MAX_DURATION_S = {
+    "heartbeat_interval_s": 60.0,
+    "heartbeat_timeout_s": 3600.0,
+    "controller_timeout_s": 3600.0,
+    "hang_timeout_s": 86400.0,  # a day: a step, or a collective, that long is a hang anywhere
+    "start_timeout_s": 86400.0,
+    "join_timeout_s": 86400.0,
+    "start_heartbeat_timeout_s": 3600.0,
+    "heartbeat_budget_per_s": 10.0**6,  # heartbeats a second, not seconds
+}
 TEXTS = ("checkpoint_dir", "stragglers")
 STRAGGLER_ACTIONS = ("replace", "report", "off")  # --stragglers
 MAX_STRAGGLER_THRESHOLD = 10.0  # 10 = 11x the others' pace: past that a node is hung, not slow
@@ -212,6 +225,8 @@ class JobSettings:
             if isinstance(v, bool) or not isinstance(v, int) or bad_copies or v < COUNT_MIN[name]:
                 lo = "0 (or -1: auto)" if name == "snapshot_copies" else str(COUNT_MIN[name])
                 raise SettingsError(f"{FLAGS[name]} must be a whole number >= {lo}, not {v!r}")
+            if v > COUNT_MAX:
+                raise SettingsError(f"{FLAGS[name]} must be at most {COUNT_MAX:,}, not {v:,}")
         if self.checkpoint_every and not self.checkpoint_dir:
             raise SettingsError("--checkpoint-every needs --checkpoint-dir (where resild writes its checkpoints)")
         if self.stragglers not in STRAGGLER_ACTIONS:
@@ -231,6 +246,9 @@ class JobSettings:
                 raise SettingsError(f"{FLAGS[f.name]} must be a number of seconds, not {v!r}")
             if not math.isfinite(v) or v < 0:
                 raise SettingsError(f"{FLAGS[f.name]} must be a finite number >= 0, not {v!r}")
+            if v > (most := MAX_DURATION_S[f.name]):
+                unit = "" if f.name == "heartbeat_budget_per_s" else " seconds"
+                raise SettingsError(f"{FLAGS[f.name]} must be at most {_num(most)}{unit}, not {_num(v)}")
             object.__setattr__(self, f.name, float(v))
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s", "hang_timeout_s", "start_timeout_s"):
             if getattr(self, name) <= 0:

@@ -120,3 +120,31 @@ def test_resil_run_refuses_a_bad_nesting_in_one_line() -> None:
     assert len(err) == 1, r.stderr
     assert "--heartbeat-timeout 10" in err[0] and "--controller-timeout 1" in err[0]
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    "kwargs,said",
+    [
+        ({"hang_timeout_s": 1e14}, "--hang-timeout must be at most 86400 seconds, not 1e+14"),
+        ({"hang_timeout_s": 1e308}, "--hang-timeout must be at most 86400 seconds"),
+        ({"start_timeout_s": 1e9}, "--start-timeout must be at most 86400 seconds"),
+        ({"snapshot_every": 10**21}, "--snapshot-every must be at most 1,000,000"),
+        ({"fingerprint_every": 10**20}, "--fingerprint-every must be at most 1,000,000"),
+        ({"straggler_window": 10**7}, "--straggler-window must be at most 1,000,000"),
+    ],
+)
+def test_every_duration_and_count_has_an_upper_bound_said_in_one_line(kwargs: dict, said: str) -> None:
+    """Accepted before, these hung a job with no error (issue 39, finding 10)."""
+    with pytest.raises(SettingsError) as e:
+        JobSettings(**kwargs)
+    assert said in str(e.value) and "\n" not in str(e.value)
+    JobSettings(**{k: (86400.0 if isinstance(v, float) else 10**6) for k, v in kwargs.items()})  # the bound itself
+
+
+@pytest.mark.timeout(60)
+def test_resil_run_refuses_a_huge_hang_timeout_in_one_line() -> None:
+    r = subprocess.run(resil_run("--hang-timeout", "1e14", worker=["true"]), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("Error:")] == [
+        "Error: --hang-timeout must be at most 86400 seconds, not 1e+14"
+    ], r.stderr
