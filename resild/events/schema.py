@@ -129,13 +129,10 @@ WORKER_EVENT_PREFIX = "worker."
 def _num(v: Any) -> float | None:
     if isinstance(v, bool):
         return None
-    if isinstance(v, (int, float)):
-        f = float(v)
-        return f if math.isfinite(f) else None
-    if isinstance(v, str):
+    if isinstance(v, (int, float, str)):
         try:
             f = float(v)
-        except ValueError:
+        except (ValueError, OverflowError):  # a word; an int past a float's range
             return None
         return f if math.isfinite(f) else None
     return None

@@ -24,6 +24,7 @@ in ``t_mono`` and the log's in ``t_log``: durations come from the worker, instan
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from statistics import median
@@ -159,6 +160,69 @@ def _no_non_finite(name: str) -> Any:
     raise ValueError(f"non-finite number {name}")
 
 
+MAX_NUMBER = 1e15  # past any step count or clock reading resild writes (seconds since boot or 1970)
+
+
+def _number(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return abs(v) <= MAX_NUMBER if isinstance(v, int) else math.isfinite(v) and abs(v) <= MAX_NUMBER
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_NUMBER
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _layout(v: Any) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(k, str) and isinstance(r, list) and all(_count(x) for x in r) for k, r in v.items()
+    )
+
+
+def _names(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# The fields the report reads, by name in any event: a value of another type (None aside)
+# is a file resild did not write, refused naming the line and the field.
+_FIELDS: dict[str, tuple[Any, str]] = {
+    "t_mono": (_number, "a number"),
+    "t_log": (_number, "a number"),
+    "train_s": (_number, "a number"),
+    "step_s": (_number, "a number"),
+    "step": (_count, "a whole number >= 0"),
+    "final_step": (_count, "a whole number >= 0"),
+    "count": (_count, "a whole number >= 0"),
+    "bytes": (_count, "a whole number >= 0"),
+    "committed_step": (_count, "a whole number >= 0"),
+    "epoch": (_count, "a whole number >= 0"),
+    "world_size": (_count, "a whole number >= 0"),
+    "spares_left": (_count, "a whole number >= 0"),
+    "node": (_text, "a string"),
+    "spare": (_text, "a string"),
+    "how": (_text, "a string"),
+    "role": (_text, "a string"),
+    "source": (_text, "a string"),
+    "reason": (_text, "a string"),
+    "unvouched": (_text, "a string"),
+    "layout": (_layout, "a map of node to ranks"),
+    "nodes": (_names, "a list of node names"),
+}
+
+
+def _bad_field(rec: dict[str, Any]) -> str | None:
+    for name, v in rec.items():
+        check = _FIELDS.get(name)
+        if check is not None and v is not None and not check[0](v):
+            shown = repr(v) if len(repr(v)) <= 40 else repr(v)[:40] + "..."
+            return f"field {name!r} must be {check[1]}, not {shown}"
+    return None
+
+
 def load_events(path: str | Path) -> list[dict[str, Any]]:
     """Read a JSON-lines event file. Raises EventFileError with a one-line reason."""
     p = Path(path)
@@ -196,6 +260,8 @@ def load_events(path: str | Path) -> list[dict[str, Any]]:
             or not isinstance(rec.get("t_mono"), (int, float))
         ):
             raise EventFileError(f'{p}:{n}: not a resild event (needs "event" and "t_mono")')
+        if (why := _bad_field(rec)) is not None:
+            raise EventFileError(f"{p}:{n}: {why} (resild never writes one)")
         out.append(rec)
     if not out:
         raise EventFileError(f"{p}: empty (no events)")
@@ -231,7 +297,8 @@ def split_jobs(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 # ---- analysis -----------------------------------------------------------------------------
 def _t(e: dict[str, Any]) -> float:
     """An event's instant on the log's (controller's) clock."""
-    return float(e.get("t_log", e["t_mono"]))
+    t = e.get("t_log")
+    return float(t if t is not None else e["t_mono"])
 
 
 def _first(
