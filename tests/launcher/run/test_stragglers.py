@@ -43,7 +43,21 @@ def test_a_slow_node_is_found_and_replaced_by_the_spare(tmp_path: Path, referenc
     assert f["detector"] == "straggler" and f["steps_redone"] == 0, f
     suspect = [e for e in r.events if e["event"] == "node_fenced" and e["node"] == "local-node1"]
     assert suspect and not suspect[0].get("drained"), suspect  # slowness alone is no evidence against it
+    # the pace came back: steps/s from the replacement's first commit to the end, against the
+    # failure-free job's and against the slow stretch (fault -> replacement) (controller clock)
+    (failed,) = [e for e in r.events if e["event"] == "failure_detected"]
+    slow_sps = (failed["committed_step"] - fault["step"]) / (failed["t_mono"] - fault["t_mono"])
+    after_sps, ref_sps = _steps_per_s(r.events, epoch=2), _steps_per_s(reference.events, epoch=1)
+    print(f"steps/s: failure-free {ref_sps:.1f}, slow {slow_sps:.1f}, after the replacement {after_sps:.1f}")
+    assert after_sps > 0.6 * ref_sps and slow_sps < 0.6 * after_sps, (ref_sps, slow_sps, after_sps)
     assert_same(reference.final, r.final, "final")
+
+
+def _steps_per_s(events: list[dict], epoch: int) -> float:
+    """From the epoch's first commit to the job's end (job_finished: its last step)."""
+    (first,) = [e for e in events if e["event"] == "full_strength_step" and e["epoch"] == epoch]
+    (end,) = [e for e in events if e["event"] == "job_finished"]
+    return (end["final_step"] - first["step"]) / (end["t_mono"] - first["t_mono"])
 
 
 def test_a_slow_node_with_hardware_evidence_is_replaced_and_drained_with_it(
