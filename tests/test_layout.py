@@ -103,7 +103,6 @@ def test_every_package_imports_only_what_its_allow_list_names() -> None:
 WITHOUT_MIRRORED_TESTS = {
     "launcher/node/lease.py",
     "launcher/node/process.py",
-    "launcher/run/cli.py",
     "launcher/run/job.py",
     "launcher/run/local.py",
     "launcher/run/slurm_mode.py",

@@ -34,6 +34,7 @@ import click
 
 from resild.controller.etcd_target import EtcdTarget
 from resild.controller.faults import Fault, FaultSpecError, parse_fault
+from resild.wire.own_dir import NotOwnError, private_dir
 from resild.wire.settings import AUTO_COPIES, JobSettings, SettingsError
 
 
@@ -388,10 +389,12 @@ def main(
         run_dir = resume_dir
     if checkpoint_dir is not None:
         checkpoint_dir = checkpoint_dir.expanduser().resolve()  # workers may start elsewhere
-        try:
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        try:  # made 0700; one found must be ours and writable by no one else (its metadata is a pickle)
+            private_dir(checkpoint_dir, "--checkpoint-dir", others_may_read=True)
             (checkpoint_dir / ".resild-write-test").touch()
             (checkpoint_dir / ".resild-write-test").unlink()
+        except NotOwnError as e:
+            raise click.UsageError(str(e)) from None
         except OSError as e:
             raise click.UsageError(f"cannot write --checkpoint-dir {checkpoint_dir}: {e.strerror}") from None
     try:  # the one place the job's timeouts are built; every process gets this object
@@ -529,7 +532,7 @@ def _site_etcd(
         return str(Path(p).resolve()) if p else None
 
     try:
-        return EtcdTarget.from_dict(
+        target = EtcdTarget.from_dict(
             {
                 "endpoints": [u.strip() for u in urls.split(",") if u.strip()],
                 "prefix": prefix or f"/resild/{job}",
@@ -540,6 +543,14 @@ def _site_etcd(
         )
     except (ValueError, KeyError) as e:
         raise click.UsageError(f"--etcd: {e}") from None
+    plain = [u for u in target.endpoints if u.startswith("http://")]
+    if plain:  # the journal decides who leads and what was committed: anyone on the path may rewrite it
+        click.echo(
+            f"resild: warning: --etcd {','.join(plain)} is plain HTTP: the job's journal and leader election "
+            "go unencrypted and unauthenticated; use https:// with --etcd-ca/--etcd-cert/--etcd-key",
+            err=True,
+        )
+    return target
 
 
 if __name__ == "__main__":

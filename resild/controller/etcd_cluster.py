@@ -40,6 +40,7 @@ from resild.controller.etcd_target import EtcdTarget
 from resild.controller.etcd_tls import EtcdCerts, make_certs, member_cert_for
 from resild.procutil import die_with_parent, say, stop_group
 from resild.wire import env as resild_env
+from resild.wire.own_dir import NotOwnError, private_dir
 from resild.wire.store import listen_address
 
 MAX_REQUEST_BYTES = 3 * 512 * 1024  # 1.5 MiB: one journal record (1 MiB, base64'd) fits, nothing much larger
@@ -187,6 +188,7 @@ class LocalEtcd:
             run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
             self.data = data_root or Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"resild-etcd-{run_id}"
             shutil.rmtree(self.data, ignore_errors=True)
+            private_dir(self.data, "etcd data directory")  # another user's, left in /tmp: refused, not used
             layout.write_text(
                 json.dumps(
                     {
@@ -211,7 +213,7 @@ class LocalEtcd:
 
     def start_member(self, i: int) -> None:
         m = self.members[i]
-        self.data.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_dir(self.data, "etcd data directory")  # a resumed job's: still ours alone
         cmd = member_cmd(self.binary, m, self.members, self.data / f"{m.name}.data", self.certs, self.token)
         with open(self.dir / f"{m.name}.log", "ab") as out:
             self.procs[i] = subprocess.Popen(
@@ -319,8 +321,13 @@ def serve_member(run_dir: Path, keys_dir: Path, hosts: list[str], index: int, ti
     # The member's data on the host's own disk (etcd fsyncs every commit: not a shared file
     # system), named for this run directory and started afresh (a requeued job is a new run).
     run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
-    data = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"resild-etcd-{run_id}-{me.name}"
-    shutil.rmtree(data, ignore_errors=True)
+    root = Path(os.environ.get("TMPDIR") or tempfile.gettempdir()) / f"resild-etcd-{run_id}-{me.name}"
+    shutil.rmtree(root, ignore_errors=True)
+    try:
+        data = private_dir(root, "etcd data directory") / "data"
+    except NotOwnError as e:
+        say(f"resild etcd member {index}: {e}")
+        return 1
     token = f"resild-{run_id}-{os.environ.get('SLURM_JOB_ID', '')}"
     cmd = member_cmd(binary, me, members, data, certs, token)
     log = open(run_dir / "etcd" / f"member-{index}.log", "ab")

@@ -106,6 +106,7 @@ _TYPE_NAMES = {
 }
 _BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 MAX_STATUS_TIMEOUT_S = 3600.0  # beyond this a timeout is a typo (1e308 overflowed the socket's)
+MAX_STALL_TIMEOUT_S = 7 * 86400.0  # a watched process silent for a week is hung by any standard
 
 
 def env_name(key: str) -> str:
@@ -188,6 +189,9 @@ def _validate(source: str, cfg: Config) -> None:
     ):
         if getattr(cfg, key) <= 0:
             raise ConfigError(source, f"key '{key}' must be > 0, not {getattr(cfg, key)!r}")
+        most = MAX_STALL_TIMEOUT_S if key == "stall_timeout_s" else MAX_STATUS_TIMEOUT_S
+        if getattr(cfg, key) > most:  # 1e308 passed, then overflowed a socket or thread timeout
+            raise ConfigError(source, f"key '{key}' must be at most {most:g} seconds, not {getattr(cfg, key):g}")
     if not 0 <= cfg.clock_event_hold_s <= MAX_STATUS_TIMEOUT_S:  # NaN fails too
         raise ConfigError(
             source,

@@ -75,6 +75,7 @@ from launcher.worker.stable_group import Interrupts
 from launcher.worker.torch_private import dtensor_like
 from launcher.worker.train_state import TrainState
 from launcher.worker.transport.codec import flatten, unflatten
+from resild.wire.own_dir import NotOwnError, check_own_dir, check_own_file
 
 try:
     from torch.distributed.tensor import DTensor
@@ -121,12 +122,29 @@ def _step_dirs(directory: Path) -> dict[int, Path]:
 
 
 def _is_complete(path: Path, step: int) -> bool:
-    """COMPLETE names its step (a copied or renamed directory does not pass) and DCP's metadata is there."""
+    """COMPLETE names its step (a copied or renamed directory does not pass), DCP's metadata
+    is there, and both are this user's alone to write (`_untrusted`)."""
     try:
         marker = json.loads((path / COMPLETE).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(marker, dict) and marker.get("step") == step and (path / ".metadata").is_file()
+    if not (isinstance(marker, dict) and marker.get("step") == step and (path / ".metadata").is_file()):
+        return False
+    why = _untrusted(path)
+    if why is not None:
+        log.warning("disk checkpoint of step %d not loaded: %s", step, why)
+    return why is None
+
+
+def _untrusted(path: Path) -> str | None:
+    """Why a checkpoint's files are not to be loaded: DCP's `.metadata` is a pickle, run as
+    code by the load; its directory and it must be this user's and writable by no other."""
+    try:
+        check_own_dir(path, "checkpoint directory")
+        check_own_file(path / ".metadata", "checkpoint metadata (a pickle)")
+    except NotOwnError as e:
+        return str(e)
+    return None
 
 
 def complete_steps(directory: Path) -> list[int]:
@@ -403,6 +421,9 @@ class DiskCheckpointer:
             self.intr.pin(gen)  # this thread's collectives belong to this epoch only
         try:
             try:
+                # 0700 before DCP writes into it (its files are 0644 by umask): the state, and
+                # the metadata torch unpickles at a load, are no other user's to read or replace
+                path.mkdir(mode=0o700, parents=True, exist_ok=True)
                 dcp.save(flat, storage_writer=self._writer(step, path, gen), process_group=self.group)
             except CheckpointException as e:
                 raise _dcp_error(e) from None

@@ -203,3 +203,13 @@ def test_loopback_metrics_addresses_need_no_opt_in(tmp_path: Path, addr: str) ->
 def test_an_absurd_status_timeout_is_refused(value: float) -> None:
     with pytest.raises(ConfigError, match="status_timeout_s"):
         load_config(None, env={}, overrides={"status_timeout_s": value})
+
+
+@pytest.mark.parametrize(
+    "key", ["heartbeat_s", "probe_interval_s", "probe_timeout_s", "nvml_call_timeout_s", "stall_timeout_s"]
+)
+def test_every_duration_has_an_upper_bound(key: str) -> None:
+    """probe_timeout_s = 1e308 passed, then `resild check` died of an OverflowError (issue 39, finding 12)."""
+    with pytest.raises(ConfigError, match=f"key '{key}' must be at most"):
+        load_config(None, env={}, overrides={key: 1e308})
+    load_config(None, env={}, overrides={key: 3600.0})

@@ -291,6 +291,22 @@ def test_newest_complete_ignores_partial_and_garbage_and_prune_keeps_newest(tmp_
     assert complete_steps(tmp_path) == [8] and ck.newest_complete() == 8
 
 
+def test_a_checkpoint_others_may_write_or_another_user_owns_is_never_loaded(tmp_path: Path) -> None:
+    """DCP's .metadata is a pickle the load runs: a planted or tampered one must not be read
+    (issue 39, finding 7). Not complete, not loaded; the job's own older one still is."""
+    import os
+
+    for s in (2, 4, 6):
+        _fake(tmp_path, s, complete=True)
+    os.chmod(step_dir(tmp_path, 4) / ".metadata", 0o666)  # anyone could have replaced it
+    os.chmod(step_dir(tmp_path, 6), 0o777)  # anyone could have put files there
+    assert complete_steps(tmp_path) == [2]
+    if os.getuid() == 0:  # another user's metadata, mode 0644
+        os.chmod(step_dir(tmp_path, 4) / ".metadata", 0o644)
+        os.chown(step_dir(tmp_path, 4) / ".metadata", 65534, 65534)
+        assert complete_steps(tmp_path) == [2]
+
+
 # ---- 3: a rank killed mid-write: rank 0 never marks the step complete ----------------------
 def _killed_phase(rank: int, store: Any, directory: Path) -> None:
     ts, loader = _job(0, rank)
