@@ -259,7 +259,7 @@ class UnixServer:
     def _serve(self, c: _Conn) -> None:
         while not c.outbuf and len(c.inbuf) >= _LEN.size:
             n = _LEN.unpack_from(c.inbuf)[0]
-            if n > self.max_request_bytes:
+            if n > self.max_request_bytes or n == 0:  # an empty frame asks nothing: it only held the slot
                 log.warning("local socket: uid %d pid %d announced a %d-byte frame: closed", c.peer.uid, c.peer.pid, n)
                 self._close(c)
                 return

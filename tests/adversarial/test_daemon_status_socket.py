@@ -77,6 +77,17 @@ def test_dribbled_bytes_do_not_keep_a_connection_open(public_dir: Path) -> None:
             assert closed_after is not None and closed_after < 1.5, closed_after
 
 
+def test_empty_frames_do_not_keep_a_connection_open(public_dir: Path) -> None:
+    """An empty frame every few seconds counted as a request and held a slot for as long as its
+    sender liked (issue 39, finding 5): it asks nothing, and closes the connection."""
+    with serving(UnixServer(str(public_dir / "e.sock"), _echo, mode=0o666, idle_timeout_s=0.5)):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(public_dir / "e.sock"))
+            s.settimeout(2.0)
+            s.sendall(struct.pack("!I", 0))
+            assert s.recv(10) == b""  # closed at once, not answered
+
+
 def _hold_as(uid: int, path: str, n: int) -> tuple[int, int, int]:
     """Fork a child that becomes `uid`, opens n connections to path and holds them
     until its pipe closes. Returns (pid, connections it got, pipe fd to close)."""
