@@ -138,7 +138,7 @@ def _copies(v: str | int) -> int:
     type=click.IntRange(min=1, max=7),
     default=1,
     show_default=True,
-    help="Controller replicas. 1: one controller inside resil-run. 3 (or 5): a Raft replica set "
+    help="Controller replicas. 1: one controller inside resil-run. 3 (or 5): a replica set on etcd "
     "(separate processes; under Slurm on the allocation's first nodes, the batch host included); "
     "the job survives the loss of any minority of them, the leader's and the batch host's included.",
 )
@@ -148,8 +148,8 @@ def _copies(v: str | int) -> int:
     default="auto",
     show_default=True,
     help="With --controllers N: etcd elects the leader and keeps the journal (the job's own N-member "
-    "cluster: with --local on this machine, under Slurm on the replicas' nodes; or a site's with --etcd); "
-    "raft: the older pysyncobj replica set (its log in memory). auto: etcd.",
+    "cluster: with --local on this machine, under Slurm on the replicas' nodes; or a site's with --etcd). "
+    "auto: etcd. raft (pysyncobj) was removed.",
 )
 @click.option(
     "--etcd",
@@ -373,14 +373,18 @@ def main(
             events.open("a").close()
         except OSError as e:
             raise click.UsageError(f"cannot write --events {events}: {e.strerror}") from None
+    if consensus == "raft":
+        raise click.UsageError(
+            "--consensus raft was removed (pysyncobj's frames are pickles; one consensus engine, held to one "
+            "standard): --controllers N runs on etcd, the job's own cluster or a site's (--etcd)"
+        )
     if controllers == 2:
-        raise click.UsageError("--controllers 2 survives no loss (Raft needs a majority): use 3")
-    needs = "pysyncobj" if consensus == "raft" else "etcd3gw"
-    if controllers > 1 and importlib.util.find_spec(needs) is None:
+        raise click.UsageError("--controllers 2 survives no loss (etcd needs a majority): use 3")
+    if controllers > 1 and importlib.util.find_spec("etcd3gw") is None:
         raise click.UsageError(f"--controllers {controllers} needs the standby extra: pip install 'resild[standby]'")
     etcd = _site_etcd(etcd_urls, etcd_ca, etcd_cert, etcd_key, etcd_prefix) if controllers > 1 else None
     if resume_dir is not None:
-        if not local or controllers < 2 or consensus == "raft" or etcd is not None:
+        if not local or controllers < 2 or etcd is not None:
             raise click.UsageError("--resume needs --local --controllers N on the job's own etcd")
         if run_dir is not None and run_dir.resolve() != resume_dir.resolve():
             raise click.UsageError("--resume RUN_DIR is the run directory: no other --run-dir")
@@ -433,7 +437,6 @@ def main(
                 requeue_on_exhaustion=requeue_on_exhaustion,
                 status=not quiet,
                 controllers=controllers,
-                consensus=consensus,
                 etcd=etcd,
                 spare_target=spare_target,
                 readmit=readmit,
@@ -482,7 +485,6 @@ def main(
                 controllers,
                 as_json=as_json,
                 status=not quiet,
-                consensus=consensus,
                 etcd=etcd,
                 resume=resume_dir is not None,
             )

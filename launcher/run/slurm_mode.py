@@ -219,7 +219,6 @@ def run_slurm(
     requeue_on_exhaustion: bool = False,
     status: bool = True,
     controllers: int = 1,
-    consensus: str = "auto",
     etcd: EtcdTarget | None = None,
     spare_target: int = 0,
     readmit: bool = False,
@@ -301,7 +300,6 @@ def run_slurm(
             slurm_job=alloc,
             node_cmd=node_cmd,
             status=status,
-            consensus=consensus,
             etcd=etcd,
         )
     # scancel sends the batch script SIGTERM: end like Ctrl-C, so the job's own cold-spare

@@ -8,7 +8,6 @@ and if every replica is gone the node processes end on their lease.
 
 The replicas elect their leader and keep the journal in etcd: the job's own cluster of
 N members (--local: on this machine, started and stopped here) or a site's (--etcd).
-`consensus="raft"` keeps the older pysyncobj replica set (no etcd).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from resild.controller.etcd_cluster import LocalEtcd, slurm_target, wait_for_mem
 from resild.controller.etcd_election import lease_ttl_s
 from resild.controller.etcd_target import EtcdTarget
 from resild.controller.etcd_tls import make_certs
-from resild.controller.replica import RUNNER_ALIVE, raft_secret, wait_for_replicas
+from resild.controller.replica import RUNNER_ALIVE, wait_for_replicas
 from resild.controller.verdict_file import RESULT_FILE
 from resild.events.log import RECENT_PROGRESS, EventTail
 from resild.events.schema import EventName
@@ -47,7 +46,6 @@ def run_replicated(
     slurm_job: Any = None,
     node_cmd: Callable[[str, Path], list[str]] | None = None,
     status: bool = True,
-    consensus: str = "auto",
     etcd: EtcdTarget | None = None,
     resume: bool = False,
 ) -> int:
@@ -64,11 +62,7 @@ def run_replicated(
     own_etcd: LocalEtcd | None = None
     resume_records = 0  # the journal's length when this run resumed it
     etcd_step: subprocess.Popen[bytes] | None = None
-    if consensus == "auto":
-        consensus = "etcd"
-    if consensus == "raft":
-        raft_secret(keys.path)
-    elif etcd is None:
+    if etcd is None:
         try:
             if slurm_job is None:
                 own_etcd = LocalEtcd(rd, keys.path, n_controllers, fresh=not resume)
@@ -105,7 +99,7 @@ def run_replicated(
         "faults": [str(f) for f in spec.faults],
         "settings": spec.settings.to_dict(),
     }
-    if etcd is not None and consensus != "raft":
+    if etcd is not None:
         cfg["etcd"] = etcd.to_dict()
         cfg["lease_ttl_s"] = lease_ttl_s(spec.settings.controller_timeout_s)
     if resume:
@@ -160,7 +154,7 @@ def run_replicated(
         return led
 
     try:
-        endpoints = wait_for_replicas(rd, n_controllers, 120.0)[0]
+        endpoints = wait_for_replicas(rd, n_controllers, 120.0)
         # Nodes start once a leader is there: their lease runs from their start.
         deadline = time.monotonic() + 120.0
         while not follow():

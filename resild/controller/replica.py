@@ -1,28 +1,25 @@
-"""Standby controllers: N replicas of the controller, one leading, the journal
-replicated (etcd; or Raft through pysyncobj with `--consensus raft`), so losing the
-leader's host loses no decision.
-
-With etcd (a spec with `etcd`: resild.controller.etcd_target.EtcdTarget as a dict, and
-`lease_ttl_s`) a replica stands by following the journal, campaigns for the leader key
-when nobody holds it (resild.controller.etcd_election), leads with the journal written
-in transactions guarded by that key (resild.controller.etcd_journal), and when deposed
-stands by again on the same endpoint (`serve_etcd`). What follows describes Raft.
+"""Standby controllers: N replicas of the controller, one leading, the journal replicated
+in etcd, so losing the leader's host loses no decision.
 
     python -m resild.controller.replica --spec RUN_DIR/controllers.json --index I
 
-Every replica binds its ROUTER endpoint at start (the rendezvous keys live in the leader). A
-standby drains its socket (node processes heartbeat every replica, so the socket
-is warm) and acts on nothing. The replica Raft elects leads: it first commits a
-`leader` record (so every earlier record is applied here too), rebuilds the
-controller's state from the replicated journal (`Controller.restore`), and leases
-every node with a higher term; nodes and workers follow the highest term, register
-again, and their store requests go to this replica. A leader that loses its Raft leadership stops
-at its next tick without a word (the new leader speaks for the job).
+A replica (a spec with `etcd`: resild.controller.etcd_target.EtcdTarget as a dict, and
+`lease_ttl_s`) binds its ROUTER endpoint at start (the rendezvous keys live in the
+leader), stands by following the journal and draining its socket (node processes
+heartbeat every replica, so the socket is warm), campaigns for the leader key when nobody
+holds it (resild.controller.etcd_election), leads with the journal written in
+transactions guarded by that key (resild.controller.etcd_journal): it first commits a
+`leader` record, rebuilds the controller's state from the journal
+(`Controller.restore`) and leases every node with a higher term; nodes and workers follow
+the highest term, register again, and their store requests go to this replica. When
+deposed it stands by again on the same endpoint (`serve_etcd`).
 
-The spec (JSON, written by resil-run): active, spares, nproc, endpoints (ROUTER,
-one per replica), raft (host:port, one per replica), keys, events, run_dir,
-faults, and the job's settings (`settings`: resild.wire.settings.JobSettings as a
-dict, validated again here).
+The spec (JSON, written by resil-run): active, spares, nproc, endpoints (ROUTER, one per
+replica), etcd, keys, events, run_dir, faults, and the job's settings (`settings`:
+resild.wire.settings.JobSettings as a dict, validated again here).
+
+(`--consensus raft`, a pysyncobj replica set whose frames were pickles, was removed: one
+consensus engine, the one held to the security standard, issue 39.)
 """
 
 from __future__ import annotations
@@ -43,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from pysyncobj import SyncObj, SyncObjConf, replicated
-from pysyncobj.syncobj import SyncObjException
 
 import resild.slurm as slurm
 import resild.wire.env as resild_env
@@ -65,72 +60,10 @@ from resild.procutil import die_with_parent, say
 from resild.wire.channel import Server
 from resild.wire.keys import KeyDir
 from resild.wire.settings import JobSettings
-from resild.wire.store import listen_address
 
 log = logging.getLogger("resild.replica")
 
 RUNNER_ALIVE = "runner.alive"  # resil-run touches it while it waits (Slurm: its host may die)
-
-
-APPEND_PERIOD_S = 0.05  # the Raft leader's append (and heartbeat) period
-
-
-def raft_conf(password: str, bind_address: str | None = None) -> SyncObjConf:
-    # Elections within ~0.3-0.6 s of the leader's silence: well inside the nodes' lease
-    # (--controller-timeout, 5 s by default) and close to the heartbeat timeout.
-    # pysyncobj frames are pickles: the password (a per-job secret, 0600 in the keys
-    # directory) makes every frame Fernet-encrypted and authenticated, so a peer without
-    # the secret is refused before anything is unpickled.
-    states = {0: "follower", 1: "candidate", 2: "leader"}
-
-    def changed(old: int, new: int) -> None:  # pysyncobj's thread: one line per Raft role change
-        say(
-            f"resild controller replica (pid {os.getpid()}): raft {states.get(old, old)} -> "
-            f"{states.get(new, new)} at t_mono {time.monotonic():.3f}"
-        )
-
-    return SyncObjConf(
-        raftMinTimeout=0.3,
-        raftMaxTimeout=0.6,
-        appendEntriesPeriod=APPEND_PERIOD_S,
-        connectionRetryTime=0.3,
-        connectionTimeout=1.0,
-        dynamicMembershipChange=False,
-        commandsWaitLeader=True,
-        password=password,
-        onStateChanged=changed,
-        # pysyncobj listens on every interface unless told: only where the peers are
-        bindAddress=bind_address,
-    )
-
-
-def raft_secret(keys_dir: Path) -> str:
-    """The replica set's shared secret, made once per job (0600)."""
-    path = keys_dir / "raft.secret"
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(os.urandom(32).hex())
-    return path.read_text().strip()
-
-
-class RaftLog(SyncObj):  # type: ignore[misc]  # pysyncobj has no type hints
-    """The replicated journal: an append-only list of decision records. Each replica
-    also keeps its applied copy in its own JSON-lines file (for `resild report` and
-    for a restart from disk)."""
-
-    def __init__(self, self_addr: str, partners: list[str], path: Path, password: str, *, cluster: bool) -> None:
-        host, port = self_addr.rsplit(":", 1)
-        _, ip = listen_address(host, cluster=cluster, what="the Raft port")
-        super().__init__(self_addr, partners, raft_conf(password, f"{ip}:{port}"))
-        self.records: list[dict[str, Any]] = []
-        self._file = Journal(path)
-
-    @replicated  # type: ignore[untyped-decorator]  # pysyncobj has no type hints
-    def _apply(self, record: dict[str, Any]) -> int:
-        self.records.append(record)
-        self._file.write(record)
-        return len(self.records)
 
 
 CLOSED = Closed.ACTION  # the leader's last record: the job is over and its verdict written
@@ -140,28 +73,6 @@ def _closed(records: list[dict[str, Any]]) -> bool:
     # Not only the last record: a standby elected as the leader went learns of the commit
     # with its own `leader` record, which lands after it.
     return any(r.get("action") == CLOSED for r in reversed(records))
-
-
-class RaftJournal(Journal):
-    """The controller's Journal, written through Raft: `append` is true once a majority
-    of the replicas holds the record."""
-
-    replicated = True
-
-    def __init__(self, raft: RaftLog, timeout_s: float = 2.0) -> None:
-        super().__init__(None)
-        self.raft, self.timeout_s = raft, timeout_s
-
-    def write(self, record: dict[str, Any]) -> bool:
-        try:
-            self.raft._apply(record, sync=True, timeout=self.timeout_s)
-        except SyncObjException as e:
-            self._failed(RuntimeError(f"raft: {e.errorCode}"), record)
-            return False
-        return True
-
-    def status(self) -> dict[str, Any]:
-        return {**super().status(), "replicated": True}
 
 
 class ProcessNodes(Backend):
@@ -206,19 +117,13 @@ class ProcessNodes(Backend):
         self._done.update(self.nodes)  # resil-run waits for and reaps the node processes
 
 
-def discover(
-    spec: dict[str, Any], index: int, run_dir: Path, router_port: int, timeout_s: float = 120.0
-) -> tuple[list[str], list[str]]:
+def discover(spec: dict[str, Any], index: int, run_dir: Path, router_port: int, timeout_s: float = 120.0) -> list[str]:
     """Under Slurm every replica picks its own ports on its own host and publishes them
     in the (shared) run directory; all replicas and resil-run wait for the full set.
     The ROUTER is bound before its port is published: a peer connecting to a port
     nobody listens on yet can end up connected to itself (TCP self-connect) for good."""
     host = spec.get("advertise") or os.environ.get(resild_env.CONTROLLER_HOST.name) or socket.getfqdn()
-    mine = {"endpoint": f"tcp://{host}:{router_port}", "raft": ""}
-    if "etcd" not in spec:
-        with socket.socket() as b:
-            b.bind(("", 0))  # Raft's port: pysyncobj binds it itself (and retries)
-            mine["raft"] = f"{host}:{b.getsockname()[1]}"
+    mine = {"endpoint": f"tcp://{host}:{router_port}"}
     tmp = run_dir / f".replica-{index}.json.tmp"
     tmp.write_text(json.dumps(mine))
     os.replace(tmp, run_dir / f"replica-{index}.json")
@@ -229,12 +134,12 @@ def replica_count(spec: dict[str, Any]) -> int:
     return len(spec.get("hosts") or []) or int(spec.get("replicas") or 0)
 
 
-def wait_for_replicas(run_dir: Path, n: int, timeout_s: float) -> tuple[list[str], list[str]]:
+def wait_for_replicas(run_dir: Path, n: int, timeout_s: float) -> list[str]:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             got = [json.loads((run_dir / f"replica-{i}.json").read_text()) for i in range(n)]
-            return [g["endpoint"] for g in got], [g["raft"] for g in got]
+            return [g["endpoint"] for g in got]
         except (OSError, ValueError, KeyError):
             if time.monotonic() > deadline:
                 raise RuntimeError(
@@ -271,7 +176,7 @@ def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
 
 @dataclass(frozen=True)
 class TakeOver:
-    """A replica just elected, Raft's or etcd's: who it is and what the journal holds."""
+    """A replica just elected: who it is and what the journal holds."""
 
     spec: dict[str, Any]
     index: int
@@ -300,7 +205,7 @@ def lead(
     resuming: bool = False,
     failed: Callable[[], None] = lambda: None,
 ) -> tuple[Controller, JobResult]:
-    """The take-over, with either consensus: the controller rebuilt from the journal (or, for
+    """The take-over: the controller rebuilt from the journal (or, for
     resil-run --resume, the job started again from it), its leadership said in the event log,
     then the job run to its verdict, or the verdict said again if the job had ended when the
     old leader died. A ControllerFailed (the controller's own failure) calls `failed` first."""
@@ -374,60 +279,16 @@ def serve(spec: dict[str, Any], index: int) -> int:
     keys = KeyDir(Path(spec["keys"])) if spec.get("keys") else None
     ctx = zmq.Context()
     cluster = bool(spec.get("hosts"))
+    if "etcd" not in spec:  # a spec of an older resil-run (--consensus raft, removed)
+        say(f"resild controller replica {index}: the spec has no etcd: this replica set cannot run")
+        return 2
     if "endpoints" not in spec:  # ports chosen here, published in the run directory
         server = Server(ctx, f"tcp://{'*' if cluster else spec.get('advertise', '127.0.0.1')}:0", keys)
-        endpoints, peers = discover(spec, index, run_dir, int(server.endpoint.rsplit(":", 1)[1]))
+        endpoints = discover(spec, index, run_dir, int(server.endpoint.rsplit(":", 1)[1]))
     else:
-        endpoints, peers = list(spec["endpoints"]), list(spec.get("raft") or [])
+        endpoints = list(spec["endpoints"])
         server = Server(ctx, endpoints[index], keys)
-    if "etcd" in spec:
-        return serve_etcd(spec, index, ctx, server, endpoints[index])
-    endpoint = endpoints[index]
-    raft = RaftLog(
-        peers[index],
-        [p for i, p in enumerate(peers) if i != index],
-        run_dir / f"journal-{index}.jsonl",
-        raft_secret(Path(spec["keys"])),
-        cluster=cluster,
-    )
-    log.info("replica %d: standing by (%s, raft %s)", index, endpoint, peers[index])
-    while True:
-        server.channel.recv(0.05)  # standby: keep the socket drained, act on nothing
-        if _closed(raft.records):  # the leader finished the job and stood down: nothing to take over
-            raft.destroy()
-            return 0
-        if raft._isLeader():
-            try:
-                raft._apply(
-                    Leader(index, os.getpid(), time.time()).to_dict(),
-                    sync=True,
-                    timeout=2.0,
-                )
-                break
-            except SyncObjException as e:
-                log.warning("replica %d: elected but could not commit: %s", index, e.errorCode)
-    t_elected = time.monotonic()
-    term = int(raft._getTerm())
-    if _closed(raft.records):  # elected as the old leader stood down: the job is over
-        time.sleep(4 * APPEND_PERIOD_S)  # the last standby learns of `closed` from our appends
-        raft.destroy()
-        return 0
-    taken = TakeOver(spec, index, endpoint, term, t_elected, raft.records)
-    ctl, result = lead(taken, keys, ctx, server, RaftJournal(raft), raft._isLeader)
-    server.close()
-    if ctl.deposed:
-        return 1
-    say_verdict(taken, result)
-    # Tell the standbys the job is over, or they elect one of themselves the moment we go
-    # (which would say the verdict again, late). Not committed (we die first): they take over,
-    # which is right, since nodes might still need the SHUTDOWN.
-    try:
-        raft._apply(Closed(index, time.time()).to_dict(), sync=True, timeout=2.0)
-        time.sleep(4 * APPEND_PERIOD_S)  # followers learn the commit from our next append
-    except SyncObjException as e:
-        log.warning("replica %d: could not tell the standbys the job is over: %s", index, e.errorCode)
-    raft.destroy()
-    return 0
+    return serve_etcd(spec, index, ctx, server, endpoints[index])
 
 
 def _host_pid_of(ctl: Controller) -> Callable[[str], int | None]:
@@ -499,7 +360,7 @@ def serve_etcd(spec: dict[str, Any], index: int, ctx: zmq.Context[Any], server: 
 
         def failed() -> None:
             # Our own failure, not the job's: no verdict, nobody told to shut down. The lease
-            # goes now (a standby leads at once, not when it expires) and we exit, as with Raft.
+            # goes now (a standby leads at once, not when it expires) and we exit.
             election.resign()
             follower.close()
 
@@ -546,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--index {a.index} is not a replica of {a.spec}")
     # Our own log in the (shared) run directory: under Slurm our stderr goes to srun on the
     # batch host, which may be the host that dies; resil-run's terminal shows the leader
-    # changes from the event file, not every Raft role change.
+    # changes from the event file.
     log_file = open(Path(spec["run_dir"]) / f"replica-{a.index}.log", "a", buffering=1)
     os.dup2(log_file.fileno(), 2)
     sys.stderr = log_file

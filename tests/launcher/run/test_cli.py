@@ -25,3 +25,21 @@ def test_bad_site_etcd_flags_are_usage_errors() -> None:
         _site_etcd(None, "/ca.pem", None, None, None)
     with pytest.raises(click.UsageError, match="--etcd: "):
         _site_etcd("ftp://h:1", None, None, None, None)
+
+
+@pytest.mark.timeout(60)
+def test_consensus_raft_is_gone_and_said_so_in_one_line() -> None:
+    """One consensus engine, the one held to the security standard (issue 39, finding 16)."""
+    import subprocess
+
+    from bench.commands import resil_run
+
+    r = subprocess.run(
+        resil_run("--controllers", "3", "--consensus", "raft", worker=["true"]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    err = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert len(err) == 1 and "--consensus raft was removed" in err[0], r.stderr

@@ -1,5 +1,5 @@
 """The node daemon installs with its own few dependencies: nothing it runs imports torch,
-plotting, Raft, etcd or the launcher (those are extras: launcher, standby, report)."""
+plotting, etcd or the launcher (those are extras: launcher, standby, report)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 # A meta-path finder that refuses the extras' packages, so an import of one fails loudly.
 BLOCK = """
 import sys
-EXTRAS = {"torch", "torchdata", "matplotlib", "pysyncobj", "etcd3gw", "cryptography", "numpy", "launcher"}
+EXTRAS = {"torch", "torchdata", "matplotlib", "etcd3gw", "cryptography", "numpy", "launcher"}
 class Block:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in EXTRAS:
@@ -35,7 +35,7 @@ def test_the_daemon_and_its_cli_import_without_the_extras() -> None:
 
 @pytest.mark.timeout(60)
 def test_the_block_catches_an_extra() -> None:
-    """The check above can fail: importing the standby replica needs pysyncobj."""
+    """The check above can fail: importing the standby replica needs etcd3gw."""
     r = subprocess.run(
         [sys.executable, "-c", BLOCK + "import resild.controller.replica\n"], capture_output=True, text=True, timeout=60
     )
