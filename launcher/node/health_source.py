@@ -127,14 +127,25 @@ class DaemonHealth(HealthSource):
     start() subscribes in the caller's thread and raises (OSError, ProtocolError) when
     no daemon answers, so the factory can fall back. Afterwards a lost subscription
     (daemon restarted, or silent for SILENT_PUSHES keepalives) is reported as "unknown"
-    and retried with backoff, forever, until stop()."""
+    and retried with backoff, forever, until stop(). Meanwhile `fallback(on_change)` (the
+    factory's: the same probes in-process) runs, so "unknown" never hides an Xid: its
+    verdicts are this source's until the subscription is back."""
 
     detector = Detector.DAEMON.value
 
-    def __init__(self, path: str, on_change: OnChange, *, timeout_s: float = SUBSCRIBE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        path: str,
+        on_change: OnChange,
+        *,
+        timeout_s: float = SUBSCRIBE_TIMEOUT_S,
+        fallback: Callable[[OnChange], HealthSource] | None = None,
+    ) -> None:
         super().__init__(on_change)
         self.path = path
         self.timeout_s = timeout_s
+        self._fallback_factory = fallback
+        self._fallback: HealthSource | None = None
         self._seq = Sequencer(f"{socket.gethostname()}/health-{os.getpid()}")
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -146,6 +157,7 @@ class DaemonHealth(HealthSource):
 
     def stop(self) -> None:
         self._stop.set()
+        self._end_fallback()
         with self._lock:
             sock = self._sock
         if sock is not None:
@@ -197,6 +209,7 @@ class DaemonHealth(HealthSource):
                 try:
                     sock, silence_s = self._subscribe()
                     backoff_s = RECONNECT_MIN_S
+                    self._end_fallback()
                     log.info("health subscription to the node daemon at %s restored", self.path)
                 except (OSError, ProtocolError) as e:
                     self._lost(f"no answer from the node daemon at {self.path}: {e}")
@@ -219,11 +232,26 @@ class DaemonHealth(HealthSource):
             sock.close()
 
     def _lost(self, why: str) -> None:
+        if self._fallback is not None:
+            return  # the in-process probes speak until the daemon answers again
         with self._lock:
             already = self._latest is not None and self._latest["verdict"] == UNKNOWN
         if not already:
             log.warning("%s", why)
             self._publish(_body(UNKNOWN, [why], self.detector))
+        if self._fallback is None and self._fallback_factory is not None and not self._stop.is_set():
+            log.warning("%s: in-process health probes until it answers again", self.path)
+            self._fallback = self._fallback_factory(self._from_fallback)
+            self._fallback.start()
+
+    def _from_fallback(self, body: HealthBody) -> None:
+        if self._fallback is not None:  # its verdict while it stands in; none once the daemon is back
+            self._publish(body)
+
+    def _end_fallback(self) -> None:
+        fb, self._fallback = self._fallback, None
+        if fb is not None:
+            fb.stop()
 
 
 # -- the same probes, in this process -------------------------------------------------
@@ -381,7 +409,11 @@ def open_health_source(
     if nvml_control is not None and not explicit:
         log.info("%s: simulated node with an NVML stand-in: in-process health probes", node)
     elif path and os.path.exists(path):
-        daemon = DaemonHealth(path, on_change)
+
+        def in_process(cb: OnChange) -> HealthSource:  # while the daemon does not answer
+            return InProcessHealth(cfg, cb, interval_s=interval_s, simulated=False, config_error=error)
+
+        daemon = DaemonHealth(path, on_change, fallback=in_process)
         try:
             daemon.start()
             log.info("%s: health from the node daemon at %s", node, path)

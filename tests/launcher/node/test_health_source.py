@@ -152,7 +152,9 @@ def _stop_daemon(d: subprocess.Popen) -> str:
     return out
 
 
-def test_with_a_daemon_the_job_subscribes_and_never_opens_nvml(tmp_path: Path, fake_nvml_dir: Path) -> None:
+def test_with_a_daemon_the_job_subscribes_and_opens_nvml_only_while_it_is_gone(
+    tmp_path: Path, fake_nvml_dir: Path
+) -> None:
     ctl = tmp_path / "nvml.ctl"
     ctl.write_text("gpus 2\n")
     conf = _conf(tmp_path)
@@ -162,7 +164,7 @@ def test_with_a_daemon_the_job_subscribes_and_never_opens_nvml(tmp_path: Path, f
     helper = Helper(env)  # the socket comes from the config, as the daemon reads it
     try:
         opened = helper.expect(lambda m: m["kind"] == "opened")
-        assert opened["type"] == "DaemonHealth" and not opened["nvml"]
+        assert opened["type"] == "DaemonHealth" and not opened["nvml"]  # the daemon answers: no NVML here
         assert opened["poll"] == {"verdict": "healthy", "reasons": [], "detector": "daemon"}
         with open(ctl, "a") as f:
             f.write("event 1 xid 79\n")
@@ -170,13 +172,21 @@ def test_with_a_daemon_the_job_subscribes_and_never_opens_nvml(tmp_path: Path, f
         failed = helper.expect(change("failed"), timeout_s=5)["body"]
         assert time.monotonic() - t0 < 2.0
         assert failed["detector"] == "daemon" and any("Xid 79" in r for r in failed["reasons"])
-        # The daemon goes away: "unknown" at once, not a crash; it comes back: subscribed again.
+        # The daemon goes away: "unknown" at once, not a crash, then the same probes in-process,
+        # so an Xid while it is away is not hidden (issue 39: it stayed "unknown" through one);
+        # it comes back: subscribed again, its verdict the node's.
         _stop_daemon(daemon)
         lost = helper.expect(change("unknown"), timeout_s=5)["body"]
         assert "node daemon" in lost["reasons"][0]
+        helper.expect(lambda m: m["kind"] == "change" and m["body"]["detector"] != "daemon", timeout_s=10)
+        with open(ctl, "a") as f:
+            f.write("event 0 xid 79\n")
+        meanwhile = helper.expect(change("failed"), timeout_s=10)["body"]
+        assert meanwhile["detector"] != "daemon" and any("gpu0" in r and "Xid 79" in r for r in meanwhile["reasons"])
         daemon = _start_daemon(conf, env, tmp_path)
-        helper.expect(lambda m: m["kind"] == "change" and m["body"]["verdict"] != "unknown", timeout_s=15)
-        assert helper.close()["nvml"] is False
+        back = helper.expect(lambda m: m["kind"] == "change" and m["body"]["detector"] == "daemon", timeout_s=15)
+        assert back["body"]["verdict"] != "unknown"
+        helper.close()
         assert helper.proc.returncode == 0, helper.stderr_now()
     finally:
         helper.kill()
