@@ -67,6 +67,9 @@ MAX_REASONS, MAX_REASON_CHARS = 64, 1024
 NOFILE_WANTED = 65536  # systemd's LimitNOFILE= sets it too; this covers a manual start
 MAX_SUBSCRIBERS = 64  # health subscriptions at once (one per job node process is the norm)
 MAX_SUBSCRIBERS_PER_UID = 16
+# Root and the daemon's own uid subscribe outside the cap above, within this many of their
+# own: four users at their per-uid share filled the cap and locked root out (issue 39).
+MAX_PRIVILEGED_SUBSCRIBERS = 16
 PUSH_INTERVAL_S = 5.0  # keepalive push: a subscriber calls the daemon gone after ~3 of these
 MAX_PUSH_BACKLOG_BYTES = 1 << 20  # queued for one subscriber beyond the kernel's buffer: dropped
 PUSH_STALL_S = 15.0  # a subscriber whose queue has not drained for this long is dropped
@@ -237,11 +240,16 @@ class PushServer(UnixServer):
         fd = c.sock.fileno()
         if fd in self.subscribers:
             return
-        same_uid = sum(1 for f in self.subscribers if f in self.conns and self.conns[f].peer.uid == c.peer.uid)
-        if len(self.subscribers) >= self.max_subscribers or (
-            c.peer.uid != 0 and same_uid >= self.max_subscribers_per_uid
-        ):
-            raise ProtocolError("too_many", f"{len(self.subscribers)} health subscribers already")
+        subs = [self.conns[f] for f in self.subscribers if f in self.conns]
+        if c.privileged:  # their own slots: no other user can take them
+            mine = sum(1 for s in subs if s.privileged)
+            if mine >= MAX_PRIVILEGED_SUBSCRIBERS:
+                raise ProtocolError("too_many", f"{mine} health subscribers of root and the daemon's uid already")
+        else:
+            others = [s for s in subs if not s.privileged]
+            same_uid = sum(1 for s in others if s.peer.uid == c.peer.uid)
+            if len(others) >= self.max_subscribers or same_uid >= self.max_subscribers_per_uid:
+                raise ProtocolError("too_many", f"{len(others)} health subscribers already")
         self.subscribers[fd] = None
 
     def push(self, frame: bytes) -> None:

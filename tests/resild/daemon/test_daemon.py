@@ -651,11 +651,20 @@ def test_a_subscriber_that_stops_reading_does_not_stall_the_daemon(public_dir: P
         with pytest.raises(ConnectionError):
             while True:  # what was queued, then the end: the daemon closed it
                 _next_frame(stuck)
-        # Subscriptions are capped: the next one past the cap is refused with a reason.
-        a._rep.max_subscribers = 1
-        with _subscribe(cfg.status_socket) as extra:
-            refused = _next_frame(extra)
-            assert refused.type is MsgType.ERROR and refused.body["code"] == "too_many"
+        # Subscriptions are capped: the next one past the cap is refused with a reason. Root's
+        # (and the daemon uid's) are counted apart, so other users filling theirs cannot lock
+        # root out (issue 39: four uids at their share filled the one cap, root's included).
+        a._rep.max_subscribers = 0  # no slot left for other users
+        with _subscribe(cfg.status_socket) as roots:
+            assert _next_frame(roots).type is MsgType.HEALTH  # this test runs as root or the daemon's uid
+        old = daemon_mod.MAX_PRIVILEGED_SUBSCRIBERS
+        daemon_mod.MAX_PRIVILEGED_SUBSCRIBERS = len(a._rep.subscribers)
+        try:
+            with _subscribe(cfg.status_socket) as extra:
+                refused = _next_frame(extra)
+                assert refused.type is MsgType.ERROR and refused.body["code"] == "too_many"
+        finally:
+            daemon_mod.MAX_PRIVILEGED_SUBSCRIBERS = old
     finally:
         stuck.close()
         good.close()
