@@ -132,7 +132,6 @@ WITHOUT_MIRRORED_TESTS = {
     "resild/controller/budget.py",
     "resild/controller/effects.py",
     "resild/controller/etcd_client.py",
-    "resild/controller/etcd_cluster.py",
     "resild/controller/etcd_election.py",
     "resild/controller/etcd_target.py",
     "resild/controller/etcd_tls.py",

@@ -190,6 +190,8 @@ def run_replicated(
         while running():
             alive.touch()
             follow()
+            if own_etcd is not None:
+                own_etcd.restart_dead()
             time.sleep(0.25)
     except KeyboardInterrupt:
         say("resil-run: interrupted")

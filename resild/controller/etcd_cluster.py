@@ -140,6 +140,9 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+RESTART_BACKOFF_S = 2.0  # a member that keeps dying is started again no more often than this
+
+
 class LocalEtcd:
     """N etcd members on this machine, on loopback."""
 
@@ -200,6 +203,7 @@ class LocalEtcd:
                 )
             )
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self._restarted_s: dict[int, float] = {}
 
     def target(self, timeout_s: float = 1.0) -> EtcdTarget:
         return EtcdTarget(
@@ -239,6 +243,22 @@ class LocalEtcd:
             dead = [self.members[i].name for i, p in self.procs.items() if p.poll() is not None]
             self.stop()
             raise RuntimeError(f"{e} (exited: {', '.join(dead) or 'none'}; logs: {self.dir}/m*.log)") from None
+
+    def restart_dead(self, now: float | None = None) -> list[str]:
+        """Members that exited on their own (a crash, the OOM killer, someone's kill), started
+        again on their data, each at most once per RESTART_BACKOFF_S: the job's cluster heals
+        instead of one more loss costing it its majority (issue 39). A member stopped on
+        purpose (`stop_member`) is not ours to restart. -> the names started again."""
+        now = time.monotonic() if now is None else now
+        started: list[str] = []
+        for i, p in list(self.procs.items()):
+            if p.poll() is None or now - self._restarted_s.get(i, -1e9) < RESTART_BACKOFF_S:
+                continue
+            self._restarted_s[i] = now
+            say(f"resil-run: etcd member {self.members[i].name} exited (code {p.returncode}): started again")
+            self.start_member(i)
+            started.append(self.members[i].name)
+        return started
 
     def stop_member(self, i: int, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         p = self.procs.pop(i, None)
