@@ -74,3 +74,54 @@ def test_a_key_holder_squatting_on_another_nodes_routing_id_does_not_lock_it_out
             c.close()
         ctx.destroy(linger=0)
         events.close()
+
+
+def test_a_key_holder_who_learned_a_nodes_routing_id_cannot_take_its_connection_over(tmp_path: Path) -> None:
+    """With ROUTER_HANDOVER a second connection with b's exact routing id (a's key) took b's
+    pipe: the controller's leases for b went to a's holder and b heard nothing (issue 39,
+    finding 13). Now the ROUTER ignores it: b keeps its connection and its leases."""
+    keys = generate_keys(tmp_path / "keys", ["a", "b", "s0"])
+    events = EventLog(tmp_path / "events.jsonl")
+    cfg = ControllerConfig(settings=JobSettings(heartbeat_timeout_s=1.5, controller_timeout_s=2.0), tick_s=0.02)
+    ctl = Controller(cfg, ["a", "b"], ["s0"], 1, keys, events)
+    th = threading.Thread(target=ctl.run, daemon=True)
+    th.start()
+    ctx = zmq.Context()
+    sockets: list[Channel] = []
+    try:
+        victim = connect(ctx, ctl.endpoint, keys.node("b"), "b/node")
+        sockets.append(victim)
+        victim.send(MsgType.REGISTER_NODE, {"node": "b", "pid": 2})
+        assert _leases(victim, 3.0) > 0
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.LINGER, 0)
+        limit_frame_size(raw)
+        raw.setsockopt(zmq.IDENTITY, victim.sock.getsockopt(zmq.IDENTITY))  # b's own, learned somehow
+        _set_curve_client(raw, keys.node("a"))
+        raw.connect(ctl.endpoint)
+        thief = Channel(raw, "b/node", router=False)
+        sockets.append(thief)
+        time.sleep(0.5)  # its connection made (or ignored)
+        got_by_b = 0
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # b keeps heartbeating; the controller keeps leasing it
+            victim.send(MsgType.HEARTBEAT, {"node": "b", "pid": 2})
+            got_by_b += _leases(victim, 0.3)
+        assert got_by_b > 0, "b's connection was taken over: its leases went elsewhere"
+        assert _leases(thief, 0.5) == 0
+    finally:
+        ctl.result = JobResult(1, "test over")
+        th.join(10)
+        for c in sockets:
+            c.close()
+        ctx.destroy(linger=0)
+        events.close()
+
+
+def _leases(ch: Channel, wait_s: float) -> int:
+    n, deadline = 0, time.monotonic() + wait_s
+    while (left := deadline - time.monotonic()) > 0:
+        got = ch.recv(left)
+        if got is not None and got[1].type is MsgType.LEASE:
+            n += 1
+    return n
