@@ -8,12 +8,18 @@ starts a thread per connection and never times a connection out, so 3,000 idle
 connections made ~2,900 threads and the daemon's prober could no longer start its own.
 Here at most MAX_CONNECTIONS are served at once (more are closed at once) and each
 socket operation times out after SOCKET_TIMEOUT_S; the exposition is prometheus-client's.
+A local client's uid (the kernel's socket table, `local_uid`) holds at most
+MAX_CONNECTIONS_PER_UID of them, and root and the daemon's own uid have
+MAX_PRIVILEGED_CONNECTIONS of their own: one local user cannot take every slot and fail
+root's scrape (issue 39).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
+import os
 import socket
 import threading
 import time
@@ -32,6 +38,45 @@ MAX_CONNECTIONS = 16  # a scraper or two at a time is the norm
 SOCKET_TIMEOUT_S = 5.0  # per socket operation: an idle connection is closed after this
 # A whole connection's deadline: a byte per SOCKET_TIMEOUT_S would otherwise hold a slot forever.
 MAX_CONNECTION_S = 30.0
+MAX_CONNECTIONS_PER_UID = 4  # one local user's share of MAX_CONNECTIONS
+MAX_PRIVILEGED_CONNECTIONS = 4  # root's and the daemon uid's, outside MAX_CONNECTIONS
+_PRIVILEGED = frozenset({0, os.geteuid()})
+
+
+def _proc_addr(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address as /proc/net/tcp{,6} prints it: 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return ipaddress.ip_address(words)
+
+
+def local_uid(client_address: Any, tables: tuple[str, ...] = ("/proc/net/tcp", "/proc/net/tcp6")) -> int | None:
+    """The uid owning a TCP client socket on this host (None: not found, a remote peer)."""
+    try:
+        ip, port = ipaddress.ip_address(client_address[0]), int(client_address[1])
+    except (ValueError, TypeError, IndexError):
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    for table in tables:
+        try:
+            with open(table) as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split()
+                    if len(fields) < 8:
+                        continue
+                    addr, _, hex_port = fields[1].rpartition(":")
+                    if int(hex_port, 16) != port:
+                        continue
+                    mine = _proc_addr(addr)
+                    if isinstance(mine, ipaddress.IPv6Address) and mine.ipv4_mapped is not None:
+                        mine = mine.ipv4_mapped
+                    if mine == ip:
+                        return int(fields[7])
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -55,6 +100,9 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
         infos = socket.getaddrinfo(addr or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         self.address_family = infos[0][0]
         self._slots = threading.BoundedSemaphore(max_connections)
+        self._privileged_slots = threading.BoundedSemaphore(MAX_PRIVILEGED_CONNECTIONS)
+        self._by_uid: dict[int | None, int] = {}  # open connections per local uid (None: remote)
+        self._slot_of: dict[socket.socket, tuple[threading.BoundedSemaphore, int | None]] = {}
         self.max_connection_s = max_connection_s
         self._started: dict[socket.socket, float] = {}  # open connections -> since (monotonic)
         self._started_lock = threading.Lock()
@@ -62,17 +110,30 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
         super().__init__((addr, port), _QuietHandler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        uid = local_uid(client_address)
+        slots: threading.BoundedSemaphore | None = None
+        if uid in _PRIVILEGED:  # the shared slots first, then its own
+            for s in (self._slots, self._privileged_slots):
+                if s.acquire(blocking=False):
+                    slots = s
+                    break
+        else:
+            with self._started_lock:
+                over = uid is not None and self._by_uid.get(uid, 0) >= MAX_CONNECTIONS_PER_UID
+            if not over and self._slots.acquire(blocking=False):
+                slots = self._slots
+        if slots is None:
             self.refused += 1
             self.shutdown_request(request)
             return
         with self._started_lock:
             self._started[request] = time.monotonic()
+            self._by_uid[uid] = self._by_uid.get(uid, 0) + 1
+            self._slot_of[request] = (slots, uid)
         try:
             super().process_request(request, client_address)  # starts the thread
         except Exception as e:  # no thread (the task limit): the slot is free again
-            self._forget(request)
-            self._slots.release()
+            self._release(request)
             log.warning("metrics: cannot serve a connection: %s", e)
             self.shutdown_request(request)
 
@@ -80,12 +141,18 @@ class BoundedMetricsServer(ThreadingMixIn, WSGIServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._forget(request)
-            self._slots.release()
+            self._release(request)
 
-    def _forget(self, request: socket.socket) -> None:
+    def _release(self, request: socket.socket) -> None:
         with self._started_lock:
             self._started.pop(request, None)
+            slots, uid = self._slot_of.pop(request, (None, None))
+            if slots is not None:
+                self._by_uid[uid] -= 1
+                if not self._by_uid[uid]:
+                    del self._by_uid[uid]
+        if slots is not None:
+            slots.release()
 
     def service_actions(self) -> None:
         """From serve_forever's loop (every poll interval): cut connections past their

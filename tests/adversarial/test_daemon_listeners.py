@@ -8,6 +8,7 @@ until root was locked out."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -275,3 +276,55 @@ def test_a_dead_prober_fails_the_verdict(public_dir: Path, monkeypatch: pytest.M
         assert _wait_for(lambda: _status(a)["verdict"] == "failed")
         assert any("prober thread is dead" in r for r in _status(a)["reasons"]), _status(a)["reasons"]
         assert a.prober_problem(time.monotonic()) is not None
+
+
+def test_the_metrics_port_knows_a_local_clients_uid() -> None:
+    from resild.daemon.metrics import local_uid
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        with socket.create_connection(srv.getsockname(), timeout=2) as c:
+            assert local_uid(c.getsockname()) == os.getuid()
+    assert local_uid(("203.0.113.9", 4242)) is None  # no socket of this host: a remote peer
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_one_local_user_cannot_take_every_metrics_connection_from_root() -> None:
+    """16 idle connections of one uid took every slot and root's scrape failed (issue 39,
+    finding 9): a uid holds at most its share, and root has slots of its own besides."""
+    from resild.daemon.metrics import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_UID
+
+    m = Metrics("n1")
+    port = _free_port()
+    m.serve(port)
+    r_ready, w_ready = os.pipe()
+    r_hold, w_hold = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the other user: every slot it can get, held idle
+        try:
+            os.close(r_ready)
+            os.close(w_hold)
+            os.setgid(65534)
+            os.setuid(65534)
+            held = [socket.create_connection(("127.0.0.1", port), timeout=2) for _ in range(MAX_CONNECTIONS)]
+            os.write(w_ready, b"x")
+            os.read(r_hold, 1)
+            for s in held:
+                s.close()
+        finally:
+            os._exit(0)
+    os.close(w_ready)
+    os.close(r_hold)
+    try:
+        assert os.read(r_ready, 1) == b"x"
+        time.sleep(0.3)
+        server = m._server
+        assert server is not None and server._by_uid.get(65534, 0) <= MAX_CONNECTIONS_PER_UID
+        assert _scrape(port) is not None, "root's scrape failed while one user held connections"
+    finally:
+        os.close(w_hold)
+        os.waitpid(pid, 0)
+        close = getattr(m, "close", None)
+        if close is not None:
+            close()
