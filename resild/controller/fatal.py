@@ -37,7 +37,8 @@ def on_fatal(view: ClusterView, node_id: str, error: str, said: Mapping[str, tup
     active = [n for n, v in view.nodes.items() if v.role == NodeRole.ACTIVE]
     if others or active == [node_id]:
         by = f" (said by {node_id} and {', '.join(others)})" if others else ""
-        return Decision(Action.FAIL_JOB, f"unrecoverable: {error}{by}", node=node_id, detector=Detector.RUNTIME.value)
+        # no node named: the job's own fault, not a node's (a named one would be fenced as failed)
+        return Decision(Action.FAIL_JOB, f"unrecoverable: {error}{by}", detector=Detector.RUNTIME.value)
     return NOTHING
 
 

@@ -37,3 +37,9 @@ def test_a_fatal_no_other_node_echoes_replaces_its_node_as_suspect_after_the_ech
     v.nodes["a"].set_role(NodeRole.FENCED)  # once replaced, its word is out of the job
     assert lone_fatals(200.0, v, said, FATAL_ECHO_S).action == Action.NONE
     assert on_fatal(v, "a", "again", {}).action == Action.NONE
+
+
+def test_a_job_wide_fatal_names_no_node_to_fence() -> None:
+    """The job stops; no node is to blame (a FAIL_JOB naming one fenced it as failed and counted a failure)."""
+    d = on_fatal(view(), "b", "mismatch", {"a": (1.0, "mismatch")})
+    assert d.action == Action.FAIL_JOB and d.node is None
