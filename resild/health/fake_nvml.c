@@ -579,33 +579,18 @@ API nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned in
     DEV_RETURN(NVML_SUCCESS);
 }
 
-API nvmlReturn_t nvmlDeviceGetCurrPcieLinkWidth(nvmlDevice_t device, unsigned int *value) {
-    DEV_BEGIN(device);
-    if (!value) DEV_RETURN(NVML_ERROR_INVALID_ARGUMENT);
-    *value = d->pcie_width;
-    DEV_RETURN(NVML_SUCCESS);
-}
-
-API nvmlReturn_t nvmlDeviceGetMaxPcieLinkWidth(nvmlDevice_t device, unsigned int *value) {
-    DEV_BEGIN(device);
-    if (!value) DEV_RETURN(NVML_ERROR_INVALID_ARGUMENT);
-    *value = d->pcie_width_max;
-    DEV_RETURN(NVML_SUCCESS);
-}
-
-API nvmlReturn_t nvmlDeviceGetCurrPcieLinkGeneration(nvmlDevice_t device, unsigned int *value) {
-    DEV_BEGIN(device);
-    if (!value) DEV_RETURN(NVML_ERROR_INVALID_ARGUMENT);
-    *value = d->pcie_gen;
-    DEV_RETURN(NVML_SUCCESS);
-}
-
-API nvmlReturn_t nvmlDeviceGetMaxPcieLinkGeneration(nvmlDevice_t device, unsigned int *value) {
-    DEV_BEGIN(device);
-    if (!value) DEV_RETURN(NVML_ERROR_INVALID_ARGUMENT);
-    *value = d->pcie_gen_max;
-    DEV_RETURN(NVML_SUCCESS);
-}
+/* The PCIe link's width and generation, now and at most: one getter each. */
+#define UINT_GETTER(fn, field)                                          \
+    API nvmlReturn_t fn(nvmlDevice_t device, unsigned int *value) {     \
+        DEV_BEGIN(device);                                              \
+        if (!value) DEV_RETURN(NVML_ERROR_INVALID_ARGUMENT);            \
+        *value = d->field;                                              \
+        DEV_RETURN(NVML_SUCCESS);                                       \
+    }
+UINT_GETTER(nvmlDeviceGetCurrPcieLinkWidth, pcie_width)
+UINT_GETTER(nvmlDeviceGetMaxPcieLinkWidth, pcie_width_max)
+UINT_GETTER(nvmlDeviceGetCurrPcieLinkGeneration, pcie_gen)
+UINT_GETTER(nvmlDeviceGetMaxPcieLinkGeneration, pcie_gen_max)
 
 #ifndef FAKE_NVML_OLD_DRIVER
 API nvmlReturn_t nvmlDeviceGetCurrentClocksEventReasons(nvmlDevice_t device,

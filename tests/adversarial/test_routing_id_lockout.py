@@ -5,9 +5,12 @@ messages are refused and the event names its key, and the victim registers as us
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -15,31 +18,51 @@ import zmq
 from resild.controller.loop import Controller, ControllerConfig, JobResult
 from resild.events.log import EventLog
 from resild.wire.channel import Channel, _set_curve_client, connect, limit_frame_size
-from resild.wire.keys import generate_keys
+from resild.wire.keys import KeyDir, generate_keys
 from resild.wire.protocol import MsgType
 from resild.wire.settings import JobSettings
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_a_key_holder_squatting_on_another_nodes_routing_id_does_not_lock_it_out(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _controller(tmp_path: Path, settings: JobSettings) -> Iterator[tuple[Controller, EventLog, Any, list[Channel]]]:
+    """A controller for nodes a and b (spare s0), keys made, on its thread; the sockets a test
+    puts in the list are closed after it."""
     keys = generate_keys(tmp_path / "keys", ["a", "b", "s0"])
     events = EventLog(tmp_path / "events.jsonl")
-    cfg = ControllerConfig(settings=JobSettings(), tick_s=0.02)
-    ctl = Controller(cfg, ["a", "b"], ["s0"], 1, keys, events)
+    ctl = Controller(ControllerConfig(settings=settings, tick_s=0.02), ["a", "b"], ["s0"], 1, keys, events)
     th = threading.Thread(target=ctl.run, daemon=True)
     th.start()
     ctx = zmq.Context()
     sockets: list[Channel] = []
     try:
+        yield ctl, events, ctx, sockets
+    finally:
+        ctl.result = JobResult(1, "test over")
+        th.join(10)
+        for c in sockets:
+            c.close()
+        ctx.destroy(linger=0)
+        events.close()
+
+
+def _raw(ctx: Any, endpoint: str, identity: bytes, key_dir: Any, sender: str) -> Channel:
+    """A DEALER with the routing id it is given (not an unguessable one) and a node's key."""
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    limit_frame_size(raw)
+    raw.setsockopt(zmq.IDENTITY, identity)
+    _set_curve_client(raw, key_dir)
+    raw.connect(endpoint)
+    return Channel(raw, sender, router=False)
+
+
+def test_a_key_holder_squatting_on_another_nodes_routing_id_does_not_lock_it_out(tmp_path: Path) -> None:
+    with _controller(tmp_path, JobSettings()) as (ctl, events, ctx, sockets):
+        keys = KeyDir(tmp_path / "keys")
         # Node a's key, node b's routing id, connected before b.
-        raw = ctx.socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
-        limit_frame_size(raw)
-        raw.setsockopt(zmq.IDENTITY, b"b/node")
-        _set_curve_client(raw, keys.node("a"))
-        raw.connect(ctl.endpoint)
-        squatter = Channel(raw, "b/node", router=False)
+        squatter = _raw(ctx, ctl.endpoint, b"b/node", keys.node("a"), "b/node")
         sockets.append(squatter)
         squatter.send(MsgType.HEARTBEAT, {"node": "b", "pid": 666})
         err = squatter.recv(5.0)  # refused: and now it holds the routing id b/node
@@ -67,39 +90,21 @@ def test_a_key_holder_squatting_on_another_nodes_routing_id_does_not_lock_it_out
         assert refused[0]["routing_id"] == "b/node"
         assert len(refused) == 1  # then counted, not one event per frame
         assert ctl.view.nodes["a"].role.value == "active"  # refused, not fenced: a wrong frame is no failure
-    finally:
-        ctl.result = JobResult(1, "test over")
-        th.join(10)
-        for c in sockets:
-            c.close()
-        ctx.destroy(linger=0)
-        events.close()
 
 
 def test_a_key_holder_who_learned_a_nodes_routing_id_cannot_take_its_connection_over(tmp_path: Path) -> None:
     """With ROUTER_HANDOVER a second connection with b's exact routing id (a's key) took b's
     pipe: the controller's leases for b went to a's holder and b heard nothing (issue 39,
     finding 13). Now the ROUTER ignores it: b keeps its connection and its leases."""
-    keys = generate_keys(tmp_path / "keys", ["a", "b", "s0"])
-    events = EventLog(tmp_path / "events.jsonl")
-    cfg = ControllerConfig(settings=JobSettings(heartbeat_timeout_s=1.5, controller_timeout_s=2.0), tick_s=0.02)
-    ctl = Controller(cfg, ["a", "b"], ["s0"], 1, keys, events)
-    th = threading.Thread(target=ctl.run, daemon=True)
-    th.start()
-    ctx = zmq.Context()
-    sockets: list[Channel] = []
-    try:
+    settings = JobSettings(heartbeat_timeout_s=1.5, controller_timeout_s=2.0)
+    with _controller(tmp_path, settings) as (ctl, events, ctx, sockets):
+        keys = KeyDir(tmp_path / "keys")
         victim = connect(ctx, ctl.endpoint, keys.node("b"), "b/node")
         sockets.append(victim)
         victim.send(MsgType.REGISTER_NODE, {"node": "b", "pid": 2})
         assert _leases(victim, 3.0) > 0
-        raw = ctx.socket(zmq.DEALER)
-        raw.setsockopt(zmq.LINGER, 0)
-        limit_frame_size(raw)
-        raw.setsockopt(zmq.IDENTITY, victim.sock.getsockopt(zmq.IDENTITY))  # b's own, learned somehow
-        _set_curve_client(raw, keys.node("a"))
-        raw.connect(ctl.endpoint)
-        thief = Channel(raw, "b/node", router=False)
+        # b's own routing id, learned somehow, with a's key
+        thief = _raw(ctx, ctl.endpoint, victim.sock.getsockopt(zmq.IDENTITY), keys.node("a"), "b/node")
         sockets.append(thief)
         time.sleep(0.5)  # its connection made (or ignored)
         got_by_b = 0
@@ -109,13 +114,6 @@ def test_a_key_holder_who_learned_a_nodes_routing_id_cannot_take_its_connection_
             got_by_b += _leases(victim, 0.3)
         assert got_by_b > 0, "b's connection was taken over: its leases went elsewhere"
         assert _leases(thief, 0.5) == 0
-    finally:
-        ctl.result = JobResult(1, "test over")
-        th.join(10)
-        for c in sockets:
-            c.close()
-        ctx.destroy(linger=0)
-        events.close()
 
 
 def _leases(ch: Channel, wait_s: float) -> int:
