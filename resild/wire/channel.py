@@ -10,11 +10,12 @@ Routing ids are unguessable: `connect` gives each socket `<sender>#<random>`. A 
 ignores a second peer with a routing id already in use, so a key holder that connected
 first with another node's routing id (`b/node`) used to lock that node out; it cannot
 name a routing id it has never seen (CURVE encrypts it), and the controller replies to the
-routing id each node's own key last used. The ROUTER hands no routing id over to a newer
-connection (no ROUTER_HANDOVER): with it, a key holder who had learned another node's routing
-id took that node's connection over (issue 39). A node whose connection died without a word
-(its ghost still holds the id) gets it back once ZMTP heartbeats close the ghost
-(GHOST_TIMEOUT_MS); its DEALER retries the connection meanwhile.
+routing id each node's own key last used. The ROUTER hands a routing id over to its newest
+connection (ROUTER_HANDOVER): a node that reconnects is not locked out by its own ghost.
+Without it, libzmq leaves a connection whose id is in use unidentified for as long as that
+connection lives (its messages dropped, even after the ghost is gone), so a reconnect would
+lock the node out for good; the price is that a key holder who learned a node's routing id
+(64 random bits, CURVE-encrypted on the wire) can take its connection over (issue 39).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ log = logging.getLogger(__name__)
 
 MAX_SENDERS = 65536  # high-water marks kept (oldest forgotten first)
 NONCE_SEP = b"#"  # a routing id is the sender, then this and a random nonce (`connect`)
-HEARTBEAT_IVL_MS, GHOST_TIMEOUT_MS = 2000, 10000  # a silent connection is closed after this
 
 
 def routing_id(sender: str) -> bytes:
@@ -200,8 +200,7 @@ class Server:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)  # ZMTP pings: a dead peer's pipe goes
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, GHOST_TIMEOUT_MS)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its routing id back
         limit_frame_size(sock)
         if keys is not None:
             auth = _KeyAuthenticator(ctx, keys.authorized)
