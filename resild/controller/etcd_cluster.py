@@ -134,10 +134,18 @@ def member_cmd(
     ]
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def _free_ports(host: str, n: int) -> list[int]:
+    """n distinct free ports: every probe socket stays bound until all are picked (one released
+    at once can come back from the kernel for the next bind: seen as a member's client port
+    equal to another's peer port, and a member that cannot start)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 RESTART_BACKOFF_S = 2.0  # a member that keeps dying is started again no more often than this
@@ -185,7 +193,8 @@ class LocalEtcd:
             self.job = str(saved["job"])
             self.data = Path(saved["data"])
         else:
-            self.members = [Member(f"m{i}", host, _free_port(host), _free_port(host)) for i in range(n)]
+            ports = _free_ports(host, 2 * n)
+            self.members = [Member(f"m{i}", host, ports[2 * i], ports[2 * i + 1]) for i in range(n)]
             self.job = job or os.urandom(6).hex()
             self.token = f"resild-{self.job}-{os.urandom(4).hex()}"
             run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
@@ -331,7 +340,7 @@ def serve_member(run_dir: Path, keys_dir: Path, hosts: list[str], index: int, ti
         ip = host
     else:
         _, ip = listen_address(host, cluster=True, what="the etcd member")
-    me = Member(f"m{index}", host, _free_port(ip), _free_port(ip), listen=ip)
+    me = Member(f"m{index}", host, *_free_ports(ip, 2), listen=ip)
     member_file(run_dir, index).parent.mkdir(mode=0o700, exist_ok=True)
     tmp = member_file(run_dir, index).with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(me)))

@@ -657,8 +657,12 @@ def test_a_subscriber_that_stops_reading_does_not_stall_the_daemon(public_dir: P
         a._rep.max_subscribers = 0  # no slot left for other users
         with _subscribe(cfg.status_socket) as roots:
             assert _next_frame(roots).type is MsgType.HEALTH  # this test runs as root or the daemon's uid
+        deadline = time.monotonic() + 5  # the daemon sees `roots` close on its next poll
+        while len(a._rep.subscribers) != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(a._rep.subscribers) == 1  # `good`, privileged like the next one
         old = daemon_mod.MAX_PRIVILEGED_SUBSCRIBERS
-        daemon_mod.MAX_PRIVILEGED_SUBSCRIBERS = len(a._rep.subscribers)
+        daemon_mod.MAX_PRIVILEGED_SUBSCRIBERS = 1
         try:
             with _subscribe(cfg.status_socket) as extra:
                 refused = _next_frame(extra)
