@@ -195,8 +195,10 @@ def run_resild(
     fault: str = "kill",
     hang_timeout_s: float | None = None,
     python: str = sys.executable,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run one resil-run job with one injected fault; return its measured phases (seconds).
+    ``env``: added to the job's environment.
 
     ``workdir`` receives ``events.jsonl``, ``resil-run.log`` (stderr) and ``summary.json``
     (resil-run's --json output); the run directory (keys, journal) is ``workdir/run``.
@@ -208,7 +210,7 @@ def run_resild(
         p.unlink(missing_ok=True)
     cmd, node = resild_command(nproc, ppn, steps, kill_at, events_path, fault, hang_timeout_s, python=python)
     cmd[cmd.index("--events") : cmd.index("--events")] = ["--run-dir", str(workdir / "run")]
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.setdefault("OMP_NUM_THREADS", "1")
 
     t_launch = time.time()

@@ -1,6 +1,6 @@
 """The recovery sequence, one epoch at a time:
 
-  take the new membership -> abort and park the old backends -> form the new
+  take the new membership -> abort the old backends in the background -> form the new
   backends for every group (fresh store prefix) -> agree on the newest committed
   step -> prepared ranks roll forward -> replay state from replicas -> rewind.
 
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from launcher.worker.old_backends import OldBackends, injected_delay_s
 from launcher.worker.replica_map import ReplicaMap, plan_replay
 from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort, wait_mode
 from launcher.worker.transport.landing_pool import LandingPool
@@ -68,23 +69,17 @@ class RecoverySequence:
         self.intr, self.factory, self.device, self.bury_s = intr, factory, device, bury_s
         self.groups: dict[str, StableGroup] = {}
         self.epoch = 0
-        self._graveyard: list[Any] = []
+        self.old = OldBackends(abort, bury_s, injected_delay_s())
+        self.abort_wait_s = 0.0  # the last forming's wait for the old communicators' aborts
         intr.on_fail.append(self._abort_streams)
 
     def _abort_streams(self) -> None:
         """On an interrupted epoch (called where it is latched, often the control thread):
-        abort this epoch's NCCL communicators, which releases a kernel hung on a dead peer
-        and so every CPU wait behind it (a `.item()`, a stream sync). Taken now, aborted in
-        a thread of their own (about a second each): never the next epoch's. gloo's abort
+        start aborting this epoch's NCCL communicators, which releases a kernel hung on a
+        dead peer and so every CPU wait behind it (a `.item()`, a stream sync). gloo's abort
         interrupts nothing; its waits watch the epoch instead (`WaitMode`)."""
         doomed = [g.pg for g in list(self.groups.values()) if g.pg is not None and g.kind == "nccl"]
-
-        def abort_all() -> None:
-            for x in doomed:
-                abort(x)
-
-        if doomed:
-            threading.Thread(target=abort_all, name="resild-abort", daemon=True).start()
+        self.old.abort(doomed, fenced=True)
 
     # ---- waiting ----------------------------------------------------------------
     def wait(self, work: Any, untimed: bool = False) -> None:
@@ -106,24 +101,13 @@ class RecoverySequence:
 
     # ---- forming ------------------------------------------------------------------
     def retire(self) -> None:
-        """Abort the old backends and keep them alive off the hot path: freeing a
-        gloo group whose threads are blocked on a dead peer can deadlock."""
-        old = [g.pg for g in self.groups.values() if g.pg is not None]
+        """Detach the old backends and abort them off the critical path (old_backends):
+        returns at once, the new ones form meanwhile and `form` fences what must be."""
+        old = [(g.pg, g.kind) for g in self.groups.values() if g.pg is not None]
         for g in self.groups.values():
             g.set_backend(None)
-        for inner in old:
-            abort(inner)
-        if old:
-            self._graveyard.append(old)
-
-            def reap() -> None:
-                time.sleep(self.bury_s)
-                try:
-                    self._graveyard.remove(old)
-                except ValueError:
-                    pass
-
-            threading.Thread(target=reap, name="resild-reaper", daemon=True).start()
+        self.old.abort([pg for pg, kind in old if kind == "nccl"], fenced=True)
+        self.old.abort([pg for pg, kind in old if kind != "nccl"], fenced=False)
 
     def form(self, epoch: int, groups: list[StableGroup]) -> float:
         """Build this epoch's backends for `groups`, in parallel (gloo's full-mesh
@@ -155,6 +139,12 @@ class RecoverySequence:
         if errors:
             self.intr.fail(f"forming epoch {epoch}: {'; '.join(errors)}")
             raise Reformed(self.intr.error or "")
+        # Nothing runs on the new backends before the old communicators' last write.
+        token = self.intr.begin_wait()  # waiting on aborts, not hung
+        try:
+            self.abort_wait_s = self.old.fence(self.bury_s)  # AbortStuck: this rank cannot go on
+        finally:
+            self.intr.done(token)
         for g in groups:
             g.set_backend(out[g.label])
         return time.monotonic() - t0

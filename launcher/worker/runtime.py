@@ -51,6 +51,7 @@ from launcher.worker.links.agent import AgentLink, agent_endpoint
 from launcher.worker.links.controller import ControlLink, keys_from_env
 from launcher.worker.links.store import LinkStore
 from launcher.worker.mesh_layout import MeshError, MeshLayout
+from launcher.worker.old_backends import AbortStuck
 from launcher.worker.pace import Pace
 from launcher.worker.recovery import RecoverySequence, Reformed
 from launcher.worker.redundancy.coordinator import Redundancy, RedundancyError
@@ -642,11 +643,7 @@ class Job:
                     f"this job cannot change width ({why or 'not attached yet'})"
                 )
             self.epoch = m.epoch
-            token = self.intr.begin_wait()  # aborting the old backends: waiting, not hung
-            try:
-                self.rec.retire()
-            finally:
-                self.intr.done(token)
+            self.rec.retire()  # returns at once: the old backends abort while the new ones form
             self.intr.clear()
             if resize:
                 widths = (self.world_size, m.world_size)
@@ -656,11 +653,19 @@ class Job:
                 continue
             t0 = time.monotonic()
             try:
-                formed_s = self.rec.form(m.epoch, list(self.rec.groups.values()))
+                try:
+                    formed_s = self.rec.form(m.epoch, list(self.rec.groups.values()))
+                except AbortStuck as e:
+                    raise ResilienceError(str(e)) from None
                 if self.redundancy is not None:
                     self.redundancy.formed()
                 if self.rank == 0:
-                    self._event(EventName.GROUP_REFORMED, seconds=round(formed_s, 4), world_size=self.world_size)
+                    self._event(
+                        EventName.GROUP_REFORMED,
+                        seconds=round(formed_s, 4),
+                        world_size=self.world_size,
+                        abort_wait_s=round(self.rec.abort_wait_s, 4),
+                    )
                 if self.state is not None:
                     self._join(t0)
                 if resized:

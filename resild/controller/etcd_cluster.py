@@ -340,7 +340,8 @@ def serve_member(run_dir: Path, keys_dir: Path, hosts: list[str], index: int, ti
         ip = host
     else:
         _, ip = listen_address(host, cluster=True, what="the etcd member")
-    me = Member(f"m{index}", host, *_free_ports(ip, 2), listen=ip)
+    client_port, peer_port = _free_ports(ip, 2)
+    me = Member(f"m{index}", host, client_port, peer_port, listen=ip)
     member_file(run_dir, index).parent.mkdir(mode=0o700, exist_ok=True)
     tmp = member_file(run_dir, index).with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(me)))

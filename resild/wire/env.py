@@ -67,6 +67,13 @@ CHECKPOINT_FAULTS = EnvVar(
     "tests and drills: disk checkpoint faults, POINT:MODE@STEP[:rRANK], e.g. write:hang@20:r1 "
     "(launcher/worker/redundancy/checkpoint_faults.py)",
 )
+ABORT_DELAY_S = EnvVar(
+    "RESILD_ABORT_DELAY_S",
+    "worker",
+    "0",
+    "tests and drills: seconds added to every failed epoch's communicator abort, as NCCL's takes ~1 s "
+    "(launcher/worker/old_backends.py)",
+)
 LOCAL_NVML = EnvVar(
     "RESILD_LOCAL_NVML",
     "resil-run",
@@ -127,6 +134,7 @@ REGISTRY: tuple[EnvVar, ...] = (
     CHECK_COLLECTIVES,
     DIVERGENCE_ROLLBACK,
     CHECKPOINT_FAULTS,
+    ABORT_DELAY_S,
     LOCAL_NVML,
     AGENT_SOCKET,
     DAEMON_SOCKET,
