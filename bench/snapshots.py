@@ -108,6 +108,7 @@ from bench.commands import torchrun
 from bench.common import median, phase_table, read_events, select
 from bench.sharded import _env, _intervals_by_step, _run, plain_cmd, resild_cmd, step_stats
 from bench.snapshots_analysis import (
+    DEFAULT_VARIANTS,
     FALLBACK_COLS,
     FALLBACK_RESILD_COLS,
     RESILD_COLS,
@@ -162,7 +163,7 @@ def _with_flags(cmd: list[str], *flags: str) -> list[str]:
     return [*cmd[:i], *flags, *cmd[i:]]
 
 
-def _with_snapshots(cmd: list[str], copies: int, every: int) -> list[str]:
+def _with_snapshots(cmd: list[str], copies: int, every: int | str) -> list[str]:
     return _with_flags(cmd, "--snapshot-copies", str(copies), "--snapshot-every", str(every))
 
 
@@ -183,7 +184,8 @@ def overhead_run(variant: str, repeat: int, args: argparse.Namespace, workdir: P
         r = _run(plain_cmd(MODEL, args.nproc, args.steps, times), workdir, args.timeout, interrupt=signal.SIGTERM)
     else:
         cmd = resild_cmd(MODEL, args.nproc, 1, 0, args.steps, times, events, workdir / "run")
-        r = _run(_with_snapshots(cmd, copies, args.every), workdir, args.timeout)
+        every = "auto" if variant.endswith("auto") else args.every
+        r = _run(_with_snapshots(cmd, copies, every), workdir, args.timeout)
     r.pop("stdout")
     st = step_stats(times, args.warmup)
     st.pop("intervals")
@@ -479,7 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--only", choices=("overhead", "recovery", "fallback"), help="run one part")
     p.add_argument("--quick", action="store_true", help="fewer steps, one run of each (about 2 min)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"overhead: comma-separated, of {','.join(VARIANTS)}")
+    p.add_argument(
+        "--variants",
+        default=",".join(DEFAULT_VARIANTS),
+        help=f"overhead: comma-separated, of {','.join(VARIANTS)} (*auto: --snapshot-every auto)",
+    )
     p.add_argument("--repeats", type=int, help="overhead: runs per variant (default 2; --quick 1)")
     p.add_argument("--steps", type=int, help="overhead: steps per run (default 150; --quick 40)")
     p.add_argument("--warmup", type=int, help="steps left out of the step-time median (default 30; --quick 10)")

@@ -11,7 +11,8 @@ from bench.torchrun_baseline import analyze as analyze_torchrun
 from resild.report.recoveries import NODE_FAILURE, recoveries
 
 #: overhead variants: name -> resild --snapshot-copies (None: plain torchrun)
-VARIANTS: dict[str, int | None] = {"plain": None, "k0": 0, "k1": 1, "k2": 2}
+VARIANTS: dict[str, int | None] = {"plain": None, "k0": 0, "k1": 1, "k2": 2, "k1auto": 1, "k2auto": 2}
+DEFAULT_VARIANTS = ("plain", "k0", "k1", "k2")  # the *auto ones: --snapshot-every auto (not run unless asked)
 RESILD_COLS = (
     "detect_s",
     "fence_s",

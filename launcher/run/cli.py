@@ -35,7 +35,7 @@ import click
 from resild.controller.etcd_target import EtcdTarget
 from resild.controller.faults import Fault, FaultSpecError, parse_fault
 from resild.wire.own_dir import NotOwnError, private_dir
-from resild.wire.settings import AUTO_COPIES, JobSettings, SettingsError
+from resild.wire.settings import AUTO_COPIES, DEFAULT_SNAPSHOT_BUDGET, JobSettings, SettingsError
 
 
 def _nan(param: click.Parameter) -> float:
@@ -51,6 +51,20 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
             raise FaultSpecError(f"fault {spec!r} names node {f.node!r}; nodes are {', '.join(nodes)}")
         out.append(dataclasses.replace(f, node=name))
     return out
+
+
+def _every(v: str | int) -> int:
+    if isinstance(v, int):
+        return v
+    if str(v).strip().lower() == "auto":
+        return 0
+    try:
+        n = int(v)
+    except ValueError:
+        raise click.BadParameter(f"{v!r} is neither a whole number nor 'auto'") from None
+    if n < 1:
+        raise click.BadParameter(f"{n} is not a whole number >= 1 (or 'auto')")
+    return n
 
 
 def _copies(v: str | int) -> int:
@@ -178,11 +192,21 @@ def _copies(v: str | int) -> int:
 )
 @click.option(
     "--snapshot-every",
-    type=click.IntRange(min=1),
-    default=1,
+    default="1",
     show_default=True,
-    metavar="N",
-    help="Snapshot every N committed steps: a rollback redoes at most about N steps.",
+    metavar="N|auto",
+    callback=lambda ctx, param, v: _every(v),
+    help="Snapshot every N committed steps: a rollback redoes at most about N steps. auto: as often as "
+    "keeps their measured cost (capture, and what the exchange takes from training) under --snapshot-budget "
+    "of a step, every rank on the same steps (agreed in the commit vote): 1 to 1024 steps apart.",
+)
+@click.option(
+    "--snapshot-budget",
+    type=float,
+    default=DEFAULT_SNAPSHOT_BUDGET,
+    show_default=True,
+    metavar="SHARE",
+    help="With --snapshot-every auto: the share of a step snapshots may cost (0.02: 2%).",
 )
 @click.option(
     "--fingerprint-every",
@@ -340,6 +364,7 @@ def main(
     etcd_prefix: str | None,
     snapshot_copies: int,
     snapshot_every: int,
+    snapshot_budget: float,
     fingerprint_every: int,
     verify_every: int,
     stragglers: str,
@@ -409,6 +434,7 @@ def main(
             controller_timeout_s=controller_timeout_s,
             snapshot_copies=snapshot_copies,
             snapshot_every=snapshot_every,
+            snapshot_budget=snapshot_budget,
             fingerprint_every=fingerprint_every,
             checkpoint_dir=str(checkpoint_dir or ""),
             checkpoint_every=checkpoint_every if checkpoint_dir is not None else 0,

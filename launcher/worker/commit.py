@@ -46,6 +46,17 @@ class CommitHook(Protocol):
         ...
 
 
+class Tally(Protocol):
+    """Numbers in the commit vote, summed over every rank, that every rank reads alike
+    (--snapshot-every auto's cadence). The same count of terms on every rank."""
+
+    def vote_terms(self) -> list[int]: ...
+
+    def voted(self, sums: list[int]) -> None:
+        """The step's summed terms, before any hook's `after_commit` (also of a vetoed step)."""
+        ...
+
+
 class Veto(Protocol):
     """A number in the commit vote that, summed over every rank, may reject the step."""
 
@@ -73,6 +84,7 @@ class CommitProtocol:
         self.abandoned = abandoned  # the epoch failed or a newer one was announced: the step is lost
         self.hooks: list[CommitHook] = []  # launcher.worker.redundancy.coordinator registers them
         self.veto: Veto | None = None  # a vote that may reject the step (--verify-every)
+        self.tallies: list[Tally] = []
 
     # ---- one step ------------------------------------------------------------------
     def sync(self) -> None:
@@ -95,21 +107,28 @@ class CommitProtocol:
         self.steps.prepare(self.train.capture_aux(), found)
         # [ranks that saw inf/NaN, then each hook's flag: for example ranks whose snapshot
         #  exchange is still running, ranks whose disk checkpoint is still being written,
-        #  then the digest of the step's collectives (collective_check.vote_terms)]
+        #  then the digest of the step's collectives (collective_check.vote_terms), then the
+        #  tallies' terms (--snapshot-every auto: the cadence each rank asks for)]
         flags = [found] + [h.vote_flag() for h in self.hooks] + ([self.veto.vote_flag()] if self.veto else [])
         terms = self.checks.vote_terms() if self.checks is not None else []
-        vote = torch.tensor(flags + terms, dtype=torch.int64, device=self.train.device)
+        tallied = [t.vote_terms() for t in self.tallies]
+        extra = [x for ts in tallied for x in ts]
+        vote = torch.tensor(flags + terms + extra, dtype=torch.int64, device=self.train.device)
         self.group.allreduce([vote]).wait()
         voted = [int(x) for x in vote.tolist()]  # one read: on NCCL each read is a device sync
         found_sum, *sums = voted[: len(flags)]
         vetoed = sums.pop() if self.veto is not None else 0
-        term_sums = voted[len(flags) :]
+        term_sums = voted[len(flags) : len(flags) + len(terms)]
+        off = len(flags) + len(terms)
         # Checked after the read: on NCCL wait() only orders streams and the read is what
         # blocks; an abort releases it with garbage, and the error is latched before the abort.
         if self.intr.error is not None:
             return False
         if self.checks is not None:
             self.checks.voted(term_sums)
+        for tally, ts in zip(self.tallies, tallied, strict=True):
+            tally.voted(voted[off : off + len(ts)])
+            off += len(ts)
         if self.veto is not None and vetoed:  # nobody commits this step: it is computed again after a recovery
             self.steps.abort()
             self.train.rewind_aux(self.steps.committed_aux)

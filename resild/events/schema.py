@@ -95,6 +95,7 @@ class EventName(str, Enum):
     RESUMED = "resumed"
     ROLLED_BACK = "rolled_back"  # every rank went back: to the newest complete snapshot, or past a divergence
     SNAPSHOT_CORRUPT = "snapshot_corrupt"  # a held snapshot copy failed its checksum and was dropped
+    SNAPSHOT_CADENCE = "snapshot_cadence"  # rank 0: --snapshot-every auto agreed on another cadence
     SNAPSHOTS = "snapshots"  # a rank's snapshot costs (taken, skipped, capture seconds, memory), before DONE
     REPLICA_DIVERGED = "replica_diverged"  # replicas' state fingerprints differ (odd ranks, or no majority)
     AGREED_STATE = "agreed_state"  # a rank: its last-agreed-state copies (kept, seconds, bytes), before DONE

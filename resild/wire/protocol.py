@@ -304,6 +304,7 @@ PEER_EVENTS: dict[str, dict[str, Any]] = {
     },
     EventName.SNAPSHOT_CORRUPT: {"src": _f("int", hi=RANK).metadata, "step": _f("int").metadata},
     EventName.SNAPSHOTS: {"taken": _f("int").metadata, "held_bytes": _f("int").metadata},
+    EventName.SNAPSHOT_CADENCE: {"every": _f("int", lo=1, required=True).metadata, "reason": _f("str").metadata},
     EventName.REPLICA_DIVERGED: {"step": _f("int", required=True).metadata},
     EventName.STATE_UNVOUCHED: {"step": _f("int", required=True).metadata},
     EventName.REPLICA_ARBITRATED: {"step": _f("int", required=True).metadata},

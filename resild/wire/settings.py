@@ -41,6 +41,7 @@ FLAGS = {
     "heartbeat_budget_per_s": "the heartbeat budget",
     "snapshot_copies": "--snapshot-copies",
     "snapshot_every": "--snapshot-every",
+    "snapshot_budget": "--snapshot-budget",
     "fingerprint_every": "--fingerprint-every",
     "verify_every": "--verify-every",
     "straggler_threshold": "--straggler-threshold",
@@ -61,7 +62,7 @@ COUNTS = (
 )
 COUNT_MIN = {
     "snapshot_copies": -1,
-    "snapshot_every": 1,
+    "snapshot_every": 0,  # 0: auto
     "fingerprint_every": 0,
     "checkpoint_every": 0,
     "min_replicas": 0,
@@ -85,6 +86,19 @@ TEXTS = ("checkpoint_dir", "stragglers")
 STRAGGLER_ACTIONS = ("replace", "report", "off")  # --stragglers
 MAX_STRAGGLER_THRESHOLD = 10.0  # 10 = 11x the others' pace: past that a node is hung, not slow
 MAX_COPIES = 8
+DEFAULT_SNAPSHOT_BUDGET = 0.02  # --snapshot-every auto: snapshots may cost 2% of a step
+MAX_SNAPSHOT_BUDGET = 0.5
+
+
+def _share(v: Any) -> bool:
+    """A share of a step a user could mean: a number in (0, MAX_SNAPSHOT_BUDGET]."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v <= MAX_SNAPSHOT_BUDGET
+
+
+def _budget(v: Any) -> float:
+    return float(v) if _share(v) else DEFAULT_SNAPSHOT_BUDGET
+
+
 AUTO_COPIES = -1  # --snapshot-copies auto: 1 where no rank has a replica (FSDP2, TP), else 0
 MIN_COLLECTIVE_TIMEOUT_S = 60.0  # gloo/NCCL collectives never time out sooner than this
 # `resild check --qualify` (probes and the GPU self-test, a torch import) bounds how long a
@@ -152,6 +166,7 @@ class WorkerRedundancy:
     min_replicas: int = 0
     verify_every: int = 0  # every K steps each rank computes its step twice and compares (0: never)
     pace: bool = True  # each rank times its own steps (launcher.worker.pace); --stragglers off: not
+    snapshot_budget: float = DEFAULT_SNAPSHOT_BUDGET  # snapshot_every 0 (auto): the share of a step they may cost
 
     def to_dict(self) -> dict[str, int | str | bool]:
         return dataclasses.asdict(self)
@@ -164,13 +179,14 @@ class WorkerRedundancy:
 
         return cls(
             count("snapshot_copies", AUTO_COPIES, AUTO_COPIES),
-            count("snapshot_every", 1, 1),
+            count("snapshot_every", 0, 1),
             count("fingerprint_every", 0, 0),
             d if isinstance(d := body.get("checkpoint_dir"), str) else "",
             count("checkpoint_every", 0, 0),
             count("min_replicas", 0, 0),
             count("verify_every", 0, 0),
             p if isinstance(p := body.get("pace"), bool) else True,
+            _budget(body.get("snapshot_budget")),
         )
 
     def copies(self, has_replicas: bool, nodes: int) -> int:
@@ -198,7 +214,8 @@ class JobSettings:
     heartbeat_budget_per_s: float = 2000.0
     # Peer-memory snapshots: copies of each rank's state on other nodes (-1: auto), every N commits.
     snapshot_copies: int = AUTO_COPIES
-    snapshot_every: int = 1
+    snapshot_every: int = 1  # 0: auto, the cadence that keeps their measured cost under snapshot_budget of a step
+    snapshot_budget: float = DEFAULT_SNAPSHOT_BUDGET
     # Replicas compare state fingerprints every N commits (0: never): silent divergence is caught.
     fingerprint_every: int = 0
     # resild's own disk checkpoints (torch.distributed.checkpoint): "" none; every N commits.
@@ -223,7 +240,9 @@ class JobSettings:
             v = getattr(self, name)
             bad_copies = name == "snapshot_copies" and isinstance(v, int) and v > MAX_COPIES
             if isinstance(v, bool) or not isinstance(v, int) or bad_copies or v < COUNT_MIN[name]:
-                lo = "0 (or -1: auto)" if name == "snapshot_copies" else str(COUNT_MIN[name])
+                lo = {"snapshot_copies": "0 (or -1: auto)", "snapshot_every": "1 (or 0: auto)"}.get(
+                    name, str(COUNT_MIN[name])
+                )
                 raise SettingsError(f"{FLAGS[name]} must be a whole number >= {lo}, not {v!r}")
             if v > COUNT_MAX:
                 raise SettingsError(f"{FLAGS[name]} must be at most {COUNT_MAX:,}, not {v:,}")
@@ -238,8 +257,18 @@ class JobSettings:
                 f"(0.25: 25% slower), not {t!r}"
             )
         object.__setattr__(self, "straggler_threshold", float(t))
+        if not _share(self.snapshot_budget):
+            raise SettingsError(
+                f"--snapshot-budget must be a share of a step in (0, {MAX_SNAPSHOT_BUDGET:g}] (0.02: 2%), "
+                f"not {self.snapshot_budget!r}"
+            )
+        object.__setattr__(self, "snapshot_budget", float(self.snapshot_budget))
+        if self.snapshot_budget != DEFAULT_SNAPSHOT_BUDGET and self.snapshot_every != 0:
+            raise SettingsError(
+                f"--snapshot-budget applies to --snapshot-every auto, not --snapshot-every {self.snapshot_every}"
+            )
         for f in dataclasses.fields(self):
-            if f.name in COUNTS or f.name in TEXTS or f.name == "straggler_threshold":
+            if f.name in COUNTS or f.name in TEXTS or f.name in ("straggler_threshold", "snapshot_budget"):
                 continue
             v = getattr(self, f.name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -298,6 +327,7 @@ class JobSettings:
             self.min_replicas,
             self.verify_every,
             self.stragglers != "off",
+            self.snapshot_budget,
         )
 
     def for_nodes(self, n_nodes: int) -> Derived:

@@ -156,8 +156,21 @@ class Redundancy:
         store = SnapshotStore(self.rank)
         exchanger = Exchanger(store, g, self.rank, self.world_size, self.per_node, copies)
         stager = DeviceStager(self.device) if self.device.type == "cuda" else None
-        self.snap = SnapshotManager(store, exchanger, self.settings.snapshot_every, protocol.replica_state, stager)
+        self.snap = SnapshotManager(
+            store,
+            exchanger,
+            self.settings.snapshot_every,
+            protocol.replica_state,
+            stager,
+            budget=self.settings.snapshot_budget,
+            on_cadence=self._cadence_changed if self.rank == 0 else None,
+        )
+        if self.snap.meter is not None:
+            protocol.tallies.append(self.snap)
         self.copies = copies
+
+    def _cadence_changed(self, every: int, reason: str) -> None:
+        self.emit(EventName.SNAPSHOT_CADENCE, every=every, reason=reason, budget=self.settings.snapshot_budget)
 
     def _setup_checkpoints(self, new_group: Callable[[str, float | None], StableGroup]) -> None:
         """DCP's collectives run in the writer thread: a group of their own. A save starts
@@ -353,6 +366,9 @@ class Redundancy:
                 EventName.SNAPSHOTS,
                 copies=self.copies,
                 every=s.cadence.every,
+                auto=s.meter is not None,
+                cost_s=round(s.want.cost_s, 5) if s.want is not None and s.want.cost_s is not None else None,
+                step_s=round(s.want.step_s, 5) if s.want is not None and s.want.step_s is not None else None,
                 taken=s.taken,
                 skipped=s.skipped,
                 capture_s=round(s.capture_s, 4),

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher.worker.redundancy.device_stager import DeviceStager
+from launcher.worker.redundancy.snapshot_budget import PROBE_EVERY, SnapshotMeter, Want, agreed, vote_terms
 from launcher.worker.redundancy.snapshot_exchange import Exchanger
 from launcher.worker.redundancy.snapshot_store import Frozen, SnapshotStore
 
+AUTO_EVERY = 0  # --snapshot-every auto
 FAILED = 1 << 20  # a rank's vote value when its exchange failed (any sum at or above: one failed)
 
 
@@ -29,6 +31,10 @@ class Cadence:
     every: int
     last_started: int | None = None
     pending: int | None = None  # started, not yet confirmed by a vote
+    force: bool = False  # after a recovery: at the next commit, whatever `every` says by then
+
+    def due(self, step: int) -> bool:
+        return self.force or self.last_started is None or step - self.last_started >= self.every
 
     def on_commit(self, step: int, confirmed: bool, failed: bool = False) -> tuple[int | None, bool]:
         """-> (the step just confirmed or None, start a snapshot of `step` now?). `failed`:
@@ -39,15 +45,17 @@ class Cadence:
             done, self.pending = self.pending, None
         elif failed:
             self.pending = None
-        due = self.last_started is None or step - self.last_started >= self.every
-        start = due and self.pending is None
+        start = self.due(step) and self.pending is None
         if start:
             self.pending = self.last_started = step
+            self.force = False
         return done, start
 
     def after_recovery(self, step: int) -> None:
-        """Copies were lost with the failed node: snapshot at the first commit after `step`."""
-        self.pending, self.last_started = None, step - self.every
+        """Copies were lost with the failed node: snapshot at the first commit after `step`
+        (a flag, not `step - every`: with --snapshot-every auto a spare's `every` is agreed
+        only in that commit's vote)."""
+        self.pending, self.last_started, self.force = None, step, True
 
 
 class SnapshotManager:
@@ -58,12 +66,39 @@ class SnapshotManager:
         every: int,
         capture: Callable[[], tuple[Any, Any]],
         stager: DeviceStager | None = None,
+        budget: float = 0.02,
+        clock: Callable[[], float] = time.monotonic,
+        on_cadence: Callable[[int, str], None] | None = None,
     ) -> None:
+        """`every` 0: auto, the cadence that keeps the snapshots' measured cost under
+        `budget` of a step, agreed in the commit vote (snapshot_budget)."""
         self.store, self.exchanger, self.capture = store, exchanger, capture
         self.stager = stager  # a GPU rank: pinned buffers filled on a side stream
-        self.cadence = Cadence(max(1, int(every)))
+        self.meter = SnapshotMeter(budget) if every == AUTO_EVERY else None
+        self.cadence = Cadence(PROBE_EVERY if self.meter is not None else max(1, int(every)))
+        self.clock = clock
         self.taken = self.skipped = 0
         self.capture_s = 0.0  # seconds spent copying on the training thread, all snapshots
+        self.want: Want | None = None  # auto: what this rank voted for last
+        self.on_cadence = on_cadence  # auto: told each new agreed cadence, and this rank's reason
+
+    # ---- --snapshot-every auto: extra terms of the commit vote (CommitProtocol.tallies) ----
+    def vote_terms(self) -> list[int]:
+        if self.meter is None:
+            return []
+        self.want = self.meter.want()
+        return vote_terms(self.want.every)
+
+    def voted(self, sums: list[int]) -> None:
+        """Every rank sees the same sums: the cadence is the same everywhere from this step."""
+        if self.meter is not None:
+            every = agreed(sums)
+            if every is not None and every != self.cadence.every:
+                self.cadence.every = every
+                if self.on_cadence is not None:
+                    mine = self.want
+                    why = mine.reason if mine is not None and mine.every == every else "another rank's measure"
+                    self.on_cadence(every, why)
 
     def vote_flag(self) -> int:
         """This rank's part of the commit vote: 0 its exchange is done, 1 still running,
@@ -76,12 +111,16 @@ class SnapshotManager:
         """`vote_sum`: the sum of every rank's vote_flag() in this step's commit vote.
         (A commit hook: launcher.worker.commit.CommitHook.)"""
         c = self.cadence
-        due = c.last_started is None or step - c.last_started >= c.every
+        due = c.due(step)
         if vote_sum >= FAILED:
             self.exchanger.failed = None
         done, start = c.on_commit(step, confirmed=vote_sum == 0, failed=vote_sum >= FAILED)
         if done is not None:
             self.store.confirm(done)
+        if self.meter is not None:
+            if vote_sum >= FAILED:
+                self.meter.interrupted()  # the window's snapshot never completes: no cost to learn
+            self.meter.commit(self.clock(), confirmed=done is not None, started=start)
         if start:
             t0 = time.monotonic()
             state, aux = self.capture()
@@ -110,3 +149,5 @@ class SnapshotManager:
     def after_recovery(self, step: int) -> None:
         self.store.drop_after(step)
         self.cadence.after_recovery(step)
+        if self.meter is not None:
+            self.meter.interrupted()

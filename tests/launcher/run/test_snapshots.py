@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.worker.redundancy.snapshot_budget import BUCKETS
+
 from .conftest import REPO, RunResult, run_job
 from .test_sharded import assert_same
 
@@ -94,6 +96,25 @@ def test_plain_fsdp2_fault_rolls_back_to_a_snapshot_bitwise(tmp_path: Path, fsdp
     got = {e["rank"]: e["sources"] for e in r.events if e["event"] == "state_replayed"}
     assert set(got) == lost, got
     assert all(not (set(src) & lost) for src in got.values()), got
+
+
+def test_auto_cadence_snapshots_the_same_steps_on_every_rank_and_rolls_back_bitwise(
+    tmp_path: Path, fsdp_ref: RunResult
+) -> None:
+    # --snapshot-every auto: every rank asks for the probe cadence (8) until it has measured
+    # what a snapshot costs; the rollback redoes at most the steps since the last one.
+    r = job(tmp_path, FSDP, "--snapshot-every", "auto", "--inject", "nodeloss:node1@7", nodes=3, spares=1)
+    assert r.rc == 0, r.stderr[-3000:]
+    assert_same(fsdp_ref.final, r.final, "final")
+    (rb,) = [e for e in r.events if e["event"] == "rolled_back"]
+    assert 0 <= rb["steps_redone"] <= 8, rb
+    ends = [e for e in r.events if e["event"] == "snapshots"]
+    assert len(ends) == 4 and all(e["auto"] and e["every"] in BUCKETS for e in ends), ends
+    assert len({e["every"] for e in ends}) == 1, ends  # agreed in the vote: the spare's too
+    by_node: dict[str, set[int]] = {}
+    for e in ends:
+        by_node.setdefault(e["node"], set()).add(e["taken"])
+    assert all(len(t) == 1 for t in by_node.values()), ends  # a node's ranks snapshot the same steps
 
 
 def test_fsdp2_with_tensor_parallel_node_loss_rolls_back_bitwise(tmp_path: Path, tp_ref: RunResult) -> None:

@@ -35,7 +35,7 @@ state_replayed resumed process_running process_exited process_zombie process_hun
 rolled_back snapshot_corrupt snapshots replica_diverged agreed_state state_unvouched checkpoint_loaded spare_warmed
 gradients_differed steps_verified replica_arbitrated controller_error checkpoint_saved checkpoint_failed
 checkpoint_deferred node_admitted join_refused node_readmitted spares_requested replica_layout spare_compiled
-peer_refused node_abusive straggler stragglers_unwatched""".split()
+peer_refused node_abusive straggler stragglers_unwatched snapshot_cadence""".split()
 
 
 def test_names_are_todays_strings() -> None:

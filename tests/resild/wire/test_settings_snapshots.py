@@ -14,7 +14,13 @@ from click.testing import CliRunner
 
 import launcher.run.cli as cli
 from bench.commands import resil_run as resil_run_cmd
-from resild.wire.settings import AUTO_COPIES, JobSettings, SettingsError, WorkerRedundancy
+from resild.wire.settings import (
+    AUTO_COPIES,
+    DEFAULT_SNAPSHOT_BUDGET,
+    JobSettings,
+    SettingsError,
+    WorkerRedundancy,
+)
 
 
 def test_the_defaults_are_auto_copies_and_a_snapshot_every_commit() -> None:
@@ -38,7 +44,6 @@ def test_auto_and_any_whole_number_of_copies_is_accepted(copies: int) -> None:
         ("snapshot_copies", "--snapshot-copies", math.nan),
         ("snapshot_copies", "--snapshot-copies", "2"),
         ("snapshot_copies", "--snapshot-copies", None),
-        ("snapshot_every", "--snapshot-every", 0),
         ("snapshot_every", "--snapshot-every", -1),
         ("snapshot_every", "--snapshot-every", True),
         ("snapshot_every", "--snapshot-every", 2.0),
@@ -61,7 +66,10 @@ def test_the_snapshot_settings_stay_whole_numbers_through_the_typed_body() -> No
     assert JobSettings.from_dict(json.loads(json.dumps(JobSettings().to_dict()))).snapshot_copies == AUTO_COPIES
 
 
-@pytest.mark.parametrize(("key", "bad"), [("snapshot_copies", 1.5), ("snapshot_every", 0), ("snapshot_copies", True)])
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [("snapshot_copies", 1.5), ("snapshot_every", -1), ("snapshot_copies", True), ("snapshot_budget", 0.9)],
+)
 def test_a_bad_snapshot_value_on_arrival_is_refused(key: str, bad: Any) -> None:
     with pytest.raises(SettingsError, match=f"--{key.replace('_', '-')}"):
         JobSettings.from_dict(dict(JobSettings().to_dict(), **{key: bad}))
@@ -82,9 +90,29 @@ def test_a_bad_welcome_value_is_the_default(bad: Any) -> None:
     assert got == WorkerRedundancy(AUTO_COPIES, 1)
 
 
-@pytest.mark.parametrize("every", [0, -1])
-def test_a_snapshot_every_below_one_in_welcome_is_every_commit(every: int) -> None:
-    assert WorkerRedundancy.from_welcome({"snapshot_copies": 1, "snapshot_every": every}) == WorkerRedundancy(1, 1)
+def test_a_snapshot_every_below_zero_in_welcome_is_every_commit_and_zero_is_auto() -> None:
+    assert WorkerRedundancy.from_welcome({"snapshot_copies": 1, "snapshot_every": -1}) == WorkerRedundancy(1, 1)
+    assert WorkerRedundancy.from_welcome({"snapshot_copies": 1, "snapshot_every": 0}) == WorkerRedundancy(1, 0)
+
+
+def test_auto_cadence_and_its_budget_reach_the_workers() -> None:
+    sent = JobSettings(snapshot_every=0, snapshot_budget=0.05).worker_redundancy()
+    assert (sent.snapshot_every, sent.snapshot_budget) == (0, 0.05)
+    assert WorkerRedundancy.from_welcome(json.loads(json.dumps(sent.to_dict()))) == sent
+    for bad in (0, -0.1, 0.9, True, "0.05", None, math.inf):  # out of (0, 0.5]: the default
+        assert WorkerRedundancy.from_welcome({"snapshot_budget": bad}).snapshot_budget == DEFAULT_SNAPSHOT_BUDGET
+
+
+@pytest.mark.parametrize("bad", [0, -0.01, 0.51, math.nan, math.inf, True, "0.1"])
+def test_a_bad_snapshot_budget_is_one_line_naming_the_flag(bad: Any) -> None:
+    with pytest.raises(SettingsError) as e:
+        JobSettings(snapshot_every=0, snapshot_budget=bad)
+    assert "\n" not in str(e.value) and "--snapshot-budget" in str(e.value) and repr(bad) in str(e.value)
+
+
+def test_a_snapshot_budget_without_auto_cadence_is_refused() -> None:
+    with pytest.raises(SettingsError, match="--snapshot-budget applies to --snapshot-every auto"):
+        JobSettings(snapshot_every=5, snapshot_budget=0.05)
 
 
 def test_auto_copies_are_one_without_replicas_and_none_with_them_or_on_one_node() -> None:
@@ -121,6 +149,9 @@ def one_error_line(output: str) -> str:
         (("--snapshot-every", "0"), "--snapshot-every"),
         (("--snapshot-every", "-3"), "--snapshot-every"),
         (("--snapshot-every", "2.5"), "--snapshot-every"),
+        (("--snapshot-every", "sometimes"), "'sometimes' is neither a whole number nor 'auto'"),
+        (("--snapshot-every", "5", "--snapshot-budget", "0.1"), "--snapshot-budget applies to --snapshot-every auto"),
+        (("--snapshot-every", "auto", "--snapshot-budget", "2"), "--snapshot-budget must be a share"),
     ],
 )
 def test_resil_run_refuses_a_bad_snapshot_flag_in_one_line(args: tuple[str, ...], words: str) -> None:
@@ -145,6 +176,8 @@ class Stop(SettingsError):
         (("--snapshot-copies", "0"), 0, 1),
         (("--snapshot-copies", "2", "--snapshot-every", "5"), 2, 5),
         (("--snapshot-copies", "8"), 8, 1),
+        (("--snapshot-every", "auto"), AUTO_COPIES, 0),
+        (("--snapshot-every", " Auto "), AUTO_COPIES, 0),
     ],
 )
 def test_resil_run_passes_the_snapshot_flags_to_the_job_settings(

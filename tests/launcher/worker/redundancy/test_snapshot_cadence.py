@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from launcher.worker.redundancy.snapshot_cadence import FAILED, Cadence, SnapshotManager
+from launcher.worker.redundancy.snapshot_budget import PROBE_EVERY, vote_terms
+from launcher.worker.redundancy.snapshot_cadence import AUTO_EVERY, FAILED, Cadence, SnapshotManager
 from launcher.worker.redundancy.snapshot_store import Frozen, SnapshotStore
 
 
@@ -158,9 +159,88 @@ def test_a_recovery_abandons_the_exchange_drops_newer_snapshots_and_snapshots_at
     assert [f.step for f in ex.started] == [1, 4, 2] and m.taken == 3
 
 
-def test_every_below_one_means_every_commit() -> None:
-    m, ex, live = manager(every=0)
+def test_every_below_zero_means_every_commit() -> None:
+    m, ex, live = manager(every=-1)
+    assert m.cadence.every == 1 and m.meter is None and m.vote_terms() == []
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def auto_manager(budget: float = 0.02) -> tuple[SnapshotManager, FakeExchanger, Clock]:
+    ex, clock = FakeExchanger(), Clock()
+    m = SnapshotManager(
+        SnapshotStore(rank=0),
+        ex,  # type: ignore[arg-type]
+        AUTO_EVERY,
+        lambda: ({"w": torch.zeros(4)}, {}),
+        budget=budget,
+        clock=clock,
+    )
+    return m, ex, clock
+
+
+def commit(ms: list[SnapshotManager], step: int, exchanges: list[FakeExchanger]) -> None:
+    """One committed step on every rank: the vote's sums, then each rank's after_commit."""
+    terms = [m.vote_terms() for m in ms]
+    sums = [sum(col) for col in zip(*terms, strict=True)]
+    flag = sum(m.vote_flag() for m in ms)
+    for m in ms:
+        m.voted(sums)
+    for m in ms:
+        m.after_commit(step, vote_sum=flag)
+    for ex in exchanges:
+        ex.running = False  # every exchange is done by the next vote
+
+
+def test_auto_measures_what_a_snapshot_costs_the_step_and_spaces_them_to_the_budget() -> None:
+    m, ex, clock = auto_manager(budget=0.02)
+    assert m.cadence.every == PROBE_EVERY and m.vote_terms() == vote_terms(PROBE_EVERY)
+    started = len(ex.started)
+    for step in range(1, 200):
+        # a step takes 10 ms; the one after a snapshot's capture takes 5 ms more
+        clock.now += 0.010 + (0.005 if len(ex.started) > started else 0.0)
+        started = len(ex.started)
+        commit([m], step, [ex])
+    want = m.meter.want() if m.meter is not None else None
+    assert want is not None and want.cost_s is not None and abs(want.cost_s - 0.005) < 1e-6
+    assert want.step_s is not None and abs(want.step_s - 0.010) < 1e-6
+    assert want.every == 32 == m.cadence.every  # 5 ms / (32 x 10 ms) < 2% <= 5 ms / (16 x 10 ms)
+    steps = [f.step for f in ex.started]
+    assert steps[-1] - steps[-2] == 32
+
+
+def test_a_snapshot_that_costs_nothing_is_taken_every_step() -> None:
+    m, ex, clock = auto_manager()
+    for step in range(1, 120):
+        clock.now += 0.010
+        commit([m], step, [ex])
     assert m.cadence.every == 1
+    steps = [f.step for f in ex.started]
+    assert steps[-3:] == [117, 118, 119]
+
+
+def test_a_spare_without_the_survivors_history_snapshots_the_same_steps() -> None:
+    (a, ea, clock), (b, eb, _) = auto_manager(), auto_manager()
+    b.clock = a.clock = clock
+    for step in range(1, 100):  # `a` measured a cost: it asks for every 32 (as above)
+        clock.now += 0.010 + (0.005 if a.cadence.pending == step - 1 else 0.0)
+        commit([a], step, [ea])
+    assert a.cadence.every == 32
+    # A recovery at step 99: `b` is the spare (fresh: it asks for PROBE_EVERY until measured).
+    for m in (a, b):
+        m.after_recovery(99)
+    for step in range(100, 300):
+        clock.now += 0.010
+        commit([a, b], step, [ea, eb])
+        assert a.cadence.every == b.cadence.every  # agreed in the vote, whoever measured what
+    assert [f.step for f in ea.started if f.step >= 100] == [f.step for f in eb.started]
+    assert eb.started[0].step == 100  # both snapshot at the first commit after the recovery
 
 
 def test_a_failed_exchange_votes_failed_and_the_next_snapshot_starts_instead_of_waiting_forever() -> None:

@@ -1,0 +1,109 @@
+"""`--snapshot-every auto`: the cadence that keeps what snapshots cost the training loop
+under `--snapshot-budget` of its step, agreed in the commit vote so that every rank
+snapshots the same steps.
+
+What a snapshot costs is measured where it is paid, on the training thread's clock: the
+commit-to-commit intervals from its capture until the vote confirms every rank's exchange
+done, less as many intervals of a step with no snapshot in flight (the median of recent
+ones). That counts the capture, and the CPU and memory bandwidth the exchange takes from
+training on a busy host, and nothing where the host has cores and bandwidth to spare.
+
+Agreement: each rank votes for the cadence it wants as one count in one of BUCKETS (powers
+of two), summed in the commit vote; the cadence of a step is the largest bucket any rank
+voted for in that step's vote. It is a pure function of that one vote, so a spare that
+joined mid-run, with none of the others' history, decides as they do. A rank that has not
+measured yet votes PROBE_EVERY: its first snapshots leave steps between them to measure.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+BUCKETS: tuple[int, ...] = tuple(1 << i for i in range(11))  # 1 .. 1024 steps between snapshots
+PROBE_EVERY = 8
+CLEAN_KEPT = 16  # intervals with no snapshot in flight: their median is a step's own time
+COSTS_KEPT = 5  # snapshots' measured costs: their median is what one costs
+CLEAN_NEEDED = 4  # before a rank votes from its own measure
+
+
+def bucket(every: int) -> int:
+    """The smallest bucket of at least `every` steps (the last if none)."""
+    return next((b for b in BUCKETS if b >= every), BUCKETS[-1])
+
+
+def wanted_every(cost_s: float, step_s: float, budget: float) -> int:
+    """The fewest steps between snapshots that keep cost_s / (every x step_s) <= budget."""
+    if cost_s <= 0:
+        return BUCKETS[0]
+    if step_s <= 0 or budget <= 0:
+        return BUCKETS[-1]
+    return next((b for b in BUCKETS if cost_s <= budget * b * step_s), BUCKETS[-1])
+
+
+def vote_terms(every: int) -> list[int]:
+    """This rank's part of the commit vote: one count in `every`'s bucket."""
+    b = bucket(every)
+    return [int(x == b) for x in BUCKETS]
+
+
+def agreed(sums: Sequence[int]) -> int | None:
+    """The step's cadence from the summed vote: the largest bucket anyone asked for."""
+    if len(sums) != len(BUCKETS):
+        raise ValueError(f"snapshot cadence vote has {len(sums)} terms, not {len(BUCKETS)}")
+    return next((b for b, n in zip(reversed(BUCKETS), reversed(sums)) if n > 0), None)
+
+
+@dataclass(frozen=True)
+class Want:
+    every: int
+    reason: str
+    cost_s: float | None = None  # one snapshot's measured cost
+    step_s: float | None = None  # a step's own time, no snapshot in flight
+
+
+class SnapshotMeter:
+    """One rank's measure of its snapshots' cost, fed at every commit (injected clock)."""
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self._last_s: float | None = None
+        self._clean: deque[float] = deque(maxlen=CLEAN_KEPT)
+        self._costs: deque[float] = deque(maxlen=COSTS_KEPT)
+        self._window: list[float] | None = None  # intervals of the snapshot in flight
+        self._counts = False  # whether the window in flight started with a baseline to compare to
+
+    def commit(self, now_s: float, confirmed: bool, started: bool) -> None:
+        """At a commit: the interval since the last one belonged to the open window (if a
+        snapshot was in flight) or was clean. `confirmed`: the vote said every exchange is
+        done (the window closes); `started`: a snapshot was captured now (one opens)."""
+        if self._last_s is not None:
+            dur = now_s - self._last_s
+            if self._window is not None:
+                self._window.append(dur)
+            else:
+                self._clean.append(dur)
+        self._last_s = now_s
+        if confirmed and self._window is not None:
+            if self._window and self._counts:
+                base = statistics.median(self._clean)
+                self._costs.append(max(0.0, sum(self._window) - base * len(self._window)))
+            self._window = None
+        if started:
+            # Not counted unless steps were timed before it: the first snapshots (at the start,
+            # after a recovery) share their steps with the loop's own warm-up.
+            self._window, self._counts = [], len(self._clean) >= CLEAN_NEEDED
+
+    def interrupted(self) -> None:
+        """A recovery: the interval across it measures nothing, the window in flight is lost."""
+        self._last_s = None
+        self._window = None
+
+    def want(self) -> Want:
+        if len(self._clean) < CLEAN_NEEDED or not self._costs:
+            return Want(PROBE_EVERY, "not measured yet")
+        cost, step = statistics.median(self._costs), statistics.median(self._clean)
+        every = wanted_every(cost, step, self.budget)
+        return Want(every, f"{cost * 1e3:.1f} ms a snapshot, {step * 1e3:.1f} ms a step", cost, step)
