@@ -31,10 +31,8 @@ from resild.health.deadline import CallTimeout, DeadlineRunner
 from resild.health.kmsg import KmsgXid, pci_bus_key
 from resild.health.model import GpuStatus, HealthEvent, RemapStatus, Verdict, worst
 from resild.health.nvml_codes import (
-    CLOCK_EVENT_DUTY,
     CLOCK_EVENT_HOLD_S,
     CLOCK_EVENT_NAMES,
-    DEGRADING_CLOCK_EVENTS,
     EVENT_DOUBLE_BIT_ECC,
     EVENT_GPU_UNAVAILABLE,
     EVENT_RECOVERY_ACTION,
@@ -46,8 +44,6 @@ from resild.health.nvml_codes import (
     LOST_CODES,
     MEMORY_ERROR_UNCORRECTED,
     NOT_SUPPORTED,
-    PCIE_REPLAY_MAX_PER_WINDOW,
-    PCIE_REPLAY_WINDOW_S,
     TEMPERATURE_GPU,
     TIMEOUT,
     VOLATILE_ECC,
@@ -58,6 +54,7 @@ from resild.health.nvml_codes import (
     field_value,
     handle_key,
 )
+from resild.health.nvml_trends import ClockHold, ReplayRate, pcie_shortfall
 from resild.health.xid import (
     XID_RECOVERY_ACTION_CHANGED,
     XidOverrides,
@@ -112,9 +109,8 @@ class _Gpu:
     xid_seen_mono: dict[int, float] = field(default_factory=dict)
     nvlinks: list[int] | None = None  # None: not scanned yet
     unsupported: set[str] = field(default_factory=set)
-    pcie_samples: deque[tuple[float, int]] = field(default_factory=deque)
-    clock_samples: deque[tuple[float, int]] = field(default_factory=deque)  # (t, degrading bits) per poll
-    clock_t0: float | None = None  # the first clock-event read
+    replays: ReplayRate = field(default_factory=ReplayRate)
+    clocks: ClockHold | None = None  # made at the first clock-event read (the probe's hold_s)
 
     @property
     def lost(self) -> bool:
@@ -331,14 +327,16 @@ class NvmlProbe:
                 )
         if (v := self._read(g, found, "nvmlDeviceGetPcieReplayCounter", h)) is not _SKIP:
             st.pcie_replays = int(v)
-            if (f := self._pcie_rate(g, st.pcie_replays)) is not None:
-                found.append(f)
+            if (t := g.replays.read(time.monotonic(), st.pcie_replays)) is not None:
+                found.append(_Finding(t.key, "pcie_replay", t.code, Verdict.DEGRADED, t.reason))
         mask = None
         if (v := self._read_clock_events(g, found)) is not _SKIP:
             mask = int(v)
             st.throttle_reasons = [n for bit, n in CLOCK_EVENT_NAMES.items() if mask & bit]
-            if (f := self._clocks_held(g, mask)) is not None:
-                found.append(f)
+            if g.clocks is None:
+                g.clocks = ClockHold(self._clock_event_hold_s)
+            if (t := g.clocks.read(time.monotonic(), mask)) is not None:
+                found.append(_Finding(t.key, "clock_event", t.code, Verdict.DEGRADED, t.reason))
         self._read_pcie_link(g, st, found, idle=mask is not None and bool(mask & GPU_IDLE))
         action = self._read_recovery_action(g, found)
         if action is not None:
@@ -346,34 +344,6 @@ class NvmlProbe:
             verdict, reason = classify_recovery_action(action)
             if verdict is not Verdict.HEALTHY:
                 found.append(_Finding(f"recovery_action:{action}", "recovery_action", action, verdict, reason))
-
-    def _clocks_held(self, g: _Gpu, mask: int) -> _Finding | None:
-        """Hardware slowdowns (thermal, power brake, HW slowdown) in at least
-        CLOCK_EVENT_DUTY of the polls over the last clock_event_hold_s, with that much
-        history: a one-off read is an instant, and a brief brake is normal."""
-        now, hold_s = time.monotonic(), self._clock_event_hold_s
-        samples = g.clock_samples
-        samples.append((now, mask & DEGRADING_CLOCK_EVENTS))
-        if g.clock_t0 is None:
-            g.clock_t0 = now
-        while len(samples) > 1 and now - samples[0][0] > hold_s:
-            samples.popleft()
-        slowed = [bits for _, bits in samples if bits]
-        if not slowed or now - g.clock_t0 < hold_s or len(slowed) < CLOCK_EVENT_DUTY * len(samples):
-            return None
-        seen = 0
-        for bits in slowed:
-            seen |= bits
-        names = [n for bit, n in CLOCK_EVENT_NAMES.items() if seen & bit]
-        # no share in the text: it would change the reasons (and re-report them) at every poll
-        held = f" for most of the last {hold_s:.0f} s" if hold_s > 0 else ""
-        return _Finding(
-            "clock_event:" + ",".join(names),
-            "clock_event",
-            seen,
-            Verdict.DEGRADED,
-            f"clocks slowed{held}: " + ", ".join(names),
-        )
 
     def _read_pcie_link(self, g: _Gpu, st: GpuStatus, found: list[_Finding], idle: bool) -> None:
         """The PCIe link against its maximum (GPU and slot): fewer lanes is a degraded
@@ -388,14 +358,9 @@ class NvmlProbe:
             st.pcie_gen = int(v)
         if (v := self._read(g, found, "nvmlDeviceGetMaxPcieLinkGeneration", h)) is not _SKIP:
             st.pcie_gen_max = int(v)
-        short: list[str] = []
-        if st.pcie_width is not None and st.pcie_width_max and 0 < st.pcie_width < st.pcie_width_max:
-            short.append(f"x{st.pcie_width} of x{st.pcie_width_max} lanes")
-        if not idle and st.pcie_gen is not None and st.pcie_gen_max and 0 < st.pcie_gen < st.pcie_gen_max:
-            short.append(f"gen {st.pcie_gen} of {st.pcie_gen_max}")
-        if short:
-            why = "PCIe link degraded: " + ", ".join(short)
-            found.append(_Finding("pcie_link:" + ",".join(short), "pcie_link", None, Verdict.DEGRADED, why))
+        t = pcie_shortfall(st.pcie_width, st.pcie_width_max, st.pcie_gen, st.pcie_gen_max, idle)
+        if t is not None:
+            found.append(_Finding(t.key, "pcie_link", None, Verdict.DEGRADED, t.reason))
 
     def _read_clock_events(self, g: _Gpu, found: list[_Finding]) -> Any:
         # ...ClocksEventReasons is the R535+ name; older drivers only have ...ThrottleReasons.
@@ -429,26 +394,6 @@ class NvmlProbe:
                     Verdict.FAILED,
                     f"probe error: {fn}[{FIELD_GPU_RECOVERY_ACTION}] returned {rc}",
                 )
-            )
-        return None
-
-    def _pcie_rate(self, g: _Gpu, count: int) -> _Finding | None:
-        now = time.monotonic()
-        samples = g.pcie_samples
-        if samples and count < samples[-1][1]:
-            samples.clear()  # counter reset
-        samples.append((now, count))
-        while len(samples) > 1 and now - samples[0][0] > PCIE_REPLAY_WINDOW_S:
-            samples.popleft()
-        rise = count - samples[0][1]
-        if rise > PCIE_REPLAY_MAX_PER_WINDOW:
-            return _Finding(
-                "pcie_replay",
-                "pcie_replay",
-                rise,
-                Verdict.DEGRADED,
-                f"{rise} PCIe replays in the last {PCIE_REPLAY_WINDOW_S:.0f} s "
-                f"(more than {PCIE_REPLAY_MAX_PER_WINDOW})",
             )
         return None
 
