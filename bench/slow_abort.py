@@ -10,13 +10,14 @@ over) once per delay, the delays' order rotated round by round, side by side:
 - ``recover_s``: rank 0's re-form + agree + replay (``resumed.seconds``);
 - ``total_s``: fault → the first step committed at full strength;
 - ``abort_wait_s``: what the new group waited for the old one's abort (the fence, taken
-  only where a late writer exists: an NCCL communicator; 0 on gloo);
+  only where a late writer exists: an NCCL communicator; 0 on gloo; with ``--fenced``
+  gloo's are fenced too, as a GPU recovery is: it waits max(abort, forming), not their sum);
 - ``ratio_total``: total_s / total_s at delay 0, per round, then the median.
 
 Before this change the abort ran on the recovering thread: ``total_s`` grew by the delay.
 Nothing asserts on timings.
 
-    python bench/slow_abort.py [--delays 0,1,3] [--runs 2] [--json]
+    python bench/slow_abort.py [--delays 0,1,3] [--runs 2] [--fenced] [--json]
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ from bench.recovery import run_resild  # noqa: E402
 FIELDS = ("recover_s", "reform_s", "total_s", "abort_wait_s")
 
 
-def one(delay_s: float, workdir: Path, nproc: int, ppn: int, steps: int, kill_at: int) -> dict[str, Any]:
-    res = run_resild(nproc, ppn, steps, kill_at, workdir, env={"RESILD_ABORT_DELAY_S": str(delay_s)})
+def one(
+    delay_s: float, workdir: Path, nproc: int, ppn: int, steps: int, kill_at: int, fenced: bool = False
+) -> dict[str, Any]:
+    spec = f"{delay_s}:fenced" if fenced else str(delay_s)
+    res = run_resild(nproc, ppn, steps, kill_at, workdir, env={"RESILD_ABORT_DELAY_S": spec})
     formed = select(read_events(workdir / "events.jsonl"), "group_reformed")
     waits = [float(e.get("abort_wait_s", 0.0)) for e in formed if int(e.get("epoch", 0)) > 1]
     out = {k: res.get(k) for k in FIELDS if k != "abort_wait_s"}
@@ -78,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc-per-node", type=int, default=1)
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--kill-at", type=int, default=60)
+    p.add_argument(
+        "--fenced",
+        action="store_true",
+        help="fence gloo's aborts as NCCL's are (RESILD_ABORT_DELAY_S=S:fenced): what a GPU recovery waits for",
+    )
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     try:
@@ -90,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             order = delays[i % len(delays) :] + delays[: i % len(delays)]
             got: dict[float, dict[str, Any]] = {}
             for d in order:
-                got[d] = one(d, Path(tmp) / f"r{i}-d{d}", a.nproc, a.nproc_per_node, a.steps, a.kill_at)
+                got[d] = one(d, Path(tmp) / f"r{i}-d{d}", a.nproc, a.nproc_per_node, a.steps, a.kill_at, a.fenced)
                 if not a.json:
                     print(f"round {i} delay {d:g}s: " + ", ".join(f"{k}={got[d].get(k)}" for k in FIELDS), flush=True)
             rounds.append(got)

@@ -34,12 +34,19 @@ log = logging.getLogger(__name__)
 DELAY_ENV = resild_env.ABORT_DELAY_S.name
 
 
-def injected_delay_s() -> float:
-    """Tests and drills: seconds added to every abort (RESILD_ABORT_DELAY_S), as NCCL's takes."""
+def injected_delay() -> tuple[float, bool]:
+    """Tests and drills (RESILD_ABORT_DELAY_S): seconds added to every abort, as NCCL's
+    takes, and with `:fenced` whether gloo's are fenced as NCCL's are (what a GPU
+    recovery waits for, simulated): `3`, `3:fenced`. Unreadable: (0, False)."""
+    raw = os.environ.get(DELAY_ENV) or ""
+    value, _, mode = raw.partition(":")
     try:
-        return max(0.0, float(os.environ.get(DELAY_ENV) or 0.0))
+        delay_s = float(value or 0.0)
     except ValueError:
-        return 0.0
+        return 0.0, False
+    if not delay_s >= 0 or mode not in ("", "fenced"):  # NaN too
+        return 0.0, False
+    return delay_s, mode == "fenced"
 
 
 class AbortStuck(RuntimeError):

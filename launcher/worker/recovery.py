@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from launcher.worker.old_backends import OldBackends, injected_delay_s
+from launcher.worker.old_backends import OldBackends, injected_delay
 from launcher.worker.replica_map import ReplicaMap, plan_replay
 from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort, wait_mode
 from launcher.worker.transport.landing_pool import LandingPool
@@ -69,7 +69,8 @@ class RecoverySequence:
         self.intr, self.factory, self.device, self.bury_s = intr, factory, device, bury_s
         self.groups: dict[str, StableGroup] = {}
         self.epoch = 0
-        self.old = OldBackends(abort, bury_s, injected_delay_s())
+        delay_s, self._fence_gloo = injected_delay()
+        self.old = OldBackends(abort, bury_s, delay_s)
         self.abort_wait_s = 0.0  # the last forming's wait for the old communicators' aborts
         intr.on_fail.append(self._abort_streams)
 
@@ -107,7 +108,7 @@ class RecoverySequence:
         for g in self.groups.values():
             g.set_backend(None)
         self.old.abort([pg for pg, kind in old if kind == "nccl"], fenced=True)
-        self.old.abort([pg for pg, kind in old if kind != "nccl"], fenced=False)
+        self.old.abort([pg for pg, kind in old if kind != "nccl"], fenced=self._fence_gloo)
 
     def form(self, epoch: int, groups: list[StableGroup]) -> float:
         """Build this epoch's backends for `groups`, in parallel (gloo's full-mesh

@@ -71,8 +71,8 @@ ABORT_DELAY_S = EnvVar(
     "RESILD_ABORT_DELAY_S",
     "worker",
     "0",
-    "tests and drills: seconds added to every failed epoch's communicator abort, as NCCL's takes ~1 s "
-    "(launcher/worker/old_backends.py)",
+    "tests and drills: seconds added to every failed epoch's communicator abort, as NCCL's takes ~1 s; "
+    "'S:fenced' also fences gloo's, as a GPU recovery waits (launcher/worker/old_backends.py)",
 )
 LOCAL_NVML = EnvVar(
     "RESILD_LOCAL_NVML",

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launcher.worker.old_backends import AbortStuck, OldBackends, injected_delay_s
+from launcher.worker.old_backends import AbortStuck, OldBackends, injected_delay
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -93,7 +93,9 @@ def test_a_failing_abort_still_counts_as_returned() -> None:
 
 def test_the_injected_delay(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RESILD_ABORT_DELAY_S", "1.5")
-    assert injected_delay_s() == 1.5
-    for bad in ("x", "-3", ""):
+    assert injected_delay() == (1.5, False)
+    monkeypatch.setenv("RESILD_ABORT_DELAY_S", "2:fenced")
+    assert injected_delay() == (2.0, True)
+    for bad in ("x", "-3", "", "nan", "1:sometimes"):
         monkeypatch.setenv("RESILD_ABORT_DELAY_S", bad)
-        assert injected_delay_s() == 0.0
+        assert injected_delay() == (0.0, False)
