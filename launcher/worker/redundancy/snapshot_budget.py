@@ -27,6 +27,7 @@ PROBE_EVERY = 8
 CLEAN_KEPT = 16  # intervals with no snapshot in flight: their median is a step's own time
 COSTS_KEPT = 5  # snapshots' measured costs: their median is what one costs
 CLEAN_NEEDED = 4  # before a rank votes from its own measure
+DOWN_MARGIN = 0.75  # a rank asks for a shorter cadence only once it fits under this share of the budget
 
 
 def bucket(every: int) -> int:
@@ -74,6 +75,7 @@ class SnapshotMeter:
         self._costs: deque[float] = deque(maxlen=COSTS_KEPT)
         self._window: list[float] | None = None  # intervals of the snapshot in flight
         self._counts = False  # whether the window in flight started with a baseline to compare to
+        self._asked: int | None = None  # the cadence it asked for last (hysteresis)
 
     def commit(self, now_s: float, confirmed: bool, started: bool) -> None:
         """At a commit: the interval since the last one belonged to the open window (if a
@@ -106,4 +108,9 @@ class SnapshotMeter:
             return Want(PROBE_EVERY, "not measured yet")
         cost, step = statistics.median(self._costs), statistics.median(self._clean)
         every = wanted_every(cost, step, self.budget)
+        if self._asked is not None and every < self._asked:
+            # Down only with room to spare: a cost near a bucket's edge would flip the
+            # cadence (and say so) at every other snapshot.
+            every = max(every, wanted_every(cost, step, self.budget * DOWN_MARGIN))
+        self._asked = every
         return Want(every, f"{cost * 1e3:.1f} ms a snapshot, {step * 1e3:.1f} ms a step", cost, step)

@@ -79,3 +79,23 @@ def test_a_recovery_measures_nothing_across_it() -> None:
     t += 0.01
     m.commit(t, confirmed=False, started=False)
     assert max(m._clean) == pytest.approx(0.01)
+
+
+def test_a_cost_near_a_buckets_edge_does_not_flip_the_cadence_back_and_forth() -> None:
+    m = SnapshotMeter(0.02)
+    t = 0.0
+
+    def snapshot(cost_s: float) -> int:
+        nonlocal t
+        for i in range(CLEAN_NEEDED):
+            t += 0.1
+            m.commit(t, confirmed=False, started=i == CLEAN_NEEDED - 1)
+        t += 0.1 + cost_s
+        m.commit(t, confirmed=True, started=False)
+        return m.want().every
+
+    assert snapshot(0.0) == PROBE_EVERY  # the first: not counted (no step timed before it)
+    assert snapshot(0.0165) == 16  # 16.5 ms over 100 ms steps: > 2% of 8 steps (16 ms)
+    assert [snapshot(c) for c in (0.0155, 0.0155, 0.0155)] == [16, 16, 16]  # the median would fit 8, barely
+    assert [snapshot(c) for c in (0.010, 0.010, 0.010)] == [16, 16, 8]  # well under (median of 5): down
+    assert [snapshot(0.05) for _ in range(3)] == [8, 8, 32]  # up as soon as the median is over
