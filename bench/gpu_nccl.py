@@ -103,7 +103,8 @@ def part_nccl(run: Run, cuda: bool, res: dict[str, Any]) -> dict[str, Any]:
     res["stable_group_collectives"] = _guard(lambda: _collectives(sg, intr, dev))
     # What a recovery does now (launcher/worker/old_backends.py): the old communicator aborts
     # in a thread while the next one forms; the fence waits for the abort before the new one
-    # is used. Serial cost: abort_s + reform.total_s above; overlapped: total_s here.
+    # is used (and NCCL connects in that first collective). Serial cost: abort_s +
+    # reform.total_s above; with the abort in a thread: total_s here.
     res["reform_overlapped"] = _guard(lambda: _overlapped(factory, sg, inner2, dev))
     ngpu = torch.cuda.device_count() if cuda else 0
     if ngpu >= 2 or a.cpu_dev:

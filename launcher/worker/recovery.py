@@ -146,6 +146,10 @@ class RecoverySequence:
             self.abort_wait_s = self.old.fence(self.bury_s)  # AbortStuck: this rank cannot go on
         finally:
             self.intr.done(token)
+        if self.intr.error is not None:  # failed while fenced: nothing aborts what is not installed
+            self.old.abort([out[g.label] for g in groups if g.kind == "nccl"], fenced=True)
+            self.old.abort([out[g.label] for g in groups if g.kind != "nccl"], fenced=self._fence_gloo)
+            raise Reformed(self.intr.error)
         for g in groups:
             g.set_backend(out[g.label])
         return time.monotonic() - t0

@@ -614,6 +614,8 @@ class Job:
             self.rec.form(self.epoch, only)
         except Reformed:
             self._recover()
+        except AbortStuck as e:
+            raise ResilienceError(str(e)) from None
 
     def _recover(self) -> None:
         """Run the recovery sequence until one epoch completes it."""

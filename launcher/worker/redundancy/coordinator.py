@@ -370,6 +370,7 @@ class Redundancy:
                 cost_s=round(s.want.cost_s, 5) if s.want is not None and s.want.cost_s is not None else None,
                 step_s=round(s.want.step_s, 5) if s.want is not None and s.want.step_s is not None else None,
                 taken=s.taken,
+                since_join=list(s.since_join),
                 skipped=s.skipped,
                 capture_s=round(s.capture_s, 4),
                 exchange_s=round(s.exchanger.last_s, 4),

@@ -27,6 +27,8 @@ PROBE_EVERY = 8
 CLEAN_KEPT = 16  # intervals with no snapshot in flight: their median is a step's own time
 COSTS_KEPT = 5  # snapshots' measured costs: their median is what one costs
 CLEAN_NEEDED = 4  # before a rank votes from its own measure
+WARMUP_INTERVALS = 5  # at the start and after a recovery: the loop's own warm-up, not its step
+STALE_COMMITS = 64  # a step's own time measured no later than this many commits ago, or re-measured
 DOWN_MARGIN = 0.75  # a rank asks for a shorter cadence only once it fits under this share of the budget
 
 
@@ -76,17 +78,25 @@ class SnapshotMeter:
         self._window: list[float] | None = None  # intervals of the snapshot in flight
         self._counts = False  # whether the window in flight started with a baseline to compare to
         self._asked: int | None = None  # the cadence it asked for last (hysteresis)
+        self._skip = WARMUP_INTERVALS  # intervals still ignored
+        self._commits = 0
+        self._clean_at = 0  # the commit of the newest clean interval
 
     def commit(self, now_s: float, confirmed: bool, started: bool) -> None:
         """At a commit: the interval since the last one belonged to the open window (if a
         snapshot was in flight) or was clean. `confirmed`: the vote said every exchange is
         done (the window closes); `started`: a snapshot was captured now (one opens)."""
+        self._commits += 1
         if self._last_s is not None:
             dur = now_s - self._last_s
-            if self._window is not None:
+            if self._skip > 0:
+                self._skip -= 1
+                self._counts = False  # a window over warm-up steps measures the warm-up
+            elif self._window is not None:
                 self._window.append(dur)
             else:
                 self._clean.append(dur)
+                self._clean_at = self._commits
         self._last_s = now_s
         if confirmed and self._window is not None:
             if self._window and self._counts:
@@ -99,13 +109,21 @@ class SnapshotMeter:
             self._window, self._counts = [], len(self._clean) >= CLEAN_NEEDED
 
     def interrupted(self) -> None:
-        """A recovery: the interval across it measures nothing, the window in flight is lost."""
+        """A recovery: the interval across it measures nothing, the window in flight is lost,
+        and the loop warms up again."""
         self._last_s = None
         self._window = None
+        self._skip = WARMUP_INTERVALS
 
     def want(self) -> Want:
         if len(self._clean) < CLEAN_NEEDED or not self._costs:
             return Want(PROBE_EVERY, "not measured yet")
+        if self._commits - self._clean_at > STALE_COMMITS:
+            # Snapshots back to back (a cadence of 1, or an exchange longer than the cadence)
+            # leave no step to measure against: a step's time from long ago would make any
+            # cost look free. Ask for steps between them until there are new ones.
+            self._asked = max(self._asked or 0, PROBE_EVERY)
+            return Want(self._asked, "re-measuring a step without a snapshot")
         cost, step = statistics.median(self._costs), statistics.median(self._clean)
         every = wanted_every(cost, step, self.budget)
         if self._asked is not None and every < self._asked:

@@ -11,6 +11,7 @@ instead of slowing the training loop.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,7 @@ class SnapshotManager:
         self.taken = self.skipped = 0
         self.capture_s = 0.0  # seconds spent copying on the training thread, all snapshots
         self.want: Want | None = None  # auto: what this rank voted for last
+        self.since_join: deque[int] = deque(maxlen=64)  # the steps snapshotted since the last recovery
         self.on_cadence = on_cadence  # auto: told each new agreed cadence, and this rank's reason
 
     # ---- --snapshot-every auto: extra terms of the commit vote (CommitProtocol.tallies) ----
@@ -132,6 +134,7 @@ class SnapshotManager:
             self.store.keep_own(f)
             self.capture_s += time.monotonic() - t0
             self.taken += 1
+            self.since_join.append(step)
             self.exchanger.start(f)
         elif due:
             self.skipped += 1  # the previous exchange is not confirmed yet: skipped, never queued
@@ -149,5 +152,6 @@ class SnapshotManager:
     def after_recovery(self, step: int) -> None:
         self.store.drop_after(step)
         self.cadence.after_recovery(step)
+        self.since_join.clear()
         if self.meter is not None:
             self.meter.interrupted()

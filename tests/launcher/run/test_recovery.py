@@ -65,12 +65,12 @@ def test_single_fault_is_survived_bitwise(tmp_path: Path, reference: RunResult, 
 
 
 def test_a_slow_abort_of_the_old_communicator_is_off_the_critical_path(tmp_path: Path, reference: RunResult) -> None:
-    # Every old backend's abort takes 8 s more (as NCCL's takes ~1 s): the survivors form the
+    # Every old backend's abort takes 30 s more (as NCCL's takes ~1 s): the survivors form the
     # new group and the spare takes over meanwhile; nothing waits for a gloo abort (no late
-    # writer to fence, launcher/worker/old_backends.py), so the recovery is not 8 s long.
-    r = run_job(tmp_path, "--inject", "kill:node1@20", env={"RESILD_ABORT_DELAY_S": "8"})
+    # writer to fence, launcher/worker/old_backends.py), so the recovery is not 30 s long.
+    r = run_job(tmp_path, "--inject", "kill:node1@20", env={"RESILD_ABORT_DELAY_S": "30"})
     (f,) = check_recovered(r, reference, 1)
-    assert f["recovery_s"] < 8, f
+    assert f["recovery_s"] < 20, f
     formed = [e for e in r.events if e["event"] == "group_reformed" and e.get("epoch", 0) > 1]
     assert formed and all(e["abort_wait_s"] == 0 for e in formed), formed
 

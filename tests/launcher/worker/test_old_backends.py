@@ -62,6 +62,10 @@ def test_each_backend_is_aborted_once_when_the_failure_and_the_retirement_both_a
     old.abort([b, c], fenced=True)  # when the epoch retires
     old.fence(10)
     assert (b.aborts, c.aborts) == (1, 1)
+    assert _until(lambda: old.held() == 0)  # buried (bury_s 0): still remembered while they live
+    old.abort([b, c], fenced=True)  # a late retirement after a long wait for the notice
+    old.fence(10)
+    assert (b.aborts, c.aborts) == (1, 1)
 
 
 def test_an_unfenced_abort_is_never_awaited_and_is_kept_alive_until_it_returns() -> None:

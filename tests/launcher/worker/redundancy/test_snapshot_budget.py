@@ -11,6 +11,8 @@ from launcher.worker.redundancy.snapshot_budget import (
     BUCKETS,
     CLEAN_NEEDED,
     PROBE_EVERY,
+    STALE_COMMITS,
+    WARMUP_INTERVALS,
     SnapshotMeter,
     agreed,
     bucket,
@@ -66,9 +68,19 @@ def test_the_meter_asks_for_the_probe_until_it_has_measured() -> None:
     assert "3.0 ms a snapshot, 10.0 ms a step" == w.reason
 
 
-def test_a_recovery_measures_nothing_across_it() -> None:
-    m = SnapshotMeter(0.02)
+def warmed(m: SnapshotMeter, step_s: float = 0.01) -> float:
+    """The loop's first intervals (ignored, here 50x slower); -> the clock after them."""
     t = 0.0
+    for _ in range(WARMUP_INTERVALS + 1):
+        t += 50 * step_s
+        m.commit(t, confirmed=False, started=False)
+    assert not m._clean
+    return t
+
+
+def test_a_recovery_measures_nothing_across_it_nor_the_warm_up_after_it() -> None:
+    m = SnapshotMeter(0.02)
+    t = warmed(m)
     for i in range(CLEAN_NEEDED + 1):
         t += 0.01
         m.commit(t, confirmed=False, started=i == CLEAN_NEEDED)
@@ -76,14 +88,39 @@ def test_a_recovery_measures_nothing_across_it() -> None:
     t += 30.0  # the recovery
     m.commit(t, confirmed=True, started=False)
     assert m.want().every == PROBE_EVERY  # no cost learned, and no 30 s step
+    for _ in range(WARMUP_INTERVALS):  # warming up again: not a step's own time
+        t += 0.5
+        m.commit(t, confirmed=False, started=False)
     t += 0.01
     m.commit(t, confirmed=False, started=False)
     assert max(m._clean) == pytest.approx(0.01)
 
 
+def test_back_to_back_snapshots_re_measure_the_step_instead_of_trusting_an_old_one() -> None:
+    # Snapshots free at first (cadence 1, back to back), then the loop gets faster and a
+    # snapshot costs 50 ms: with no clean step to compare to, a 200 ms baseline would call
+    # it free for ever. After STALE_COMMITS the rank asks for steps between them again.
+    m = SnapshotMeter(0.02)
+    t = warmed(m, 0.2)
+    asked = []
+    started = False
+    for n in range(400):
+        every = m.want().every
+        asked.append(every)
+        fast = n > 40
+        t += 0.1 if fast else 0.2
+        if started and fast:
+            t += 0.05  # the interval after a snapshot's start pays for it
+        started = n % every == 0
+        m.commit(t, confirmed=True, started=started)
+    assert asked[30] == 1  # free: every step
+    assert asked[-1] == 32, asked[-20:]  # 50 ms / (32 x 100 ms) < 2%
+    assert PROBE_EVERY in asked[40 : 40 + STALE_COMMITS + 20]  # re-measured on the way
+
+
 def test_a_cost_near_a_buckets_edge_does_not_flip_the_cadence_back_and_forth() -> None:
     m = SnapshotMeter(0.02)
-    t = 0.0
+    t = warmed(m, 0.1)
 
     def snapshot(cost_s: float) -> int:
         nonlocal t
@@ -94,7 +131,6 @@ def test_a_cost_near_a_buckets_edge_does_not_flip_the_cadence_back_and_forth() -
         m.commit(t, confirmed=True, started=False)
         return m.want().every
 
-    assert snapshot(0.0) == PROBE_EVERY  # the first: not counted (no step timed before it)
     assert snapshot(0.0165) == 16  # 16.5 ms over 100 ms steps: > 2% of 8 steps (16 ms)
     assert [snapshot(c) for c in (0.0155, 0.0155, 0.0155)] == [16, 16, 16]  # the median would fit 8, barely
     assert [snapshot(c) for c in (0.010, 0.010, 0.010)] == [16, 16, 8]  # well under (median of 5): down
