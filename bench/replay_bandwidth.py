@@ -13,6 +13,8 @@ Paths, timed on the receiver from a barrier to the last byte usable:
 - ``direct``: ``P2PTransport.exchange`` as ``RecoverySequence.replay`` drives it (each wait
   through ``RecoverySequence.wait``, which watches the epoch): tensors sent from their own
   storage, received into the tensors handed back, checksummed on both sides.
+- ``direct_mac``: ``direct`` with the job's data key: every message tagged (Poly1305 under a
+  one-time key) instead of CRC-32'd, META's tag checked before it is parsed (issue 39).
 - ``direct_spare``: what a spare pays to be restored: its model is built (the live
   parameters, touched, as after the training script's model construction; its
   optimizer holds no state yet), the exchange writes the parameters in place
@@ -76,12 +78,14 @@ import torch.multiprocessing as mp
 from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.transport.codec import checksum, flatten, unflatten
 from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.mac import Mac
 from launcher.worker.transport.state_transport import P2PTransport, Received
 
 PATHS = (
     "loopback",
     "loopback_fresh",
     "direct",
+    "direct_mac",
     "direct_spare",
     "direct_spare_warm",
     "direct_spare_copy",
@@ -325,7 +329,12 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                             pg.send([warm_src[slice(*slice_bounds(nbytes, rank, k))]], receiver, 9).wait()
                     elif rank == receiver or rank < k:
                         prefault._supported = path != "direct_unfaulted" and linux  # the receiver's pages
-                        tr: Any = P2PTransport(pg, torch.device("cpu"), managed, landing) if path != "flat" else None
+                        mac = Mac(bytes(32)) if path == "direct_mac" else None  # a key for each run's names
+                        tr: Any = (
+                            P2PTransport(pg, torch.device("cpu"), managed, landing, mac, (1, i))
+                            if path != "flat"
+                            else None
+                        )
                         tr = tr or FlatTransport(pg, managed)
                         into = (lambda: spare) if path in ("direct_spare", "direct_spare_warm") else None
                         got = tr.exchange(plan, rank, snapshot, into) if into else tr.exchange(plan, rank, snapshot)
@@ -401,14 +410,14 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
     n = state_bytes(state) + state_bytes(aux)
     tr = tp.P2PTransport(None, torch.device("cpu"), lambda w: None)
     skel, buf = flatten(state)
-    sender = tp._Sender(tr, state, aux)
+    sender = tp._Sender(tr, 0, state, aux)
     msgs = sender._layout(1)[0]
     wires = [sender._wire(1, 0, j) for j in range(len(msgs))]
     skel_json = skeleton(state)[0]
     sk, specs = parse(skel_json)
 
     def source_prepare() -> list[torch.Tensor]:
-        s = tp._Sender(tr, state, aux)
+        s = tp._Sender(tr, 0, state, aux)
         return [s._wire(1, 0, j) for j in range(len(s._layout(1)[0]))]
 
     sizes, dtypes = [x.nbytes for x in specs], [x.dtype for x in specs]
@@ -456,7 +465,7 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
         ("CRC-32 of the state's bytes (each path: once per side)", lambda: checksum(src)),
         ("flat: source flatten (skeleton + cat)", lambda: (flatten(state), flatten(aux))),
         ("flat: receiver unflatten (a clone per tensor)", lambda: unflatten(skel, buf)),
-        ("direct: source skeletons + META", lambda: tp._Sender(tr, state, aux)),
+        ("direct: source skeletons + META", lambda: tp._Sender(tr, 0, state, aux)),
         ("direct: source skeletons + META + layout + batches", source_prepare),
         ("direct: CRC-32 of every message", lambda: [checksum(w) for w in wires]),
         ("direct: receiver parse", lambda: parse(skel_json)),

@@ -23,6 +23,7 @@ from launcher.worker.old_backends import OldBackends, injected_delay
 from launcher.worker.replica_map import ReplicaMap, plan_replay
 from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort, wait_mode
 from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.mac import Mac
 from launcher.worker.transport.state_transport import P2PTransport, Received
 
 
@@ -72,6 +73,8 @@ class RecoverySequence:
         delay_s, self._fence_gloo = injected_delay()
         self.old = OldBackends(abort, bury_s, delay_s)
         self.abort_wait_s = 0.0  # the last forming's wait for the old communicators' aborts
+        self.mac: Mac | None = None  # the job's data key (WELCOME): state on the wire is authenticated
+        self._replays = 0  # in this epoch: with the epoch, what makes each replay's message keys its own
         intr.on_fail.append(self._abort_streams)
 
     def _abort_streams(self) -> None:
@@ -152,6 +155,8 @@ class RecoverySequence:
             raise Reformed(self.intr.error)
         for g in groups:
             g.set_backend(out[g.label])
+        if epoch != self.epoch:
+            self.epoch, self._replays = epoch, 0
         return time.monotonic() - t0
 
     # ---- agreeing and replaying -------------------------------------------------
@@ -176,7 +181,10 @@ class RecoverySequence:
         what has no live home (launcher.worker.transport.landing_pool)."""
         target, plan = plan_replay(steps, replicas, max_sources)
         pg = self.groups["world"].pg
-        transport = P2PTransport(pg, self.device, lambda w: self.wait(w, untimed=True), landing)
+        mac = self.mac if self.device.type == "cpu" else None  # a CUDA replay: its device checksum only
+        self._replays += 1  # alike on every rank: each runs the same sequence
+        names = (self.epoch, self._replays)
+        transport = P2PTransport(pg, self.device, lambda w: self.wait(w, untimed=True), landing, mac, names)
         got = transport.exchange(plan, rank, snapshot, receive_into)
         if not plan:
             return target, got

@@ -85,8 +85,9 @@ from launcher.worker.torch_private import (
 )
 from launcher.worker.train_state import TrainState
 from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.mac import Mac
 from launcher.worker.transport.state_transport import describe
-from resild.events.schema import EventName
+from resild.events.schema import EventName, RestoreSource
 from resild.membership import Membership
 from resild.wire.exits import FENCED_EXIT
 from resild.wire.protocol import MsgType
@@ -221,6 +222,7 @@ class Job:
             node_ranks=self._node_ranks,
         )
         self.rec = RecoverySequence(self.intr, factory, self.device, timeout_s + 5.0)
+        self.rec.mac = Mac.from_hex(self.cfg.get("data_key"))  # state on the wire: authenticated
         self._install_excepthook()
         ep = agent_endpoint()
         self._agent = AgentLink(ep, f"{self.node}/rank{self.local_rank}", lambda: self.step).start() if ep else None
@@ -714,6 +716,12 @@ class Job:
                 sources=got.sources,
                 mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1),
                 source=source.value,
+                # under the job's data key (launcher/worker/transport/mac.py): a CUDA replica
+                # replay keeps its device checksum, a disk checkpoint its own files' rules
+                authenticated=self.rec.mac is not None
+                and (
+                    source is RestoreSource.SNAPSHOT or (source is RestoreSource.REPLICA and self.device.type == "cpu")
+                ),
                 in_place_bytes=got.in_place,
                 landed_bytes=got.landed,
             )

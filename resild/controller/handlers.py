@@ -33,7 +33,7 @@ from resild.controller.view import NodeView, RankProgress
 from resild.events.schema import Detector, EventName
 from resild.membership import Membership, NodeRole
 from resild.wire.channel import peer_name
-from resild.wire.keys import JOINER
+from resild.wire.keys import JOINER, data_key
 from resild.wire.protocol import (
     BODY_TYPES,
     Done,
@@ -274,6 +274,9 @@ class Handlers:
                     **self.cfg.settings.worker_redundancy().to_dict(),
                     "role": role,
                     "full_world": s.view.full_world,  # a job that shrank grows back to this width
+                    # authenticates training state on the wire (launcher/worker/transport/mac.py);
+                    # over CURVE only, never logged
+                    **({"data_key": data_key(s.keys, self.cfg.job_id).hex()} if s.keys is not None else {}),
                 },
                 separators=(",", ":"),
             ).encode()

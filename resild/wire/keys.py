@@ -13,6 +13,8 @@ DEALERs. Keys are generated per job (local mode) or provisioned by the site
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import re
@@ -156,3 +158,11 @@ class _KeyAuthenticator(ThreadAuthenticator):
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         return self.user_ids[z85.encode(client_public_key)]
+
+
+def data_key(keys: KeyDir, job: str) -> bytes:
+    """The job's key for authenticating training state on the wire (launcher.worker.
+    transport.mac), from the controller's CURVE secret key: every controller of the job
+    (standbys too) holds that one, and derives the same key without storing another."""
+    _, secret = keys.server()
+    return hmac.new(secret, b"resild-data-key-v1|" + job.encode(), hashlib.sha256).digest()

@@ -17,7 +17,7 @@ from resild.controller.policy import AbuseLimits
 from resild.events.log import EventLog
 from resild.membership import NodeRole
 from resild.wire.channel import Channel, connect
-from resild.wire.keys import KeyDir, generate_keys
+from resild.wire.keys import KeyDir, data_key, generate_keys
 from resild.wire.protocol import Message, MsgType, encode
 from resild.wire.settings import JobSettings
 
@@ -113,6 +113,12 @@ def test_a_node_that_keeps_flooding_is_fenced_and_the_others_keep_their_leases(t
         gaps = [y - x for x, y in zip([t0, *leases], [*leases, time.monotonic()])]
         assert len(leases) >= 3 and max(gaps) < 1.5, gaps
         assert ctl.result is None  # the job goes on
+        # Every worker got the job's data key (launcher/worker/transport/mac.py), over CURVE only.
+        welcomes = [body for _, w, m, body in list(nodes.got) if w == "b/w0" and m is MsgType.WELCOME]
+        assert welcomes and welcomes[0]["data_key"] == data_key(keys, cfg.job_id).hex()
+        other = generate_keys(tmp_path / "other", NODES)
+        assert len({data_key(keys, "j"), data_key(keys, "k"), data_key(other, "j")}) == 3
+        assert data_key(keys, "j") == data_key(KeyDir(keys.path), "j") and len(data_key(keys, "j")) == 32
     finally:
         ctl.result = ctl.result or JobResult(1, "test over")
         th.join(10)

@@ -154,7 +154,7 @@ class Redundancy:
             raise RedundancyError(str(e)) from None
         g = new_group("resild-snapshot", None)
         store = SnapshotStore(self.rank)
-        exchanger = Exchanger(store, g, self.rank, self.world_size, self.per_node, copies)
+        exchanger = Exchanger(store, g, self.rank, self.world_size, self.per_node, copies, self.rec.mac)
         stager = DeviceStager(self.device) if self.device.type == "cuda" else None
         self.snap = SnapshotManager(
             store,

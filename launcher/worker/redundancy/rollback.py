@@ -26,6 +26,7 @@ from launcher.worker.redundancy.snapshot_store import (
     SnapshotStore,
     plan_rollback,
 )
+from launcher.worker.transport.mac import Mac
 
 
 def gather_inventory(
@@ -51,6 +52,7 @@ def rollback(
     at_most: int,
     width: int,
     attempts: int,
+    mac: Mac | None = None,
 ) -> tuple[int, Frozen | None, list[Fetch], list[tuple[int, int, int]]]:
     """-> (the rollback step, the copy this rank received or None, the fetches made,
     (holder, src, step) of every copy that arrived damaged). Raises NoSnapshot."""
@@ -69,12 +71,18 @@ def rollback(
                 works += w
                 keep.append(h)
         mine = [f for f in plan if f.src == rank]
+        unreadable = False
         if mine:
-            got = recv_frozen(pg, mine[0].holder, FETCH_TAG, wait)
+            try:
+                got = recv_frozen(pg, mine[0].holder, FETCH_TAG, wait)
+            except ValueError:  # a header that describes no snapshot: not from a rank of this job
+                unreadable = True
         for w in works:
             wait(w)
         bad = torch.zeros(world, dtype=torch.int64)
-        if got is not None and (got.step != step or got.src != rank or not got.verify()):
+        if unreadable or (
+            got is not None and (got.step != step or got.src != rank or not got.verify() or not got.authentic(mac))
+        ):
             bad[rank] = mine[0].holder + 1
         wait(pg.allreduce([bad]))
         struck = [(int(h) - 1, src) for src, h in enumerate(bad.tolist()) if h > 0]

@@ -20,15 +20,18 @@ from typing import Any
 import torch
 
 from launcher.worker.redundancy.snapshot_store import HEADER_LEN, Frozen, SnapshotStore, holders, sources
+from launcher.worker.transport.mac import Mac
 
 log = logging.getLogger("resild.snapshots")
 
 FETCH_TAG = 90  # the rollback fetch; the exchange uses 100 + 2k (header) and 101 + 2k (payload)
 
 
-def send_frozen(pg: Any, f: Frozen, dst: int, tag: int) -> tuple[list[Any], torch.Tensor]:
-    """-> the two works, and the header tensor (it must outlive them)."""
-    h = f.header()
+def send_frozen(pg: Any, f: Frozen, dst: int, tag: int, mac: Mac | None = None) -> tuple[list[Any], torch.Tensor]:
+    """-> the two works, and the header tensor (it must outlive them). `mac`: the job's data
+    key, which tags a copy of this rank's own the first time it is sent (a held copy keeps
+    its owner's tag)."""
+    h = f.header(mac)
     return [pg.send([h], dst, tag), pg.send([f.payload], dst, tag + 1)], h
 
 
@@ -46,9 +49,16 @@ class Exchanger:
     vote; a recovery `abandon()`s the exchange in flight (its copies never land)."""
 
     def __init__(
-        self, store: SnapshotStore, group: Any, rank: int, world_size: int, per_node: int, copies: int
+        self,
+        store: SnapshotStore,
+        group: Any,
+        rank: int,
+        world_size: int,
+        per_node: int,
+        copies: int,
+        mac: Mac | None = None,
     ) -> None:
-        self.store, self.group = store, group
+        self.store, self.group, self.mac = store, group, mac
         self.to = holders(rank, world_size, per_node, copies)
         self.frm = sources(rank, world_size, per_node, copies)
         self._lock = threading.Lock()
@@ -94,11 +104,11 @@ class Exchanger:
     def _exchange(self, pg: Any, f: Frozen) -> list[Frozen]:
         if pg is None:
             raise RuntimeError("no snapshot group in this epoch")
-        f.seal()
+        f.seal(self.mac)
         works: list[Any] = []
         keep: list[torch.Tensor] = []
         for k, dst in enumerate(self.to, 1):
-            w, h = send_frozen(pg, f, dst, 100 + 2 * k)
+            w, h = send_frozen(pg, f, dst, 100 + 2 * k, self.mac)
             works += w
             keep.append(h)
         headers = []
@@ -116,4 +126,7 @@ class Exchanger:
             w.wait()
         for w in works:
             w.wait()
+        for c, _ in got:
+            if not c.authentic(self.mac):  # not from a rank of this job: never held
+                raise RuntimeError(f"a snapshot copy said to be rank {c.src}'s step {c.step} failed its authentication")
         return [c for c, _ in got]

@@ -25,8 +25,11 @@ import torch
 
 from launcher.worker.transport.codec import checksum, skeleton, unflatten, unflatten_into
 from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.mac import SNAPSHOT, Mac, new_nonce
 
-HEADER_LEN = 7  # step, crc, skeleton bytes, aux skeleton bytes, aux buffer bytes, state buffer bytes, source rank
+# step, crc, skeleton bytes, aux skeleton bytes, aux buffer bytes, state buffer bytes, source rank,
+# then with the job's data key: the nonce and the two words of the tag (0 without)
+HEADER_LEN = 10
 
 
 class PlacementError(ValueError):
@@ -112,6 +115,8 @@ class Frozen:
     payload: torch.Tensor  # uint8, CPU
     crc: int = -1  # -1: not computed yet (the exchange thread computes it off the critical path)
     ready: Any = None  # a CUDA event: the device-to-host copy into `payload` is still in flight until it
+    nonce: int = 0
+    tag: tuple[int, ...] | None = None  # under the job's data key: set once, by its own rank, when it is sent
 
     @staticmethod
     def capture(step: int, src: int, state: Any, aux: Any) -> Frozen:
@@ -134,26 +139,47 @@ class Frozen:
             self.ready.synchronize()
             self.ready = None
 
-    def seal(self) -> Frozen:
+    def seal(self, mac: Mac | None = None) -> Frozen:
+        """Its CRC (memory damage is found by it while it is held); with the job's data key,
+        its tag too (the wire: a copy from anyone without the key is refused on arrival)."""
         self.wait_ready()
         if self.crc < 0:
             self.crc = checksum(self.payload)
+        if mac is not None and self.tag is None:
+            self.nonce = new_nonce()
+            self.tag = mac.tag([self.payload], *self._names())
         return self
+
+    def _names(self) -> tuple[int, ...]:
+        return (SNAPSHOT, self.src, self.step, self.nonce, self.n_skel, self.n_askel, self.n_abuf, self.nbytes)
+
+    def authentic(self, mac: Mac | None) -> bool:
+        """Sent by a rank of this job (always, where the job has no data key)."""
+        if mac is None:
+            return True
+        self.wait_ready()
+        return self.tag is not None and self.tag == mac.tag([self.payload], *self._names())
 
     def verify(self) -> bool:
         self.wait_ready()
         return self.crc >= 0 and checksum(self.payload) == self.crc
 
-    def header(self) -> torch.Tensor:
+    def header(self, mac: Mac | None = None) -> torch.Tensor:
+        self.seal(mac)
+        tag = self.tag or (0, 0)
         return torch.tensor(
-            [self.step, self.seal().crc, self.n_skel, self.n_askel, self.n_abuf, self.nbytes, self.src],
+            [self.step, self.crc, self.n_skel, self.n_askel, self.n_abuf, self.nbytes, self.src, self.nonce, *tag],
             dtype=torch.int64,
         )
 
     @staticmethod
     def empty_from(header: list[int]) -> Frozen:
-        step, crc, n_skel, n_askel, n_abuf, nbytes, src = header
-        return Frozen(step, src, n_skel, n_askel, n_abuf, torch.empty(nbytes, dtype=torch.uint8), crc)
+        step, crc, n_skel, n_askel, n_abuf, nbytes, src, nonce, *tag = header
+        if min(step, n_skel, n_askel, n_abuf, nbytes, src) < 0 or n_skel + n_askel + n_abuf > nbytes:
+            raise ValueError(f"a snapshot header that describes no snapshot: {header[:7]}")
+        f = Frozen(step, src, n_skel, n_askel, n_abuf, torch.empty(nbytes, dtype=torch.uint8), crc)
+        f.nonce, f.tag = nonce, (tuple(tag) if any(tag) else None)
+        return f
 
     def thaw(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The state and aux, every tensor a copy of its own."""

@@ -42,6 +42,7 @@ class SnapshotSource:
                 need.newest,
                 2 * (1 + self.copies) + 2,
                 attempts=1 + self.copies,
+                mac=c.rec.mac,
             )
         except NoSnapshot as e:
             raise Unavailable(str(e)) from None

@@ -26,6 +26,9 @@ Per receiver, every message a point-to-point of raw bytes (no pickle):
 3. SUMS, per slice: the checksum of each of its messages, computed by the source
    while they are on the wire; the receiver checksums each message as it lands,
    while the rest are in flight. Nothing is handed back unless every sum matches.
+   With the job's data key (host memory; `mac`), each "checksum" is a Poly1305 tag under
+   a key of that message alone, and META carries one too, checked before it is parsed:
+   bytes from anyone without the key are damaged, never loaded.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch
 from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.transport.codec import Spec, assemble, byte_view, checksum, live_matches, parse, skeleton
 from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.mac import REPLAY_META, REPLAY_PART, TAG_WORDS, Mac
 from launcher.worker.transport.page_prefault import populate_ahead
 
 VERSION = 2  # of the wire layout below; 1 was the single flat buffer
@@ -52,7 +56,8 @@ SMALL = 64 << 10  # tensors under this are batched
 CHUNK = 4 << 20  # largest message: a large tensor is cut into pieces of this
 ALIGN = 64  # offset of each tensor in a batch and of each cut inside one, as an allocation's
 META_CAP = 64 << 10  # META's fixed size: a few hundred tensors' skeleton
-_HEADER = 64  # bytes: 8 int64 (crc, version, the two skeletons' lengths, 0...); the crc covers the rest
+_HEADER = 64  # bytes: 8 int64 (crc, version, the two skeletons' lengths, 0, 0, tag); the crc covers the rest
+_TAG_AT = 48  # the last two words: with a data key, META's tag (over the header before it and the skeletons)
 META_TAG, META2_TAG = 1, 2
 _PART_SHIFT = 20  # tag of message j of slice p: ((p + 1) << 20) + j; the slice's SUMS: the last tag
 
@@ -261,9 +266,29 @@ class P2PTransport:
     for a newer epoch (and raises out of the exchange when one comes)."""
 
     def __init__(
-        self, pg: Any, device: torch.device, wait: Callable[[Any], None], landing: LandingPool | None = None
+        self,
+        pg: Any,
+        device: torch.device,
+        wait: Callable[[Any], None],
+        landing: LandingPool | None = None,
+        mac: Mac | None = None,
+        names: tuple[int, ...] = (),
     ) -> None:
+        """`mac`: every message carries a tag under the job's data key instead of a CRC
+        (host memory only); `names`: what makes this exchange's message keys its own, alike
+        on both sides (the epoch and the replay's number in it: a key signs one message)."""
         self.pg, self.device, self.wait, self.landing = pg, device, wait, landing
+        self.mac, self.names = mac, names
+
+    def digest(self, w: torch.Tensor, kind: int, src: int, *where: int) -> list[int]:
+        """A message's CRC, or its tag under the data key (TAG_WORDS values)."""
+        if self.mac is None:
+            return [checksum(w)]
+        return list(self.mac.tag([w], kind, *self.names, src, *where))
+
+    @property
+    def width(self) -> int:
+        return TAG_WORDS if self.mac is not None else 1
 
     def exchange(
         self,
@@ -279,7 +304,7 @@ class P2PTransport:
         recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.part)
         assert not (sends and recvs and receive_into is not None), "plan_replay never has a rank send and receive"
         with gc_paused():
-            sent = _Sender(self, *snapshot()).post(sends) if sends else None
+            sent = _Sender(self, me, *snapshot()).post(sends) if sends else None
             got = self._receive(recvs, receive_into) if recvs else None
             if sent is not None:
                 self.wait(sent)
@@ -315,14 +340,15 @@ class P2PTransport:
         populate_ahead([w for _, _, w in sorted(fresh, key=lambda x: (x[1], x[0]))])
         for p, j, w in wires:
             works.append(self.pg.recv([w], recvs[p].src, _tag(p, j)))
-        sums = [torch.empty(len(msgs[t.part]), dtype=torch.int64, device=self.device) for t in recvs]
+        k = self.width
+        sums = [torch.empty(k * len(msgs[t.part]), dtype=torch.int64, device=self.device) for t in recvs]
         works += [self.pg.recv([s], t.src, _sums_tag(t.part)) for t, s in zip(recvs, sums) if s.numel()]
-        mine: dict[tuple[int, int], int] = {}
+        mine: dict[tuple[int, int], list[int]] = {}
 
         def check(i: int) -> None:  # in the waiting thread, as message i lands
             if i < len(wires):
                 p, j, w = wires[i]
-                mine[(p, j)] = checksum(w)
+                mine[(p, j)] = self.digest(w, REPLAY_PART, recvs[p].src, p, j)
 
         # In host memory the views need no data: build the state while the bytes flow.
         views = into.tensors() if self.device.type == "cpu" else None
@@ -337,7 +363,7 @@ class P2PTransport:
             raise
         damaged = set() if meta_ok else {primary}
         for t, s in zip(recvs, sums):
-            if s.numel() and s.cpu().tolist() != [mine[(t.part, j)] for j in range(s.numel())]:
+            if s.numel() and s.cpu().tolist() != [x for j in range(s.numel() // k) for x in mine[(t.part, j)]]:
                 damaged.add(t.src)
         n = sum(s.nbytes for s in specs) + n_meta
         if damaged:
@@ -364,6 +390,11 @@ class P2PTransport:
             self.wait(self.pg.recv([tail], primary, META2_TAG))
             meta = torch.cat([meta, tail])
         ok = checksum(meta[8:length]) == crc
+        if self.mac is not None:
+            signed = [meta[8:_TAG_AT], meta[_HEADER:length]]
+            tag = [int(x) for x in meta[_TAG_AT:_HEADER].view(torch.int64).tolist()]
+            if tag != list(self.mac.tag(signed, REPLAY_META, *self.names, primary)):
+                return None  # not from a rank of this job: never parsed (it could ask for any allocation)
         body = meta[_HEADER:length].cpu().numpy().tobytes()
         try:
             skel, specs = parse(body[:n_skel])
@@ -377,8 +408,8 @@ class _Sender:
     """One source's side: every slice it owes (to one or several receivers), from one
     snapshot; a slice owed twice is packed and checksummed once."""
 
-    def __init__(self, tr: P2PTransport, state: dict[str, Any], aux: dict[str, Any]) -> None:
-        self.tr = tr
+    def __init__(self, tr: P2PTransport, me: int, state: dict[str, Any], aux: dict[str, Any]) -> None:
+        self.tr, self.me = tr, me
         skel, ts = skeleton(state)
         askel, ta = skeleton(aux)
         self.n_state = len(ts)
@@ -399,6 +430,10 @@ class _Sender:
         raw = bytearray(max(n, META_CAP))
         struct.pack_into("<4q", raw, 8, VERSION, len(skel), len(askel), 0)
         raw[_HEADER:n] = skel + askel
+        mac = self.tr.mac
+        if mac is not None:
+            signed = [bytes(raw[8:_TAG_AT]), bytes(raw[_HEADER:n])]
+            struct.pack_into("<2q", raw, _TAG_AT, *mac.tag(signed, REPLAY_META, *self.tr.names, self.me))
         m = torch.frombuffer(raw, dtype=torch.uint8).to(self.tr.device)
         m[:8] = torch.tensor([checksum(m[8:n])], dtype=torch.int64).view(torch.uint8).to(self.tr.device)
         return m
@@ -458,7 +493,11 @@ class _Sender:
             key = (t.parts, t.part)
             if key not in self._sums:
                 n = len(self._layout(t.parts)[t.part])
-                sums = [checksum(wires[(t.parts, t.part, j)]) for j in range(n)]
+                sums = [
+                    x
+                    for j in range(n)
+                    for x in self.tr.digest(wires[(t.parts, t.part, j)], REPLAY_PART, self.me, t.part, j)
+                ]
                 self._sums[key] = torch.tensor(sums, dtype=torch.int64).to(self.tr.device)
             if self._sums[key].numel():
                 self.works.append(pg.send([self._sums[key]], t.dst, _sums_tag(t.part)))

@@ -31,6 +31,8 @@ def check_recovered(r: RunResult, reference: RunResult, n_failures: int) -> list
         assert f["steps_lost"] == 0, f
         assert f["recovery_s"] is not None and f["bytes_replayed"] > 0, f
     assert_bitwise_equal(reference.final, r.final)
+    replays = [e for e in r.events if e["event"] == "state_replayed"]
+    assert replays and all(e["authenticated"] for e in replays), replays  # tagged under the job's data key
     # Healthy workers never restarted: one registration per (node, local rank) and
     # the PIDs that finished are the ones that registered.
     regs: dict[tuple[str, int], list[int]] = {}

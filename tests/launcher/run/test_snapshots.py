@@ -74,6 +74,7 @@ def rolled_back(r: RunResult, ref: RunResult, n_failures: int = 1) -> list[dict]
         assert 0 <= e["steps_redone"] <= 1, e
     replays = [e for e in r.events if e["event"] == "state_replayed"]
     assert replays and all(e["source"] == "snapshot" for e in replays), replays
+    assert all(e["authenticated"] for e in replays), replays  # tagged under the job's data key
     # thawed into the spare's built parameters (redundancy wires the live state in)
     assert all(e["in_place_bytes"] > 0 for e in replays), replays
     # and what has no live home into the memory its warm-up touched, when it kept some

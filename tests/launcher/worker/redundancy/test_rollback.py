@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from launcher.worker.redundancy.rollback import gather_inventory, rollback
 from launcher.worker.redundancy.snapshot_store import Frozen, NoSnapshot, SnapshotStore, _flip, holders
+from launcher.worker.transport.mac import Mac
 from tests.launcher.worker.redundancy.test_snapshot_store import bitwise_equal
 
 pytestmark = pytest.mark.timeout(60)
@@ -168,6 +169,35 @@ def first_copy_damaged_in_memory(rank: int) -> SnapshotStore:
             _flip(c)
         s.keep_held(c)
     return s
+
+
+KEY, OTHER = bytes(range(32)), bytes(range(1, 33))
+
+
+def _keyed_rollback(tagged_with: bytes | None, rank: int, pg: Any) -> dict[str, Any]:  # pragma: no cover - forked child
+    """spare_with_copies_elsewhere, the spare's copy tagged with `tagged_with` (OTHER: not by
+    a rank of this job, as a stranger on the wire would send it), every rank with KEY."""
+    s = SnapshotStore(rank)
+    if rank != 2:
+        for step in (4, 5):
+            s.keep_own(snap(rank, step))
+    if rank == holders(2, 3, 1, 1)[0]:
+        copy = Frozen.capture(4, 2, *state_of(2, 4))
+        s.keep_held(copy.seal(Mac(tagged_with)) if tagged_with else copy.seal())
+    try:
+        step, got, _, damaged = rollback(pg, lambda w: w.wait(), s, rank, 3, 5, 8, 1, mac=Mac(KEY))
+    except NoSnapshot as e:
+        return {"no_snapshot": str(e)}
+    return {"step": step, "ok": got is not None and bitwise_equal(got.thaw(), state_of(rank, step))}
+
+
+@pytest.mark.parametrize(("tagged_with", "loaded"), [(KEY, True), (OTHER, False), (None, False)])
+def test_a_fetched_copy_not_tagged_under_the_jobs_key_is_never_thawed(tagged_with: bytes | None, loaded: bool) -> None:
+    res = in_ranks(3, functools.partial(_keyed_rollback, tagged_with))
+    if loaded:
+        assert res[2] == {"step": 4, "ok": True}
+    else:
+        assert all("no_snapshot" in r for r in res.values()), res  # struck, and no other copy of rank 2's
 
 
 def test_a_copy_damaged_before_the_rollback_is_dropped_and_the_second_copy_is_used() -> None:

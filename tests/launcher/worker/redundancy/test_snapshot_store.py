@@ -22,8 +22,9 @@ from launcher.worker.redundancy.snapshot_store import (
     plan_rollback,
     sources,
 )
-from launcher.worker.transport.codec import skeleton
+from launcher.worker.transport.codec import checksum, skeleton
 from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.mac import Mac
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:
@@ -467,3 +468,20 @@ def test_the_majority_of_a_replica_group_names_the_odd_rank_and_two_replicas_can
     v = judge([7, 9, 4, 4], ((0, 1), (2, 3)))
     assert v.odd == () and v.undecided == ((0, 1),)
     assert judge([1, 2], ((0,), (1,))).clean  # no replicas: nothing to compare
+
+
+def test_a_tagged_copy_is_authentic_under_its_key_only_and_survives_the_header() -> None:
+    key, other = bytes(range(32)), bytes(range(1, 33))
+    f = Frozen.capture(9, 2, *nested_state()).seal(Mac(key))
+    assert f.tag is not None and f.authentic(Mac(key)) and not f.authentic(Mac(other))
+    assert f.authentic(None)  # a job without a data key checks nothing
+    e = Frozen.empty_from([int(x) for x in f.header(Mac(key)).tolist()])
+    e.payload.copy_(f.payload)
+    assert e.authentic(Mac(key)) and (e.nonce, e.tag) == (f.nonce, f.tag)
+    e.payload[5] ^= 0x01
+    e.crc = checksum(e.payload)  # a forger can fix a CRC, not a tag
+    assert e.verify() and not e.authentic(Mac(key))
+    untagged = Frozen.empty_from([int(x) for x in Frozen.capture(9, 2, *nested_state()).header().tolist()])
+    assert untagged.tag is None and not untagged.authentic(Mac(key))
+    with pytest.raises(ValueError, match="describes no snapshot"):
+        Frozen.empty_from([1, 0, -5, 0, 0, 10, 0, 0, 0, 0])

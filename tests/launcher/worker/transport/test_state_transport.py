@@ -21,6 +21,7 @@ from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.transport import state_transport as tp
 from launcher.worker.transport.codec import flatten, live_tensors, parse, skeleton, tensor_paths, unflatten
 from launcher.worker.transport.landing_pool import LandingPool
+from launcher.worker.transport.mac import Mac
 from tests.launcher.worker.redundancy.test_rollback import in_ranks
 from tests.launcher.worker.redundancy.test_snapshot_store import bitwise_equal
 
@@ -108,7 +109,7 @@ def test_a_source_sends_large_tensors_from_their_own_storage_without_a_copy() ->
     big = torch.randn(300, 1000)  # 1.2 MB
     state = {"w": big, "b": torch.randn(10), "step": torch.tensor(3.0)}
     pg = _Recorder()
-    sender = tp._Sender(tp.P2PTransport(pg, torch.device("cpu"), lambda w: None), state, {"rng": torch.zeros(8)})
+    sender = tp._Sender(tp.P2PTransport(pg, torch.device("cpu"), lambda w: None), 0, state, {"rng": torch.zeros(8)})
     sender.post([Transfer(0, 1, 0, 1)])
     ptr, n = big.untyped_storage().data_ptr(), big.nbytes
     direct = [t for _, tag, t in pg.sent if tag not in (tp.META_TAG, tp._sums_tag(0)) and t.numel() > tp.SMALL]
@@ -182,6 +183,72 @@ def test_a_state_striped_over_two_sources_arrives_bitwise_into_tensors_of_its_ow
 def test_a_slice_that_arrives_damaged_names_its_source_and_nothing_is_handed_back() -> None:
     got = in_ranks(3, functools.partial(_striped, 1))
     assert got[2]["damaged"] == [1] and not got[2]["equal"]
+
+
+# ---- state authenticated under the job's data key (issue 39) ------------------------------
+KEY, OTHER = bytes(range(32)), bytes(range(1, 33))
+
+
+def _keyed(
+    keys: dict[int, bytes | None], names: dict[int, tuple[int, ...]], rank: int, pg: Any
+) -> Any:  # pragma: no cover - forked child
+    key = keys.get(rank)
+    tr = tp.P2PTransport(pg, torch.device("cpu"), lambda w: w.wait(), mac=Mac(key) if key else None, names=names[rank])
+    plan = [Transfer(0, 2, 0, 2), Transfer(1, 2, 1, 2)]
+    got = tr.exchange(plan, rank, _state)
+    if got is None:
+        return None
+    return {"damaged": list(got.damaged), "equal": not got.damaged and bitwise_equal((got.state, got.aux), _state())}
+
+
+def test_a_state_sent_under_the_jobs_data_key_arrives_bitwise() -> None:
+    got = in_ranks(3, functools.partial(_keyed, {0: KEY, 1: KEY, 2: KEY}, {r: (5, 1) for r in range(3)}))
+    assert got[2] == {"damaged": [], "equal": True}
+
+
+@pytest.mark.parametrize(
+    ("keys", "names", "forged"),
+    [
+        ({0: KEY, 1: OTHER, 2: KEY}, {r: (5, 1) for r in range(3)}, [1]),  # another key: a stranger's bytes
+        ({0: KEY, 1: None, 2: KEY}, {r: (5, 1) for r in range(3)}, [1]),  # CRCs where tags are due
+        ({0: KEY, 1: KEY, 2: KEY}, {0: (5, 1), 1: (4, 1), 2: (5, 1)}, [1]),  # a message of another epoch
+    ],
+)
+def test_bytes_without_the_jobs_data_key_are_damaged_and_never_loaded(
+    keys: dict[int, bytes | None], names: dict[int, tuple[int, ...]], forged: list[int]
+) -> None:
+    got = in_ranks(3, functools.partial(_keyed, keys, names))
+    assert got[2]["damaged"] == forged and not got[2]["equal"], got[2]
+
+
+class _Sent:
+    """A group whose receives get what one sender's META messages held."""
+
+    def __init__(self, meta: torch.Tensor) -> None:
+        self.by_tag = {tp.META_TAG: meta[: tp.META_CAP], tp.META2_TAG: meta[tp.META_CAP :]}
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        tensors[0].copy_(self.by_tag[tag][: tensors[0].numel()])
+        return self
+
+    def wait(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("sent_with", "read_with", "names", "parsed"),
+    [(KEY, KEY, (5, 1), True), (KEY, OTHER, (5, 1), False), (None, KEY, (5, 1), False), (KEY, KEY, (6, 1), False)],
+)
+def test_a_meta_without_the_jobs_tag_is_never_parsed(
+    sent_with: bytes | None, read_with: bytes, names: tuple[int, ...], parsed: bool
+) -> None:
+    cpu = torch.device("cpu")
+    source = tp.P2PTransport(None, cpu, lambda w: None, mac=Mac(sent_with) if sent_with else None, names=(5, 1))
+    meta = tp._Sender(source, 0, *_state()).meta
+    got = tp.P2PTransport(_Sent(meta), cpu, lambda w: w.wait(), mac=Mac(read_with), names=names)._recv_meta(0)
+    assert (got is not None) == parsed
+    if got is not None:
+        assert got[-1] is True  # its CRC matched too
 
 
 # ---- a receiver's own live state, written in place ----------------------------------------
