@@ -53,32 +53,28 @@ def _resolve_faults(specs: tuple[str, ...], nodes: list[str]) -> list[Fault]:
     return out
 
 
-def _every(v: str | int) -> int:
+def _whole_or_auto(v: str | int, auto: int, lo: int, hi: int | None) -> int:
+    """A flag's whole number in [lo, hi], or `auto` for the word 'auto'."""
     if isinstance(v, int):
         return v
     if str(v).strip().lower() == "auto":
-        return 0
+        return auto
     try:
         n = int(v)
     except ValueError:
         raise click.BadParameter(f"{v!r} is neither a whole number nor 'auto'") from None
-    if n < 1:
-        raise click.BadParameter(f"{n} is not a whole number >= 1 (or 'auto')")
+    if n < lo or (hi is not None and n > hi):
+        where = f"in {lo}..{hi}" if hi is not None else f"a whole number >= {lo}"
+        raise click.BadParameter(f"{n} is not {where} (or 'auto')")
     return n
 
 
+def _every(v: str | int) -> int:
+    return _whole_or_auto(v, 0, 1, None)
+
+
 def _copies(v: str | int) -> int:
-    if isinstance(v, int):
-        return v
-    if str(v).strip().lower() == "auto":
-        return AUTO_COPIES
-    try:
-        k = int(v)
-    except ValueError:
-        raise click.BadParameter(f"{v!r} is neither a whole number nor 'auto'") from None
-    if not 0 <= k <= 8:
-        raise click.BadParameter(f"{k} is not in 0..8 (or 'auto')")
-    return k
+    return _whole_or_auto(v, AUTO_COPIES, 0, 8)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, help=__doc__)
