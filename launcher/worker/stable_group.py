@@ -259,6 +259,7 @@ class ManagedWork(PyWork):
         self._gen = intr.gen
         self._lock = threading.Lock()
         self._done = False
+        self.succeeded = False  # the backend work itself completed without error
         self._fut: torch.futures.Future[Any] | None = None
         self._key: int | None = None
         self._settling = False
@@ -309,6 +310,8 @@ class ManagedWork(PyWork):
         """Done. `ok`: the backend work succeeded, so the post step (if any) runs first,
         once, unless the epoch has failed meanwhile (the buffers are garbage then)."""
         err: Exception | None = None
+        if ok:
+            self.succeeded = True
         if self._post is not None:
             # Under the lock to its end: a second completer (a future's callback beside a
             # wait) must not report the work done while the copy is still running.

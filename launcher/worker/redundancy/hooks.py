@@ -68,10 +68,14 @@ class FingerprintHook:
         if self.rank == 0 and self.pending is not None:
             vals[w : 2 * w] = torch.tensor(self.pending.first, dtype=torch.int64)
             vals[2 * w] = self.pending.step + 1
-        self.group.allreduce([vals]).wait()
+        work = self.group.allreduce([vals])
+        work.wait()
         got = vals.cpu().tolist()  # on NCCL the read is what waits: the error is checked after it
-        if self.group.intr.error is not None:
+        if self.group.intr.error is not None and not (self.state.device.type == "cpu" and _succeeded(work)):
             return True  # the epoch is failing: the next vote finds out
+        # On the host a compare that completed is valid even if the epoch failed right after
+        # (the odd rank leaving at once, on a loaded host): its verdict still sends every rank
+        # back to the agreed step at the recovery.
         values = got[:w]
         pending = Pending(got[2 * w] - 1, tuple(got[w : 2 * w]), ()) if got[2 * w] else None
         if self.pending is not None and step >= self.pending.step:
@@ -195,3 +199,8 @@ class CheckpointHook:
                     abandoned=o.result == "abandoned",
                     error=o.error,
                 )
+
+
+def _succeeded(work: Any) -> bool:
+    """The backend work behind a StableGroup's completed without error (not merely released)."""
+    return bool(getattr(work, "succeeded", False))

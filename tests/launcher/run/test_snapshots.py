@@ -218,9 +218,11 @@ def test_every_copy_lost_with_a_checkpoint_dir_continues_from_the_newest_checkpo
     assert_same(fsdp3_ref.final, r.final, "final")
     (loaded,) = [e for e in r.events if e["event"] == "checkpoint_loaded"]
     # The faults fire when the controller hears of committed step 7, which under load can be
-    # after step 8's checkpoint completed: the newest complete one is what must be loaded.
+    # after step 8's checkpoint completed: the newest complete one is what must be loaded. Rank
+    # 0 says a save complete (checkpoint_saved), and it dies with node0: step 8's may be complete
+    # on disk and never said, so the loaded step is at least the newest said.
     saved = [e["step"] for e in r.events if e["event"] == "checkpoint_saved" and e["t_mono"] < loaded["t_mono"]]
-    assert loaded["step"] in (4, 8) and saved and loaded["step"] == max(saved), (loaded, saved)
+    assert loaded["step"] in (4, 8) and loaded["step"] >= max(saved, default=4), (loaded, saved)
     assert r.summary is not None
     assert [f["recovered_from"] for f in r.summary["failures"] if f["recovered_from"]] == ["checkpoint"]
 

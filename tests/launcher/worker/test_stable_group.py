@@ -167,6 +167,8 @@ def test_a_completed_gloo_collective_is_waited_on_without_counting_in_flight() -
     w.wait()
     assert w.is_completed() and w.is_success()
     assert intr.oldest_in_flight_s(time.monotonic()) == 0.0 and not intr._works
+    intr.fail("epoch 2 announced")  # after the collective: what it computed stays valid, and says so
+    assert w.succeeded
 
 
 # Every collective FSDP2, DDP and the recovery issue on gloo. gloo's reduce-scatter Works
@@ -197,6 +199,7 @@ def test_a_hung_gloo_collective_counts_in_flight_and_is_released_by_a_new_epoch(
     assert done.wait(5)
     assert time.monotonic() - t0 < 1.0  # within a wait slice, not the collective timeout (20 s)
     assert intr.error == "epoch 2 announced" and not intr._works
+    assert not w.succeeded  # released, not completed: its output is not a result
 
 
 def test_a_future_asked_for_after_the_epoch_failed_is_done_at_once() -> None:
