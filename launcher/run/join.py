@@ -115,21 +115,20 @@ def ask(
     try:
         ch = connect(ctx, info.endpoint, keys, sender=f"{JOINER}/{os.getpid()}")
         # A controller that refuses our key says nothing: the handshake's failure is how we know.
-        mon = ch.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        assert ch.monitor is not None  # a DEALER's connection events
         poller = zmq.Poller()
         poller.register(ch.sock, zmq.POLLIN)
-        poller.register(mon, zmq.POLLIN)
+        poller.register(ch.monitor, zmq.POLLIN)
         ch.send(MsgType.JOIN, {"job": info.job, "nodes": names, "source": source}, ttl_s=timeout_s)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(int(left * 1000) + 1))
-            if mon in ready:
-                from zmq.utils.monitor import recv_monitor_message
-
-                ev = recv_monitor_message(mon)
+            ch.link_events()
+            if ch.handshake_failed is not None:
                 raise JoinError(
                     f"the controller of job {info.job} refused the join key "
-                    f"({'authentication' if ev['event'] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else 'handshake'} failed): "
+                    f"({'authentication' if ch.handshake_failed == zmq.EVENT_HANDSHAKE_FAILED_AUTH else 'handshake'}"
+                    " failed): "
                     f"{keys.path} is not this job's"
                 )
             got = ch.recv(0) if ch.sock in ready else None

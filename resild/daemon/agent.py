@@ -345,7 +345,7 @@ class Agent:
         if self._rep is not None:
             self._rep.close()
         if self._ctl is not None:
-            self._ctl.sock.close(linger=0)
+            self._ctl.close()
         path = unix_path(self.cfg.status_endpoint)
         if path is not None and self._rep is not None:
             Path(path).unlink(missing_ok=True)

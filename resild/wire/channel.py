@@ -6,16 +6,16 @@ authenticated it: `Server`'s channel drops (ERROR reply + log, and `on_refused` 
 the key's holder) any message whose routing id, sender or body "node" names another
 node, and any replayed or reordered `seq` (per-sender high-water mark).
 
-Routing ids are unguessable: `connect` gives each socket `<sender>#<random>`. A ROUTER
-ignores a second peer with a routing id already in use, so a key holder that connected
-first with another node's routing id (`b/node`) used to lock that node out; it cannot
-name a routing id it has never seen (CURVE encrypts it), and the controller replies to the
-routing id each node's own key last used. The ROUTER hands a routing id over to its newest
-connection (ROUTER_HANDOVER): a node that reconnects is not locked out by its own ghost.
-Without it, libzmq leaves a connection whose id is in use unidentified for as long as that
-connection lives (its messages dropped, even after the ghost is gone), so a reconnect would
-lock the node out for good; the price is that a key holder who learned a node's routing id
-(64 random bits, CURVE-encrypted on the wire) can take its connection over (issue 39).
+Routing ids are unguessable and never reused: `connect` gives each connection
+`<sender>#<random>`, and a DEALER whose connection drops reconnects under a fresh one
+(`Channel.renew`). The ROUTER keeps the first connection that claims a routing id: a key
+holder who learned a node's routing id (64 random bits, CURVE-encrypted on the wire)
+cannot take its connection over (issue 39), and a node is never locked out by the ghost
+of its own dropped connection, because it no longer comes back under that id. libzmq
+without ROUTER_HANDOVER leaves a second connection with an id in use unidentified for as
+long as it lives, so reusing an id after a drop the ROUTER has not noticed yet would lock
+the node out for good. The controller replies to the routing id each node's own key
+last used, so a renewed connection is heard from its first message.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolErro
 log = logging.getLogger(__name__)
 
 MAX_SENDERS = 65536  # high-water marks kept (oldest forgotten first)
+LINK_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 NONCE_SEP = b"#"  # a routing id is the sender, then this and a random nonce (`connect`)
 
 
@@ -60,8 +61,22 @@ class Channel:
     routing id and sender are its key's identity (`node` or `node/...`) and whose body
     "node", when present, is that identity; seq must rise per sender."""
 
-    def __init__(self, sock: zmq.SyncSocket, sender: str, router: bool, authenticated: bool = False) -> None:
+    def __init__(
+        self,
+        sock: zmq.SyncSocket,
+        sender: str,
+        router: bool,
+        authenticated: bool = False,
+        endpoint: str | None = None,
+        monitor: zmq.SyncSocket | None = None,
+    ) -> None:
         self.sock = sock
+        self.sender = sender
+        self.endpoint = endpoint  # a DEALER's: where `renew` connects again
+        self.monitor = monitor  # a DEALER's connection events (`link_events`)
+        self.renewals = 0  # connections dropped and made again under a fresh routing id
+        self.handshake_failed: int | None = None  # the last zmq.EVENT_HANDSHAKE_FAILED_* seen
+        self._dropped = False  # a drop seen, the renewal waiting for its pipe to be read
         self.router = router
         self.authenticated = authenticated
         self.seq = Sequencer(sender)
@@ -72,6 +87,7 @@ class Channel:
     def send(
         self, mtype: MsgType, body: dict[str, Any] | None = None, *, to: bytes | None = None, ttl_s: float | None = None
     ) -> None:
+        self.link_events()  # a dropped connection is made again before this message goes out
         try:
             frame = encode(self.seq.make(mtype, body, ttl_s))
         except (TypeError, ValueError) as e:  # not JSON, or NaN: a bug on our side, not the peer's
@@ -113,6 +129,7 @@ class Channel:
     def recv(self, timeout_s: float) -> tuple[bytes | None, Message] | None:
         """Return (peer identity or None, message) or None on timeout or a dropped frame.
         `timeout_s` <= 0 (a loop draining its queue): one non-blocking receive, no poll."""
+        self.link_events()
         if timeout_s > 0 and not self.poll(timeout_s):
             return None
         try:
@@ -158,8 +175,60 @@ class Channel:
             self._hwm.popitem(last=False)
         return ident, msg
 
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def link_events(self) -> list[int]:
+        """A DEALER's connection events since the last call (zmq.EVENT_*), non-blocking.
+        A dropped connection is renewed once everything it delivered has been read
+        (renewing drops the old pipe with what is queued in it: a controller's last
+        SHUTDOWN before it closed, say). A handshake failure stays in `handshake_failed`
+        (a controller that refuses a key says nothing else)."""
+        if self.monitor is None:
+            return []
+        events: list[int] = []
+        while True:
+            try:
+                frames = self.monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError:  # the monitor stopped (the socket is closing)
+                break
+            if frames and len(frames[0]) >= 2:
+                events.append(int.from_bytes(frames[0][:2], "little"))
+        for ev in events:
+            if ev in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+                self.handshake_failed = ev
+        if zmq.EVENT_DISCONNECTED in events:
+            self._dropped = True
+        if self._dropped and not self.sock.poll(0, zmq.POLLIN):
+            self._dropped = False
+            self.renew()
+        return events
+
+    def renew(self) -> None:
+        """Connect again under a fresh routing id. libzmq would reconnect under the old
+        one, and the ROUTER, which does not hand an id in use over, could still hold the
+        dropped connection's ghost: the new connection would be unidentified for good.
+        What is still queued to send on the old connection is dropped; control traffic
+        is best-effort."""
+        if self.endpoint is None:
+            return
+        try:
+            self.sock.disconnect(self.endpoint)
+        except zmq.ZMQError:
+            pass  # libzmq dropped the endpoint already
+        self.sock.setsockopt(zmq.IDENTITY, routing_id(self.sender))
+        self.sock.connect(self.endpoint)
+        self.renewals += 1
+        log.info("connection to %s dropped: connected again under a fresh routing id", self.endpoint)
+
+    def close(self, linger_ms: int = 0) -> None:
+        if self.monitor is not None:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self.monitor.close(linger=0)
+            self.monitor = None
+        self.sock.close(linger=linger_ms)
 
 
 def _forged(user: str, ident: bytes | None, msg: Message) -> str:
@@ -200,7 +269,7 @@ class Server:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting peer takes its routing id back
+        # No ROUTER_HANDOVER: the first connection keeps its routing id (module docstring).
         limit_frame_size(sock)
         if keys is not None:
             auth = _KeyAuthenticator(ctx, keys.authorized)
@@ -227,5 +296,7 @@ def connect(ctx: zmq.SyncContext, endpoint: str, keys: KeyDir | None, sender: st
     sock.setsockopt(zmq.IDENTITY, routing_id(sender))  # unguessable: no one can take it first
     if keys is not None:
         _set_curve_client(sock, keys)
+    # Drops renew the routing id; handshake failures tell a client its key was refused.
+    monitor = sock.get_monitor_socket(LINK_EVENTS)
     sock.connect(endpoint)
-    return Channel(sock, sender, router=False)
+    return Channel(sock, sender, router=False, endpoint=endpoint, monitor=monitor)

@@ -80,4 +80,4 @@ class ControllerSet:
 
     def close(self, linger_ms: int = 0) -> None:
         for c in self.chans:
-            c.sock.close(linger=linger_ms)
+            c.close(linger_ms)

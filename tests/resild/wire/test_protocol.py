@@ -336,35 +336,125 @@ def test_every_socket_has_a_size_limit_and_a_huge_frame_is_dropped(keys: KeyDir,
         server.close()
 
 
-def test_routing_ids_are_unguessable_and_a_reconnecting_peer_is_not_locked_out(keys: KeyDir, ctx) -> None:
+def test_routing_ids_are_unguessable_and_a_key_holder_cannot_take_a_connection_over(keys: KeyDir, ctx) -> None:
     """Each socket's routing id is its sender and a random nonce (no key holder can take
-    another node's first); a new connection with a routing id in use takes it over."""
+    another node's first), and a second connection with an id in use does not take it:
+    the controller's replies still reach the first (finding 13; with ROUTER_HANDOVER
+    they went to the newcomer)."""
     server = Server(ctx, "tcp://127.0.0.1:0", keys)
     first = connect(ctx, server.endpoint, keys.node("n1"), "n1/node")
-    again = connect(ctx, server.endpoint, keys.node("n1"), "n1/node")
+    other = connect(ctx, server.endpoint, keys.node("n1"), "n1/node")
+    thief = ctx.socket(zmq.DEALER)
     try:
         first.send(MsgType.HEARTBEAT, {"node": "n1"})
         got = server.channel.recv(2.0)
         assert got is not None and got[1].sender == "n1/node"
         ident = got[0]
         assert ident.startswith(b"n1/node#") and len(ident) == len(b"n1/node#") + 16 and peer_name(ident) == b"n1/node"
-        assert first.sock.getsockopt(zmq.IDENTITY) == ident != again.sock.getsockopt(zmq.IDENTITY)
-        # The same routing id on a new connection (a reconnect the ROUTER has not noticed
-        # the end of yet): the new one gets in, and the replies go to it.
-        again.sock.close(linger=0)
-        again = first
-        second = ctx.socket(zmq.DEALER)
-        second.setsockopt(zmq.LINGER, 0)
-        second.setsockopt(zmq.IDENTITY, ident)
-        second.curve_publickey, second.curve_secretkey = keys.node("n1").client()
-        second.curve_serverkey = keys.server_public()
-        second.connect(server.endpoint)
-        second.send(encode(Sequencer("n1/node").make(MsgType.HEARTBEAT, {"node": "n1"})))
-        got = server.channel.recv(2.0)
-        assert got is not None and got[0] == ident
+        assert first.sock.getsockopt(zmq.IDENTITY) == ident != other.sock.getsockopt(zmq.IDENTITY)
+        # Another node's key holder who learned the routing id connects under it.
+        thief.setsockopt(zmq.LINGER, 0)
+        thief.setsockopt(zmq.IDENTITY, ident)
+        thief.curve_publickey, thief.curve_secretkey = keys.node("n2").client()
+        thief.curve_serverkey = keys.server_public()
+        thief.connect(server.endpoint)
+        thief.send(encode(Sequencer("n2/node").make(MsgType.HEARTBEAT, {"node": "n2"})))
+        assert server.channel.recv(0.5) is None  # its connection is never identified
         server.channel.send(MsgType.STATUS_REPLY, {}, to=ident)
-        assert second.poll(2000, zmq.POLLIN)
-        second.close(linger=0)
+        assert first.recv(2.0) is not None
+        assert not thief.poll(300, zmq.POLLIN)
     finally:
+        thief.close(linger=0)
         first.close()
+        other.close()
+        server.close()
+
+
+class _CuttableProxy:
+    """A TCP relay whose client side can be cut while its server side stays open: the
+    ROUTER keeps the dropped connection (a ghost) that the client no longer has."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+        import threading
+
+        self._socket, self._threading = socket, threading
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.pairs: list[tuple[object, object]] = []
+        self.ghosts: list[object] = []
+        self.stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.1)
+        while not self.stop.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            upstream = self._socket.create_connection(self.target)
+            self.pairs.append((client, upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                self._threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src, dst) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    return
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def cut_clients(self) -> None:
+        """Close every client side; keep the server sides open (and silent)."""
+        for client, upstream in self.pairs:
+            self.ghosts.append(upstream)
+            client.shutdown(self._socket.SHUT_RDWR)
+            client.close()
+        self.pairs = []
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+        for s in self.ghosts + [x for p in self.pairs for x in p]:
+            s.close()
+
+
+def test_a_dropped_connection_comes_back_under_a_fresh_routing_id_past_its_ghost(keys: KeyDir, ctx) -> None:
+    """A node whose connection drops while the controller still holds it (a ghost) is
+    not locked out: it reconnects under a fresh routing id, and replies reach it."""
+    server = Server(ctx, "tcp://127.0.0.1:0", keys)
+    proxy = _CuttableProxy(int(server.endpoint.rsplit(":", 1)[1]))
+    node = connect(ctx, f"tcp://127.0.0.1:{proxy.port}", keys.node("n1"), "n1/node")
+    try:
+        node.send(MsgType.HEARTBEAT, {"node": "n1"})
+        got = server.channel.recv(5.0)
+        assert got is not None
+        old = got[0]
+        proxy.cut_clients()
+        deadline = time.monotonic() + 10.0
+        new = None
+        while new is None and time.monotonic() < deadline:
+            node.send(MsgType.HEARTBEAT, {"node": "n1"})
+            got = server.channel.recv(0.2)
+            if got is not None and got[0] != old:
+                new = got[0]
+        assert new is not None and peer_name(new) == b"n1/node", "the node never came back"
+        assert node.renewals >= 1 and node.sock.getsockopt(zmq.IDENTITY) == new
+        server.channel.send(MsgType.STATUS_REPLY, {}, to=new)
+        deadline = time.monotonic() + 5.0
+        reply = None
+        while reply is None and time.monotonic() < deadline:
+            got2 = node.recv(0.2)
+            reply = got2[1] if got2 is not None and got2[1].type is MsgType.STATUS_REPLY else None
+        assert reply is not None
+    finally:
+        node.close()
+        proxy.close()
         server.close()
