@@ -134,7 +134,6 @@ WITHOUT_MIRRORED_TESTS = {
     "resild/controller/etcd_client.py",
     "resild/controller/etcd_election.py",
     "resild/controller/etcd_target.py",
-    "resild/controller/etcd_tls.py",
     "resild/controller/handlers.py",
     "resild/controller/loop.py",
     "resild/controller/records.py",

@@ -26,10 +26,16 @@ from typing import Any
 from launcher.run.job import JobSpec, _fake_nvml
 from launcher.run.local import LocalCluster
 from launcher.run.status import StatusLine, print_summary
-from resild.controller.etcd_cluster import LocalEtcd, slurm_target, wait_for_members, wait_ready
+from resild.controller.etcd_cluster import (
+    LocalEtcd,
+    slurm_target,
+    wait_for_member_certs,
+    wait_for_members,
+    wait_ready,
+)
 from resild.controller.etcd_election import lease_ttl_s
 from resild.controller.etcd_target import EtcdTarget
-from resild.controller.etcd_tls import make_certs
+from resild.controller.etcd_tls import forget_ca_key, make_certs
 from resild.controller.replica import RUNNER_ALIVE, wait_for_replicas
 from resild.controller.verdict_file import RESULT_FILE
 from resild.events.log import RECENT_PROGRESS, EventTail
@@ -253,7 +259,7 @@ def _slurm_etcd(
     from resild import slurm
 
     hosts = nodes[:n]
-    certs = make_certs(keys_dir)
+    certs = make_certs(keys_dir, members_sign=True)  # the CA key lives until every member signed
     (rd / "etcd").mkdir(mode=0o700, exist_ok=True)
     for stale in (rd / "etcd").glob("member-*.json"):
         stale.unlink()
@@ -274,9 +280,12 @@ def _slurm_etcd(
         members = wait_for_members(rd, n, 120.0, alive)
         target = slurm_target(members, certs, os.environ.get("SLURM_JOB_ID") or rd.name)
         wait_ready(target, 60.0, alive)
+        wait_for_member_certs(keys_dir, [m.name for m in members], 60.0, alive)
     except BaseException:
         _stop_step(step)
         raise
+    finally:
+        forget_ca_key(keys_dir)  # node processes (same user, same file system) must not mint certificates
     return step, target
 
 

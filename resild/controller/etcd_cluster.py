@@ -306,6 +306,17 @@ def wait_for_members(run_dir: Path, n: int, timeout_s: float, alive: Callable[[]
             time.sleep(0.1)
 
 
+def wait_for_member_certs(keys_dir: Path, names: list[str], timeout_s: float, alive: Callable[[], bool]) -> None:
+    """Until every member has signed its certificate (`member_cert_for` writes the
+    certificate last), so the CA key can be forgotten."""
+    base = EtcdCerts.at(keys_dir)
+    deadline = time.monotonic() + timeout_s
+    while not all(base.for_member(n).member_cert.exists() for n in names):
+        if time.monotonic() > deadline or not alive():
+            raise RuntimeError(f"the job's etcd members did not all sign their certificates within {timeout_s:.0f}s")
+        time.sleep(0.1)
+
+
 def slurm_target(members: list[Member], certs: EtcdCerts, job: str, timeout_s: float = 1.0) -> EtcdTarget:
     return EtcdTarget(
         tuple(m.client_url for m in members),

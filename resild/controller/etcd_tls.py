@@ -4,6 +4,14 @@ members (server and peer: both TLS roles) and one for the controller replicas (c
 Every file is written 0600 into the run's keys directory, once per job (a resumed job
 keeps its own). etcd runs with --client-cert-auth and --peer-client-cert-auth against this
 CA: nothing without a certificate of this job's CA reaches the journal.
+
+The CA's private key lives only as long as something must sign with it. On one host the
+members share the member certificate made with the set, and the key is never written.
+Under Slurm each member signs its own certificate on its host (its addresses are known
+there): the key is written for them, and `forget_ca_key` removes it once every member
+holds its certificate, so a node process (the same user, the same shared file system)
+finds no key to mint certificates with afterwards. Such a set is made afresh for each
+start of the members (a requeued job's members sign again under a new CA).
 """
 
 from __future__ import annotations
@@ -71,14 +79,18 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     )
 
 
-def make_certs(keys_dir: Path, hosts: Iterable[str] = ()) -> EtcdCerts:
+def make_certs(keys_dir: Path, hosts: Iterable[str] = (), *, members_sign: bool = False) -> EtcdCerts:
     """The job's CA and certificates, made once (an existing set is kept). `hosts`: names
-    or addresses the members are reached at besides loopback (Slurm nodes)."""
+    or addresses the members are reached at besides loopback. `members_sign` (Slurm):
+    a new set whose CA key stays on disk for the members until `forget_ca_key`."""
     certs = EtcdCerts.at(keys_dir)
-    if certs.exist():
+    if certs.exist() and not members_sign:
+        certs.ca_key.unlink(missing_ok=True)  # a set from before the key was forgotten
         return certs
     certs.ca.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(certs.ca.parent, 0o700)
+    for stale in certs.ca.parent.glob("member-*"):  # signed under a CA this set replaces
+        stale.unlink()
     now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=VALID_DAYS)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -99,7 +111,10 @@ def make_certs(keys_dir: Path, hosts: Iterable[str] = ()) -> EtcdCerts:
     )
     m_cert, m_key = _leaf(ca, ca_key, "resild etcd member", MEMBER_USAGES, _sans(hosts), end)
     c_cert, c_key = _leaf(ca, ca_key, "resild controller", [ExtendedKeyUsageOID.CLIENT_AUTH], None, end)
-    _write(certs.ca_key, _key_pem(ca_key))  # for members that make their own (Slurm: each on its host)
+    if members_sign:
+        _write(certs.ca_key, _key_pem(ca_key))  # each member signs its own on its host
+    else:
+        certs.ca_key.unlink(missing_ok=True)
     _write(certs.member_cert, m_cert)
     _write(certs.member_key, m_key)
     _write(certs.client_cert, c_cert)
@@ -151,10 +166,15 @@ def _leaf(
 
 def member_cert_for(keys_dir: Path, name: str, hosts: Iterable[str]) -> EtcdCerts:
     """A member certificate for the names and addresses this member is reached at (made
-    on the member's own host, signed by the job's CA), in a set like `make_certs`'."""
+    on the member's own host, signed by the job's CA), in a set like `make_certs`'.
+    ValueError when the CA key is gone (forgotten: the members' start is over)."""
     certs = EtcdCerts.at(keys_dir)
     ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
-    ca_key = serialization.load_pem_private_key(certs.ca_key.read_bytes(), None)
+    try:
+        pem = certs.ca_key.read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"{certs.ca_key}: the job's CA key is gone (its members were all certified)") from None
+    ca_key = serialization.load_pem_private_key(pem, None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
         raise ValueError(f"{certs.ca_key}: not the job's CA key")
     mine = certs.for_member(name)
@@ -162,3 +182,19 @@ def member_cert_for(keys_dir: Path, name: str, hosts: Iterable[str]) -> EtcdCert
     _write(mine.member_key, key)
     _write(mine.member_cert, cert)
     return mine
+
+
+def forget_ca_key(keys_dir: Path) -> None:
+    """Remove the CA's private key (its bytes overwritten first, for what a file system
+    that writes in place keeps): no certificate of this job can be made after this."""
+    path = EtcdCerts.at(keys_dir).ca_key
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.write(fd, b"\0" * os.fstat(fd).st_size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    path.unlink(missing_ok=True)

@@ -31,6 +31,10 @@ def test_batch_host_crash_under_standby_controllers(lab: SlurmLab, tmp_path: Pat
         lab, tmp_path, nodes=4, spares=2, extra="--controllers 3 --controller-timeout 15", node_logs=True, held=True
     )
     first = job.wait_event(lambda e: e["event"] == "controller_leader", timeout_s=120)
+    # Every member signed its certificate on its host; the CA key that signed them is gone
+    # (node processes, the same user on the same file system, cannot mint more).
+    etcd_keys = tmp_path / "run" / "keys" / "etcd"
+    assert len(list(etcd_keys.glob("member-m*.crt"))) == 3 and not (etcd_keys / "ca.key").exists()
     job.wait_event(lambda e: e["event"] == "full_strength_step", timeout_s=120)
     host = show_job(lab, job.jid)["BatchHost"]
     others = [n for n in lab.nodes if n != host]

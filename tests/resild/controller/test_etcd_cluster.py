@@ -41,3 +41,8 @@ def test_a_member_that_keeps_dying_is_started_again_no_more_often_than_the_backo
     etcd_cluster.procs[0].wait(10)
     assert etcd_cluster.restart_dead(now + RESTART_BACKOFF_S / 2) == []
     assert etcd_cluster.restart_dead(now + RESTART_BACKOFF_S) == ["m0"]
+
+
+def test_a_one_host_cluster_never_writes_its_ca_key(etcd_cluster: LocalEtcd) -> None:  # noqa: F811
+    """Its members share the member certificate made with the set (finding 14)."""
+    assert etcd_cluster.certs.member_cert.exists() and not etcd_cluster.certs.ca_key.exists()

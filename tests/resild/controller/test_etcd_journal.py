@@ -220,14 +220,14 @@ def test_members_started_one_per_host_find_each_other(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from resild.controller.etcd_cluster import slurm_target, wait_for_members, wait_ready
-    from resild.controller.etcd_tls import make_certs
+    from resild.controller.etcd_cluster import slurm_target, wait_for_member_certs, wait_for_members, wait_ready
+    from resild.controller.etcd_tls import forget_ca_key, make_certs
     from tests.etcdlab.fixture import ensure_etcd
 
     ensure_etcd()
     rd, keys = tmp_path / "run", tmp_path / "run" / "keys"
     (rd / "etcd").mkdir(parents=True)
-    certs = make_certs(keys)
+    certs = make_certs(keys, members_sign=True)
     env = {**os.environ, "RESILD_CONTROLLER_HOST": "127.0.0.1", "TMPDIR": str(tmp_path)}
     cmd = [sys.executable, "-m", "resild.controller.etcd_cluster", "--run-dir", str(rd), "--keys", str(keys)]
     procs = [
@@ -240,6 +240,9 @@ def test_members_started_one_per_host_find_each_other(tmp_path: Path) -> None:
         assert [m.name for m in members] == ["m0", "m1", "m2"] and all(m.host == "127.0.0.1" for m in members)
         target = slurm_target(members, certs, "slurmjob")
         wait_ready(target, 30.0, alive)
+        wait_for_member_certs(keys, [m.name for m in members], 30.0, alive)
+        forget_ca_key(keys)  # as resil-run does: the members are certified, the CA key goes
+        assert not certs.ca_key.exists()
         a = Election(Etcd(target), target.prefix, 0, 1)
         assert a.campaign()
         j = EtcdJournal(a.etcd, target.prefix, a, Follower(a.etcd, target.prefix))
