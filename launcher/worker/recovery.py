@@ -113,6 +113,11 @@ class RecoverySequence:
         self.old.abort([pg for pg, kind in old if kind == "nccl"], fenced=True)
         self.old.abort([pg for pg, kind in old if kind != "nccl"], fenced=self._fence_gloo)
 
+    def replay_mac(self) -> Mac | None:
+        """What a replica replay's messages are tagged under: the job's data key on the
+        host; a CUDA replay keeps its device checksum (no MAC on the GPU)."""
+        return self.mac if self.device.type == "cpu" else None
+
     def form(self, epoch: int, groups: list[StableGroup]) -> float:
         """Build this epoch's backends for `groups`, in parallel (gloo's full-mesh
         connect blocks until every member arrives). Returns seconds taken."""
@@ -181,7 +186,7 @@ class RecoverySequence:
         what has no live home (launcher.worker.transport.landing_pool)."""
         target, plan = plan_replay(steps, replicas, max_sources)
         pg = self.groups["world"].pg
-        mac = self.mac if self.device.type == "cpu" else None  # a CUDA replay: its device checksum only
+        mac = self.replay_mac()
         self._replays += 1  # alike on every rank: each runs the same sequence
         names = (self.epoch, self._replays)
         transport = P2PTransport(pg, self.device, lambda w: self.wait(w, untimed=True), landing, mac, names)

@@ -613,9 +613,15 @@ class Job:
     # ---- recovery -------------------------------------------------------------------
     def _form_until_stable(self, only: list[StableGroup]) -> None:
         try:
-            self.rec.form(self.epoch, only)
+            self._form(self.epoch, only)
         except Reformed:
             self._recover()
+
+    def _form(self, epoch: int, groups: list[StableGroup]) -> float:
+        """The recovery sequence's form(); an old communicator that never dies fails this
+        rank in one line (its node is replaced)."""
+        try:
+            return self.rec.form(epoch, groups)
         except AbortStuck as e:
             raise ResilienceError(str(e)) from None
 
@@ -657,10 +663,7 @@ class Job:
                 continue
             t0 = time.monotonic()
             try:
-                try:
-                    formed_s = self.rec.form(m.epoch, list(self.rec.groups.values()))
-                except AbortStuck as e:
-                    raise ResilienceError(str(e)) from None
+                formed_s = self._form(m.epoch, list(self.rec.groups.values()))
                 if self.redundancy is not None:
                     self.redundancy.formed()
                 if self.rank == 0:
@@ -716,12 +719,10 @@ class Job:
                 sources=got.sources,
                 mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1),
                 source=source.value,
-                # under the job's data key (launcher/worker/transport/mac.py): a CUDA replica
-                # replay keeps its device checksum, a disk checkpoint its own files' rules
-                authenticated=self.rec.mac is not None
-                and (
-                    source is RestoreSource.SNAPSHOT or (source is RestoreSource.REPLICA and self.device.type == "cpu")
-                ),
+                # under the job's data key (launcher/worker/transport/mac.py); a disk
+                # checkpoint has its own files' rules
+                authenticated=(source is RestoreSource.SNAPSHOT and self.rec.mac is not None)
+                or (source is RestoreSource.REPLICA and self.rec.replay_mac() is not None),
                 in_place_bytes=got.in_place,
                 landed_bytes=got.landed,
             )
