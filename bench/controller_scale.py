@@ -244,7 +244,7 @@ def generator_main(
     by_fd: dict[int, SimNode] = {}
     ep = select.epoll()
     for name in nodes:
-        ch = connect(ctx, endpoint, _keys_for(keys_dir, name), sender=f"{name}/node")
+        ch = connect(ctx, endpoint, _keys_for(keys_dir, name), sender=f"{name}/node", watch=False)
         s = SimNode(name, ch.sock, Sequencer(f"{name}/node"), hb_s=hb_s)
         fd = _int_opt(ch.sock, zmq.FD)
         sims[name], by_fd[fd] = s, s

@@ -224,7 +224,7 @@ def resild_gen_main(
     keys = KeyDir(Path(keys_dir))
     chans: list[Channel] = []
     for n in nodes:
-        chans.append(connect(ctx, endpoint, keys.node(node_name(n)), sender=f"{node_name(n)}/node"))
+        chans.append(connect(ctx, endpoint, keys.node(node_name(n)), sender=f"{node_name(n)}/node", watch=False))
     by_sock = {ch.sock: i for i, ch in enumerate(chans)}
     poller = zmq.Poller()
     for ch in chans:

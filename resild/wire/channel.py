@@ -14,8 +14,11 @@ cannot take its connection over (issue 39), and a node is never locked out by th
 of its own dropped connection, because it no longer comes back under that id. libzmq
 without ROUTER_HANDOVER leaves a second connection with an id in use unidentified for as
 long as it lives, so reusing an id after a drop the ROUTER has not noticed yet would lock
-the node out for good. The controller replies to the routing id each node's own key
-last used, so a renewed connection is heard from its first message.
+the node out for good. Only a connection whose handshake succeeded is renewed (one
+refused in it never was the ROUTER's). The controller learns the new id from the next
+message: a node process's heartbeat (it replies to the id each node's key last used), a
+worker's registration, which its link sends again when its link to the leader is renewed
+(`ControllerSet.renewed`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,13 @@ from resild.wire.protocol import MAX_FRAME_BYTES, Message, MsgType, ProtocolErro
 log = logging.getLogger(__name__)
 
 MAX_SENDERS = 65536  # high-water marks kept (oldest forgotten first)
-LINK_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+LINK_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+)
+_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 NONCE_SEP = b"#"  # a routing id is the sender, then this and a random nonce (`connect`)
 
 
@@ -76,7 +85,8 @@ class Channel:
         self.monitor = monitor  # a DEALER's connection events (`link_events`)
         self.renewals = 0  # connections dropped and made again under a fresh routing id
         self.handshake_failed: int | None = None  # the last zmq.EVENT_HANDSHAKE_FAILED_* seen
-        self._dropped = False  # a drop seen, the renewal waiting for its pipe to be read
+        self._up = False  # a connection's handshake succeeded and it has not dropped since
+        self._dropped = False  # such a connection dropped, the renewal waiting for its pipe to be read
         self.router = router
         self.authenticated = authenticated
         self.seq = Sequencer(sender)
@@ -194,10 +204,14 @@ class Channel:
             if frames and len(frames[0]) >= 2:
                 events.append(int.from_bytes(frames[0][:2], "little"))
         for ev in events:
-            if ev in (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._up, self.handshake_failed = True, None
+            elif ev in _FAILED:
                 self.handshake_failed = ev
-        if zmq.EVENT_DISCONNECTED in events:
-            self._dropped = True
+            elif ev == zmq.EVENT_DISCONNECTED and self._up:
+                # Only a connection the ROUTER identified can leave a ghost: one refused in
+                # its handshake is retried by libzmq as it was (not a renewal per send).
+                self._up, self._dropped = False, True
         if self._dropped and not self.sock.poll(0, zmq.POLLIN):
             self._dropped = False
             self.renew()
@@ -288,7 +302,10 @@ class Server:
             self.auth.stop()
 
 
-def connect(ctx: zmq.SyncContext, endpoint: str, keys: KeyDir | None, sender: str) -> Channel:
+def connect(ctx: zmq.SyncContext, endpoint: str, keys: KeyDir | None, sender: str, *, watch: bool = True) -> Channel:
+    """A DEALER to `endpoint`. `watch=False` (a bench simulating thousands of nodes in one
+    process): no socket monitor, so no renewal of a dropped connection and no
+    `handshake_failed`; every real peer watches."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 10000)
@@ -297,6 +314,6 @@ def connect(ctx: zmq.SyncContext, endpoint: str, keys: KeyDir | None, sender: st
     if keys is not None:
         _set_curve_client(sock, keys)
     # Drops renew the routing id; handshake failures tell a client its key was refused.
-    monitor = sock.get_monitor_socket(LINK_EVENTS)
+    monitor = sock.get_monitor_socket(LINK_EVENTS) if watch else None
     sock.connect(endpoint)
     return Channel(sock, sender, router=False, endpoint=endpoint, monitor=monitor)

@@ -72,6 +72,24 @@ class ControllerSet:
                 return msg
         return None
 
+    @property
+    def monitors(self) -> list[zmq.SyncSocket]:
+        """Each link's connection events, for a poller: a drop is handled when it happens."""
+        return [c.monitor for c in self.chans if c.monitor is not None]
+
+    def renewed(self) -> bool:
+        """Read every link's connection events; True when the leader's link (any link while
+        no leader is known) was connected again under a fresh routing id since the last
+        call: the leader never heard the new one, and what it sent to the old is lost, so
+        whoever registered must say so again."""
+        hit = False
+        for i, c in enumerate(self.chans):
+            before = c.renewals
+            c.link_events()
+            if c.renewals != before and (self.leader is None or i == self.leader):
+                hit = True
+        return hit
+
     def index_of(self, sock: Any) -> int | None:
         for i, c in enumerate(self.chans):
             if c.sock is sock:

@@ -214,7 +214,7 @@ class ControlLink:
 
             relay = RelayClient(os.environ[resild_env.RELAY.name], f"{self.node}/w{self.local_rank}")
         poller = zmq.Poller()
-        for sock in ch.socks:
+        for sock in ch.socks + ch.monitors:
             poller.register(sock, zmq.POLLIN)
         if relay is not None:
             poller.register(relay.sock, zmq.POLLIN)
@@ -241,6 +241,8 @@ class ControlLink:
                     if ready.get(sock_):
                         while (msg := ch.recv(i)) is not None:
                             self._on_message(msg)
+                if ch.renewed():  # our link to the leader dropped: it must hear us again
+                    self._register_again()
                 while relay is not None and ready.get(relay.sock):
                     msg = relay.recv(0)
                     if msg is None:
@@ -290,6 +292,14 @@ class ControlLink:
             return False
         return reported
 
+    def _register_again(self) -> None:
+        """A new leader, or a new connection to ours: neither knows this worker's routing
+        id, and requests in flight are lost (the formation retries)."""
+        self._answer_requests(None)
+        with self._out_lock:  # in order with what send() queues meanwhile
+            for mtype, body in list(self._repeat.items()):  # register again (a copy: send() may add)
+                self._out.put((mtype, body, None))
+
     def _on_message(self, msg: Any) -> None:
         t = msg.type
         if t == MsgType.FENCE:
@@ -300,10 +310,7 @@ class ControlLink:
         if t == MsgType.LEASE:  # from our node process: a new controller leads
             ch = self._ch
             if ch is not None and ch.follow(int(msg.body.get("term", 0)), int(msg.body.get("leader", 0))):
-                self._answer_requests(None)  # the new leader never saw them: the formation retries
-                with self._out_lock:  # in order with what send() queues meanwhile
-                    for mtype, body in list(self._repeat.items()):  # register again (a copy: send() may add)
-                        self._out.put((mtype, body, None))
+                self._register_again()
             return
         with self.intr.cond:
             if t == MsgType.WELCOME:

@@ -26,6 +26,7 @@ from resild.wire.protocol import (
     decode,
     encode,
 )
+from tests.tcp_proxy import CuttableProxy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -370,67 +371,11 @@ def test_routing_ids_are_unguessable_and_a_key_holder_cannot_take_a_connection_o
         server.close()
 
 
-class _CuttableProxy:
-    """A TCP relay whose client side can be cut while its server side stays open: the
-    ROUTER keeps the dropped connection (a ghost) that the client no longer has."""
-
-    def __init__(self, target_port: int) -> None:
-        import socket
-        import threading
-
-        self._socket, self._threading = socket, threading
-        self.target = ("127.0.0.1", target_port)
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.pairs: list[tuple[object, object]] = []
-        self.ghosts: list[object] = []
-        self.stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        self.listener.settimeout(0.1)
-        while not self.stop.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            upstream = self._socket.create_connection(self.target)
-            self.pairs.append((client, upstream))
-            for a, b in ((client, upstream), (upstream, client)):
-                self._threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, src, dst) -> None:
-        while True:
-            try:
-                data = src.recv(65536)
-                if not data:
-                    return
-                dst.sendall(data)
-            except OSError:
-                return
-
-    def cut_clients(self) -> None:
-        """Close every client side; keep the server sides open (and silent)."""
-        for client, upstream in self.pairs:
-            self.ghosts.append(upstream)
-            client.shutdown(self._socket.SHUT_RDWR)
-            client.close()
-        self.pairs = []
-
-    def close(self) -> None:
-        self.stop.set()
-        self.listener.close()
-        for s in self.ghosts + [x for p in self.pairs for x in p]:
-            s.close()
-
-
 def test_a_dropped_connection_comes_back_under_a_fresh_routing_id_past_its_ghost(keys: KeyDir, ctx) -> None:
     """A node whose connection drops while the controller still holds it (a ghost) is
     not locked out: it reconnects under a fresh routing id, and replies reach it."""
     server = Server(ctx, "tcp://127.0.0.1:0", keys)
-    proxy = _CuttableProxy(int(server.endpoint.rsplit(":", 1)[1]))
+    proxy = CuttableProxy(int(server.endpoint.rsplit(":", 1)[1]))
     node = connect(ctx, f"tcp://127.0.0.1:{proxy.port}", keys.node("n1"), "n1/node")
     try:
         node.send(MsgType.HEARTBEAT, {"node": "n1"})
@@ -457,4 +402,33 @@ def test_a_dropped_connection_comes_back_under_a_fresh_routing_id_past_its_ghost
     finally:
         node.close()
         proxy.close()
+        server.close()
+
+
+def test_a_refused_key_is_not_connected_again_per_send(keys: KeyDir, ctx, tmp_path: Path) -> None:
+    """A connection refused in its handshake never was the ROUTER's (no ghost): libzmq
+    retries it as it did, and the channel neither renews per send nor hides why."""
+    import shutil
+
+    import zmq.auth
+
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    zmq.auth.create_certificates(str(stranger), "client")  # a key nobody authorized
+    shutil.copy(keys.path / "server.key", stranger / "server.key")
+    server = Server(ctx, "tcp://127.0.0.1:0", keys)
+    ch = connect(ctx, server.endpoint, KeyDir(stranger), "x/node")
+    try:
+        deadline = time.monotonic() + 5.0
+        while ch.handshake_failed is None and time.monotonic() < deadline:
+            ch.send(MsgType.HEARTBEAT, {"node": "x"})
+            time.sleep(0.05)
+        assert ch.handshake_failed == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        for _ in range(10):
+            ch.send(MsgType.HEARTBEAT, {"node": "x"})
+            time.sleep(0.02)
+        assert ch.renewals == 0
+        assert server.channel.recv(0.2) is None
+    finally:
+        ch.close()
         server.close()

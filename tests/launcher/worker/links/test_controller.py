@@ -119,3 +119,53 @@ def test_a_cleared_wait_is_said_only_if_the_trainer_said_nothing_since(monkeypat
             link.send(MsgType.PROGRESS, rank=0, epoch=1, step=7, state="checkpoint")
         assert link._report_wait(True) is False
         assert states() == (["checkpoint"] if trainer_speaks else ["compute"])
+
+
+@pytest.mark.timeout(60)
+def test_a_dropped_link_registers_again_under_a_fresh_routing_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller does not hand a routing id in use over (issue 39, finding 13), so a
+    link whose connection drops comes back under a fresh one; the controller knows a
+    worker's id from its registration only, so the link registers again, and what the
+    controller sends to the new id reaches the worker (the old id may be a ghost)."""
+    import os
+    import time
+
+    import zmq
+
+    from launcher.worker.links.controller import ControlLink
+    from launcher.worker.stable_group import Interrupts
+    from resild.wire.channel import Server
+    from resild.wire.protocol import MsgType
+    from tests.tcp_proxy import CuttableProxy
+
+    monkeypatch.delenv("RESILD_RELAY", raising=False)
+    ctx = zmq.Context()
+    srv = Server(ctx, "tcp://127.0.0.1:0", None)
+    proxy = CuttableProxy(int(srv.endpoint.rsplit(":", 1)[1]))
+    link = ControlLink(f"tcp://127.0.0.1:{proxy.port}", None, "n0", 0, Interrupts(), lambda: (0, 1, 0)).start()
+
+    def registration(not_from: bytes | None, wait_s: float) -> bytes | None:
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            got = srv.channel.recv(left)
+            if got is not None and got[1].type is MsgType.REGISTER_WORKER and got[0] != not_from:
+                return got[0]
+        return None
+
+    try:
+        link.send(MsgType.REGISTER_WORKER, local_rank=0, pid=os.getpid())
+        first = registration(None, 10.0)
+        assert first is not None
+        proxy.cut_clients()
+        again = registration(first, 10.0)
+        assert again is not None, "the link never registered again after its connection dropped"
+        srv.channel.send(MsgType.WELCOME, {"role": "active"}, to=again)
+        deadline = time.monotonic() + 5.0
+        while link.welcome is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert link.welcome is not None and link.welcome.get("role") == "active"
+    finally:
+        link.close(0.5)
+        proxy.close()
+        srv.close()
+        ctx.destroy(linger=0)
