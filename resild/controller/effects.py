@@ -23,7 +23,7 @@ from resild.controller.readmission import Readmission
 from resild.controller.records import Admit, FaultFired, Readmit, Record, Start, decided
 from resild.controller.state import ControllerConfig, ControllerState
 from resild.controller.view import JobResult, NodeView
-from resild.events.schema import EventName
+from resild.events.schema import Detector, EventName
 from resild.membership import Membership, NodeRole
 from resild.wire.keys import add_node_key
 from resild.wire.protocol import MsgType
@@ -132,6 +132,8 @@ class Effects:
             self.announced(m, sent, now)
         elif d.action == Action.REFORM:
             assert d.membership is not None and sent
+            if d.detector == Detector.HANG.value:  # a stall answered with a re-form: once per commit
+                s.view.stall_reformed_s = now
             s.events.emit(EventName.REFORM, epoch=d.membership.epoch, reason=d.reason)
             self.announced(d.membership, sent, now)
         elif d.action == Action.FAIL_JOB:

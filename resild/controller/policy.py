@@ -427,9 +427,23 @@ def check_hang(now: float, view: ClusterView, cfg: PolicyConfig) -> Decision:
                 view, node, f"hang: rank {rank} made no progress for {stalled_s:.1f}s ({last})", Detector.HANG.value
             )
     if stalled_s > 2 * cfg.hang_timeout_s and not excused:
+        reformed = view.stall_reformed_s
+        if reformed is not None and reformed >= view.last_commit_s:
+            return Decision(
+                Action.FAIL_JOB,
+                f"job stalled {stalled_s:.1f}s with every rank waiting in a collective, again after a re-form "
+                "with no commit between; no culprit to replace",
+            )
+        # Every rank waits on a connection that stays silent (one a stranger took over, a
+        # stuck peer socket) before the collective timeout (3 hang timeouts) says so: new
+        # connections, the same ranks. A deadlock in the training script stalls again, and
+        # the second stall with no commit since ends the job.
         return Decision(
-            Action.FAIL_JOB,
-            f"job stalled {stalled_s:.1f}s with every rank waiting in a collective; no culprit to replace",
+            Action.REFORM,
+            f"job stalled {stalled_s:.1f}s with every rank waiting in a collective and no culprit: "
+            "re-forming the group once",
+            membership=m.bump(),
+            detector=Detector.HANG.value,
         )
     return NOTHING
 

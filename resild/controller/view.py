@@ -67,6 +67,9 @@ class ClusterView:
     probe_targets: frozenset[str] = frozenset()  # the nodes it was sent to
     probe_epoch: int = 0  # the epoch whose collective failed
     exceptions_seen: list[str] = field(default_factory=list)  # worker exception texts, oldest first
+    # When a stall with every rank waiting in a collective was last answered with a re-form
+    # (policy.check_hang): a second such stall with no commit since ends the job.
+    stall_reformed_s: float | None = None
     # Shrink and grow (--min-replicas): the job's full width (the first epoch's world size) and
     # the fewest replicas it may train on with no spare left (0: never shrink). Every rank of a
     # job that may shrink is a replica of the state (the workers refuse any other at attach).

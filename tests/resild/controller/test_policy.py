@@ -101,12 +101,28 @@ def test_hang_clock_restarts_with_each_epoch() -> None:
     assert check_timeouts(106.0, beat(v, 106.0), CFG).action == Action.NONE
 
 
-def test_stall_with_everyone_waiting_fails_cleanly_instead_of_hanging() -> None:
+def test_stall_with_everyone_waiting_reforms_once_then_fails_cleanly_instead_of_hanging() -> None:
+    """Every rank waiting on a silent connection (a stranger holding a gloo connection, issue
+    39 finding 1: the job used to fail) gets new connections once; a second such stall
+    with no commit since (a deadlock in the script) ends the job; a commit between earns
+    another re-form."""
     v = view(now=100.0)
     for p in v.progress.values():
         p.state = "wait"
     assert check_timeouts(106.0, beat(v, 106.0), CFG).action == Action.NONE
-    assert check_timeouts(111.0, beat(v, 111.0), CFG).action == Action.FAIL_JOB
+    d = check_timeouts(111.0, beat(v, 111.0), CFG)
+    assert d.action == Action.REFORM and d.detector == "hang" and d.node is None, d
+    assert d.membership is not None and v.membership is not None
+    assert d.membership.epoch == v.membership.epoch + 1 and d.membership.node_ranks == v.membership.node_ranks
+    v.stall_reformed_s = 111.0  # effects: the re-form went out
+    v.membership, v.epoch_started_s = d.membership, 111.0
+    for p in v.progress.values():
+        p.epoch, p.state = d.membership.epoch, "wait"
+    assert check_timeouts(120.0, beat(v, 120.0), CFG).action == Action.NONE
+    again = check_timeouts(122.0, beat(v, 122.0), CFG)
+    assert again.action == Action.FAIL_JOB and "again after a re-form" in again.reason, again
+    v.last_commit_s = 125.0  # progress after the re-form: a later stall is a new one
+    assert check_timeouts(136.0, beat(v, 136.0), CFG).action == Action.REFORM
 
 
 def test_done_when_every_rank_reported() -> None:
