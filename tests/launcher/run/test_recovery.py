@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import RunResult, assert_bitwise_equal, run_job
+from .conftest import REPO, RunResult, assert_bitwise_equal, run_job
 
 DROPOUT = Path(__file__).with_name("train_dropout.py")
 
@@ -151,3 +151,18 @@ def test_losing_the_last_holder_during_a_recovery_stops_instead_of_restarting_fr
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("resil-run: job failed:")]
     assert "every rank holding committed step" in line and "checkpointless recovery is impossible" in line, line
     assert r.final is None
+
+
+def test_a_collective_failure_with_every_node_alive_reforms_the_same_nodes(
+    tmp_path: Path, reference: RunResult
+) -> None:
+    """A rank's data-plane connections reset (every process alive): the controller probes,
+    every node answers, and the group is re-formed on the same nodes (Action.REFORM, the
+    path a stall with no culprit now takes too): no spare spent, the result bitwise."""
+    r = run_job(tmp_path, script=f"{REPO}/tests/reset_train.py 10 1")
+    assert r.rc == 0, r.stderr[-3000:]
+    assert "cut " in r.stderr and "connections at step 10" in r.stderr
+    assert_bitwise_equal(reference.final, r.final)
+    reforms = [e for e in r.events if e["event"] == "reform"]
+    assert reforms and "every node answered the liveness probe" in reforms[0]["reason"], reforms
+    assert not [e for e in r.events if e["event"] in ("spare_assigned", "node_fenced")]
