@@ -13,7 +13,6 @@ result matches its reference.
 
 from __future__ import annotations
 
-import runpy
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # not this file's directory: tests/launcher/ is the tests' package, not resild's
 
-import launcher  # noqa: E402
+from tests.step_hook import run_with_step_hook  # noqa: E402
 
 # Far beyond any test's release (a Slurm test waits up to 2 x 120 s for a cold spare to be
 # admitted and registered); then train on rather than hang. A held job's --hang-timeout must
@@ -33,26 +32,14 @@ def main() -> None:
     release, holds = sys.argv[1], {int(s) for s in sys.argv[2].split(",")}
     rest = sys.argv[3:]
     script = rest.pop(0) if rest and rest[0].endswith(".py") else str(REPO / "examples" / "train.py")
-    sys.argv = [script, *rest]
-    init = launcher.init
 
-    def held_init(*args, **kwargs):
-        job = init(*args, **kwargs)
-        steps = job.steps
+    def hold(job: object, step: int) -> None:
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        gate = Path(f"{release}-{step}")
+        while step in holds and not gate.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
-        def held_steps(total: int):
-            for step in steps(total):
-                deadline = time.monotonic() + RELEASE_WAIT_S
-                gate = Path(f"{release}-{step}")
-                while step in holds and not gate.exists() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                yield step
-
-        job.steps = held_steps
-        return job
-
-    launcher.init = held_init
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    run_with_step_hook([script, *rest], hold)
 
 
 if __name__ == "__main__":

@@ -11,17 +11,17 @@ would end it. The training itself is train.py's, so the result matches its refer
 from __future__ import annotations
 
 import os
-import runpy
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # not this file's directory: tests/launcher/ is the tests' package, not resild's
 
-import launcher  # noqa: E402
+from tests.step_hook import run_with_step_hook  # noqa: E402
 
 
 def cut_data_plane() -> int:
@@ -43,24 +43,12 @@ def cut_data_plane() -> int:
 
 def main() -> None:
     at, rank = int(sys.argv[1]), int(sys.argv[2])
-    sys.argv = [str(REPO / "examples" / "train.py"), *sys.argv[3:]]
-    init = launcher.init
 
-    def cutting_init(*args, **kwargs):
-        job = init(*args, **kwargs)
-        steps = job.steps
+    def cut(job: Any, step: int) -> None:
+        if step == at and job.epoch == 1 and job.rank == rank:
+            print(f"rank {rank}: cut {cut_data_plane()} connections at step {step}", file=sys.stderr)
 
-        def cutting_steps(total: int):
-            for step in steps(total):
-                if step == at and job.epoch == 1 and job.rank == rank:
-                    print(f"rank {rank}: cut {cut_data_plane()} connections at step {step}", file=sys.stderr)
-                yield step
-
-        job.steps = cutting_steps
-        return job
-
-    launcher.init = cutting_init
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    run_with_step_hook([str(REPO / "examples" / "train.py"), *sys.argv[3:]], cut)
 
 
 if __name__ == "__main__":
