@@ -185,25 +185,22 @@ class Channel:
             self._hwm.popitem(last=False)
         return ident, msg
 
-    def link_events(self) -> list[int]:
-        """A DEALER's connection events since the last call (zmq.EVENT_*), non-blocking.
-        A dropped connection is renewed once everything it delivered has been read
-        (renewing drops the old pipe with what is queued in it: a controller's last
-        SHUTDOWN before it closed, say). A handshake failure stays in `handshake_failed`
-        (a controller that refuses a key says nothing else)."""
+    def link_events(self) -> None:
+        """Read a DEALER's connection events, non-blocking. A dropped connection is
+        renewed once everything it delivered has been read (renewing drops the old pipe
+        with what is queued in it: a controller's last SHUTDOWN before it closed, say). A
+        handshake failure stays in `handshake_failed` (a controller that refuses a key
+        says nothing else)."""
         if self.monitor is None:
-            return []
-        events: list[int] = []
+            return
         while True:
             try:
                 frames = self.monitor.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
+            except zmq.ZMQError:  # nothing more (zmq.Again), or the monitor stopped (closing)
                 break
-            except zmq.ZMQError:  # the monitor stopped (the socket is closing)
-                break
-            if frames and len(frames[0]) >= 2:
-                events.append(int.from_bytes(frames[0][:2], "little"))
-        for ev in events:
+            if not frames or len(frames[0]) < 2:
+                continue
+            ev = int.from_bytes(frames[0][:2], "little")  # libzmq's v1 event: uint16 id first
             if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._up, self.handshake_failed = True, None
             elif ev in _FAILED:
@@ -215,7 +212,6 @@ class Channel:
         if self._dropped and not self.sock.poll(0, zmq.POLLIN):
             self._dropped = False
             self.renew()
-        return events
 
     def renew(self) -> None:
         """Connect again under a fresh routing id. libzmq would reconnect under the old
