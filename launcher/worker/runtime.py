@@ -23,7 +23,8 @@ stable group or mesh, then attach (examples/train_hsdp.py):
 The optimizer steps only if every rank of the epoch completed this step's
 gradient sync (the commit vote). `Job` is a facade over the parts:
 `links.controller` (the controller link), `stable_group` (the stable process
-group and backend factory), `recovery` (the sequence), `step_state` and
+group and backend factory), `recovery` (the sequence), `recovery_driver` (the loop
+that runs it until an epoch completes), `resize` (shrink and grow), `step_state` and
 `commit` (the step's phases, the commit protocol and its after-commit hooks),
 `sources` (where a lost rank's state is restored from), `transport` (the replay),
 `train_state` (what is replayed), `redundancy` (peer-memory snapshots and rollback,
@@ -51,15 +52,14 @@ from launcher.worker.links.agent import AgentLink, agent_endpoint
 from launcher.worker.links.controller import ControlLink, keys_from_env
 from launcher.worker.links.store import LinkStore
 from launcher.worker.mesh_layout import MeshError, MeshLayout
-from launcher.worker.old_backends import AbortStuck
 from launcher.worker.pace import Pace
 from launcher.worker.recovery import RecoverySequence, Reformed
+from launcher.worker.recovery_driver import RecoveryDriver
 from launcher.worker.redundancy.coordinator import Redundancy, RedundancyError
 from launcher.worker.replica_map import ReplicaMap
-from launcher.worker.sources.base import Need, StateSource, Unavailable
-from launcher.worker.sources.chain import Exhausted
+from launcher.worker.resize import Resizer
+from launcher.worker.sources.base import StateSource
 from launcher.worker.sources.chain import build as build_sources
-from launcher.worker.sources.chain import restore as restore_state
 from launcher.worker.sources.context import SourceContext
 from launcher.worker.spare.recipe import RECIPE_KEY
 from launcher.worker.spare.recipe import describe as describe_recipe
@@ -86,10 +86,8 @@ from launcher.worker.torch_private import (
 from launcher.worker.train_state import TrainState
 from launcher.worker.transport.landing_pool import LandingPool
 from launcher.worker.transport.mac import Mac
-from launcher.worker.transport.state_transport import describe
-from resild.events.schema import EventName, RestoreSource
+from resild.events.schema import EventName
 from resild.membership import Membership
-from resild.wire.exits import FENCED_EXIT
 from resild.wire.protocol import MsgType
 from resild.wire.settings import WorkerRedundancy, WorkerTimeouts
 
@@ -140,12 +138,7 @@ class Job:
             self._fatal,
             os.environ.get(resild_env.CHECK_COLLECTIVES.name, resild_env.CHECK_COLLECTIVES.default) == "1",
         )
-        # Shrink and grow (--min-replicas): the job's full width, the callbacks told of a
-        # resize, and how many times this process re-made its groups at another width.
-        self.full_world_size = 1
-        self._on_resize: list[Callable[[int, int], None]] = []
-        self._widths = 0
-        self._defer_forming = False  # a resize: groups made now are formed with the epoch's
+        self._resizer = Resizer()  # shrink and grow (--min-replicas)
         self.cfg: dict[str, Any] = {}
         self.timeouts = WorkerTimeouts.from_welcome({})  # alone (no controller): the defaults
         self.redundancy_cfg = WorkerRedundancy.from_welcome({})
@@ -180,6 +173,7 @@ class Job:
         self.device = torch.device("cpu")
         store = hash_store()
         self.rec = RecoverySequence(self.intr, GroupFactory("gloo", lambda: store, 60.0), self.device, 0.0)
+        self._driver = self._recovery_driver()
         self._store = store
         self.rank, self.world_size, self.epoch = 0, 1, 1
         self._make_world(store)
@@ -223,6 +217,7 @@ class Job:
         )
         self.rec = RecoverySequence(self.intr, factory, self.device, timeout_s + 5.0)
         self.rec.mac = Mac.from_hex(self.cfg.get("data_key"))  # state on the wire: authenticated
+        self._driver = self._recovery_driver()
         self._install_excepthook()
         ep = agent_endpoint()
         self._agent = AgentLink(ep, f"{self.node}/rank{self.local_rank}", lambda: self.step).start() if ep else None
@@ -245,14 +240,30 @@ class Job:
         )
         self.world_size, self.epoch = m.world_size, m.epoch
         full = self.cfg.get("full_world")
-        self.full_world_size = full if isinstance(full, int) and full >= self.world_size else self.world_size
+        self._resizer.full_world_size = full if isinstance(full, int) and full >= self.world_size else self.world_size
         self._per_node = len(m.node_ranks.get(self.node, ())) or 1
         self._took_over = self.checks.fresh = self.epoch > 1
         if self._took_over:  # a spare taking over: building the model may take a while, and that is no hang
             self._graphs_at_takeover = compiled_graphs()
             self._progress("join")
         self._make_world(self._store)
-        self._form_until_stable(only=[self.group, *self._recipe_groups()])
+        self._driver.form_until_stable(only=[self.group, *self._recipe_groups()])
+
+    def _recovery_driver(self) -> RecoveryDriver:
+        """The recovery loop, once this process has its recovery sequence (and link)."""
+        return RecoveryDriver(
+            self,
+            self.rec,
+            self.intr,
+            self.link,
+            self.timeouts,
+            self.steps_state,
+            self.checks,
+            self._resizer,
+            self.node,
+            self.local_rank,
+            ResilienceError,
+        )
 
     def _checked(self, g: StableGroup) -> StableGroup:
         """One of the job's groups: its collectives are described to the check. The world
@@ -276,43 +287,40 @@ class Job:
         self.rec.groups["world"] = self.group
         install_default(self.group, store)
 
-    # ---- shrink and grow -----------------------------------------------------------------
+    # ---- shrink and grow (launcher.worker.resize) ---------------------------------------
+    @property
+    def full_world_size(self) -> int:
+        """The job's width with every node it started with."""
+        return self._resizer.full_world_size
+
     @property
     def replicas(self) -> int:
         """Replicas of the training state in this epoch: every rank of a data-parallel job,
         the size of the `replicate` dimension of a mesh."""
-        return self.world_size // self._replica_ranks()
+        return self.world_size // Resizer.replica_ranks(self._layout)
 
     def on_resize(self, callback: Callable[[int, int], None]) -> None:
         """`callback(old_world_size, new_world_size)` runs on every rank that lived through a
         resize (--min-replicas: a shrink when no spare was left, a grow when one came), after
         the state is agreed and before the next step: rebuild what depends on the width (a
         sampler, a learning-rate scale). A newcomer starts at the new width and is not called."""
-        self._on_resize.append(callback)
+        self._resizer.callbacks.append(callback)
 
     def data_shards(self) -> list[int]:
         """The data-parallel shards this rank computes to keep the job's global batch: its
         rank at full width; when shrunk, the shards of the missing ranks spread round-robin.
         Accumulate over them with each loss scaled by `shard_weight` (the gradient average
         over the ranks then equals the full-width one, up to summation order)."""
-        return list(range(self.rank, self.full_world_size, self.world_size))
+        return self._resizer.data_shards(self.rank, self.world_size)
 
     @property
     def shard_weight(self) -> float:
         """world_size / full_world_size: a shard's loss scale under `data_shards()`."""
-        return self.world_size / self.full_world_size
+        return self._resizer.shard_weight(self.world_size)
 
     def _cannot_resize(self) -> str | None:
-        """Why this job cannot change width by whole nodes (None: it can): a node must hold
-        whole replica groups (data parallel: every rank is one; HSDP: a replicate group)."""
-        if self._replicas is not None:
-            return "it gives its own replica map (shrinking needs job.mesh()'s or plain data parallelism)"
-        if self._layout is not None:
-            return self._layout.resize_refusal(self._per_node)
-        return None
-
-    def _replica_ranks(self) -> int:
-        return self._layout.replica_ranks if self._layout is not None else 1
+        """Why this job cannot change width by whole nodes (None: it can)."""
+        return Resizer.refusal(self._replicas is not None, self._layout, self._per_node)
 
     def _resize(self, rank: int, m: Membership) -> None:
         """A new width (after `retire`): new world and host groups for it, formed with the
@@ -320,13 +328,13 @@ class Job:
         restore sources follow. c10d names stay unique in this process; the ranks meet under
         the plain names (`store_key`), as a newcomer names them."""
         assert self.state is not None
-        self._widths += 1
+        self._resizer.widths += 1
         self.rank, self.world_size = rank, m.world_size
         self._per_node = len(m.node_ranks.get(self.node, ())) or 1
         if self.redundancy is not None:
             self.redundancy.close()
         self.rec.groups.clear()  # the old width's groups: retired, never formed again
-        world = StableGroup(f"world~{self._widths}", list(range(self.world_size)), rank, self.intr, "world")
+        world = StableGroup(self._resizer.name("world"), list(range(self.world_size)), rank, self.intr, "world")
         world.allow = True
         self._checked(world)
         self.group = self.rec.groups["world"] = world
@@ -344,11 +352,11 @@ class Job:
         if ddp is not None:
             ddp.process_group = world  # its reducer is rebuilt on this group as the recovery ends
         self._protocol = CommitProtocol(self.steps_state, self.state, world, self.intr, self._abandoned, self.checks)
-        self._defer_forming = True
+        self._resizer.forming_deferred = True
         try:
             self._setup_redundancy()
         finally:
-            self._defer_forming = False
+            self._resizer.forming_deferred = False
 
     def mesh(
         self, shape: tuple[int, ...] | list[int], names: tuple[str, ...] | list[str], device_type: str | None = None
@@ -368,7 +376,7 @@ class Job:
             raise ResilienceError(str(e)) from None
         groups, fresh = self._mesh_groups(layout)
         if fresh:
-            self._form_until_stable(only=fresh)
+            self._driver.form_until_stable(only=fresh)
         self._set_layout(layout)
         mesh = self._device_mesh(layout, groups, device_type or self.device.type)
         self._mesh = mesh
@@ -392,7 +400,7 @@ class Job:
             label, ranks = layout.group(dim, self.rank)
             g = self.rec.groups.get(label)
             if g is None:
-                name = f"{label}~{self._widths}" if self._widths else label  # c10d names: unique here
+                name = self._resizer.name(label)
                 g = self.rec.groups[label] = self._checked(StableGroup(name, ranks, self.rank, self.intr, label))
                 g.allow = self.group.allow
                 register(g, self._store)
@@ -451,13 +459,13 @@ class Job:
         if not self.solo:
             self._setup_redundancy()
             try:
-                self._join()
+                self._driver.join()
             except Reformed:
-                self._recover()
+                self._driver.recover()
             if self.rank == 0 and not self._took_over:  # a spare that took rank 0 over finds it there
                 self._publish_warmup_recipe()
             if self.rank == 0 and min_replicas > 0:  # the controller counts replicas in these units
-                self._event(EventName.REPLICA_LAYOUT, unit=self._replica_ranks(), replicas=self.replicas)
+                self._event(EventName.REPLICA_LAYOUT, unit=Resizer.replica_ranks(self._layout), replicas=self.replicas)
         return self
 
     def _publish_warmup_recipe(self) -> None:
@@ -533,15 +541,14 @@ class Job:
     def _host_group(self, label: str, timeout_s: float | None = None) -> StableGroup:
         """A gloo group of every rank for host-memory traffic (snapshots, checkpoints), formed
         now. `timeout_s`: its collectives' own timeout (None: the job's)."""
-        name = f"{label}~{self._widths}" if self._widths else label
-        g = StableGroup(name, list(range(self.world_size)), self.rank, Interrupts(), label)
+        g = StableGroup(self._resizer.name(label), list(range(self.world_size)), self.rank, Interrupts(), label)
         g.backend = "gloo"  # host memory, whatever the training backend
         g.timeout_s = timeout_s
         g.allow = True
         register(g, self._store)
         self.rec.groups[g.label] = g
-        if not self._defer_forming:
-            self._form_until_stable(only=[g])
+        if not self._resizer.forming_deferred:
+            self._driver.form_until_stable(only=[g])
         return g
 
     # ---- messages and failures -----------------------------------------------------
@@ -596,149 +603,7 @@ class Job:
         if self.link is not None:
             self.link.send(MsgType.PROGRESS, rank=self.rank, epoch=self.epoch, step=self.step, state=state, **extra)
 
-    def _await_notice(self, why: str) -> None:
-        """A collective failed with no new membership yet: only the controller knows.
-        The report makes it probe every node at once instead of waiting for heartbeats."""
-        self._progress("collective_failed", error=why[:300])
-        link = self.link
-        assert link is not None
-        ok = link.wait(
-            lambda: link.newer_epoch() or link.shutdown is not None,
-            self.timeouts.notice_timeout_s,
-        )
-        self._check_shutdown()
-        if not ok:
-            raise ResilienceError(f"collective failed ({why}) and no new membership came within the notice timeout")
-
-    # ---- recovery -------------------------------------------------------------------
-    def _form_until_stable(self, only: list[StableGroup]) -> None:
-        try:
-            self._form(self.epoch, only)
-        except Reformed:
-            self._recover()
-
-    def _form(self, epoch: int, groups: list[StableGroup]) -> float:
-        """The recovery sequence's form(); an old communicator that never dies fails this
-        rank in one line (its node is replaced)."""
-        try:
-            return self.rec.form(epoch, groups)
-        except AbortStuck as e:
-            raise ResilienceError(str(e)) from None
-
-    def _recover(self) -> None:
-        """Run the recovery sequence until one epoch completes it."""
-        link = self.link
-        assert link is not None
-        if self.redundancy is not None:
-            token = self.intr.begin_wait()  # it may wait on transfers to a peer not yet fenced: waiting, not hung
-            try:
-                self.redundancy.abandon()  # snapshot exchanges and checkpoint writes of the failed epoch
-            finally:
-                self.intr.done(token)
-        resized: list[tuple[int, int]] = []  # (old width, new width) of each resize on the way
-        while True:
-            self._check_shutdown()
-            if not link.newer_epoch():
-                self._await_notice(self.intr.error or "collective failed")
-            m = link.take()
-            assert m is not None
-            rank = m.rank_of(self.node, self.local_rank)
-            if rank is None:
-                os._exit(FENCED_EXIT)  # not in the new membership: we were fenced
-            resize = rank != self.rank or m.world_size != self.world_size
-            why = self._cannot_resize() if resize else None
-            if resize and (why is not None or self.state is None):
-                raise ResilienceError(
-                    f"membership epoch {m.epoch} moved rank {self.rank} to {rank} of {m.world_size}: "
-                    f"this job cannot change width ({why or 'not attached yet'})"
-                )
-            self.epoch = m.epoch
-            self.rec.retire()  # returns at once: the old backends abort while the new ones form
-            self.intr.clear()
-            if resize:
-                widths = (self.world_size, m.world_size)
-                self._resize(rank, m)
-                resized.append(widths)
-            if link.newer_epoch():
-                continue
-            t0 = time.monotonic()
-            try:
-                formed_s = self._form(m.epoch, list(self.rec.groups.values()))
-                if self.redundancy is not None:
-                    self.redundancy.formed()
-                if self.rank == 0:
-                    self._event(
-                        EventName.GROUP_REFORMED,
-                        seconds=round(formed_s, 4),
-                        world_size=self.world_size,
-                        abort_wait_s=round(self.rec.abort_wait_s, 4),
-                    )
-                if self.state is not None:
-                    self._join(t0)
-                if resized:
-                    self._resized(resized[0][0], self.world_size)
-                return
-            except Reformed:
-                continue
-
-    def _join(self, t0: float | None = None) -> None:
-        """Agree on the newest committed step; roll forward or restore the state from the
-        first source that has it (launcher.worker.sources: a replica, else a rollback to
-        snapshots, else a disk checkpoint), else stop the job in one line."""
-        protocol = self._protocol
-        assert protocol is not None
-        t0 = t0 or time.monotonic()
-        floor = self._floor()
-        ag = self.rec.agree(self.rank, self.world_size, self.steps_state.agreement_row(), floor)
-        protocol.before_write()  # rolling forward or restoring writes the live state
-        protocol.settle(ag, self.rank)  # roll forward or abandon; the agreed step is computed afresh
-        back = self.redundancy.after_divergence(ag.rows) if self.redundancy is not None else None
-        if back is not None:  # replicas diverged: every rank returned to their last agreed step
-            floor = back  # the steps the controller saw committed since then are redone
-            ag = self.rec.agree(self.rank, self.world_size, self.steps_state.agreement_row(), floor)
-        landing = self._landing()
-        try:
-            done = restore_state(self._sources, Need(ag.target, floor, ag.steps, landing))
-        except (Exhausted, Unavailable) as e:
-            self._fatal(str(e))
-        if landing is not None:
-            landing.clear()  # this rank holds its state now: the rest is memory no one needs
-        target, got, source = done.step, done.got, done.source
-        if not done.loaded:
-            protocol.resume(got)
-        if self.redundancy is not None:
-            self.redundancy.after_join(target)
-        if got is not None and got.sources != [self.rank]:  # not a restore of this rank's own snapshot
-            # one write (not print's two): the ranks share one stderr pipe
-            sys.stderr.write(f"resild: rank {self.rank} replayed {describe(got)} ({source.value})\n")
-            self._event(
-                EventName.STATE_REPLAYED,
-                bytes=got.nbytes,
-                seconds=round(got.seconds, 4),
-                step=target,
-                sources=got.sources,
-                mb_per_s=round(got.nbytes / 1e6 / max(got.seconds, 1e-9), 1),
-                source=source.value,
-                # under the job's data key (launcher/worker/transport/mac.py); a disk
-                # checkpoint has its own files' rules
-                authenticated=(source is RestoreSource.SNAPSHOT and self.rec.mac is not None)
-                or (source is RestoreSource.REPLICA and self.rec.replay_mac() is not None),
-                in_place_bytes=got.in_place,
-                landed_bytes=got.landed,
-            )
-        if self.epoch > 1:
-            self._progress("joined")
-            self.checks.arm("the first step after a recovery")
-        if self.rank == 0 and self.epoch > 1:
-            self._event(EventName.RESUMED, step=target, seconds=round(time.monotonic() - t0, 4), source=source.value)
-
-    def _resized(self, old: int, new: int) -> None:
-        """The recovery into another width is complete: say it, then the loop's callbacks."""
-        if self.rank == 0:
-            sys.stderr.write(f"resild: the job {'shrank' if new < old else 'grew'} from {old} to {new} ranks\n")
-        for cb in self._on_resize:
-            cb(old, new)
-
+    # ---- what a recovery asks of the job (the loop: launcher.worker.recovery_driver) ----
     def _landing(self) -> LandingPool | None:
         """What a spare's warm-up touched for its state's tensors with no live home."""
         return self._warmup.landing if self._warmup is not None else None
@@ -804,7 +669,7 @@ class Job:
             return True
         if not ok:
             raise ResilienceError("finished, but the controller never confirmed the end of the job")
-        self._recover()
+        self._driver.recover()
         return False
 
     def _abandoned(self) -> bool:
@@ -858,7 +723,7 @@ class Job:
             if self._graphs_at_takeover is not None:
                 self._report_compiled(self._graphs_at_takeover)
             return True
-        self._recover()
+        self._driver.recover()
         return False
 
     def close(self) -> None:

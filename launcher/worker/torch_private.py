@@ -289,7 +289,7 @@ def replace_default_group(pg: dist.ProcessGroup, name: str, store: Store) -> Non
 
     torch 2.13: `distributed_c10d._update_default_pg(pg)` sets `_world.default_pg` and the
     C++ global rank; the group is made known as `register_group` does. If they change, a
-    resize fails in its recovery (tests/launcher/worker/test_resize.py)."""
+    resize fails in its recovery (tests/launcher/run/test_resize.py)."""
     from torch.distributed.distributed_c10d import _update_default_pg
 
     register_group(pg, name, list(range(pg.size())), store)
