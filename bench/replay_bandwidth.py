@@ -420,11 +420,9 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
         s = tp._Sender(tr, 0, state, aux)
         return [s._wire(1, 0, j) for j in range(len(s._layout(1)[0]))]
 
-    sizes, dtypes = [x.nbytes for x in specs], [x.dtype for x in specs]
-
     def receiver_prepare() -> Any:
         into = tp._Destination(specs, torch.device("cpu"))
-        for m in tp.layout(sizes, dtypes, len(specs), 1)[0]:
+        for m in tp.layout(specs, len(specs), 1)[0]:
             into.wire(m)
         return into
 

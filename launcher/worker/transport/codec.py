@@ -53,42 +53,85 @@ _ITEMSIZE = {d: torch.empty(0, dtype=d).element_size() for d in _DTYPES.values()
 
 
 _PLAIN = {type(None), bool, int, float, str}  # exact types, looked up before recursing (hot: one per state entry)
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+FORMAT = 2  # of the skeleton; 1 (tensor specs inline, every key typed) is still read
 
 
-def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        name = _NAMES.get(obj.dtype)
-        if name is None:  # found when the state is taken, not when it is needed
-            raise TypeError(f"cannot replay tensors of dtype {obj.dtype}")
-        tensors.append(obj.detach())
-        return {"__t": len(tensors) - 1, "dtype": name, "shape": list(obj.shape)}
-    if isinstance(obj, dict):
-        return {
-            "__d": [
-                [["s", k] if type(k) is str else _key(k), v if type(v) in _PLAIN else _skeleton(v, tensors)]
-                for k, v in obj.items()
-            ]
-        }
-    if isinstance(obj, (list, tuple)):
-        return {
-            "__l" if isinstance(obj, list) else "__tu": [v if type(v) in _PLAIN else _skeleton(v, tensors) for v in obj]
-        }
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"cannot replay state of type {type(obj).__name__}; keep state to tensors and plain values")
+class Spec(NamedTuple):
+    """One tensor as the skeleton describes it; tensors of the same dtype and shape share
+    one (the replay packs each such group with one call and unpacks it with one)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
 
 
-def _key(k: Any) -> list[Any]:
+def _spec(dtype: torch.dtype, shape: tuple[int, ...]) -> Spec:
+    if dtype not in _NAMES:  # found when the state is taken, not when it is needed
+        raise TypeError(f"cannot replay tensors of dtype {dtype}")
+    return Spec(dtype, tuple(shape), math.prod(shape) * _ITEMSIZE[dtype])
+
+
+class _Encoder:
+    """One walk of a state: its structure as JSON (a tensor is {"__t": i}; a dict whose keys
+    are all str and none starts with "__" is a JSON object, any other {"__d": [[key, value],
+    ...]} with int or str keys; a tuple {"__tu": [...]}; a list an array), the tensors in
+    walk order, and one Spec per tensor, shared by tensors of one dtype and shape. Per
+    tensor only a type test and a dict lookup: a shard's state has hundreds of tensors."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.kinds: list[int] = []  # each tensor's index in `specs`
+        self.specs: list[Spec] = []
+        self._index: dict[tuple[torch.dtype, tuple[int, ...]], int] = {}
+
+    def node(self, obj: Any) -> Any:
+        t = type(obj)
+        if t in _TENSOR_TYPES or isinstance(obj, torch.Tensor):
+            key = (obj.dtype, obj.shape)
+            k = self._index.get(key)
+            if k is None:
+                k = self._index[key] = len(self.specs)
+                self.specs.append(_spec(obj.dtype, obj.shape))
+            self.kinds.append(k)
+            self.tensors.append(obj)
+            return {"__t": len(self.tensors) - 1}
+        if isinstance(obj, dict):
+            if all(type(k) is str and k[:2] != "__" for k in obj):
+                return {k: v if type(v) in _PLAIN else self.node(v) for k, v in obj.items()}
+            return {"__d": [[_key(k), v if type(v) in _PLAIN else self.node(v)] for k, v in obj.items()]}
+        if isinstance(obj, list):
+            return [v if type(v) in _PLAIN else self.node(v) for v in obj]
+        if isinstance(obj, tuple):
+            return {"__tu": [v if type(v) in _PLAIN else self.node(v) for v in obj]}
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        raise TypeError(f"cannot replay state of type {type(obj).__name__}; keep state to tensors and plain values")
+
+
+def _key(k: Any) -> int | str:
     if isinstance(k, bool) or not isinstance(k, (int, str)):
         raise TypeError(f"state dict key {k!r} must be int or str")
-    return ["i", k] if isinstance(k, int) else ["s", k]
+    return int(k) if isinstance(k, int) else str(k)
+
+
+def encode(state: Any) -> tuple[bytes, list[torch.Tensor], list[Spec]]:
+    """-> (JSON skeleton, the tensors in buffer order, uncopied, each one's Spec)."""
+    enc = _Encoder()
+    structure = enc.node(state)
+    doc = {
+        "v": FORMAT,
+        "g": [[_NAMES[s.dtype], list(s.shape)] for s in enc.specs],
+        "t": enc.kinds,
+        "s": structure,
+    }
+    return json.dumps(doc, separators=(",", ":")).encode(), enc.tensors, [enc.specs[k] for k in enc.kinds]
 
 
 def skeleton(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     """-> (JSON skeleton, the tensors in buffer order): what flatten lays out, uncopied."""
-    tensors: list[torch.Tensor] = []
-    skel = _skeleton(state, tensors)
-    return json.dumps(skel, separators=(",", ":")).encode(), tensors
+    skel, tensors, _ = encode(state)
+    return skel, tensors
 
 
 def flatten(state: Any, device: torch.device | str | None = None) -> tuple[bytes, torch.Tensor]:
@@ -96,7 +139,7 @@ def flatten(state: Any, device: torch.device | str | None = None) -> tuple[bytes
     `device` (default: where the tensors are; a GPU job's state mixes CUDA parameters
     with CPU counters such as Adam's `step`, so name the device there)."""
     skel, tensors = skeleton(state)
-    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    parts = [byte_view(t) for t in tensors]
     if device is not None:
         parts = [p.to(device) for p in parts]
     elif len({p.device for p in parts}) > 1:
@@ -105,26 +148,44 @@ def flatten(state: Any, device: torch.device | str | None = None) -> tuple[bytes
     return skel, buf
 
 
-class Spec(NamedTuple):
-    """One tensor as the skeleton describes it."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    nbytes: int
-
-
 def parse(skeleton: bytes) -> tuple[Any, list[Spec]]:
-    """-> (the decoded skeleton, each tensor's Spec in buffer order), for `assemble`."""
+    """-> (the decoded skeleton, each tensor's Spec in buffer order), for `assemble`.
+    Raises ValueError on anything that is not a skeleton."""
+    try:
+        doc = json.loads(skeleton)
+        if type(doc) is not dict or "v" not in doc:
+            return _parse_v1(skeleton)
+        if doc["v"] != FORMAT:
+            raise ValueError(f"skeleton format {doc['v']!r}: this resild reads {FORMAT} and 1")
+        groups = []
+        for name, dims in doc["g"]:
+            if type(dims) is not list or not all(type(d) is int and d >= 0 for d in dims):
+                raise ValueError(f"bad tensor shape {dims!r}")
+            groups.append(_spec(_DTYPES[name], tuple(dims)))
+        if not all(type(k) is int and k >= 0 for k in doc["t"]):
+            raise ValueError("bad tensor kinds")
+        return doc["s"], [groups[k] for k in doc["t"]]
+    except (KeyError, IndexError, TypeError) as e:
+        raise ValueError(f"not a state skeleton: {e!r}") from None
+
+
+def _parse_v1(skeleton: bytes) -> tuple[Any, list[Spec]]:
+    """Format 1 (what disk checkpoints older than format 2 hold), decoded into format 2's
+    structure."""
     specs: dict[int, Spec] = {}
 
-    def tensor_node(node: dict[str, Any]) -> dict[str, Any]:  # every JSON object is a node of ours
-        i = node.get("__t")
+    def node(n: dict[str, Any]) -> Any:  # every JSON object is a node of ours, innermost first
+        i = n.get("__t")
         if i is not None:
-            dtype, shape = _DTYPES[node["dtype"]], tuple(map(int, node["shape"]))
-            specs[int(i)] = Spec(dtype, shape, math.prod(shape) * _ITEMSIZE[dtype])
-        return node
+            specs[int(i)] = _spec(_DTYPES[n["dtype"]], tuple(map(int, n["shape"])))
+            return {"__t": int(i)}
+        if "__d" in n:
+            return {"__d": [[k if kt == "s" else int(k), v] for (kt, k), v in n["__d"]]}
+        if "__l" in n:
+            return n["__l"]
+        return n
 
-    skel = json.loads(skeleton, object_hook=tensor_node)
+    skel = json.loads(skeleton, object_hook=node)
     if sorted(specs) != list(range(len(specs))):
         raise ValueError("skeleton's tensor indices are not 0..n-1")
     return skel, [specs[i] for i in range(len(specs))]
@@ -132,17 +193,22 @@ def parse(skeleton: bytes) -> tuple[Any, list[Spec]]:
 
 def assemble(skel: Any, tensors: Sequence[torch.Tensor]) -> Any:
     """The state a decoded skeleton describes, holding `tensors` themselves (no copy)."""
+    n = len(tensors)
 
     def build(node: Any) -> Any:
-        if isinstance(node, dict):
+        if type(node) is dict:
             if "__t" in node:
-                return tensors[node["__t"]]
+                i = node["__t"]
+                if type(i) is not int or not 0 <= i < n:
+                    raise ValueError(f"skeleton names tensor {i!r} of {n}")
+                return tensors[i]
             if "__d" in node:
-                return {(k if kt == "s" else int(k)): build(v) for (kt, k), v in node["__d"]}
-            if "__l" in node:
-                return [build(v) for v in node["__l"]]
+                return {k: v if type(v) in _PLAIN else build(v) for k, v in node["__d"]}
             if "__tu" in node:
-                return tuple(build(v) for v in node["__tu"])
+                return tuple(v if type(v) in _PLAIN else build(v) for v in node["__tu"])
+            return {k: v if type(v) in _PLAIN else build(v) for k, v in node.items()}
+        if type(node) is list:
+            return [v if type(v) in _PLAIN else build(v) for v in node]
         return node
 
     return build(skel)
@@ -154,15 +220,20 @@ def tensor_paths(skel: Any) -> list[tuple[Any, ...]]:
     out: dict[int, tuple[Any, ...]] = {}
 
     def walk(node: Any, path: tuple[Any, ...]) -> None:
-        if isinstance(node, dict):
+        if type(node) is dict:
             if "__t" in node:
                 out[int(node["__t"])] = path
             elif "__d" in node:
-                for (kt, k), v in node["__d"]:
-                    walk(v, (*path, k if kt == "s" else int(k)))
+                for k, v in node["__d"]:
+                    walk(v, (*path, k))
+            elif "__tu" in node:
+                walk(node["__tu"], path)
             else:
-                for i, v in enumerate(node.get("__l") or node.get("__tu") or ()):
-                    walk(v, (*path, ("#", i)))
+                for k, v in node.items():
+                    walk(v, (*path, k))
+        elif type(node) is list:
+            for i, v in enumerate(node):
+                walk(v, (*path, ("#", i)))
 
     walk(skel, ())
     return [out[i] for i in range(len(out))]

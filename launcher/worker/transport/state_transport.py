@@ -46,12 +46,12 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from launcher.worker.replica_map import Transfer, slice_bounds
-from launcher.worker.transport.codec import Spec, assemble, byte_view, checksum, live_matches, parse, skeleton
+from launcher.worker.transport.codec import Spec, assemble, byte_view, checksum, encode, live_matches, parse
 from launcher.worker.transport.landing_pool import LandingPool
 from launcher.worker.transport.mac import REPLAY_META, REPLAY_PART, TAG_WORDS, Mac
 from launcher.worker.transport.page_prefault import populate_ahead
 
-VERSION = 2  # of the wire layout below; 1 was the single flat buffer
+VERSION = 3  # of the wire layout below; 2 packed small tensors one by one, 1 was the single flat buffer
 SMALL = 64 << 10  # tensors under this are batched
 CHUNK = 4 << 20  # largest message: a large tensor is cut into pieces of this
 ALIGN = 64  # offset of each tensor in a batch and of each cut inside one, as an allocation's
@@ -95,14 +95,34 @@ class Piece(NamedTuple):
 
 
 class Run(NamedTuple):
-    """Small tensors of one dtype at offset `at` of a batch, each at an ALIGN-ed offset
-    (as a fresh allocation would be: the RNG's setter, for one, reads its state as
-    a struct), the gaps zeroed: packed with one cat, handed back as views by one split."""
+    """Small tensors of one dtype and shape (`spec`) at offset `at` of a batch, one every
+    `stride` bytes (their size rounded up to ALIGN, as fresh allocations would lie: no
+    kernel that reads them meets an offset it would not meet in a tensor of its own), the
+    gaps zeroed: packed with one stack, handed back as views by one unbind. A shard's
+    state has few such groups (a parameter and its two moments share one), whatever
+    the number of tensors: the per-tensor cost is torch's C++, not Python."""
 
-    dtype: torch.dtype
+    spec: Spec
     at: int
-    nbytes: int
     indices: tuple[int, ...]
+
+    @property
+    def stride(self) -> int:
+        return _aligned(self.spec.nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.stride * len(self.indices)
+
+
+def run_view(buf: torch.Tensor, r: Run) -> torch.Tensor:
+    """The run's tensors in `buf` (its batch, uint8) as one view of shape (len, *shape)."""
+    s = r.spec
+    flat = buf[r.at : r.at + r.nbytes].view(s.dtype)
+    inner = [1] * len(s.shape)
+    for d in range(len(s.shape) - 1, 0, -1):
+        inner[d - 1] = inner[d] * s.shape[d]
+    return flat.as_strided((len(r.indices), *s.shape), (r.stride // flat.element_size(), *inner))
 
 
 class Message(NamedTuple):
@@ -111,18 +131,20 @@ class Message(NamedTuple):
     runs: tuple[Run, ...]  # a batch of small ones
 
 
-def layout(sizes: Sequence[int], dtypes: Sequence[torch.dtype], n_state: int, parts: int) -> list[list[Message]]:
-    """The messages of each slice `part` of `parts`, from every tensor's bytes and dtype
-    (the state's `n_state` first): what sources and receiver compute alike. A large
-    tensor is cut at the slice bounds (moved down to ALIGN) and into CHUNKs; a small one
-    belongs whole to the slice holding its first byte; the aux goes with slice 0."""
-    total = sum(sizes[:n_state])
+def layout(specs: Sequence[Spec], n_state: int, parts: int) -> list[list[Message]]:
+    """The messages of each slice `part` of `parts`, from every tensor's Spec (the state's
+    `n_state` first): what sources and receiver compute alike. A large tensor is cut at
+    the slice bounds (moved down to ALIGN) and into CHUNKs; a small one belongs whole to
+    the slice holding its first byte, batched with the others of its Spec; the aux goes
+    with slice 0."""
+    total = sum(s.nbytes for s in specs[:n_state])
     bounds = [slice_bounds(total, p, parts) for p in range(parts)]
-    small: list[dict[torch.dtype, list[int]]] = [{} for _ in range(parts)]
+    small: list[dict[Spec, list[int]]] = [{} for _ in range(parts)]
     out: list[list[Message]] = [[] for _ in range(parts)]
     off = 0
     p = 0  # the slice holding byte `off`
-    for i, n in enumerate(sizes):
+    for i, spec in enumerate(specs):
+        n = spec.nbytes
         state = i < n_state
         if state:
             while p < parts - 1 and off >= bounds[p][1]:
@@ -140,11 +162,11 @@ def layout(sizes: Sequence[int], dtypes: Sequence[torch.dtype], n_state: int, pa
                         Message(min(CHUNK, hi - c), Piece(i, c, min(c + CHUNK, hi)), ()) for c in range(lo, hi, CHUNK)
                     ]
         elif n:
-            small[p if state else 0].setdefault(dtypes[i], []).append(i)
+            small[p if state else 0].setdefault(spec, []).append(i)
         if state:
             off += n
     for q in range(parts):
-        out[q] += _batches(small[q], sizes)
+        out[q] += _batches(small[q])
     return out
 
 
@@ -154,24 +176,25 @@ def _cut(x: int, n: int) -> int:
     return 0 if x <= 0 else n if x >= n else x - x % ALIGN
 
 
-def _batches(by_dtype: dict[torch.dtype, list[int]], sizes: Sequence[int]) -> list[Message]:
+def _batches(by_spec: dict[Spec, list[int]]) -> list[Message]:
+    """Runs of one Spec each, packed into messages of at most CHUNK bytes (a run that does
+    not fit is cut in two)."""
     out: list[Message] = []
     runs: list[Run] = []
     end = 0
-    for dtype, indices in by_dtype.items():
-        run: list[int] = []
-        at = end
-        for i in indices:
-            size = _aligned(sizes[i])
-            if end + size > CHUNK and (runs or run):  # full: close this batch
-                if run:
-                    runs.append(Run(dtype, at, end - at, tuple(run)))
+    for spec, indices in by_spec.items():
+        stride = _aligned(spec.nbytes)
+        start = 0
+        while start < len(indices):
+            room = (CHUNK - end) // stride
+            if room == 0:  # full: close this batch (a run always holds one: stride <= SMALL)
                 out.append(Message(end, None, tuple(runs)))
-                runs, run, at, end = [], [], 0, 0
-            run.append(i)
-            end += size
-        if run:
-            runs.append(Run(dtype, at, end - at, tuple(run)))
+                runs, end = [], 0
+                continue
+            take = tuple(indices[start : start + room])
+            runs.append(Run(spec, end, take))
+            end += stride * len(take)
+            start += len(take)
     if runs:
         out.append(Message(end, None, tuple(runs)))
     return out
@@ -320,7 +343,7 @@ class P2PTransport:
         if meta is None:  # nothing more can be matched: the source's sends fail at its group's timeout
             return Received({}, {}, 0, sources, time.monotonic() - t0, (primary,))
         skel, askel, specs, n_state, n_meta, meta_ok = meta
-        msgs = layout([s.nbytes for s in specs], [s.dtype for s in specs], n_state, parts)
+        msgs = layout(specs, n_state, parts)
         # In place on the host only: on NCCL an aborted receive kernel is not known (measured
         # on no GPU) to have stopped before the next write into the same memory.
         live = {}
@@ -410,13 +433,12 @@ class _Sender:
 
     def __init__(self, tr: P2PTransport, me: int, state: dict[str, Any], aux: dict[str, Any]) -> None:
         self.tr, self.me = tr, me
-        skel, ts = skeleton(state)
-        askel, ta = skeleton(aux)
+        skel, ts, specs = encode(state)
+        askel, ta, aspecs = encode(aux)
         self.n_state = len(ts)
         self.tensors = ts + ta
+        self.specs = specs + aspecs
         self._on_device = all(t.device == tr.device for t in self.tensors)
-        self._zeros = torch.zeros(ALIGN, dtype=torch.uint8, device=tr.device)
-        self._gaps: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self.meta = self._meta(skel, askel)
         self._layouts: dict[int, list[list[Message]]] = {}
         self._raw: dict[int, torch.Tensor] = {}  # large tensors' bytes
@@ -440,8 +462,7 @@ class _Sender:
 
     def _layout(self, parts: int) -> list[list[Message]]:
         if parts not in self._layouts:
-            ts = self.tensors
-            self._layouts[parts] = layout([t.nbytes for t in ts], [t.dtype for t in ts], self.n_state, parts)
+            self._layouts[parts] = layout(self.specs, self.n_state, parts)
         return self._layouts[parts]
 
     def _wire(self, parts: int, part: int, j: int) -> torch.Tensor:
@@ -456,24 +477,14 @@ class _Sender:
         key = (parts, part, j)
         if key not in self._bufs:
             buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
-            for r in m.runs:
-                pieces: list[torch.Tensor] = []
-                for i in r.indices:
-                    t = self.tensors[i].reshape(-1)
-                    pieces.append(t if self._on_device else t.to(dev))
-                    gap = -t.nbytes % ALIGN
-                    if gap:
-                        pieces.append(self._gap(r.dtype, gap))
-                torch.cat(pieces, out=buf[r.at : r.at + r.nbytes].view(r.dtype))
+            with torch.no_grad():  # a parameter may require grad; out= refuses those
+                for r in m.runs:
+                    ts = [self.tensors[i] for i in r.indices]
+                    torch.stack(ts if self._on_device else [t.to(dev) for t in ts], out=run_view(buf, r))
+                    if r.stride > r.spec.nbytes:  # the gaps: zeros, not heap bytes
+                        buf[r.at : r.at + r.nbytes].view(len(r.indices), r.stride)[:, r.spec.nbytes :].zero_()
             self._bufs[key] = buf
         return self._bufs[key]
-
-    def _gap(self, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-        """Zeros filling a batch up to the next tensor's aligned offset (a few dozen kinds)."""
-        key = (dtype, nbytes)
-        if key not in self._gaps:
-            self._gaps[key] = self._zeros[:nbytes].view(dtype)
-        return self._gaps[key]
 
     def post(self, sends: list[Transfer]) -> _InOrder:
         """Post META first (the receiver waits for it), then every message; checksum them
@@ -555,15 +566,8 @@ class _Destination:
         for m, buf in self.batches:
             host = buf.cpu()
             for r in m.runs:
-                flat = host[r.at : r.at + r.nbytes].view(r.dtype)
-                size = flat.element_size()
-                lengths: list[int] = []  # each tensor, then its gap
-                for i in r.indices:
-                    n = self.specs[i].nbytes
-                    lengths += [n // size, -n % ALIGN // size]
-                for i, v in zip(r.indices, torch.split(flat, lengths)[::2]):
-                    shape = self.specs[i].shape
-                    out[i] = v if len(shape) == 1 else v.view(shape)
+                for i, v in zip(r.indices, run_view(host, r).unbind(0)):
+                    out[i] = v
         missing = [i for i, t in enumerate(out) if t is None]
         if missing:
             raise ValueError(f"replay layout left tensors {missing[:5]} unfilled")

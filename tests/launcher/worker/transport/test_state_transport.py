@@ -19,7 +19,17 @@ from hypothesis import strategies as st
 
 from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.transport import state_transport as tp
-from launcher.worker.transport.codec import flatten, live_tensors, parse, skeleton, tensor_paths, unflatten
+from launcher.worker.transport.codec import (
+    Spec,
+    _spec,
+    assemble,
+    flatten,
+    live_tensors,
+    parse,
+    skeleton,
+    tensor_paths,
+    unflatten,
+)
 from launcher.worker.transport.landing_pool import LandingPool
 from launcher.worker.transport.mac import Mac
 from tests.launcher.worker.redundancy.test_rollback import in_ranks
@@ -33,24 +43,27 @@ DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float64)
 
 # ---- the layout ------------------------------------------------------------------------
 @st.composite
-def tensors_and_plan(draw: Any) -> tuple[list[int], list[torch.dtype], int, int]:
+def tensors_and_plan(draw: Any) -> tuple[list[Spec], int, int]:
     n = draw(st.integers(0, 40))
     dtypes = [draw(st.sampled_from(DTYPES)) for _ in range(n)]
     numels = [
         draw(st.one_of(st.just(0), st.integers(1, 3000), st.integers(8000, 1_300_000), st.just(tp.CHUNK // 4)))
         for _ in range(n)
     ]
-    sizes = [k * torch.empty(0, dtype=d).element_size() for k, d in zip(numels, dtypes)]
-    return sizes, dtypes, draw(st.integers(0, n)), draw(st.integers(1, 4))
+    # A few numels and two shapes of each: several tensors share a Spec, as a parameter and its moments do.
+    shapes = [(k,) if draw(st.booleans()) else (1, k) for k in numels]
+    specs = [_spec(d, s) for d, s in zip(dtypes, shapes)]
+    return specs, draw(st.integers(0, n)), draw(st.integers(1, 4))
 
 
 @settings(max_examples=150, deadline=None)
 @given(tensors_and_plan())
 def test_the_layout_carries_every_byte_once_in_slices_that_follow_the_plan(
-    case: tuple[list[int], list[torch.dtype], int, int],
+    case: tuple[list[Spec], int, int],
 ) -> None:
-    sizes, dtypes, n_state, parts = case
-    msgs = tp.layout(sizes, dtypes, n_state, parts)
+    specs, n_state, parts = case
+    sizes = [s.nbytes for s in specs]
+    msgs = tp.layout(specs, n_state, parts)
     assert len(msgs) == parts
     starts = [sum(sizes[:i]) for i in range(n_state)]
     bounds = [slice_bounds(sum(sizes[:n_state]), p, parts) for p in range(parts)]
@@ -70,12 +83,12 @@ def test_the_layout_carries_every_byte_once_in_slices_that_follow_the_plan(
                     assert p == 0  # the aux rides with slice 0
                 continue
             end = 0
-            for r in m.runs:  # small tensors of one dtype, each at an aligned offset
-                assert r.at == end
+            for r in m.runs:  # small tensors of one Spec, each at an aligned offset
+                assert r.at == end and r.stride % tp.ALIGN == 0 and 0 <= r.stride - r.spec.nbytes < tp.ALIGN
                 assert r.nbytes == sum(-(-sizes[i] // tp.ALIGN) * tp.ALIGN for i in r.indices)
                 end = r.at + r.nbytes
                 for i in r.indices:
-                    assert 0 < sizes[i] < tp.SMALL and dtypes[i] == r.dtype
+                    assert 0 < sizes[i] < tp.SMALL and specs[i] == r.spec
                     covered.setdefault(i, []).append((0, sizes[i]))
                     if i < n_state:
                         a, b = bounds[p]
@@ -90,9 +103,10 @@ def test_the_layout_carries_every_byte_once_in_slices_that_follow_the_plan(
 
 
 def test_small_tensors_travel_as_one_batch_per_slice_and_large_ones_as_their_own_messages() -> None:
-    sizes = [4096] * 300 + [tp.SMALL, 10 * tp.CHUNK + 5]
-    msgs = tp.layout(sizes, [torch.float32] * 301 + [torch.uint8], 302, 1)[0]
-    assert sum(1 for m in msgs if m.runs) == 1  # 300 tensors, 1.2 MB: one message
+    specs = [_spec(torch.float32, (1024,))] * 200 + [_spec(torch.float32, (32, 32))] * 100
+    specs += [_spec(torch.float32, (tp.SMALL // 4,)), _spec(torch.uint8, (10 * tp.CHUNK + 5,))]
+    msgs = tp.layout(specs, 302, 1)[0]
+    assert [len(m.runs) for m in msgs if m.runs] == [2]  # 300 tensors, 1.2 MB: one message, a run per Spec
     assert [m.nbytes for m in msgs if m.piece] == [tp.SMALL] + [tp.CHUNK] * 10 + [5]
 
 
@@ -130,10 +144,62 @@ def test_every_dtype_of_the_table_round_trips_and_others_are_refused_when_the_st
         skeleton({"q": q})
 
 
+def test_keys_and_containers_keep_their_types_whatever_they_look_like() -> None:
+    t = torch.arange(3.0)
+    state = {
+        "plain": {"a": t, "b": [1, (2.5, "x"), None]},
+        "ours": {"__t": 0, "__d": [1], "__tu": "s"},  # keys a decoder reads as its own markers
+        "ints": {5: t.clone(), "5": "str", 0: {"__l": True}},
+        "tuple": (t, [t.clone()]),
+    }
+    skel, buf = flatten(state)
+    back = unflatten(skel, buf)
+    assert list(back["ours"]) == ["__t", "__d", "__tu"] and back["ours"]["__d"] == [1]
+    assert list(back["ints"]) == [5, "5", 0] and back["ints"][0] == {"__l": True}
+    assert type(back["tuple"]) is tuple and type(back["tuple"][1]) is list and back["plain"]["b"][1] == (2.5, "x")
+    assert bitwise_equal(back, state)
+    with pytest.raises(TypeError, match="key"):
+        skeleton({True: t})
+
+
+def test_a_format_1_skeleton_as_older_disk_checkpoints_hold_it_still_reads() -> None:
+    v1 = (
+        b'{"__d":[[["s","w"],{"__t":0,"dtype":"torch.bfloat16","shape":[2,1]}],'
+        b'[["i",3],{"__l":[1,{"__tu":[2.5,"x"]},{"__t":1,"dtype":"torch.int64","shape":[]}]}]]}'
+    )
+    skel, specs = parse(v1)
+    assert [(s.dtype, s.shape, s.nbytes) for s in specs] == [(torch.bfloat16, (2, 1), 4), (torch.int64, (), 8)]
+    w, n = torch.ones(2, 1, dtype=torch.bfloat16), torch.tensor(7)
+    assert bitwise_equal(assemble(skel, [w, n]), {"w": w, 3: [1, (2.5, "x"), n]})
+    assert tensor_paths(skel) == [("w",), (3, ("#", 2))]
+    with pytest.raises(ValueError, match="format 9"):
+        parse(b'{"v":9,"s":null}')
+    with pytest.raises(ValueError):
+        parse(b'{"v":2,"g":[["torch.float32",[-1]]],"t":[0],"s":{"__t":0}}')
+
+
+def test_a_batch_holds_no_heap_bytes_between_its_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    steps = {i: torch.tensor(float(i)) for i in range(40)}  # 4 bytes each, one every ALIGN bytes
+    sender = tp._Sender(tp.P2PTransport(None, CPU, lambda w: None), 0, {"steps": steps}, {})
+    (m,) = sender._layout(1)[0]
+    (r,) = m.runs
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(0xAB))  # what a heap may hold
+    wire = sender._wire(1, 0, 0)
+    monkeypatch.undo()
+    rows = wire.view(len(r.indices), r.stride)
+    assert torch.equal(rows[:, 4:], torch.zeros_like(rows[:, 4:]))
+    assert rows[:, :4].contiguous().view(torch.float32).flatten().tolist() == [float(i) for i in range(40)]
+
+
 # ---- for real: 3 ranks, 2 sources striping ----------------------------------------------
 def _state() -> tuple[dict[str, Any], dict[str, Any]]:
     g = torch.Generator().manual_seed(11)
-    small = {f"layer{i}.bias": torch.randn(17 + i % 5, generator=g) for i in range(900)}  # skeleton > META_CAP
+    # skeleton > META_CAP: long names, as a deep model's are
+    small = {
+        f"model.layers.{i}.self_attention.output_projection.norm.bias": torch.randn(17 + i % 5, generator=g)
+        for i in range(900)
+    }
     state = {
         "model": {"big": torch.randn(700, 1000, generator=g), "t": torch.randn(40, 300, generator=g).t(), **small},
         "optim": {"state": {0: {"step": torch.tensor(5.0), "m": torch.randn(3000, generator=g).bfloat16()}}},
