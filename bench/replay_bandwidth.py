@@ -469,6 +469,7 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
         ("direct: receiver parse", lambda: parse(skel_json)),
         ("direct: receiver layout + allocation", receiver_prepare),
         ("direct: receiver views + assemble", lambda: assemble(sk, into.tensors())),
+        ("snapshot: capture (the training thread's copy, CPU)", lambda: Frozen.capture(100, 0, state, aux)),
         ("rollback, survivor: thaw (a clone per tensor) + model copied in", lambda: thaw_then_restore(survivor)),
         ("rollback, survivor: thaw into the live state", lambda: thaw_into(survivor)),
         ("rollback, spare: thaw (a clone per tensor) + model copied in", lambda: thaw_then_restore(spare)),

@@ -125,7 +125,6 @@ WITHOUT_MIRRORED_TESTS = {
     "launcher/worker/sources/snapshot.py",
     "launcher/worker/spare/recipe.py",
     "launcher/worker/train_state.py",
-    "launcher/worker/transport/codec.py",
     "launcher/worker/transport/landing_pool.py",
     "resild/controller/backend.py",
     "resild/controller/broadcast.py",

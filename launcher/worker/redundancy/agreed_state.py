@@ -105,10 +105,8 @@ class AgreedCopy:
         else:
             self.frozen = None  # the old buffer goes before the new one is made: never two
             payload = torch.empty(lay.nbytes, dtype=torch.uint8)
-        off = lay.write_head(payload)
-        for p in lay.body:
-            payload[off : off + p.numel()].copy_(p)
-            off += p.numel()
+        lay.write_head(payload)
+        lay.write_body(payload)
         self.frozen, self.value = lay.frozen(step, self.rank, payload), value
         self.capture_s += time.monotonic() - t0
         self.kept += 1

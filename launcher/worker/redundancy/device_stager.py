@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from launcher.worker.redundancy.snapshot_store import Frozen, Layout
+from launcher.worker.transport.codec import run_view, zero_gaps
 
 
 class DeviceStager:
@@ -39,17 +40,19 @@ class DeviceStager:
         """`busy`: data_ptr()s of the buffers kept snapshots still use."""
         lay = Layout.of(state, aux)
         buf = self._buffer(lay.nbytes, busy)[: lay.nbytes]
-        off = lay.write_head(buf)
+        body = buf[lay.write_head(buf) :]
+        zero_gaps(lay.runs, body)
         after_step = torch.cuda.Event()  # type: ignore[no-untyped-call]
         after_step.record(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(after_step)
-            for x in lay.body:
-                buf[off : off + x.numel()].copy_(x, non_blocking=x.is_cuda)
-                off += x.numel()
+            for r in lay.runs:  # each tensor into its slot of the host body: a device-to-host copy each
+                for i, slot in zip(r.indices, run_view(body, r).unbind(0)):
+                    x = lay.tensors[i]
+                    slot.copy_(x, non_blocking=x.is_cuda)
             done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             done.record(self.stream)
-        for x in lay.body:  # the caching allocator must not reuse these before the copy read them
+        for x in lay.tensors:  # the caching allocator must not reuse these before the copy read them
             if x.is_cuda:
                 x.record_stream(self.stream)
         self._done = done

@@ -23,7 +23,17 @@ from typing import Any
 
 import torch
 
-from launcher.worker.transport.codec import checksum, skeleton, unflatten, unflatten_into
+from launcher.worker.transport.codec import (
+    Run,
+    aligned,
+    checksum,
+    encode,
+    pack_plan,
+    pack_runs,
+    skeleton,
+    unflatten,
+    unpack_into,
+)
 from launcher.worker.transport.landing_pool import LandingPool
 from launcher.worker.transport.mac import SNAPSHOT, Mac, new_nonce
 
@@ -65,37 +75,62 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Layout:
     """Where each part of a snapshot goes in its payload: [skeleton | aux skeleton | aux
-    tensors | state tensors]. The host parts (skeletons, RNG) are small; `body` holds the
-    state's tensors as bytes, where they lie (the CPU and GPU captures copy them their way)."""
+    tensors | zeros to an ALIGN-ed offset | state tensors]. The host parts (skeletons, RNG)
+    are small; the state's tensors go a run per dtype and shape (`codec.pack_plan`: the
+    receiver of a copy computes the same runs from the skeleton), copied with one call
+    per run on the host (the CPU capture) or one per tensor on a side stream (the GPU's)."""
 
     skel: bytes
     askel: bytes
     head: list[torch.Tensor]  # uint8, host: skeleton, aux skeleton, aux tensors
     n_abuf: int
-    body: list[torch.Tensor]  # uint8 views of the state's tensors
+    tensors: list[torch.Tensor]  # the state's, uncopied
+    runs: list[Run]
+    n_body: int
 
     @staticmethod
     def of(state: Any, aux: Any) -> Layout:
-        skel, tensors = skeleton(state)
+        skel, tensors, specs = encode(state)
         askel, atensors = skeleton(aux)
         abuf = [_bytes_of(t).cpu() for t in atensors]
         head = [_bytes_tensor(skel), _bytes_tensor(askel), *abuf]
-        return Layout(skel, askel, head, sum(t.numel() for t in abuf), [_bytes_of(t) for t in tensors])
+        runs, n_body = pack_plan(specs)
+        return Layout(skel, askel, head, sum(t.numel() for t in abuf), tensors, runs, n_body)
+
+    @property
+    def body_at(self) -> int:
+        return body_at(len(self.skel), len(self.askel), self.n_abuf)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() for t in self.head) + sum(t.numel() for t in self.body)
+        return self.body_at + self.n_body
 
     def write_head(self, payload: torch.Tensor) -> int:
-        """Copy the host parts to the front of `payload`; -> where the body starts."""
+        """Copy the host parts to the front of `payload` (and zeros up to the body);
+        -> where the body starts."""
         off = 0
         for t in self.head:
             payload[off : off + t.numel()].copy_(t)
             off += t.numel()
-        return off
+        payload[off : self.body_at].zero_()
+        return self.body_at
+
+    def write_body(self, payload: torch.Tensor) -> None:
+        """The state's tensors into `payload`'s body, one stack per run (host tensors)."""
+        body = payload[self.body_at : self.nbytes]
+        if all(t.device == body.device for t in self.tensors):
+            pack_runs(self.tensors, self.runs, body)
+        else:
+            pack_runs([t.to(body.device) for t in self.tensors], self.runs, body)
 
     def frozen(self, step: int, src: int, payload: torch.Tensor, ready: Any = None) -> Frozen:
         return Frozen(step, src, len(self.skel), len(self.askel), self.n_abuf, payload, ready=ready)
+
+
+def body_at(n_skel: int, n_askel: int, n_abuf: int) -> int:
+    """Where a payload's state body starts: ALIGN-ed, so that each run's tensors can be
+    seen in place as their dtype."""
+    return aligned(n_skel + n_askel + n_abuf)
 
 
 def _bytes_tensor(data: bytes) -> torch.Tensor:
@@ -124,10 +159,8 @@ class Frozen:
         lay = Layout.of(state, aux)
         # One copy of each tensor, straight into the payload (flatten + cat would copy twice).
         payload = torch.empty(lay.nbytes, dtype=torch.uint8)
-        off = lay.write_head(payload)
-        for p in lay.body:
-            payload[off : off + p.numel()].copy_(p)
-            off += p.numel()
+        lay.write_head(payload)
+        lay.write_body(payload)
         return lay.frozen(step, src, payload)
 
     @property
@@ -199,7 +232,7 @@ class Frozen:
         b = a + self.n_askel
         c = b + self.n_abuf
         skel, askel = bytes(p[:a].numpy().tobytes()), bytes(p[a:b].numpy().tobytes())
-        state, written, landed = unflatten_into(skel, p[c:], live, landing)
+        state, written, landed = unpack_into(skel, p[body_at(self.n_skel, self.n_askel, self.n_abuf) :], live, landing)
         return state, unflatten(askel, p[b:c]), written, landed
 
 

@@ -46,7 +46,20 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from launcher.worker.replica_map import Transfer, slice_bounds
-from launcher.worker.transport.codec import Spec, assemble, byte_view, checksum, encode, live_matches, parse
+from launcher.worker.transport.codec import (
+    ALIGN,
+    Run,
+    Spec,
+    aligned,
+    assemble,
+    byte_view,
+    checksum,
+    encode,
+    live_matches,
+    pack_runs,
+    parse,
+    run_view,
+)
 from launcher.worker.transport.landing_pool import LandingPool
 from launcher.worker.transport.mac import REPLAY_META, REPLAY_PART, TAG_WORDS, Mac
 from launcher.worker.transport.page_prefault import populate_ahead
@@ -54,7 +67,6 @@ from launcher.worker.transport.page_prefault import populate_ahead
 VERSION = 3  # of the wire layout below; 2 packed small tensors one by one, 1 was the single flat buffer
 SMALL = 64 << 10  # tensors under this are batched
 CHUNK = 4 << 20  # largest message: a large tensor is cut into pieces of this
-ALIGN = 64  # offset of each tensor in a batch and of each cut inside one, as an allocation's
 META_CAP = 64 << 10  # META's fixed size: a few hundred tensors' skeleton
 _HEADER = 64  # bytes: 8 int64 (crc, version, the two skeletons' lengths, 0, 0, tag); the crc covers the rest
 _TAG_AT = 48  # the last two words: with a data key, META's tag (over the header before it and the skeletons)
@@ -92,37 +104,6 @@ class Piece(NamedTuple):
     tensor: int  # in skeleton order (the state's, then the aux's)
     lo: int
     hi: int
-
-
-class Run(NamedTuple):
-    """Small tensors of one dtype and shape (`spec`) at offset `at` of a batch, one every
-    `stride` bytes (their size rounded up to ALIGN, as fresh allocations would lie: no
-    kernel that reads them meets an offset it would not meet in a tensor of its own), the
-    gaps zeroed: packed with one stack, handed back as views by one unbind. A shard's
-    state has few such groups (a parameter and its two moments share one), whatever
-    the number of tensors: the per-tensor cost is torch's C++, not Python."""
-
-    spec: Spec
-    at: int
-    indices: tuple[int, ...]
-
-    @property
-    def stride(self) -> int:
-        return _aligned(self.spec.nbytes)
-
-    @property
-    def nbytes(self) -> int:
-        return self.stride * len(self.indices)
-
-
-def run_view(buf: torch.Tensor, r: Run) -> torch.Tensor:
-    """The run's tensors in `buf` (its batch, uint8) as one view of shape (len, *shape)."""
-    s = r.spec
-    flat = buf[r.at : r.at + r.nbytes].view(s.dtype)
-    inner = [1] * len(s.shape)
-    for d in range(len(s.shape) - 1, 0, -1):
-        inner[d - 1] = inner[d] * s.shape[d]
-    return flat.as_strided((len(r.indices), *s.shape), (r.stride // flat.element_size(), *inner))
 
 
 class Message(NamedTuple):
@@ -183,7 +164,7 @@ def _batches(by_spec: dict[Spec, list[int]]) -> list[Message]:
     runs: list[Run] = []
     end = 0
     for spec, indices in by_spec.items():
-        stride = _aligned(spec.nbytes)
+        stride = aligned(spec.nbytes)
         start = 0
         while start < len(indices):
             room = (CHUNK - end) // stride
@@ -198,10 +179,6 @@ def _batches(by_spec: dict[Spec, list[int]]) -> list[Message]:
     if runs:
         out.append(Message(end, None, tuple(runs)))
     return out
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 def _tag(part: int, j: int) -> int:
@@ -477,12 +454,7 @@ class _Sender:
         key = (parts, part, j)
         if key not in self._bufs:
             buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
-            with torch.no_grad():  # a parameter may require grad; out= refuses those
-                for r in m.runs:
-                    ts = [self.tensors[i] for i in r.indices]
-                    torch.stack(ts if self._on_device else [t.to(dev) for t in ts], out=run_view(buf, r))
-                    if r.stride > r.spec.nbytes:  # the gaps: zeros, not heap bytes
-                        buf[r.at : r.at + r.nbytes].view(len(r.indices), r.stride)[:, r.spec.nbytes :].zero_()
+            pack_runs(self.tensors if self._on_device else [t.to(dev) for t in self.tensors], m.runs, buf)
             self._bufs[key] = buf
         return self._bufs[key]
 

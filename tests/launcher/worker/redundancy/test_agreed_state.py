@@ -7,6 +7,7 @@ import torch
 
 from launcher.worker.redundancy.agreed_state import AgreedCopy, Rollback, plan
 from launcher.worker.redundancy.fingerprint import fingerprint
+from launcher.worker.redundancy.snapshot_store import body_at
 from launcher.worker.step_state import NONE
 from launcher.worker.train_state import TrainState
 
@@ -83,7 +84,9 @@ def test_a_copy_damaged_in_host_memory_does_not_match() -> None:
     t = _train()
     copy = AgreedCopy(0, torch.device("cpu"))
     copy.keep(0, fingerprint(t.state_view(0)), t.state_view(0), t.capture_aux())
-    copy.frozen.payload[-1] ^= 0x10  # type: ignore[union-attr]  # a flipped bit in the last tensor's bytes
+    f = copy.frozen
+    assert f is not None
+    f.payload[body_at(f.n_skel, f.n_askel, f.n_abuf)] ^= 0x10  # a flipped bit in the first packed tensor's bytes
     state, aux = copy.restore_into(t.state_view(0))[:2]
     t.restore(state, aux)
     assert not copy.matches(t.state_view(0))
