@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from launcher.worker.group_auth import prove_pairs
 from launcher.worker.old_backends import OldBackends, injected_delay
 from launcher.worker.replica_map import ReplicaMap, plan_replay
 from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort, wait_mode
@@ -128,7 +129,7 @@ class RecoverySequence:
 
             def build(g: StableGroup = g) -> None:
                 try:
-                    out[g.label] = self.factory.build(epoch, g)
+                    out[g.label] = self._proven(epoch, g, self.factory.build(epoch, g))
                 except Exception as e:
                     out[g.label] = e
                 with self.intr.cond:
@@ -163,6 +164,18 @@ class RecoverySequence:
         if epoch != self.epoch:
             self.epoch, self._replays = epoch, 0
         return time.monotonic() - t0
+
+    def _proven(self, epoch: int, g: StableGroup, pg: Any) -> Any:
+        """`pg` once every peer's connection proved the job's data key (group_auth), on a
+        host group of a job that has one; else retired, and the formation fails."""
+        if self.mac is None or str(pg.name()) != "gloo":
+            return pg
+        try:
+            prove_pairs(pg, self.mac, epoch, g.store_key, g.rank(), g.size(), self.factory.timeout_s_for(g))
+        except Exception:
+            self.old.abort([pg], fenced=self._fence_gloo)
+            raise
+        return pg
 
     # ---- agreeing and replaying -------------------------------------------------
     def agree(self, rank: int, world: int, row: tuple[int, ...], floor: int = 0) -> Agreement:

@@ -593,9 +593,12 @@ class GroupFactory:
         client = self._local_store_client if self.node_local(group) else self._store_client
         assert client is not None
         store = PrefixStore(f"resild/e{epoch}/{group.store_key}/", client())
-        timeout = timedelta(seconds=group.timeout_s or self.timeout_s)
+        timeout = timedelta(seconds=self.timeout_s_for(group))
         backend = group.backend or self.backend
         return backend_group(backend, store, group.rank(), group.size(), timeout, self.gloo_host)
+
+    def timeout_s_for(self, group: StableGroup) -> float:
+        return group.timeout_s or self.timeout_s
 
 
 def abort(inner: Any) -> None:

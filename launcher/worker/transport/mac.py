@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 KEY_BYTES = 32
 TAG_WORDS = 2  # a 16-byte tag as two int64, where a CRC was one
 # The first name of every message: what kind of transfer it belongs to.
-REPLAY_META, REPLAY_PART, SNAPSHOT = 1, 2, 3
+REPLAY_META, REPLAY_PART, SNAPSHOT, GROUP_PAIR = 1, 2, 3, 4
 
 
 def new_nonce() -> int:
