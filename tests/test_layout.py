@@ -104,7 +104,6 @@ WITHOUT_MIRRORED_TESTS = {
     "launcher/node/lease.py",
     "launcher/node/process.py",
     "launcher/run/job.py",
-    "launcher/run/local.py",
     "launcher/run/slurm_mode.py",
     "launcher/run/standby.py",
     "launcher/worker/data.py",

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import resild.wire.env as resild_env
@@ -63,8 +64,7 @@ class LocalCluster(Backend):
 
     def _start(self, node: str, key_path: Path | None, qualify: bool) -> None:
         """One node process, leading its own process group (fencing is one killpg)."""
-        env = dict(os.environ)
-        env.pop(resild_env.KEYS.name, None)  # never inherit another key directory
+        env = node_env(os.environ)
         control = None
         if self.fake_nvml_dir is not None:
             control = self.run_dir / f"nvml-{node}.ctl"
@@ -128,3 +128,13 @@ class LocalCluster(Backend):
             except (ProcessLookupError, PermissionError):
                 pass
             p.wait()
+
+
+def node_env(base: Mapping[str, str]) -> dict[str, str]:
+    """A local node process's environment (its workers inherit it): never another key
+    directory; gloo bound to loopback unless the job says otherwise (every node of an
+    embedded cluster is on this host: no other host needs to reach a pair listener)."""
+    env = dict(base)
+    env.pop(resild_env.KEYS.name, None)
+    env.setdefault(resild_env.GLOO_HOST.name, "127.0.0.1")
+    return env

@@ -33,7 +33,12 @@ LOCAL_RANK = EnvVar("RESILD_LOCAL_RANK", "worker", "0", "this worker's rank on i
 KEYS = EnvVar("RESILD_KEYS", "worker", "", "this node's CURVE key directory (only its own secret key)", "node process")
 RELAY = EnvVar("RESILD_RELAY", "worker", "", "the node-local relay's ipc:// endpoint", "node process")
 BACKEND = EnvVar("RESILD_BACKEND", "worker", "nccl with CUDA, else gloo", "the torch.distributed backend")
-GLOO_HOST = EnvVar("RESILD_GLOO_HOST", "worker", "the host's name", "the address gloo binds and advertises")
+GLOO_HOST = EnvVar(
+    "RESILD_GLOO_HOST",
+    "worker",
+    "127.0.0.1 under `--local`, else the host's name",
+    "the address gloo binds and advertises",
+)
 SPARE_WARMUP = EnvVar(
     "RESILD_SPARE_WARMUP",
     "worker",
