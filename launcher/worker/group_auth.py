@@ -21,6 +21,7 @@ and connects through its own sockets (not covered; docs/security.md).
 from __future__ import annotations
 
 import hashlib
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -47,24 +48,30 @@ def expected(mac: Mac, epoch: int, group: int, src: int, dst: int) -> list[int]:
 def prove_pairs(pg: Any, mac: Mac, epoch: int, store_key: str, rank: int, size: int, timeout_s: float) -> None:
     """Send each peer of `pg` (this rank is `rank` of `size`) this rank's tag and check each
     peer's. Raises PairRefused naming every peer whose tag is wrong; a peer that sends
-    nothing raises at `timeout_s` (gloo's timed-out wait closes the group's connections:
-    the group is discarded either way)."""
+    nothing raises PairRefused once `timeout_s` has passed for the whole round (gloo's timed-out
+    wait closes the group's connections: the group is discarded either way)."""
     if size < 2:
         return
     gid = group_id(store_key)
     peers = [p for p in range(size) if p != rank]
     mine = {p: torch.tensor(expected(mac, epoch, gid, rank, p), dtype=torch.int64) for p in peers}
     got = {p: torch.zeros(TAG_WORDS, dtype=torch.int64) for p in peers}
-    works = [pg.send([mine[p]], p, AUTH_TAG) for p in peers]
-    works += [pg.recv([got[p]], p, AUTH_TAG) for p in peers]
-    timeout = timedelta(seconds=timeout_s)
-    for w in works:
-        w.wait(timeout)
+    sends = {p: pg.send([mine[p]], p, AUTH_TAG) for p in peers}
+    recvs = {p: pg.recv([got[p]], p, AUTH_TAG) for p in peers}
+    deadline = time.monotonic() + timeout_s  # one for the round: k silent peers cost one timeout, not k
+    where = f"group {store_key!r} of epoch {epoch}"
+    for p, w in [*recvs.items(), *sends.items()]:
+        try:
+            w.wait(timedelta(seconds=max(1e-3, deadline - time.monotonic())))
+        except Exception as e:  # gloo's timed-out (or broken) wait; the group is discarded either way
+            raise PairRefused(
+                f"{where}: the connection of rank {p} gave no proof within {timeout_s:g}s ({e})"
+            ) from None
     bad = [p for p in peers if got[p].tolist() != expected(mac, epoch, gid, p, rank)]
     if bad:
         raise PairRefused(
-            f"group {store_key!r} of epoch {epoch}: the connection of rank(s) {bad} did not prove the job's "
-            "data key (something other than the job's rank holds it)"
+            f"{where}: the connection of rank(s) {bad} did not prove the job's data key "
+            "(something other than the job's rank holds it)"
         )
 
 

@@ -125,13 +125,19 @@ class RecoverySequence:
         t0 = time.monotonic()
         out: dict[str, Any] = {}
         threads = []
+        lock, abandoned = threading.Lock(), threading.Event()
         for g in groups:
 
             def build(g: StableGroup = g) -> None:
                 try:
-                    out[g.label] = self._proven(epoch, g, self.factory.build(epoch, g))
+                    built: Any = self._proven(epoch, g, self.factory.build(epoch, g))
                 except Exception as e:
-                    out[g.label] = e
+                    built = e
+                with lock:
+                    if abandoned.is_set():  # the formation went on without it: nothing will use it
+                        self._retire_built([built])
+                    else:
+                        out[g.label] = built
                 with self.intr.cond:
                     self.intr.cond.notify_all()
 
@@ -143,6 +149,10 @@ class RecoverySequence:
             formed = self.intr.wait_until(lambda: len(out) == len(groups))
         finally:
             self.intr.done(token)
+        if not formed or any(isinstance(v, Exception) for v in out.values()):
+            with lock:  # what formed is retired, what forms later retires itself
+                abandoned.set()
+                self._retire_built(list(out.values()))
         if not formed:
             raise Reformed(self.intr.error or "interrupted")  # abandoned: the threads fail on their own
         errors = [f"{k}: {v}" for k, v in out.items() if isinstance(v, Exception)]
@@ -165,13 +175,23 @@ class RecoverySequence:
             self.epoch, self._replays = epoch, 0
         return time.monotonic() - t0
 
+    def _retire_built(self, built: list[Any]) -> None:
+        """Backends a failed or abandoned formation built: aborted off this thread, as a
+        failed epoch's are (a stranger could otherwise make a rank leak one per attempt)."""
+        pgs = [b for b in built if not isinstance(b, Exception)]
+        self.old.abort([pg for pg in pgs if str(pg.name()) == "nccl"], fenced=True)
+        self.old.abort([pg for pg in pgs if str(pg.name()) != "nccl"], fenced=self._fence_gloo)
+
     def _proven(self, epoch: int, g: StableGroup, pg: Any) -> Any:
         """`pg` once every peer's connection proved the job's data key (group_auth), on a
         host group of a job that has one; else retired, and the formation fails."""
         if self.mac is None or str(pg.name()) != "gloo":
             return pg
+        # bounded by the collective timeout: a silent stranger must not hold a formation for a
+        # long-lived group's timeout (the checkpoint group's is an hour)
+        timeout_s = min(self.factory.timeout_s_for(g), self.factory.timeout_s)
         try:
-            prove_pairs(pg, self.mac, epoch, g.store_key, g.rank(), g.size(), self.factory.timeout_s_for(g))
+            prove_pairs(pg, self.mac, epoch, g.store_key, g.rank(), g.size(), timeout_s)
         except Exception:
             self.old.abort([pg], fenced=self._fence_gloo)
             raise

@@ -83,7 +83,7 @@ _SEND_UNBOUND, _NOTIFY_SEND_READY, _NOTIFY_RECV_READY = 1, 2, 3
 def _stranger(ports: list[int], seeded: Any, verdict: Any) -> None:  # pragma: no cover - forked child
     """Another user, no key: connect early to every listener as whichever peer gloo expects,
     then speak gloo's protocol: answer each "send ready" with "receive ready", so a rank that
-    took it for its peer sends the payload."""
+    took it for its peer sends the payload, and each "receive ready" with forged bytes."""
     try:
         "127.0.0.1".encode("idna")  # the codec's module, imported while this process may still read it
         if os.geteuid() == 0:
@@ -114,6 +114,9 @@ def _stranger(ports: list[int], seeded: Any, verdict: Any) -> None:  # pragma: n
                     op, buffered[s] = buffered[s][:nbytes], buffered[s][nbytes:]
                     if opcode == _NOTIFY_SEND_READY:
                         s.sendall(_PREAMBLE.pack(_PREAMBLE.size, _NOTIFY_RECV_READY, slot, 0, length, 0))
+                    elif opcode == _NOTIFY_RECV_READY:  # the rank waits for bytes from its "peer": forge them
+                        forged = os.urandom(length)
+                        s.sendall(_PREAMBLE.pack(_PREAMBLE.size + length, _SEND_UNBOUND, slot, 0, length, 0) + forged)
                     elif opcode == _SEND_UNBOUND:
                         got += op[_PREAMBLE.size :]
         verdict.send((SECRET[:64] in got, len(got)))
@@ -176,4 +179,7 @@ def test_with_the_proof_both_ranks_refuse_the_group_and_the_stranger_gets_no_pay
     reports, (stole, nbytes) = _form_with_a_stranger(prove=True)
     assert not stole
     assert [kind for kind, _ in reports.values()] == ["refused", "refused"], reports
+    # the rank whose connection it holds reads its forged tag and says so; its peer, whose
+    # connection went nowhere, hears nothing
+    assert any("did not prove the job's data key" in why for _, why in reports.values()), reports
     assert nbytes <= 16  # at most the tag a rank sent it (16 bytes, naming that rank and its peer)

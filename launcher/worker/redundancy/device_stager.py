@@ -44,7 +44,7 @@ class DeviceStager:
         zero_gaps(lay.runs, body)
         after_step = torch.cuda.Event()  # type: ignore[no-untyped-call]
         after_step.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), torch.no_grad():
             self.stream.wait_event(after_step)
             for r in lay.runs:  # each tensor into its slot of the host body: a device-to-host copy each
                 for i, slot in zip(r.indices, run_view(body, r).unbind(0)):

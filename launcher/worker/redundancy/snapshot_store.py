@@ -116,12 +116,8 @@ class Layout:
         return self.body_at
 
     def write_body(self, payload: torch.Tensor) -> None:
-        """The state's tensors into `payload`'s body, one stack per run (host tensors)."""
-        body = payload[self.body_at : self.nbytes]
-        if all(t.device == body.device for t in self.tensors):
-            pack_runs(self.tensors, self.runs, body)
-        else:
-            pack_runs([t.to(body.device) for t in self.tensors], self.runs, body)
+        """The state's tensors into `payload`'s body, one stack per run of small ones."""
+        pack_runs(self.tensors, self.runs, payload[self.body_at : self.nbytes])
 
     def frozen(self, step: int, src: int, payload: torch.Tensor, ready: Any = None) -> Frozen:
         return Frozen(step, src, len(self.skel), len(self.askel), self.n_abuf, payload, ready=ready)
@@ -208,14 +204,15 @@ class Frozen:
     @staticmethod
     def empty_from(header: list[int]) -> Frozen:
         step, crc, n_skel, n_askel, n_abuf, nbytes, src, nonce, *tag = header
-        if min(step, n_skel, n_askel, n_abuf, nbytes, src) < 0 or n_skel + n_askel + n_abuf > nbytes:
+        if min(step, n_skel, n_askel, n_abuf, nbytes, src) < 0 or body_at(n_skel, n_askel, n_abuf) > nbytes:
             raise ValueError(f"a snapshot header that describes no snapshot: {header[:7]}")
         f = Frozen(step, src, n_skel, n_askel, n_abuf, torch.empty(nbytes, dtype=torch.uint8), crc)
         f.nonce, f.tag = nonce, (tuple(tag) if any(tag) else None)
         return f
 
     def thaw(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The state and aux, every tensor a copy of its own."""
+        """The state and aux, free of the payload (small tensors of one dtype and shape may
+        share one new storage, as views of it)."""
         state, aux, _, _ = self.thaw_into(None)
         return state, aux
 

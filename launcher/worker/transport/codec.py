@@ -114,7 +114,7 @@ class _Encoder:
 def _key(k: Any) -> int | str:
     if isinstance(k, bool) or not isinstance(k, (int, str)):
         raise TypeError(f"state dict key {k!r} must be int or str")
-    return int(k) if isinstance(k, int) else str(k)
+    return int(k) if isinstance(k, int) else str.__str__(k)  # a str Enum's value, as JSON writes it
 
 
 def encode(state: Any) -> tuple[bytes, list[torch.Tensor], list[Spec]]:
@@ -191,13 +191,16 @@ _STACK_BELOW = 64 << 10  # tensors smaller than this are packed by stack (measur
 
 
 def pack_runs(tensors: Sequence[torch.Tensor], runs: Sequence[Run], buf: torch.Tensor) -> None:
-    """Copy each run's tensors (on `buf`'s device) into `buf`, the gaps zeroed (no heap bytes
-    leave the rank): one stack per run."""
+    """Copy each run's tensors (from any device) into `buf`, the gaps zeroed (no heap bytes
+    leave the rank): one stack per run of small tensors, a copy each for large ones."""
     with torch.no_grad():  # a parameter may require grad; out= refuses those
         for r in runs:
             if r.spec.nbytes < _STACK_BELOW:
-                torch.stack([tensors[i] for i in r.indices], out=run_view(buf, r))
-            else:  # few and large: a copy each is ~15% faster than stack's kernel into fresh pages
+                ts = [tensors[i] for i in r.indices]
+                if any(t.device != buf.device for t in ts):  # e.g. Adam's CPU `step`s into a GPU batch
+                    ts = [t.to(buf.device) for t in ts]
+                torch.stack(ts, out=run_view(buf, r))
+            else:  # few and large: a copy each (across devices too) is ~15% faster than stack into fresh pages
                 for i, slot in zip(r.indices, run_view(buf, r).unbind(0)):
                     slot.copy_(tensors[i])
     zero_gaps(runs, buf)
@@ -222,7 +225,10 @@ def unpack_into(skel: bytes, body: torch.Tensor, live: Any, landing: LandingPool
     if n != body.numel():
         raise ValueError(f"state buffer holds {body.numel()} bytes, skeleton describes {n}")
     mine = live_matches(tree, specs, live)
-    out: list[torch.Tensor | None] = [None if s.nbytes else torch.empty(s.shape, dtype=s.dtype) for s in specs]
+    out: list[torch.Tensor | None] = [
+        None if s.nbytes else mine.get(i, torch.empty(s.shape, dtype=s.dtype, device=body.device))
+        for i, s in enumerate(specs)
+    ]
     written = landed = 0
     with torch.no_grad():
         for r in runs:
@@ -274,16 +280,24 @@ def parse(skeleton: bytes) -> tuple[Any, list[Spec]]:
             return _parse_v1(skeleton)
         if doc["v"] != FORMAT:
             raise ValueError(f"skeleton format {doc['v']!r}: this resild reads {FORMAT} and 1")
-        groups = []
-        for name, dims in doc["g"]:
-            if type(dims) is not list or not all(type(d) is int and d >= 0 for d in dims):
-                raise ValueError(f"bad tensor shape {dims!r}")
-            groups.append(_spec(_DTYPES[name], tuple(dims)))
+        groups = [_checked_spec(name, dims) for name, dims in doc["g"]]
         if not all(type(k) is int and k >= 0 for k in doc["t"]):
             raise ValueError("bad tensor kinds")
         return doc["s"], [groups[k] for k in doc["t"]]
-    except (KeyError, IndexError, TypeError) as e:
+    except (KeyError, IndexError, TypeError, RecursionError) as e:
         raise ValueError(f"not a state skeleton: {e!r}") from None
+
+
+MAX_TENSOR_BYTES = 1 << 44  # 16 TiB: no shard's tensor is larger; a skeleton that says so is not one
+
+
+def _checked_spec(name: Any, dims: Any) -> Spec:
+    if type(dims) is not list or not all(type(d) is int and d >= 0 for d in dims):
+        raise ValueError(f"bad tensor shape {dims!r}")
+    s = _spec(_DTYPES[name], tuple(dims))
+    if s.nbytes > MAX_TENSOR_BYTES:
+        raise ValueError(f"a tensor of {s.nbytes} bytes")
+    return s
 
 
 def _parse_v1(skeleton: bytes) -> tuple[Any, list[Spec]]:
@@ -294,7 +308,7 @@ def _parse_v1(skeleton: bytes) -> tuple[Any, list[Spec]]:
     def node(n: dict[str, Any]) -> Any:  # every JSON object is a node of ours, innermost first
         i = n.get("__t")
         if i is not None:
-            specs[int(i)] = _spec(_DTYPES[n["dtype"]], tuple(map(int, n["shape"])))
+            specs[int(i)] = _checked_spec(n["dtype"], n["shape"])
             return {"__t": int(i)}
         if "__d" in n:
             return {"__d": [[k if kt == "s" else int(k), v] for (kt, k), v in n["__d"]]}
@@ -302,7 +316,10 @@ def _parse_v1(skeleton: bytes) -> tuple[Any, list[Spec]]:
             return n["__l"]
         return n
 
-    skel = json.loads(skeleton, object_hook=node)
+    try:
+        skel = json.loads(skeleton, object_hook=node)
+    except (KeyError, IndexError, TypeError, RecursionError) as e:
+        raise ValueError(f"not a state skeleton: {e!r}") from None
     if sorted(specs) != list(range(len(specs))):
         raise ValueError("skeleton's tensor indices are not 0..n-1")
     return skel, [specs[i] for i in range(len(specs))]

@@ -9,9 +9,11 @@ standby controller holds the same one): a stranger without a node key never lear
 
 Poly1305 (OpenSSL, through `cryptography`) runs at ~5 GB/s here against ~10-20 GB/s for
 zlib-ng's CRC-32, and needs a key used for one message only: each message's key is
-HMAC-SHA-256(data key, what names the message), and what names it includes a random
-nonce its sender draws per exchange, so no two messages ever share a key. Host memory
-only: a CUDA replay keeps its device checksum (no GPU MAC here; said in docs/security.md).
+HMAC-SHA-256(data key, what names the message), and what names it is unique: a replay's
+epoch and number in it, a snapshot's random nonce its owner draws, a group's pair proof
+its epoch, group and direction (a group is formed once an epoch: group_auth), so no two
+messages ever share a key. Host memory only: a CUDA replay keeps its device checksum (no
+GPU MAC here; said in docs/security.md).
 """
 
 from __future__ import annotations

@@ -165,6 +165,7 @@ def _batches(by_spec: dict[Spec, list[int]]) -> list[Message]:
     end = 0
     for spec, indices in by_spec.items():
         stride = aligned(spec.nbytes)
+        assert stride <= CHUNK, "a small tensor is smaller than a batch"
         start = 0
         while start < len(indices):
             room = (CHUNK - end) // stride
@@ -415,7 +416,6 @@ class _Sender:
         self.n_state = len(ts)
         self.tensors = ts + ta
         self.specs = specs + aspecs
-        self._on_device = all(t.device == tr.device for t in self.tensors)
         self.meta = self._meta(skel, askel)
         self._layouts: dict[int, list[list[Message]]] = {}
         self._raw: dict[int, torch.Tensor] = {}  # large tensors' bytes
@@ -454,7 +454,7 @@ class _Sender:
         key = (parts, part, j)
         if key not in self._bufs:
             buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
-            pack_runs(self.tensors if self._on_device else [t.to(dev) for t in self.tensors], m.runs, buf)
+            pack_runs(self.tensors, m.runs, buf)
             self._bufs[key] = buf
         return self._bufs[key]
 

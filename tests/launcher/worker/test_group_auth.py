@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -121,3 +122,60 @@ def test_a_group_whose_peer_does_not_is_retired_and_the_formation_fails_in_one_l
     assert rec.intr.error is not None and "did not prove the job's data key" in rec.intr.error
     assert "rank(s) [1]" in rec.intr.error and g.pg is None
     assert pg.aborted.wait(5)  # handed to the old backends' thread, not leaked
+
+
+class _Late:
+    """A receive that lands after `after_s`, or never (raises at its timeout, as gloo's does)."""
+
+    def __init__(self, after_s: float | None, log: list[float]) -> None:
+        self.after_s, self.log = after_s, log
+
+    def wait(self, timeout: Any = None) -> bool:
+        left = timeout.total_seconds()
+        self.log.append(left)
+        if self.after_s is None or self.after_s > left:
+            time.sleep(left)
+            raise RuntimeError("Timed out waiting for recv")
+        time.sleep(self.after_s)
+        return True
+
+
+class _Three:
+    """A group of 3 seen from rank 0: rank 1 answers late, rank 2 never."""
+
+    def __init__(self) -> None:
+        self.log: list[float] = []
+
+    def send(self, ts: list[torch.Tensor], dst: int, tag: int) -> _Done:
+        return _Done()
+
+    def recv(self, ts: list[torch.Tensor], src: int, tag: int) -> _Late:
+        ts[0].copy_(torch.tensor(expected(Mac(KEY), 1, group_id("world"), src, 0)))
+        return _Late(0.3 if src == 1 else None, self.log)
+
+
+def test_silent_peers_share_one_deadline_and_are_named() -> None:
+    pg = _Three()
+    with pytest.raises(PairRefused, match="rank 2 gave no proof within 0.5s"):
+        prove_pairs(pg, Mac(KEY), 1, "world", 0, 3, 0.5)
+    first, second = pg.log
+    assert first == pytest.approx(0.5, abs=0.05) and second < 0.25  # what the late one left, not 0.5 again
+
+
+def test_a_formation_that_fails_on_one_group_retires_the_groups_it_did_form() -> None:
+    intr = Interrupts()
+    good = _FakeGloo(expected(Mac(KEY), 3, group_id("world"), 1, 0))
+
+    class Half(GroupFactory):
+        def build(self, epoch: int, group: StableGroup) -> Any:
+            if group.label == "host":
+                raise RuntimeError("the host group did not form")
+            return good
+
+    rec = RecoverySequence(intr, Half("gloo", hash_store, 10.0), torch.device("cpu"), 0.0)
+    rec.mac = Mac(KEY)
+    world, host = StableGroup("world", [0, 1], 0, intr), StableGroup("host", [0, 1], 0, intr)
+    with pytest.raises(Reformed):
+        rec.form(3, [world, host])
+    assert "the host group did not form" in (intr.error or "") and world.pg is None
+    assert good.aborted.wait(5)  # not left connected for a formation that will never use it

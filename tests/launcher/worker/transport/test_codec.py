@@ -123,3 +123,30 @@ def test_a_format_1_skeleton_as_older_disk_checkpoints_hold_it_still_reads() -> 
         parse(b'{"v":9,"s":null}')
     with pytest.raises(ValueError):
         parse(b'{"v":2,"g":[["torch.float32",[-1]]],"t":[0],"s":{"__t":0}}')
+
+
+def test_what_a_skeleton_from_the_wire_cannot_do_is_refused_as_a_value_error() -> None:
+    deep = b'{"v":2,"g":[],"t":[],"s":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    huge = b'{"v":2,"g":[["torch.float32",[99999999999999999999]]],"t":[0],"s":{"__t":0}}'
+    v1_negative = b'{"__t":0,"dtype":"torch.float32","shape":[-2,-2]}'
+    for bad in (deep, huge, v1_negative, b'{"v":2,"g":[["torch.quint8",[1]]],"t":[0],"s":{"__t":0}}'):
+        with pytest.raises(ValueError):
+            parse(bad)
+
+
+def test_a_str_enum_key_travels_as_its_value_and_a_zero_size_tensor_keeps_its_live_home() -> None:
+    import enum
+
+    class Kind(str, enum.Enum):
+        A = "a"
+
+    back = unflatten(*flatten({Kind.A: torch.ones(2)}))
+    assert list(back) == ["a"]
+    live_empty = torch.zeros(0, 3)
+    skel, tensors, specs = encode({"e": torch.zeros(0, 3), "w": torch.ones(4)})
+    runs, n = pack_plan(specs)
+    buf = torch.empty(n, dtype=torch.uint8)
+    pack_runs(tensors, runs, buf)
+    state, _, _ = unpack_into(skel, buf, {"e": live_empty})
+    live_empty.zero_()  # bumps the version counter a detached alias shares, not a new tensor's
+    assert state["e"]._version == live_empty._version == 1
