@@ -32,6 +32,17 @@ def drain(ch: Channel, wait_s: float = 0.3) -> list[Message]:
     return out
 
 
+def until(ch: Channel, kind: MsgType, timeout_s: float = 10.0) -> list[Message]:
+    """Every message up to the first of `kind` (a fresh CURVE connection on a loaded machine
+    can take longer than a fixed drain), then whatever follows within a short drain."""
+    out, deadline = [], time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0 and not any(m.type == kind for m in out):
+        got = ch.recv(left)
+        if got is not None:
+            out.append(got[1])
+    return out + drain(ch)
+
+
 def memberships(msgs: list[Message]) -> list[Message]:
     return [m for m in msgs if m.type in (MsgType.MEMBERSHIP, MsgType.MEMBERSHIP_DELTA)]
 
@@ -230,7 +241,7 @@ def test_a_workers_welcome_names_its_nodes_role(cluster: tuple[Controller, Event
         lr = 1 if n == "a" and n in roles else 0
         w = connect(ctx, ctl.endpoint, None, f"{n}/w{lr}/1")
         w.send(MsgType.REGISTER_WORKER, {"node": n, "local_rank": lr, "pid": 1})
-        welcome = [m for m in drain(w) if m.type == MsgType.WELCOME]
+        welcome = [m for m in until(w, MsgType.WELCOME) if m.type == MsgType.WELCOME]
         assert len(welcome) == 1 and welcome[0].body["collective_timeout_s"] > 0
         roles.setdefault(n, []).append(welcome[0].body["role"])
     assert roles == {"a": ["active", "active"], "s0": ["spare"]}
