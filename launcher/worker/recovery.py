@@ -166,8 +166,7 @@ class RecoverySequence:
         finally:
             self.intr.done(token)
         if self.intr.error is not None:  # failed while fenced: nothing aborts what is not installed
-            self.old.abort([out[g.label] for g in groups if g.kind == "nccl"], fenced=True)
-            self.old.abort([out[g.label] for g in groups if g.kind != "nccl"], fenced=self._fence_gloo)
+            self._retire_built([out[g.label] for g in groups])
             raise Reformed(self.intr.error)
         for g in groups:
             g.set_backend(out[g.label])
