@@ -15,6 +15,10 @@ Paths, timed on the receiver from a barrier to the last byte usable:
   storage, received into the tensors handed back, checksummed on both sides.
 - ``direct_mac``: ``direct`` with the job's data key: every message tagged (Poly1305 under a
   one-time key) instead of CRC-32'd, META's tag checked before it is parsed (issue 39).
+- ``direct_prepared``: ``direct`` from a source prepared ahead, as the recovery has each survivor
+  do while the epoch's groups form (``state_transport.prepare``: the state walked, its small
+  tensors packed), checked ``unchanged`` as the replay checks it. The preparation is timed
+  apart (``prepare_s``), before the barrier: it is off the replay's critical path.
 - ``direct_spare``: what a spare pays to be restored: its model is built (the live
   parameters, touched, as after the training script's model construction; its
   optimizer holds no state yet), the exchange writes the parameters in place
@@ -79,13 +83,14 @@ from launcher.worker.replica_map import Transfer, slice_bounds
 from launcher.worker.transport.codec import checksum, flatten, unflatten
 from launcher.worker.transport.landing_pool import LandingPool
 from launcher.worker.transport.mac import Mac
-from launcher.worker.transport.state_transport import P2PTransport, Received
+from launcher.worker.transport.state_transport import P2PTransport, Received, prepare
 
 PATHS = (
     "loopback",
     "loopback_fresh",
     "direct",
     "direct_mac",
+    "direct_prepared",
     "direct_spare",
     "direct_spare_warm",
     "direct_spare_copy",
@@ -290,6 +295,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
     linux = prefault._supported
     wall: dict[str, list[float]] = {}  # "mb/k/path" -> the receiver's seconds per run
     cpu: dict[str, list[float]] = {}  # -> this process's CPU seconds per run (all its threads: gloo's too)
+    prep: dict[str, list[float]] = {}  # -> a source's seconds preparing, before the barrier (direct_prepared)
     info: dict[str, dict[str, Any]] = {}
     for mb in args["mb"]:
         state, aux = shard_state(mb, args["layers"], args["width"])
@@ -316,6 +322,12 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                         if path == "direct_spare_warm":
                             landing = warmed(state, LandingPool())
                             offered = landing.nbytes
+                    prepared = None
+                    if path == "direct_prepared" and rank < k:  # as RecoverySequence.form has it made
+                        p0 = time.perf_counter()
+                        prepared = prepare(snapshot, torch.device("cpu"), lambda: 1)
+                        if i > 0:
+                            prep.setdefault(key, []).append(time.perf_counter() - p0)
                     barrier()
                     t0, c0 = time.perf_counter(), time.process_time()
                     got = None
@@ -337,7 +349,11 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                         )
                         tr = tr or FlatTransport(pg, managed)
                         into = (lambda: spare) if path in ("direct_spare", "direct_spare_warm") else None
-                        got = tr.exchange(plan, rank, snapshot, into) if into else tr.exchange(plan, rank, snapshot)
+                        if (
+                            prepared is not None
+                        ):  # the state is what was prepared: checked as RecoverySequence.replay does
+                            assert prepared.unchanged()
+                        got = tr.exchange(plan, rank, snapshot, into, prepared)
                         if got is not None and path.startswith("direct_spare"):  # TrainState.restore's copy
                             for name, v in spare["model"].items():
                                 src = got.state["model"][name]
@@ -366,7 +382,7 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                     del got
             barrier()
     barrier()
-    out.put({"rank": rank, "wall": wall, "cpu": cpu, "info": info})
+    out.put({"rank": rank, "wall": wall, "cpu": cpu, "info": info, "prepare": prep})
 
 
 def summarize(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -386,6 +402,9 @@ def summarize(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
             mb_per_s=round(row["bytes"] / 1e6 / med, 1),
             cpu_s=round(statistics.median(per_run), 6),
         )
+        preps = [x for r in reports for x in r.get("prepare", {}).get(key, [])]
+        if preps:  # off the replay's critical path (while the groups form), so not in `seconds`
+            row["prepare_s"] = round(statistics.median(preps), 6)
         lb = recv["wall"].get(key.rsplit("/", 1)[0] + "/loopback")
         if lb:
             row["ratio"] = round(statistics.median(lb) / med, 3)
@@ -410,19 +429,25 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
     n = state_bytes(state) + state_bytes(aux)
     tr = tp.P2PTransport(None, torch.device("cpu"), lambda w: None)
     skel, buf = flatten(state)
-    sender = tp._Sender(tr, 0, state, aux)
+    sender = tp._Sender(tr, 0, tp.Source(state, aux, torch.device("cpu")))
     msgs = sender._layout(1)[0]
     wires = [sender._wire(1, 0, j) for j in range(len(msgs))]
     skel_json = skeleton(state)[0]
     sk, specs = parse(skel_json)
 
     def source_prepare() -> list[torch.Tensor]:
-        s = tp._Sender(tr, 0, state, aux)
+        s = tp._Sender(tr, 0, tp.Source(state, aux, torch.device("cpu")))
         return [s._wire(1, 0, j) for j in range(len(s._layout(1)[0]))]
 
+    def prepare_ahead() -> Any:
+        return tp.prepare(lambda: (state, aux), torch.device("cpu"), lambda: 1)
+
+    ready = prepare_ahead()
+
     def receiver_prepare() -> Any:
-        into = tp._Destination(specs, torch.device("cpu"))
-        for m in tp.layout(specs, len(specs), 1)[0]:
+        lay = tp.layout(specs, len(specs), 1)
+        into = tp._Destination(specs, torch.device("cpu"), lay)
+        for m in lay.parts[0]:
             into.wire(m)
         return into
 
@@ -463,8 +488,10 @@ def phases(mb: float, layers: int, width: int, runs: int, cold: bool) -> list[di
         ("CRC-32 of the state's bytes (each path: once per side)", lambda: checksum(src)),
         ("flat: source flatten (skeleton + cat)", lambda: (flatten(state), flatten(aux))),
         ("flat: receiver unflatten (a clone per tensor)", lambda: unflatten(skel, buf)),
-        ("direct: source skeletons + META", lambda: tp._Sender(tr, 0, state, aux)),
-        ("direct: source skeletons + META + layout + batches", source_prepare),
+        ("direct: source skeletons + META", lambda: tp._Sender(tr, 0, tp.Source(state, aux, torch.device("cpu")))),
+        ("direct: source skeletons + META + layout + packing", source_prepare),
+        ("direct: source prepared while the groups form (walk + packing)", prepare_ahead),
+        ("direct: a prepared source's check that the state is unchanged", lambda: ready.unchanged()),
         ("direct: CRC-32 of every message", lambda: [checksum(w) for w in wires]),
         ("direct: receiver parse", lambda: parse(skel_json)),
         ("direct: receiver layout + allocation", receiver_prepare),
@@ -572,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = "-" if eq is None else "yes" if eq else "NO"
         if r.get("offered_bytes") and not r.get("landed_bytes"):
             ok += " (nothing landed in the warmed memory)"
+        if "prepare_s" in r:
+            ok += f" (prepared ahead in {r['prepare_s'] * 1e3:.2f} ms)"
         print(
             f"{r['bytes'] / 1e6:7.2f} {r['tensors']:7d} {r['sources']:3d} {r['path']:<18} {r['seconds'] * 1e3:9.2f} "
             f"{r['min_s'] * 1e3:7.2f}-{r['max_s'] * 1e3:7.2f} {r['mb_per_s']:7.0f} {r.get('ratio', math.nan):6.2f} "

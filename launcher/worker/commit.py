@@ -171,6 +171,12 @@ class CommitProtocol:
         self.steps.discard()
         return self.train.state_view(self.steps.step)  # the step in it is not read: only tensors
 
+    def replica_token(self) -> tuple[int, bool, int, int]:
+        """What replica_state's content hangs on besides its tensors' bytes (the step, the
+        committed aux, the optimizer steps and restores applied): alike while it is alike."""
+        s = self.steps
+        return s.step, s.holding, id(s.committed_aux), self.train.generation
+
     def replica_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What a replica sends (and a snapshot captures): the replicated state at the
         committed step, and its aux."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ from launcher.worker.replica_map import ReplicaMap, plan_replay
 from launcher.worker.stable_group import GroupFactory, Interrupts, ManagedWork, StableGroup, abort, wait_mode
 from launcher.worker.transport.landing_pool import LandingPool
 from launcher.worker.transport.mac import Mac
-from launcher.worker.transport.state_transport import P2PTransport, Received
+from launcher.worker.transport.state_transport import P2PTransport, Received, Source, prepare
 
 
 class DamagedReplay(ValueError):
@@ -76,6 +77,8 @@ class RecoverySequence:
         self.abort_wait_s = 0.0  # the last forming's wait for the old communicators' aborts
         self.mac: Mac | None = None  # the job's data key (WELCOME): state on the wire is authenticated
         self._replays = 0  # in this epoch: with the epoch, what makes each replay's message keys its own
+        self._prepared: Source | None = None  # what this rank would send, made while the groups formed
+        self.prepared_used = 0  # replays that sent what was prepared (a count, for tests and benches)
         intr.on_fail.append(self._abort_streams)
 
     def _abort_streams(self) -> None:
@@ -111,6 +114,7 @@ class RecoverySequence:
         old = [(g.pg, g.kind) for g in self.groups.values() if g.pg is not None]
         for g in self.groups.values():
             g.set_backend(None)
+        self._prepared = None
         self.old.abort([pg for pg, kind in old if kind == "nccl"], fenced=True)
         self.old.abort([pg for pg, kind in old if kind != "nccl"], fenced=self._fence_gloo)
 
@@ -119,9 +123,10 @@ class RecoverySequence:
         host; a CUDA replay keeps its device checksum (no MAC on the GPU)."""
         return self.mac if self.device.type == "cpu" else None
 
-    def form(self, epoch: int, groups: list[StableGroup]) -> float:
+    def form(self, epoch: int, groups: list[StableGroup], meanwhile: Callable[[], None] | None = None) -> float:
         """Build this epoch's backends for `groups`, in parallel (gloo's full-mesh
-        connect blocks until every member arrives). Returns seconds taken."""
+        connect blocks until every member arrives), running `meanwhile` on this thread
+        while they connect. Returns seconds taken."""
         t0 = time.monotonic()
         out: dict[str, Any] = {}
         threads = []
@@ -144,6 +149,8 @@ class RecoverySequence:
             th = threading.Thread(target=build, name=f"resild-form-e{epoch}-{g.label}", daemon=True)
             th.start()
             threads.append(th)
+        if meanwhile is not None:
+            meanwhile()
         token = self.intr.begin_wait()
         try:
             formed = self.intr.wait_until(lambda: len(out) == len(groups))
@@ -197,6 +204,20 @@ class RecoverySequence:
         return pg
 
     # ---- agreeing and replaying -------------------------------------------------
+    def prepare_source(
+        self, snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]], token: Callable[[], Any]
+    ) -> None:
+        """Walk and pack what this rank would send in a replay (state_transport.prepare),
+        for `replay` to use if the state is still the same then."""
+        self._prepared = None
+        try:
+            self._prepared = prepare(snapshot, self.device, token)
+        except Exception:
+            pass  # never a reason to fail a recovery: the replay takes the state itself, and says why
+
+    def forget_prepared(self) -> None:
+        self._prepared = None  # the live tensors it packed may be freed
+
     def agree(self, rank: int, world: int, row: tuple[int, ...], floor: int = 0) -> Agreement:
         rows = torch.zeros(world, len(row), dtype=torch.int64, device=self.device)
         rows[rank] = torch.tensor(row, dtype=torch.int64)
@@ -222,7 +243,11 @@ class RecoverySequence:
         self._replays += 1  # alike on every rank: each runs the same sequence
         names = (self.epoch, self._replays)
         transport = P2PTransport(pg, self.device, lambda w: self.wait(w, untimed=True), landing, mac, names)
-        got = transport.exchange(plan, rank, snapshot, receive_into)
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and not (any(t.src == rank for t in plan) and prepared.unchanged()):
+            prepared = None  # not a source, or rolled forward or back since: what it packed is stale
+        self.prepared_used += prepared is not None
+        got = transport.exchange(plan, rank, snapshot, receive_into, prepared)
         if not plan:
             return target, got
         # Every rank learns whether any transfer arrived damaged, so all take the same next step.

@@ -93,9 +93,16 @@ class RecoveryDriver:
         """The recovery sequence's form(); an old communicator that never dies fails this
         rank in one line (its node is replaced)."""
         try:
-            return self.rec.form(epoch, groups)
+            return self.rec.form(epoch, groups, self._ahead)
         except AbortStuck as e:
             raise self.error(str(e)) from None
+
+    def _ahead(self) -> None:
+        """While the groups form: what the restore sources can make ready (a survivor's
+        state to send, walked and packed)."""
+        if self.job.state is not None:
+            for s in self.job._sources:
+                s.ahead()
 
     def await_notice(self, why: str) -> None:
         """A collective failed with no new membership yet: only the controller knows.
@@ -188,6 +195,8 @@ class RecoveryDriver:
             done = restore_state(job._sources, Need(ag.target, floor, ag.steps, landing))
         except (Exhausted, Unavailable) as e:
             job._fatal(str(e))
+        finally:
+            self.rec.forget_prepared()
         if landing is not None:
             landing.clear()  # this rank holds its state now: the rest is memory no one needs
         target, got, source = done.step, done.got, done.source

@@ -49,6 +49,7 @@ class TrainState:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.scaler, self.extra = scaler, extra
         self.device = device or torch.device("cpu")
+        self.generation = 0  # optimizer steps and restores applied: what a prepared replay checks
 
     # ---- aux: RNG and extra as of the last commit --------------------------------
     def capture_aux(self) -> dict[str, Any]:
@@ -100,6 +101,7 @@ class TrainState:
         }
 
     def restore(self, s: dict[str, Any], aux: dict[str, Any]) -> int:
+        self.generation += 1
         live = self.model.state_dict()
         missing = set(live) ^ set(s["model"])
         if missing:
@@ -144,6 +146,7 @@ class TrainState:
         return int(sum(v.item() for v in scaler_found_inf(self.scaler, self.optimizer)) > 0)
 
     def apply_step(self, found_inf: int) -> None:
+        self.generation += 1
         if self.scaler is not None and self.scaler.is_enabled():
             if not scaler_unscaled(self.scaler, self.optimizer):
                 self.scaler.unscale_(self.optimizer)

@@ -58,3 +58,9 @@ class StateSource(Protocol):
         """A job starting at step 0 (a requeued or resubmitted one): state this source can
         resume it from, with no user code; None: nothing (collective, like `restore`)."""
         ...
+
+    def ahead(self) -> None:
+        """While a recovery's groups form (nothing is known yet of what will be needed):
+        make ready what this rank's part in `restore` may use, off its critical path.
+        Local, never collective, and never an error: what it made is checked before use."""
+        ...

@@ -1,7 +1,7 @@
 """The job's restore sources, in the order they are tried, and the loop that tries them.
 
-A new source is one new module with a class that has `name`, `build(ctx)`, `restore`
-and `fresh_start` (launcher.worker.sources.base.StateSource), plus one entry in
+A new source is one new module with a class that has `name`, `build(ctx)`, `restore`,
+`fresh_start` and `ahead` (launcher.worker.sources.base.StateSource), plus one entry in
 `SOURCES` below (and its name in resild.events.schema.RestoreSource).
 """
 

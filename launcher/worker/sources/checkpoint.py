@@ -41,6 +41,9 @@ class CheckpointSource:
             return None
         return Restored(self.load("resuming from resild's checkpoints"), None, self.name, loaded=True)
 
+    def ahead(self) -> None:
+        pass  # a load reads the files when it is needed
+
     def saved_step(self) -> int | None:
         """The newest complete checkpoint as every rank sees it (one all-reduce: a rank
         with a stale listing must not leave the others in DCP's collectives alone)."""

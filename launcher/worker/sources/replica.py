@@ -41,3 +41,15 @@ class ReplicaSource:
 
     def fresh_start(self) -> Restored | None:
         return None
+
+    def ahead(self) -> None:
+        """The state this rank would send, walked and packed (RecoverySequence.prepare_source)
+        while the groups form, if it holds a committed step that a replica of it may lack.
+        Survivors mostly stay as they were through the agreement, so the replay starts
+        sending at once; the replay checks it is unchanged before using it."""
+        c = self.ctx
+        if not c.protocol.steps.holding or c.protocol.steps.step < 0:
+            return
+        mine = next((g for g in c.replicas().groups if c.rank in g), ())
+        if len(mine) > 1:
+            c.rec.prepare_source(c.protocol.replica_state, c.protocol.replica_token)

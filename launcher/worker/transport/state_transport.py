@@ -9,14 +9,16 @@ Per receiver, every message a point-to-point of raw bytes (no pickle):
    receiver waits for one message before every other receive is in flight. A
    skeleton too long for it sends its tail as META2.
 2. The bulk, cut by `layout` from the skeleton alone, alike on both sides: the
-   state's tensors laid end to end are split into the byte slices that the plan's
-   `Transfer.part`/`parts` name (`slice_bounds`), one per source, all sources at
-   once. Tensors of 64 KB or more go straight from the source tensor's storage into
-   the tensor handed back (in 4 MB pieces, so checksums overlap the wire); smaller
-   ones are packed into one batch per slice (each message has a fixed cost), each at a
-   64-byte offset, and the state's are handed back as views of it (the aux's, RNG
-   states, are copied out: torch's RNG setters ignore a view's offset). The aux
-   (RNG, extra) rides with part 0. A receiver that offers its own live state
+   state's large tensors (64 KB or more) laid end to end, and its small ones packed a
+   run per dtype and shape (`small_runs`, each tensor at a 64-byte offset), are each
+   split into the byte slices that the plan's `Transfer.part`/`parts` name
+   (`slice_bounds`), one per source, all sources at once, and into 4 MB pieces (so
+   checksums overlap the wire). Large tensors go straight from the source tensor's
+   storage into the tensor handed back; small ones are packed once per source
+   (`Source`, even before the replay: `prepare`, while the epoch's groups form) and
+   handed back as views of their packed bytes. The aux (RNG, extra) rides with part 0,
+   its small tensors batched and copied out (torch's RNG setters ignore a view's
+   offset). A receiver that offers its own live state
    (`receive_into`: a spare's built model, a rank's optimizer state) gets each large
    host tensor of the same path, dtype and shape written in place: no second
    allocation, no fresh pages, no copy into the model afterwards (a cut-off replay
@@ -56,6 +58,7 @@ from launcher.worker.transport.codec import (
     checksum,
     encode,
     live_matches,
+    pack_plan,
     pack_runs,
     parse,
     run_view,
@@ -64,7 +67,7 @@ from launcher.worker.transport.landing_pool import LandingPool
 from launcher.worker.transport.mac import REPLAY_META, REPLAY_PART, TAG_WORDS, Mac
 from launcher.worker.transport.page_prefault import populate_ahead
 
-VERSION = 3  # of the wire layout below; 2 packed small tensors one by one, 1 was the single flat buffer
+VERSION = 4  # of the wire layout below; 3 batched small tensors per slice, 2 one by one, 1 was one flat buffer
 SMALL = 64 << 10  # tensors under this are batched
 CHUNK = 4 << 20  # largest message: a large tensor is cut into pieces of this
 META_CAP = 64 << 10  # META's fixed size: a few hundred tensors' skeleton
@@ -93,13 +96,18 @@ class StateTransport(Protocol):
         me: int,
         snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
         receive_into: Callable[[], Any] | None = None,
+        prepared: Source | None = None,
     ) -> Received | None:
         """Send what `plan` asks of `me` and receive what it gives `me`."""
 
 
 # ---- the layout: which bytes travel in which message -------------------------------------
+PACKED = -1  # Piece.tensor of the bytes of the state's small tensors, packed by runs
+
+
 class Piece(NamedTuple):
-    """Bytes [lo, hi) of a large tensor, sent from and received into its own storage."""
+    """Bytes [lo, hi) of a large tensor, sent from and received into its own storage, or
+    of the state's small tensors packed (`tensor` = PACKED)."""
 
     tensor: int  # in skeleton order (the state's, then the aux's)
     lo: int
@@ -108,47 +116,61 @@ class Piece(NamedTuple):
 
 class Message(NamedTuple):
     nbytes: int
-    piece: Piece | None  # a large tensor's bytes, or
-    runs: tuple[Run, ...]  # a batch of small ones
+    piece: Piece | None  # a large tensor's bytes, or the packed small ones', or
+    runs: tuple[Run, ...]  # a batch of the aux's small ones
 
 
-def layout(specs: Sequence[Spec], n_state: int, parts: int) -> list[list[Message]]:
+class Layout(NamedTuple):
+    parts: list[list[Message]]  # the messages of each slice
+    runs: list[Run]  # where the state's small tensors sit in their packed bytes
+    packed: int  # how many bytes those are
+
+
+def small_runs(specs: Sequence[Spec], n_state: int) -> tuple[list[Run], int]:
+    """The state's small tensors packed a run per Spec (codec.pack_plan): one buffer, the
+    same whatever the slices, so that a source packs it once, even ahead of the replay."""
+    index = [i for i in range(n_state) if 0 < specs[i].nbytes < SMALL]
+    runs, n = pack_plan([specs[i] for i in index])
+    return [Run(r.spec, r.at, tuple(index[j] for j in r.indices)) for r in runs], n
+
+
+def layout(specs: Sequence[Spec], n_state: int, parts: int) -> Layout:
     """The messages of each slice `part` of `parts`, from every tensor's Spec (the state's
-    `n_state` first): what sources and receiver compute alike. A large tensor is cut at
-    the slice bounds (moved down to ALIGN) and into CHUNKs; a small one belongs whole to
-    the slice holding its first byte, batched with the others of its Spec; the aux goes
-    with slice 0."""
-    total = sum(s.nbytes for s in specs[:n_state])
+    `n_state` first): what sources and receiver compute alike. The state's large tensors,
+    laid end to end, and its small ones' packed bytes are each cut at the slice bounds
+    (moved down to ALIGN) and into CHUNKs; the aux goes with slice 0 (its large tensors
+    whole, its small ones batched)."""
+    runs, packed = small_runs(specs, n_state)
+    total = sum(s.nbytes for s in specs[:n_state] if s.nbytes >= SMALL)
     bounds = [slice_bounds(total, p, parts) for p in range(parts)]
-    small: list[dict[Spec, list[int]]] = [{} for _ in range(parts)]
+    small_aux: dict[Spec, list[int]] = {}
     out: list[list[Message]] = [[] for _ in range(parts)]
-    off = 0
-    p = 0  # the slice holding byte `off`
+    off = 0  # of the state's large tensors laid end to end
     for i, spec in enumerate(specs):
         n = spec.nbytes
         state = i < n_state
-        if state:
-            while p < parts - 1 and off >= bounds[p][1]:
-                p += 1
         if n >= SMALL:
             whole = not state or parts == 1
             spans = (
                 [(0, 0, n)] if whole else [(q, _cut(a - off, n), _cut(b - off, n)) for q, (a, b) in enumerate(bounds)]
             )
             for q, lo, hi in spans:
-                if 0 < hi - lo <= CHUNK:  # the common case, kept cheap: one message
-                    out[q].append(Message(hi - lo, Piece(i, lo, hi), ()))
-                elif hi > lo:
-                    out[q] += [
-                        Message(min(CHUNK, hi - c), Piece(i, c, min(c + CHUNK, hi)), ()) for c in range(lo, hi, CHUNK)
-                    ]
-        elif n:
-            small[p if state else 0].setdefault(spec, []).append(i)
-        if state:
-            off += n
+                out[q] += _pieces(i, lo, hi)
+            if state:
+                off += n
+        elif n and not state:
+            small_aux.setdefault(spec, []).append(i)
     for q in range(parts):
-        out[q] += _batches(small[q])
-    return out
+        a, b = slice_bounds(packed, q, parts)
+        out[q] += _pieces(PACKED, _cut(a, packed), _cut(b, packed))
+    out[0] += _batches(small_aux)
+    return Layout(out, runs, packed)
+
+
+def _pieces(tensor: int, lo: int, hi: int) -> list[Message]:
+    if 0 < hi - lo <= CHUNK:  # the common case, kept cheap: one message
+        return [Message(hi - lo, Piece(tensor, lo, hi), ())]
+    return [Message(min(CHUNK, hi - c), Piece(tensor, c, min(c + CHUNK, hi)), ()) for c in range(lo, hi, CHUNK)]
 
 
 def _cut(x: int, n: int) -> int:
@@ -297,15 +319,19 @@ class P2PTransport:
         me: int,
         snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
         receive_into: Callable[[], Any] | None = None,
+        prepared: Source | None = None,
     ) -> Received | None:
         """`receive_into`: called once if `me` receives, before any byte lands; returns the
         live state whose tensors may be overwritten in place (whatever it returns is in
-        an unknown state if the exchange does not complete)."""
+        an unknown state if the exchange does not complete). `prepared`: what `me` sends,
+        walked and packed ahead (`prepare`; the caller checked it is `unchanged`), instead
+        of `snapshot()`."""
         sends = sorted((t for t in plan if t.src == me), key=lambda t: (t.dst, t.part))
         recvs = sorted((t for t in plan if t.dst == me), key=lambda t: t.part)
         assert not (sends and recvs and receive_into is not None), "plan_replay never has a rank send and receive"
         with gc_paused():
-            sent = _Sender(self, me, *snapshot()).post(sends) if sends else None
+            src = (prepared or Source(*snapshot(), self.device)) if sends else None
+            sent = _Sender(self, me, src).post(sends) if src is not None else None
             got = self._receive(recvs, receive_into) if recvs else None
             if sent is not None:
                 self.wait(sent)
@@ -321,13 +347,14 @@ class P2PTransport:
         if meta is None:  # nothing more can be matched: the source's sends fail at its group's timeout
             return Received({}, {}, 0, sources, time.monotonic() - t0, (primary,))
         skel, askel, specs, n_state, n_meta, meta_ok = meta
-        msgs = layout(specs, n_state, parts)
+        lay = layout(specs, n_state, parts)
+        msgs = lay.parts
         # In place on the host only: on NCCL an aborted receive kernel is not known (measured
         # on no GPU) to have stopped before the next write into the same memory.
         live = {}
         if receive_into is not None and self.device.type == "cpu":
             live = in_place(skel, specs[:n_state], receive_into(), self.device)
-        into = _Destination(specs, self.device, live, self.landing)
+        into = _Destination(specs, self.device, lay, live, self.landing)
         works: list[Any] = []
         wires: list[tuple[int, int, torch.Tensor]] = []  # (part, message, bytes) in posting order
         fresh: list[tuple[int, int, torch.Tensor]] = []  # of them, those into memory never touched
@@ -405,21 +432,72 @@ class P2PTransport:
         return skel, askel, specs + aspecs, len(specs), n_skel + n_askel, ok
 
 
-class _Sender:
-    """One source's side: every slice it owes (to one or several receivers), from one
-    snapshot; a slice owed twice is packed and checksummed once."""
+class Source:
+    """A source's state walked once (skeletons, tensors, Specs) and its small tensors packed
+    once, whatever slices and receivers it is asked for. `prepare` makes one ahead of the
+    replay (while the epoch's groups form): used only if `unchanged`."""
 
-    def __init__(self, tr: P2PTransport, me: int, state: dict[str, Any], aux: dict[str, Any]) -> None:
-        self.tr, self.me = tr, me
-        skel, ts, specs = encode(state)
-        askel, ta, aspecs = encode(aux)
+    def __init__(self, state: dict[str, Any], aux: dict[str, Any], device: torch.device) -> None:
+        self.skel, ts, specs = encode(state)
+        self.askel, ta, aspecs = encode(aux)
+        self.device = device
         self.n_state = len(ts)
         self.tensors = ts + ta
         self.specs = specs + aspecs
-        self.meta = self._meta(skel, askel)
-        self._layouts: dict[int, list[list[Message]]] = {}
+        self.runs, self.n_packed = small_runs(self.specs, self.n_state)
+        self._packed: torch.Tensor | None = None
+        self._marks: list[tuple[int, int]] = []
+        self._token: Any = None
+        self._token_of: Callable[[], Any] | None = None
+        self._held: Any = None
+
+    def packed(self) -> torch.Tensor:
+        """The state's small tensors packed by runs (codec.pack_runs: gaps zeroed)."""
+        if self._packed is None:
+            buf = torch.empty(self.n_packed, dtype=torch.uint8, device=self.device)
+            pack_runs(self.tensors, self.runs, buf)
+            self._packed = buf
+        return self._packed
+
+    def unchanged(self) -> bool:
+        """Whether the state is still what was walked and packed: the caller's token (its
+        step, its committed aux, its optimizer steps applied) is the same, and no tensor
+        was written or replaced (torch bumps a tensor's version at every in-place write,
+        a `copy_`, an optimizer's foreach update or a load alike)."""
+        if self._token_of is None or self._token_of() != self._token:
+            return False
+        return all((t._version, t.data_ptr()) == m for t, m in zip(self.tensors, self._marks, strict=True))
+
+
+def prepare(
+    snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]], device: torch.device, token: Callable[[], Any]
+) -> Source:
+    """A source's side made ahead of a replay it may send: the state taken and walked, and,
+    in host memory, its small tensors packed (on a GPU that would queue kernels behind
+    the old communicator's while it aborts). Off the replay's critical path; what a
+    recovery writes before the replay (a roll forward, a rollback) makes it `unchanged()`
+    no more, and the replay walks the state again. Raises RuntimeError for tensors that
+    keep no version (inference tensors)."""
+    state, aux = snapshot()
+    src = Source(state, aux, device)
+    src._token_of, src._token = token, token()
+    src._held = aux  # the token may name it by id: kept alive, so that no other object takes that id
+    src._marks = [(t._version, t.data_ptr()) for t in src.tensors]
+    if device.type == "cpu" and all(t.device.type == "cpu" for t in src.tensors):
+        src.packed()
+    return src
+
+
+class _Sender:
+    """One source's side of an exchange: every slice it owes (to one or several receivers),
+    from one Source; a slice owed twice is checksummed once."""
+
+    def __init__(self, tr: P2PTransport, me: int, src: Source) -> None:
+        self.tr, self.me, self.src = tr, me, src
+        self.meta = self._meta(src.skel, src.askel)
+        self._layouts: dict[int, Layout] = {}
         self._raw: dict[int, torch.Tensor] = {}  # large tensors' bytes
-        self._bufs: dict[tuple[int, int, int], torch.Tensor] = {}  # batches
+        self._bufs: dict[tuple[Run, ...], torch.Tensor] = {}  # the aux's batches
         self._sums: dict[tuple[int, int], torch.Tensor] = {}
         self.works: list[Any] = []
 
@@ -439,24 +517,25 @@ class _Sender:
 
     def _layout(self, parts: int) -> list[list[Message]]:
         if parts not in self._layouts:
-            self._layouts[parts] = layout(self.specs, self.n_state, parts)
-        return self._layouts[parts]
+            self._layouts[parts] = layout(self.src.specs, self.src.n_state, parts)
+        return self._layouts[parts].parts
 
     def _wire(self, parts: int, part: int, j: int) -> torch.Tensor:
         m = self._layout(parts)[part][j]
         dev = self.tr.device
+        if m.piece is not None and m.piece.tensor == PACKED:
+            return self.src.packed()[m.piece.lo : m.piece.hi]
         if m.piece is not None:  # straight from the tensor's storage (moved only if elsewhere)
             i = m.piece.tensor
             if i not in self._raw:
-                t = self.tensors[i]
+                t = self.src.tensors[i]
                 self._raw[i] = byte_view(t if t.device == dev else t.to(dev))
             return self._raw[i][m.piece.lo : m.piece.hi]
-        key = (parts, part, j)
-        if key not in self._bufs:
+        if m.runs not in self._bufs:
             buf = torch.empty(m.nbytes, dtype=torch.uint8, device=dev)
-            pack_runs(self.tensors, m.runs, buf)
-            self._bufs[key] = buf
-        return self._bufs[key]
+            pack_runs(self.src.tensors, m.runs, buf)
+            self._bufs[m.runs] = buf
+        return self._bufs[m.runs]
 
     def post(self, sends: list[Transfer]) -> _InOrder:
         """Post META first (the receiver waits for it), then every message; checksum them
@@ -488,11 +567,11 @@ class _Sender:
 
 
 class _Destination:
-    """The receiver's tensors: large ones allocated whole and filled piece by piece,
-    small ones of the state views of their batch (the optimizer and `copy_` take any
+    """The receiver's tensors: large ones allocated whole and filled piece by piece, the
+    state's small ones views of their packed bytes (the optimizer and `copy_` take any
     view). The aux's small ones (RNG states) get storage of their own: torch's RNG
     setters read a view's storage from its start, not from the view's offset. On a GPU
-    the batches (counters, RNG) are handed back in host memory, as those setters expect.
+    the small ones (counters, RNG) are handed back in host memory, as those setters expect.
     A large tensor goes, in this order, into the live tensor `live` names, into one
     `landing` holds for its dtype and shape (`landed`: their indices), or into new memory."""
 
@@ -500,10 +579,11 @@ class _Destination:
         self,
         specs: list[Spec],
         device: torch.device,
+        lay: Layout,
         live: dict[int, torch.Tensor] | None = None,
         landing: LandingPool | None = None,
     ) -> None:
-        self.specs, self.device = specs, device
+        self.specs, self.device, self.runs = specs, device, lay.runs
         live = live or {}
         self.landed: set[int] = set()
         self.out: list[torch.Tensor | None] = []
@@ -516,9 +596,12 @@ class _Destination:
             if t is None and (s.nbytes >= SMALL or s.nbytes == 0):
                 t = torch.empty(s.shape, dtype=s.dtype, device=device)
             self.out.append(t)
+        self.packed = torch.empty(lay.packed, dtype=torch.uint8, device=device)
         self.batches: list[tuple[Message, torch.Tensor]] = []
 
     def wire(self, m: Message) -> torch.Tensor:
+        if m.piece is not None and m.piece.tensor == PACKED:
+            return self.packed[m.piece.lo : m.piece.hi]
         if m.piece is not None:
             t = self.out[m.piece.tensor]
             assert t is not None
@@ -532,12 +615,12 @@ class _Destination:
         return t if self.out[i] is not None else t.clone()
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor, small ones as views of their batch: on a GPU only once the batches
-        have landed (they are copied to the host), else at once (no data is read)."""
+        """Every tensor, small ones as views of their bytes: on a GPU only once those have
+        landed (they are copied to the host), else at once (no data is read)."""
         out = list(self.out)
-        for m, buf in self.batches:
+        for runs, buf in [(self.runs, self.packed), *((m.runs, b) for m, b in self.batches)]:
             host = buf.cpu()
-            for r in m.runs:
+            for r in runs:
                 for i, v in zip(r.indices, run_view(host, r).unbind(0)):
                     out[i] = v
         missing = [i for i, t in enumerate(out) if t is None]
@@ -573,4 +656,4 @@ def describe(r: Received) -> str:
     return f"{mb:.2f} MB from ranks {r.sources} in {r.seconds:.3f}s ({rate:.0f} MB/s{where})"
 
 
-__all__ = ["P2PTransport", "Received", "StateTransport", "describe", "layout"]
+__all__ = ["P2PTransport", "Received", "Source", "StateTransport", "describe", "layout", "prepare"]

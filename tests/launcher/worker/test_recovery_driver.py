@@ -69,12 +69,15 @@ class Rec:
         self.log: list[Any] = []
         self.target = 8
         self.agreed: list[tuple[int, int, tuple[int, ...], int]] = []
+        self.forgotten = 0  # joins that dropped what the sources made ready
 
     def retire(self) -> None:
         self.log.append("retire")
 
-    def form(self, epoch: int, groups: list[Any]) -> float:
+    def form(self, epoch: int, groups: list[Any], meanwhile: Callable[[], None] | None = None) -> float:
         self.log.append(("form", epoch, groups))
+        if meanwhile is not None:
+            meanwhile()
         out = self.outcomes.pop(0) if self.outcomes else 0.5
         while callable(out):
             out = out()
@@ -89,6 +92,9 @@ class Rec:
 
     def replay_mac(self) -> None:
         return None
+
+    def forget_prepared(self) -> None:
+        self.forgotten += 1
 
 
 class Redundancy:
@@ -136,6 +142,9 @@ class Source:
 
     def fresh_start(self) -> Restored | None:
         return None
+
+    def ahead(self) -> None:
+        self.needs.append("ahead")  # type: ignore[arg-type]
 
 
 class Job:
@@ -225,6 +234,19 @@ def test_a_new_epoch_at_the_same_width_retires_the_old_groups_forms_every_group_
     assert log == ["abandon", "formed", "after_join(8)"]
     assert job.events[0] == (EventName.GROUP_REFORMED, {"seconds": 0.5, "world_size": 6, "abort_wait_s": 0.25})
     assert names(job) == [EventName.GROUP_REFORMED, EventName.RESUMED]
+
+
+def test_the_sources_make_ready_while_the_groups_form_and_what_they_made_is_dropped_after_the_join() -> None:
+    job, rec = Job(), Rec()
+    src = job._sources[0]
+    rec.outcomes = [lambda: rec.log.append(("forming", list(src.needs))) or 0.5]
+    driver(job, rec, Link(M1.replace("n2", "s0"))).recover()
+    assert rec.log[:2] == ["retire", ("form", 2, ["world", "snapshots"])]
+    assert rec.log[2] == ("forming", ["ahead"])  # made ready before the forming returned
+    assert src.needs[1:] == [Need(8, 0, [8] * 6, None)] and rec.forgotten == 1
+    joining = Job(attached=False)  # a joining spare holds no state to send
+    driver(joining, Rec(), Link(M1.replace("n2", "s0"))).recover()
+    assert joining._sources[0].needs == []
 
 
 def test_a_rank_other_than_0_does_not_report_the_reform() -> None:

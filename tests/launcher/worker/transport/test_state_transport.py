@@ -62,19 +62,25 @@ def test_the_layout_carries_every_byte_once_in_slices_that_follow_the_plan(
 ) -> None:
     specs, n_state, parts = case
     sizes = [s.nbytes for s in specs]
-    msgs = tp.layout(specs, n_state, parts)
-    assert len(msgs) == parts
-    starts = [sum(sizes[:i]) for i in range(n_state)]
-    bounds = [slice_bounds(sum(sizes[:n_state]), p, parts) for p in range(parts)]
+    lay = tp.layout(specs, n_state, parts)
+    assert len(lay.parts) == parts
+    large = [i for i in range(n_state) if sizes[i] >= tp.SMALL]
+    starts = {i: sum(sizes[j] for j in large if j < i) for i in large}  # the large ones laid end to end
+    bounds = [slice_bounds(sum(sizes[i] for i in large), p, parts) for p in range(parts)]
+    packed_bounds = [slice_bounds(lay.packed, p, parts) for p in range(parts)]
     covered: dict[int, list[tuple[int, int]]] = {}
-    for p, part in enumerate(msgs):
+    for p, part in enumerate(lay.parts):
         for m in part:
             assert 0 < m.nbytes <= tp.CHUNK
-            if m.piece is not None:  # a large tensor's bytes, inside this slice
+            if m.piece is not None:  # a large tensor's bytes or the packed small ones', inside this slice
                 x = m.piece
-                assert sizes[x.tensor] >= tp.SMALL and m.nbytes == x.hi - x.lo and not m.runs
+                assert m.nbytes == x.hi - x.lo and not m.runs and x.lo % tp.ALIGN == 0
                 covered.setdefault(x.tensor, []).append((x.lo, x.hi))
-                assert x.lo % tp.ALIGN == 0
+                if x.tensor == tp.PACKED:
+                    a, b = packed_bounds[p]
+                    assert a - tp.ALIGN < x.lo and x.hi <= b
+                    continue
+                assert sizes[x.tensor] >= tp.SMALL
                 if x.tensor < n_state:  # in its slice, but for cuts moved down to ALIGN
                     a, b = bounds[p]
                     assert a - tp.ALIGN < starts[x.tensor] + x.lo and starts[x.tensor] + x.hi <= b
@@ -82,31 +88,42 @@ def test_the_layout_carries_every_byte_once_in_slices_that_follow_the_plan(
                     assert p == 0  # the aux rides with slice 0
                 continue
             end = 0
-            for r in m.runs:  # small tensors of one Spec, each at an aligned offset
+            for r in m.runs:  # the aux's small tensors of one Spec, each at an aligned offset
                 assert r.at == end and r.stride % tp.ALIGN == 0 and 0 <= r.stride - r.spec.nbytes < tp.ALIGN
                 assert r.nbytes == sum(-(-sizes[i] // tp.ALIGN) * tp.ALIGN for i in r.indices)
                 end = r.at + r.nbytes
                 for i in r.indices:
-                    assert 0 < sizes[i] < tp.SMALL and specs[i] == r.spec
+                    assert 0 < sizes[i] < tp.SMALL and specs[i] == r.spec and i >= n_state and p == 0
                     covered.setdefault(i, []).append((0, sizes[i]))
-                    if i < n_state:
-                        a, b = bounds[p]
-                        assert a <= starts[i] < b  # in the slice holding its first byte
-                    else:
-                        assert p == 0
             assert end == m.nbytes
+    end = 0
+    for r in lay.runs:  # the state's small tensors, packed once whatever the slices
+        assert r.at == end and r.stride % tp.ALIGN == 0
+        end = r.at + r.nbytes
+        for i in r.indices:
+            assert 0 < sizes[i] < tp.SMALL and specs[i] == r.spec and i < n_state
+            covered.setdefault(i, []).append((0, sizes[i]))
+    assert end == lay.packed == sum(-(-sizes[i] // tp.ALIGN) * tp.ALIGN for i in range(n_state) if sizes[i] < tp.SMALL)
+    spans = sorted(covered.pop(tp.PACKED, []))  # the packed bytes, every one in exactly one message
+    assert [lo for lo, _ in spans] == ([0] + [hi for _, hi in spans[:-1]] if end else [])
+    assert (spans[-1][1] if spans else 0) == end
     for i, n in enumerate(sizes):
         spans = sorted(covered.get(i, []))
         assert [lo for lo, _ in spans] == [0] + [hi for _, hi in spans[:-1]] if n else spans == []
         assert not n or spans[-1][1] == n
 
 
-def test_small_tensors_travel_as_one_batch_per_slice_and_large_ones_as_their_own_messages() -> None:
+def test_small_tensors_travel_packed_and_large_ones_as_their_own_messages() -> None:
     specs = [_spec(torch.float32, (1024,))] * 200 + [_spec(torch.float32, (32, 32))] * 100
     specs += [_spec(torch.float32, (tp.SMALL // 4,)), _spec(torch.uint8, (10 * tp.CHUNK + 5,))]
-    msgs = tp.layout(specs, 302, 1)[0]
-    assert [len(m.runs) for m in msgs if m.runs] == [2]  # 300 tensors, 1.2 MB: one message, a run per Spec
-    assert [m.nbytes for m in msgs if m.piece] == [tp.SMALL] + [tp.CHUNK] * 10 + [5]
+    lay = tp.layout(specs, 302, 1)
+    assert len(lay.runs) == 2 and lay.packed == 300 * 4096  # 300 tensors, 1.2 MB: a run per Spec
+    (msgs,) = lay.parts
+    assert [m.nbytes for m in msgs if m.piece and m.piece.tensor != tp.PACKED] == [tp.SMALL] + [tp.CHUNK] * 10 + [5]
+    assert [m.nbytes for m in msgs if m.piece and m.piece.tensor == tp.PACKED] == [lay.packed]
+    halves = tp.layout(specs, 302, 2).parts  # two sources: each sends half of the packed bytes
+    packed = [sum(m.nbytes for m in p if m.piece and m.piece.tensor == tp.PACKED) for p in halves]
+    assert packed == [lay.packed // 2] * 2
 
 
 # ---- the source ------------------------------------------------------------------------
@@ -122,13 +139,14 @@ def test_a_source_sends_large_tensors_from_their_own_storage_without_a_copy() ->
     big = torch.randn(300, 1000)  # 1.2 MB
     state = {"w": big, "b": torch.randn(10), "step": torch.tensor(3.0)}
     pg = _Recorder()
-    sender = tp._Sender(tp.P2PTransport(pg, torch.device("cpu"), lambda w: None), 0, state, {"rng": torch.zeros(8)})
+    src = tp.Source(state, {"rng": torch.zeros(8)}, CPU)
+    sender = tp._Sender(tp.P2PTransport(pg, torch.device("cpu"), lambda w: None), 0, src)
     sender.post([Transfer(0, 1, 0, 1)])
     ptr, n = big.untyped_storage().data_ptr(), big.nbytes
     direct = [t for _, tag, t in pg.sent if tag not in (tp.META_TAG, tp._sums_tag(0)) and t.numel() > tp.SMALL]
     assert direct and all(ptr <= t.data_ptr() < ptr + n for t in direct)
     assert sum(t.numel() for t in direct) == n
-    assert len(pg.sent) == 4  # META, the large tensor (under one CHUNK), one batch of the rest, the sums
+    assert len(pg.sent) == 5  # META, the large tensor (under one CHUNK), the packed small ones, the aux, the sums
 
 
 def test_every_dtype_of_the_table_round_trips_and_others_are_refused_when_the_state_is_taken() -> None:
@@ -145,9 +163,9 @@ def test_every_dtype_of_the_table_round_trips_and_others_are_refused_when_the_st
 
 def test_a_batch_holds_no_heap_bytes_between_its_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     steps = {i: torch.tensor(float(i)) for i in range(40)}  # 4 bytes each, one every ALIGN bytes
-    sender = tp._Sender(tp.P2PTransport(None, CPU, lambda w: None), 0, {"steps": steps}, {})
+    sender = tp._Sender(tp.P2PTransport(None, CPU, lambda w: None), 0, tp.Source({"steps": steps}, {}, CPU))
     (m,) = sender._layout(1)[0]
-    (r,) = m.runs
+    (r,) = sender.src.runs
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(0xAB))  # what a heap may hold
     wire = sender._wire(1, 0, 0)
@@ -275,7 +293,7 @@ def test_a_meta_without_the_jobs_tag_is_never_parsed(
 ) -> None:
     cpu = torch.device("cpu")
     source = tp.P2PTransport(None, cpu, lambda w: None, mac=Mac(sent_with) if sent_with else None, names=(5, 1))
-    meta = tp._Sender(source, 0, *_state()).meta
+    meta = tp._Sender(source, 0, tp.Source(*_state(), cpu)).meta
     got = tp.P2PTransport(_Sent(meta), cpu, lambda w: w.wait(), mac=Mac(read_with), names=names)._recv_meta(0)
     assert (got is not None) == parsed
     if got is not None:
