@@ -300,6 +300,27 @@ def test_a_meta_without_the_jobs_tag_is_never_parsed(
         assert got[-1] is True  # its CRC matched too
 
 
+@pytest.mark.parametrize("n_packed", [-64, 7, 1 << 60])
+def test_a_meta_announcing_packed_bytes_no_state_has_is_refused_before_any_allocation(n_packed: int) -> None:
+    cpu = torch.device("cpu")
+    meta = tp._Sender(tp.P2PTransport(None, cpu, lambda w: None), 0, tp.Source(*_state(), cpu)).meta.clone()
+    meta[32:40] = torch.tensor([n_packed], dtype=torch.int64).view(torch.uint8)  # the header's packed bytes
+    n = tp._HEADER + sum(int(x) for x in meta[16:32].view(torch.int64).tolist())
+    meta[:8] = torch.tensor([tp.checksum(meta[8:n])], dtype=torch.int64).view(torch.uint8)  # a checksum that matches
+    assert tp.P2PTransport(_Sent(meta), cpu, lambda w: w.wait())._recv_meta(0) is None
+
+
+def test_the_packed_bytes_lead_every_slice_so_a_receiver_posts_them_from_metas_header() -> None:
+    specs, n_state = [_spec(torch.float32, (100,))] * 50 + [_spec(torch.float32, (tp.SMALL,))] * 3, 53
+    for parts in (1, 2, 3):
+        lay = tp.layout(specs, n_state, parts)
+        for p, msgs in enumerate(lay.parts):
+            ahead = tp._pieces(tp.PACKED, *tp.packed_span(lay.packed, p, parts))  # what META's header says
+            assert msgs[: len(ahead)] == ahead and all(
+                m.piece is None or m.piece.tensor != tp.PACKED for m in msgs[len(ahead) :]
+            )
+
+
 # ---- a receiver's own live state, written in place ----------------------------------------
 def test_paths_name_each_tensor_alike_in_a_live_state_and_in_its_decoded_skeleton() -> None:
     state = _state()[0]
