@@ -135,13 +135,13 @@ def small_runs(specs: Sequence[Spec], n_state: int) -> tuple[list[Run], int]:
     return [Run(r.spec, r.at, tuple(index[j] for j in r.indices)) for r in runs], n
 
 
-def layout(specs: Sequence[Spec], n_state: int, parts: int) -> Layout:
+def layout(specs: Sequence[Spec], n_state: int, parts: int, small: tuple[list[Run], int] | None = None) -> Layout:
     """The messages of each slice `part` of `parts`, from every tensor's Spec (the state's
     `n_state` first): what sources and receiver compute alike. The state's large tensors,
     laid end to end, and its small ones' packed bytes are each cut at the slice bounds
     (moved down to ALIGN) and into CHUNKs; the aux goes with slice 0 (its large tensors
-    whole, its small ones batched)."""
-    runs, packed = small_runs(specs, n_state)
+    whole, its small ones batched). `small`: `small_runs` of these Specs, if known."""
+    runs, packed = small if small is not None else small_runs(specs, n_state)
     total = sum(s.nbytes for s in specs[:n_state] if s.nbytes >= SMALL)
     bounds = [slice_bounds(total, p, parts) for p in range(parts)]
     small_aux: dict[Spec, list[int]] = {}
@@ -572,7 +572,8 @@ class _Sender:
 
     def _layout(self, parts: int) -> list[list[Message]]:
         if parts not in self._layouts:
-            self._layouts[parts] = layout(self.src.specs, self.src.n_state, parts)
+            src = self.src
+            self._layouts[parts] = layout(src.specs, src.n_state, parts, (src.runs, src.n_packed))
         return self._layouts[parts].parts
 
     def _wire(self, parts: int, part: int, j: int) -> torch.Tensor:
