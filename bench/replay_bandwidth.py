@@ -353,7 +353,10 @@ def _child(rank: int, world: int, port: int, args: dict[str, Any], out: Any) -> 
                             prepared is not None
                         ):  # the state is what was prepared: checked as RecoverySequence.replay does
                             assert prepared.unchanged()
-                        got = tr.exchange(plan, rank, snapshot, into, prepared)
+                        if isinstance(tr, FlatTransport):
+                            got = tr.exchange(plan, rank, snapshot)
+                        else:
+                            got = tr.exchange(plan, rank, snapshot, into, prepared)
                         if got is not None and path.startswith("direct_spare"):  # TrainState.restore's copy
                             for name, v in spare["model"].items():
                                 src = got.state["model"][name]

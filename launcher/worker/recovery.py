@@ -208,8 +208,12 @@ class RecoverySequence:
         self, snapshot: Callable[[], tuple[dict[str, Any], dict[str, Any]]], token: Callable[[], Any]
     ) -> None:
         """Walk and pack what this rank would send in a replay (state_transport.prepare),
-        for `replay` to use if the state is still the same then."""
+        for `replay` to use if the state is still the same then. Host replays only: on a
+        GPU, taking the state view (a GradScaler's `.item()`, FSDP2's state-dict hooks)
+        could queue behind an old communicator's kernels before they are fenced."""
         self._prepared = None
+        if self.device.type != "cpu":
+            return
         try:
             self._prepared = prepare(snapshot, self.device, token)
         except Exception:

@@ -354,60 +354,71 @@ class P2PTransport:
             return Received({}, {}, 0, sources, time.monotonic() - t0, (primary,))
         meta, n_skel, n_askel, n_packed, meta_ok = head
         wires: list[tuple[int, int, torch.Tensor]] = []  # (part, message, bytes) in posting order
-        mine: dict[tuple[int, int], list[int]] = {}  # their digests, as each lands
         # On gloo (receives matched by tag, not by order) the small tensors' packed bytes,
         # which lead every slice and whose size META's header says, are received while the
         # skeletons are parsed.
-        early = _Early(self, recvs, n_packed, mine) if meta_ok and self.device.type == "cpu" else None
-        if early is not None:
-            wires += early.wires
-        parsed = self._parse_meta(meta, n_skel, n_askel)
-        lay = layout(parsed[2], parsed[3], parts) if parsed is not None else None
-        if parsed is None or lay is None or (early is not None and lay.packed != n_packed):
-            if early is not None:  # a source of this job sends what its META announced: let it land, then drop it
-                self.wait(_InOrder(early.works))
-            return Received({}, {}, 0, sources, time.monotonic() - t0, (primary,))
-        skel, askel, specs, n_state = parsed
-        msgs = lay.parts
-        # In place on the host only: on NCCL an aborted receive kernel is not known (measured
-        # on no GPU) to have stopped before the next write into the same memory.
-        live = {}
-        if receive_into is not None and self.device.type == "cpu":
-            live = in_place(skel, specs[:n_state], receive_into(), self.device)
-        into = _Destination(specs, self.device, lay, live, self.landing, early.packed if early else None)
-        posted = len(wires)
-        fresh: list[tuple[int, int, torch.Tensor]] = []  # of them, those into memory never touched
-        for t in recvs:
-            for j, m in enumerate(msgs[t.part]):
-                if early is not None and m.piece is not None and m.piece.tensor == PACKED:
-                    continue  # posted already
-                wires.append((t.part, j, into.wire(m)))
-                if m.piece is None or (m.piece.tensor not in live and m.piece.tensor not in into.landed):
-                    fresh.append(wires[-1])
-        # Fresh pages faulted in ahead of the bytes, in the order they land: the parts'
-        # messages interleaved, as their sources send them at once.
-        populate_ahead([w for _, _, w in sorted(fresh, key=lambda x: (x[1], x[0]))])
-        rest = [self.pg.recv([w], recvs[p].src, _tag(p, j)) for p, j, w in wires[posted:]]
-        k = self.width
-        sums = [torch.empty(k * len(msgs[t.part]), dtype=torch.int64, device=self.device) for t in recvs]
-        rest += [self.pg.recv([s], t.src, _sums_tag(t.part)) for t, s in zip(recvs, sums) if s.numel()]
-
-        def check(i: int) -> None:  # in the waiting thread, as message i lands
-            if i < len(wires) and (wires[i][0], wires[i][1]) not in mine:
-                p, j, w = wires[i]
-                mine[(p, j)] = self.digest(w, REPLAY_PART, recvs[p].src, p, j)
-
-        # In host memory the views need no data: build the state while the bytes flow.
-        views = into.tensors() if self.device.type == "cpu" else None
-        built = assemble(skel, views[:n_state]) if views is not None else None
-        works = (early.works if early is not None else []) + rest
+        early = _Early(self, recvs, n_packed) if meta_ok and self.device.type == "cpu" else None
+        works: list[Any] = early.works if early is not None else []
+        live: dict[int, torch.Tensor] = {}
+        waiting = False
         try:
+            if early is not None:
+                wires += early.wires
+            parsed = self._parse_meta(meta, n_skel, n_askel)
+            if parsed is None:
+                raise _Unreadable()
+            skel, askel, specs, n_state = parsed
+            lay = layout(specs, n_state, parts)
+            if early is not None and lay.packed != n_packed:
+                raise _Unreadable()
+            msgs = lay.parts
+            # In place on the host only: on NCCL an aborted receive kernel is not known
+            # (measured on no GPU) to have stopped before the next write into the same memory.
+            if receive_into is not None and self.device.type == "cpu":
+                live = in_place(skel, specs[:n_state], receive_into(), self.device)
+            into = _Destination(specs, self.device, lay, live, self.landing, early.packed if early else None)
+            posted = len(wires)
+            fresh: list[tuple[int, int, torch.Tensor]] = []  # of them, those into memory never touched
+            for t in recvs:
+                for j, m in enumerate(msgs[t.part]):
+                    if early is not None and m.piece is not None and m.piece.tensor == PACKED:
+                        continue  # posted already
+                    wires.append((t.part, j, into.wire(m)))
+                    if m.piece is None or (m.piece.tensor not in live and m.piece.tensor not in into.landed):
+                        fresh.append(wires[-1])
+            # Fresh pages faulted in ahead of the bytes, in the order they land: the parts'
+            # messages interleaved, as their sources send them at once.
+            populate_ahead([w for _, _, w in sorted(fresh, key=lambda x: (x[1], x[0]))])
+            works += [self.pg.recv([w], recvs[p].src, _tag(p, j)) for p, j, w in wires[posted:]]
+            k = self.width
+            sums = [torch.empty(k * len(msgs[t.part]), dtype=torch.int64, device=self.device) for t in recvs]
+            works += [self.pg.recv([s], t.src, _sums_tag(t.part)) for t, s in zip(recvs, sums) if s.numel()]
+            mine: dict[tuple[int, int], list[int]] = {}
+
+            def check(i: int) -> None:  # in the waiting thread, as message i lands
+                if i < len(wires):
+                    p, j, w = wires[i]
+                    mine[(p, j)] = self.digest(w, REPLAY_PART, recvs[p].src, p, j)
+
+            # In host memory the views need no data: build the state while the bytes flow.
+            views = into.tensors() if self.device.type == "cpu" else None
+            built = assemble(skel, views[:n_state]) if views is not None else None
+            waiting = True
             self.wait(_InOrder(works, check))
-        except BaseException:
-            # Cut off (a newer epoch, a dead source): the live tensors are half written, and
-            # a receive still posted would go on writing them. Return only once none can.
-            if live:
+        except BaseException as e:
+            # Cut off (a newer epoch, a dead source), or refused before the wait: live tensors
+            # may be half written and a receive still posted would go on writing them or
+            # the buffers dropped here. Return only once none can: a receive its source is
+            # sending (nothing was waited yet) is let land, any other is made final.
+            if not waiting and works:
+                try:
+                    self.wait(_InOrder(works))
+                except BaseException:
+                    finalize(works)
+            elif waiting and (live or early is not None):
                 finalize(works)
+            if isinstance(e, _Unreadable):
+                return Received({}, {}, 0, sources, time.monotonic() - t0, (primary,))
             raise
         damaged = set() if meta_ok else {primary}
         for t, s in zip(recvs, sums):
@@ -433,8 +444,6 @@ class P2PTransport:
         length = _HEADER + n_skel + n_askel
         if version != VERSION or min(n_skel, n_askel) < 0 or length > (1 << 31):
             return None
-        if not 0 <= n_packed <= MAX_TENSOR_BYTES or n_packed % ALIGN:
-            return None
         if length > META_CAP:
             tail = torch.empty(length - META_CAP, dtype=torch.uint8, device=self.device)
             self.wait(self.pg.recv([tail], primary, META2_TAG))
@@ -445,6 +454,8 @@ class P2PTransport:
             tag = [int(x) for x in meta[_TAG_AT:_HEADER].view(torch.int64).tolist()]
             if tag != list(self.mac.tag(signed, REPLAY_META, *self.names, primary)):
                 return None  # not from a rank of this job: never parsed (it could ask for any allocation)
+        if ok and (not 0 <= n_packed <= MAX_TENSOR_BYTES or n_packed % ALIGN):
+            return None  # checked, yet no state packs so: what its source sends cannot be laid out
         return meta[:length], n_skel, n_askel, n_packed, ok
 
     @staticmethod
@@ -461,6 +472,10 @@ class P2PTransport:
         return skel, askel, specs + aspecs, len(specs)
 
 
+class _Unreadable(Exception):
+    """META checked out but cannot be laid out: its source is damaged, nothing is handed back."""
+
+
 class _Early:
     """The receives of the small tensors' packed bytes, posted from META's header alone,
     before the skeletons are parsed, into pages faulted in first (the bytes already wait).
@@ -468,9 +483,7 @@ class _Early:
     pair's lock is held while they are read), and a helper thread to post them, measured
     on 2 cores, made the replay slower (4.1-4.6 against 3.0-3.4 ms at 2.65 MB)."""
 
-    def __init__(
-        self, tr: P2PTransport, recvs: list[Transfer], n_packed: int, digests: dict[tuple[int, int], list[int]]
-    ) -> None:
+    def __init__(self, tr: P2PTransport, recvs: list[Transfer], n_packed: int) -> None:
         self.packed = torch.empty(n_packed, dtype=torch.uint8, device=tr.device)
         parts = recvs[0].parts
         src = {t.part: t.src for t in recvs}
@@ -482,9 +495,6 @@ class _Early:
         ]
         populate([self.packed])
         self.works = [tr.pg.recv([w], src[p], _tag(p, j)) for p, j, w in self.wires]
-        for (p, j, w), work in zip(self.wires, self.works):
-            if work.is_completed():  # else the waiting thread checksums it as it lands
-                digests[(p, j)] = tr.digest(w, REPLAY_PART, src[p], p, j)
 
 
 class Source:
@@ -515,10 +525,12 @@ class Source:
         return self._packed
 
     def unchanged(self) -> bool:
-        """Whether the state is still what was walked and packed: the caller's token (its
-        step, its committed aux, its optimizer steps applied) is the same, and no tensor
-        was written or replaced (torch bumps a tensor's version at every in-place write,
-        a `copy_`, an optimizer's foreach update or a load alike)."""
+        """Whether the state is still what was walked and packed: no tensor walked was
+        written in place (torch bumps a tensor's version at every in-place write: a
+        `copy_`, an optimizer's foreach update), and the caller's token is the same. A
+        tensor replaced (a load of the optimizer's state, `p.data = ...`) or written
+        through `.data` leaves the walked one's version as it was: the token must change
+        with whatever replaces tensors (TrainState counts its restores and steps)."""
         if self._token_of is None or self._token_of() != self._token:
             return False
         return all((t._version, t.data_ptr()) == m for t, m in zip(self.tensors, self._marks, strict=True))

@@ -135,6 +135,13 @@ def test_a_state_that_cannot_be_prepared_leaves_the_replay_to_take_it(rec: Recov
     assert _replay(rec, _state()) is None and _Transport.calls[-1]["sources"] == [0]
 
 
+def test_a_gpu_replay_prepares_nothing_ahead() -> None:
+    rec = RecoverySequence(Interrupts(), GroupFactory("nccl", lambda: None, 10.0), torch.device("cuda"), bury_s=0.0)
+    taken: list[int] = []
+    rec.prepare_source(lambda: (taken.append(1), _state())[1], lambda: 1)  # would sync behind the old kernels
+    assert rec._prepared is None and taken == []
+
+
 def test_forming_runs_the_preparation_while_the_groups_connect(monkeypatch: pytest.MonkeyPatch) -> None:
     intr = Interrupts()
     rec = RecoverySequence(intr, GroupFactory("gloo", lambda: None, 10.0), torch.device("cpu"), bury_s=0.0)

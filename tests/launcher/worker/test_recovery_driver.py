@@ -249,6 +249,17 @@ def test_the_sources_make_ready_while_the_groups_form_and_what_they_made_is_drop
     assert joining._sources[0].needs == []
 
 
+def test_a_source_failing_ahead_of_time_leaves_the_recovery_to_its_restore() -> None:
+    job, rec = Job(), Rec()
+
+    def broken() -> None:
+        raise ValueError("replica map does not partition ranks 0..5")
+
+    job._sources[0].ahead = broken
+    driver(job, rec, Link(M1.replace("n2", "s0"))).recover()
+    assert job.epoch == 2 and job._sources[0].needs == [Need(8, 0, [8] * 6, None)]
+
+
 def test_a_rank_other_than_0_does_not_report_the_reform() -> None:
     job = Job(rank=2)  # on n1
     driver(job, Rec(), Link(M1.replace("n2", "s0")), node="n1").recover()

@@ -310,6 +310,46 @@ def test_a_meta_announcing_packed_bytes_no_state_has_is_refused_before_any_alloc
     assert tp.P2PTransport(_Sent(meta), cpu, lambda w: w.wait())._recv_meta(0) is None
 
 
+class _Waited(_Sent):
+    """_Sent, counting the receives posted and those waited on (a receive posted is never left)."""
+
+    def __init__(self, meta: torch.Tensor) -> None:
+        super().__init__(meta)
+        self.posted: list[int] = []
+        self.waited: list[int] = []
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        if tag in self.by_tag:
+            return super().recv(tensors, src, tag)
+        self.posted.append(tag)
+        return _Work(self.waited, tag)
+
+
+class _Work:
+    def __init__(self, waited: list[int], tag: int) -> None:
+        self.waited_on, self.tag = waited, tag
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.waited_on.append(self.tag)
+        return True
+
+
+@pytest.mark.parametrize("lie", [tp.ALIGN, -tp.ALIGN])
+def test_a_meta_whose_packed_bytes_disagree_with_its_skeleton_is_refused_once_its_early_receives_landed(
+    lie: int,
+) -> None:
+    cpu = torch.device("cpu")
+    src = tp.Source(*_state(), cpu)
+    meta = tp._Sender(tp.P2PTransport(None, cpu, lambda w: None), 0, src).meta.clone()
+    meta[32:40] = torch.tensor([src.n_packed + lie], dtype=torch.int64).view(torch.uint8)  # a source's bug
+    n = tp._HEADER + sum(int(x) for x in meta[16:32].view(torch.int64).tolist())
+    meta[:8] = torch.tensor([tp.checksum(meta[8:n])], dtype=torch.int64).view(torch.uint8)
+    pg = _Waited(meta)
+    got = tp.P2PTransport(pg, cpu, lambda w: w.wait()).exchange([Transfer(0, 1)], 1, _state)
+    assert got is not None and got.damaged == (0,) and got.state == {}
+    assert pg.posted and sorted(pg.waited) == sorted(pg.posted)  # posted early, then let land
+
+
 def test_the_packed_bytes_lead_every_slice_so_a_receiver_posts_them_from_metas_header() -> None:
     specs, n_state = [_spec(torch.float32, (100,))] * 50 + [_spec(torch.float32, (tp.SMALL,))] * 3, 53
     for parts in (1, 2, 3):
