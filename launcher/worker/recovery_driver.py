@@ -224,6 +224,7 @@ class RecoveryDriver:
                 or (source is RestoreSource.REPLICA and self.rec.replay_mac() is not None),
                 in_place_bytes=got.in_place,
                 landed_bytes=got.landed,
+                prepared=got.ahead,  # its source walked and packed it while the groups formed
             )
         if job.epoch > 1:
             job._progress("joined")

@@ -72,7 +72,8 @@ VERSION = 4  # of the wire layout below; 3 batched small tensors per slice, 2 on
 SMALL = 64 << 10  # tensors under this are batched
 CHUNK = 4 << 20  # largest message: a large tensor is cut into pieces of this
 META_CAP = 64 << 10  # META's fixed size: a few hundred tensors' skeleton
-_HEADER = 64  # 8 int64: crc (of the rest), version, the skeletons' lengths, the packed bytes, 0, tag
+_HEADER = 64  # 8 int64: crc (of the rest), version, the skeletons' lengths, the packed bytes, flags, tag
+_AHEAD = 1  # flag: the source sends what it prepared while the groups formed (`prepare`)
 _TAG_AT = 48  # the last two words: with a data key, META's tag (over the header before it and the skeletons)
 META_TAG, META2_TAG = 1, 2
 _PART_SHIFT = 20  # tag of message j of slice p: ((p + 1) << 20) + j; the slice's SUMS: the last tag
@@ -88,6 +89,7 @@ class Received:
     damaged: tuple[int, ...] = ()  # sources whose bytes failed their checksum (the state is not usable)
     in_place: int = 0  # bytes written straight into the receiver's live tensors (`receive_into`)
     landed: int = 0  # bytes received into memory the spare touched while it waited (`landing`)
+    ahead: bool = False  # the primary source sent what it had prepared while the groups formed
 
 
 class StateTransport(Protocol):
@@ -352,7 +354,7 @@ class P2PTransport:
         head = self._recv_meta(primary)
         if head is None:  # nothing more can be matched: the source's sends fail at its group's timeout
             return Received({}, {}, 0, sources, time.monotonic() - t0, (primary,))
-        meta, n_skel, n_askel, n_packed, meta_ok = head
+        meta, n_skel, n_askel, n_packed, flags, meta_ok = head
         wires: list[tuple[int, int, torch.Tensor]] = []  # (part, message, bytes) in posting order
         # On gloo (receives matched by tag, not by order) the small tensors' packed bytes,
         # which lead every slice and whose size META's header says, are received while the
@@ -432,15 +434,16 @@ class P2PTransport:
         aux = assemble(askel, [into.own(i, t) for i, t in enumerate(views[n_state:], n_state)])
         done = sum(specs[i].nbytes for i in live)
         landed = sum(specs[i].nbytes for i in into.landed)
-        return Received(state, aux, n, sources, time.monotonic() - t0, in_place=done, landed=landed)
+        ahead = bool(flags & _AHEAD)
+        return Received(state, aux, n, sources, time.monotonic() - t0, in_place=done, landed=landed, ahead=ahead)
 
-    def _recv_meta(self, primary: int) -> tuple[torch.Tensor, int, int, int, bool] | None:
-        """-> (META's bytes, its two skeletons' lengths, the packed small tensors' bytes,
-        whether its checksum matched), or None when it is not META at all (another
+    def _recv_meta(self, primary: int) -> tuple[torch.Tensor, int, int, int, int, bool] | None:
+        """-> (META's bytes, its two skeletons' lengths, the packed small tensors' bytes, its
+        flags, whether its checksum matched), or None when it is not META at all (another
         version, lengths out of bounds, or without the job's tag under a data key)."""
         meta = torch.empty(META_CAP, dtype=torch.uint8, device=self.device)
         self.wait(self.pg.recv([meta], primary, META_TAG))
-        crc, version, n_skel, n_askel, n_packed = (int(x) for x in meta[:_HEADER].view(torch.int64)[:5].tolist())
+        crc, version, n_skel, n_askel, n_packed, flags = (int(x) for x in meta[:_HEADER].view(torch.int64)[:6].tolist())
         length = _HEADER + n_skel + n_askel
         if version != VERSION or min(n_skel, n_askel) < 0 or length > (1 << 31):
             return None
@@ -456,7 +459,7 @@ class P2PTransport:
                 return None  # not from a rank of this job: never parsed (it could ask for any allocation)
         if ok and (not 0 <= n_packed <= MAX_TENSOR_BYTES or n_packed % ALIGN):
             return None  # checked, yet no state packs so: what its source sends cannot be laid out
-        return meta[:length], n_skel, n_askel, n_packed, ok
+        return meta[:length], n_skel, n_askel, n_packed, flags, ok
 
     @staticmethod
     def _parse_meta(meta: torch.Tensor, n_skel: int, n_askel: int) -> tuple[Any, Any, list[Spec], int] | None:
@@ -524,6 +527,11 @@ class Source:
             self._packed = buf
         return self._packed
 
+    @property
+    def ahead(self) -> bool:
+        """Made by `prepare`, ahead of the replay."""
+        return self._token_of is not None
+
     def unchanged(self) -> bool:
         """Whether the state is still what was walked and packed: no tensor walked was
         written in place (torch bumps a tensor's version at every in-place write: a
@@ -572,7 +580,8 @@ class _Sender:
         # Built in Python: a torch fill of 64 KB may wake a thread pool, ms on a busy host.
         n = _HEADER + len(skel) + len(askel)
         raw = bytearray(max(n, META_CAP))
-        struct.pack_into("<4q", raw, 8, VERSION, len(skel), len(askel), self.src.n_packed)
+        flags = _AHEAD if self.src.ahead else 0
+        struct.pack_into("<5q", raw, 8, VERSION, len(skel), len(askel), self.src.n_packed, flags)
         raw[_HEADER:n] = skel + askel
         mac = self.tr.mac
         if mac is not None:

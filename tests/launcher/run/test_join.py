@@ -135,6 +135,10 @@ def test_a_job_with_one_spare_survives_four_losses_as_spares_join_between_them(
     assigned = [(e["failed"], e["spare"]) for e in r.events if e["event"] == "spare_assigned"]
     assert assigned == list(zip(victims + [takers[1]], takers, strict=True)), assigned
     assert len(r.summary["failures"]) == 4 and all(f["steps_lost"] == 0 for f in r.summary["failures"])
+    # each loss met the survivors between two steps: every source sent what it had walked
+    # and packed while the groups formed (state_transport.prepare)
+    replays = [e for e in r.events if e["event"] == "state_replayed"]
+    assert len(replays) >= 4 and all(e["prepared"] for e in replays), replays
     # each joiner's spare ran to the job's end, but the one that was lost
     assert [j.returncode for j in joiners] == [1, 0, 0], [j.stderr.read() if j.stderr else "" for j in joiners]
     assert "joined as a hot spare" in r.stderr

@@ -234,6 +234,20 @@ def test_a_slice_that_arrives_damaged_names_its_source_and_nothing_is_handed_bac
     assert got[2]["damaged"] == [1] and not got[2]["equal"]
 
 
+def _ahead(prepared: bool, rank: int, pg: Any) -> Any:  # pragma: no cover - forked child
+    src = tp.prepare(_state, CPU, lambda: 1) if prepared and rank == 0 else None
+    got = tp.P2PTransport(pg, CPU, lambda w: w.wait()).exchange([Transfer(0, 1)], rank, _state, None, src)
+    if got is None:
+        return None
+    return {"ahead": got.ahead, "equal": not got.damaged and bitwise_equal((got.state, got.aux), _state())}
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+def test_a_state_prepared_ahead_arrives_bitwise_and_the_receiver_is_told(prepared: bool) -> None:
+    got = in_ranks(2, functools.partial(_ahead, prepared))
+    assert got[1] == {"ahead": prepared, "equal": True}
+
+
 # ---- state authenticated under the job's data key (issue 39) ------------------------------
 KEY, OTHER = bytes(range(32)), bytes(range(1, 33))
 
