@@ -133,7 +133,6 @@ WITHOUT_MIRRORED_TESTS = {
     "resild/controller/handlers.py",
     "resild/controller/loop.py",
     "resild/controller/records.py",
-    "resild/controller/replica.py",
     "resild/controller/state.py",
     "resild/controller/status.py",
     "resild/controller/view.py",

@@ -216,9 +216,11 @@ def run_replicated(
         for r in replicas:
             if r.poll() is None:
                 os.killpg(r.pid, signal.SIGTERM if slurm_job is not None else signal.SIGKILL)
-            try:
-                r.wait(15.0)
-            except subprocess.TimeoutExpired:
+            gone_by = time.monotonic() + 15.0
+            while r.poll() is None and time.monotonic() < gone_by:
+                alive.touch()  # until the leader is gone: it must not take us for lost (end_orphaned_job)
+                time.sleep(0.1)
+            if r.poll() is None:
                 os.killpg(r.pid, signal.SIGKILL)
                 r.wait()
         if backend is not None:

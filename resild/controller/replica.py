@@ -148,20 +148,34 @@ def wait_for_replicas(run_dir: Path, n: int, timeout_s: float) -> list[str]:
             time.sleep(0.1)
 
 
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return None
+
+
+def runner_alive(first_ns: int | None, now_ns: int | None) -> bool:
+    """Whether resil-run is alive, from RUNNER_ALIVE's mtime when the leader first looked
+    and now: alive only if it touched the file since. A recent mtime alone says nothing:
+    a batch host that crashed a second before the job ended left one (the leader then
+    waited on a resil-run that was gone, and the allocation outlived the job)."""
+    return now_ns is not None and now_ns != first_ns
+
+
 def end_orphaned_job(run_dir: Path, result: Any, stale_s: float = 10.0) -> None:
     """The job is over but resil-run (the batch script) is gone with its host: Slurm would
     hold the allocation until the time limit. End it: requeue a failed job (the reason
-    in its comment), cancel a finished one."""
+    in its comment), cancel a finished one. resil-run touches RUNNER_ALIVE every 0.25 s
+    until its replicas are gone: untouched for `stale_s`, it is gone."""
     job_id = os.environ.get("SLURM_JOB_ID")
     alive = run_dir / RUNNER_ALIVE
+    first = _mtime_ns(alive)
     deadline = time.monotonic() + stale_s
-    while time.monotonic() < deadline:  # resil-run touches it every second while it waits
-        try:
-            if time.time() - alive.stat().st_mtime < stale_s / 2:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
+    while time.monotonic() < deadline:
+        if runner_alive(first, _mtime_ns(alive)):
+            return
+        time.sleep(0.1)
     if not job_id:
         return
     what = "finished" if result.exit_code == 0 else "failed"
