@@ -12,29 +12,9 @@ from launcher.worker import recovery
 from launcher.worker.recovery import RecoverySequence
 from launcher.worker.replica_map import ReplicaMap
 from launcher.worker.stable_group import GroupFactory, Interrupts, StableGroup
+from tests.launcher.worker.test_collective_reads import _NcclInner as _World  # collectives that complete at once
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class _Done:
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class _World:
-    """A world backend whose collectives complete at once (the damaged-count allreduce)."""
-
-    def allreduce(self, tensors: list[torch.Tensor]) -> _Done:
-        return _Done()
-
-    def size(self) -> int:
-        return 2
-
-    def name(self) -> str:
-        return "nccl"  # waited on as a stream: nothing to wait for here
 
 
 class _Transport:
