@@ -305,6 +305,7 @@ def fault_run(args: argparse.Namespace, workdir: Path, warmup: bool = True) -> d
             "seconds": float(e["seconds"]),
             "sources": e.get("sources"),
             "mb_per_s": e.get("mb_per_s"),
+            "prepared": e.get("prepared"),  # its source walked and packed it while the groups formed
         }
         for e in select(evs, "state_replayed")
         if ep is not None and e.get("epoch") == ep
@@ -447,6 +448,8 @@ def fault(args: argparse.Namespace, base: Path, emit: Emit) -> dict[str, Any]:
         "replay_s_per_rank": median(p["seconds"] for p in replays),
         "replay_mb_per_s": median(p["bytes"] / 1e6 / p["seconds"] for p in replays if p["seconds"] > 0),
         "replay_sources": sorted({len(p["sources"] or []) for p in replays}),
+        "replays_prepared": sum(1 for p in replays if p.get("prepared")),
+        "replays": len(replays),
         "runs_within_target": sum(1 for r in runs if r.get("within_target")),
     }
     out["replay_vs_loopback"] = _div(out["replay_s_per_rank"], lb and lb["seconds"])
@@ -591,6 +594,7 @@ def print_fault(args: argparse.Namespace, res: dict[str, Any]) -> None:
             f"{len(res['runs'])}); replay {res['replay_bytes_per_rank'] / 1e6:.2f} MB per failed rank in "
             f"{res['replay_s_per_rank']:.4f} s = {res['replay_mb_per_s']:.0f} MB/s"
             + (f", {res['replay_vs_loopback']:.1f}x the loopback copy's time" if res["replay_vs_loopback"] else "")
+            + f"; {res['replays_prepared']} of {res['replays']} from a source prepared while the groups formed"
         )
 
 

@@ -25,6 +25,7 @@ def test_a_tiny_run_prints_one_json_line_per_path_with_the_state_replayed_bitwis
         "1",
         "--paths",
         "direct",
+        "direct_prepared",
         "direct_spare",
         "direct_spare_copy",
         "flat",
@@ -32,6 +33,8 @@ def test_a_tiny_run_prints_one_json_line_per_path_with_the_state_replayed_bitwis
     ]
     assert main([*argv, "--warm-heap", "--timeout", "60"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["path"] for r in rows] == ["loopback", "direct", "direct_spare", "direct_spare_copy", "flat"]
+    paths = ["loopback", "direct", "direct_prepared", "direct_spare", "direct_spare_copy", "flat"]
+    assert [r["path"] for r in rows] == paths
     assert all(r["bitwise_equal"] for r in rows if r["path"] != "loopback")
+    assert [r["path"] for r in rows if r.get("prepare_s")] == ["direct_prepared"]  # timed apart
     assert all(r["seconds"] > 0 and r["ratio"] > 0 and r["cpu_s"] > 0 for r in rows)
