@@ -231,17 +231,21 @@ def test_a_workers_welcome_names_its_nodes_role(cluster: tuple[Controller, Event
     """A spare's worker is told it is one (it starts its warm-up at once), an active
     node's worker is told it is active (it never fetches the warm-up recipe)."""
     ctl, events, ctx = cluster
-    for n in ("a", "s0"):
-        connect(ctx, ctl.endpoint, None, f"{n}/node").send(
-            MsgType.REGISTER_NODE, {"node": n, "pid": 1, "nproc": 2, "epoch": 0, "relayed": []}
-        )
-    time.sleep(0.2)
+    # Kept: a channel dropped at once closes its socket (linger 0) with its message unsent.
+    nodes = [connect(ctx, ctl.endpoint, None, f"{n}/node") for n in ("a", "s0")]
+    for ch, n in zip(nodes, ("a", "s0")):
+        ch.send(MsgType.REGISTER_NODE, {"node": n, "pid": 1, "nproc": 2, "epoch": 0, "relayed": []})
+    deadline = time.monotonic() + 10
+    while len({e["node"] for e in list(events.records) if e["event"] == "node_registered"}) < 2:
+        assert time.monotonic() < deadline, [e["event"] for e in events.records]
+        time.sleep(0.02)
     roles = {}
     for n in ("a", "s0", "a"):  # the second active worker gets the same encoding
         lr = 1 if n == "a" and n in roles else 0
         w = connect(ctx, ctl.endpoint, None, f"{n}/w{lr}/1")
         w.send(MsgType.REGISTER_WORKER, {"node": n, "local_rank": lr, "pid": 1})
-        welcome = [m for m in until(w, MsgType.WELCOME) if m.type == MsgType.WELCOME]
-        assert len(welcome) == 1 and welcome[0].body["collective_timeout_s"] > 0
+        got = until(w, MsgType.WELCOME)
+        welcome = [m for m in got if m.type == MsgType.WELCOME]
+        assert len(welcome) == 1 and welcome[0].body["collective_timeout_s"] > 0, (n, lr, got, w.rejected)
         roles.setdefault(n, []).append(welcome[0].body["role"])
     assert roles == {"a": ["active", "active"], "s0": ["spare"]}
